@@ -26,14 +26,14 @@ from typing import Any
 import msgspec
 
 __all__ = [
+    "MEDIUM_CPU",
+    "MEDIUM_GPU",
+    "REPLAY_END_SEQ",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
     "KVEventBatch",
-    "MEDIUM_CPU",
-    "MEDIUM_GPU",
     "MmKey",
-    "REPLAY_END_SEQ",
     "encode_batch",
     "pack_seq",
     "unpack_seq",
