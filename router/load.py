@@ -1,0 +1,145 @@
+"""The router's accounting of load on each worker, corrected by what workers report.
+
+Own accounting, updated as requests move (the router sees every byte it forwards):
+
+- routed: the request's uncached blocks become pending prefill; it counts as active.
+- first token: its prefill is done; its blocks (prompt + expected output) count as decode.
+- finished (or failed, or cancelled): everything it held is released.
+
+Correction: each worker's ``GET /load`` reports what it really has (running, waiting, pending
+prefill tokens, KV blocks in use). Requests sent by other router replicas, or straight to the
+worker, appear there and not in our books; so the tracker keeps ``external = max(0, reported -
+own at report time)`` per term and adds it to its own figures until the next report. A report
+never lowers our own books: our in-flight requests are facts we saw.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+__all__ = ["LoadTracker", "ReportedLoad", "WorkerLoad"]
+
+
+@dataclass(frozen=True, slots=True)
+class ReportedLoad:
+    """A worker's ``/load`` answer, in blocks."""
+
+    running: int = 0
+    waiting: int = 0
+    pending_prefill_blocks: float = 0.0
+    decode_blocks: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerLoad:
+    """The load the scheduler weighs for one worker."""
+
+    active_requests: int
+    pending_prefill_blocks: float
+    decode_blocks: float
+
+
+@dataclass(slots=True)
+class _Request:
+    worker: int
+    prefill_blocks: float
+    decode_blocks: float
+    prefilled: bool = False
+
+
+@dataclass(slots=True)
+class _Books:
+    active: int = 0
+    prefill: float = 0.0
+    decode: float = 0.0
+    external_active: int = 0
+    external_prefill: float = 0.0
+    external_decode: float = 0.0
+    requests: set[str] = field(default_factory=set)
+
+
+class LoadTracker:
+    """In-flight requests per worker, with each worker's reported load folded in."""
+
+    def __init__(self) -> None:
+        self._books: dict[int, _Books] = {}
+        self._requests: dict[str, _Request] = {}
+
+    def add_worker(self, worker: int) -> None:
+        """Start tracking ``worker`` (idempotent)."""
+        self._books.setdefault(worker, _Books())
+
+    def remove_worker(self, worker: int) -> list[str]:
+        """Stop tracking ``worker``; returns the ids of its in-flight requests."""
+        books = self._books.pop(worker, None)
+        if books is None:
+            return []
+        for rid in books.requests:
+            self._requests.pop(rid, None)
+        return sorted(books.requests)
+
+    def routed(self, request_id: str, worker: int, prefill_blocks: float,
+               decode_blocks: float) -> None:
+        """A request was sent to ``worker``: ``prefill_blocks`` uncached blocks to prefill,
+        then ``decode_blocks`` held while it decodes.
+
+        Raises:
+            ValueError: the request id is already in flight, or the worker is unknown.
+        """
+        if request_id in self._requests:
+            raise ValueError(f"request {request_id!r} is already in flight")
+        books = self._books.get(worker)
+        if books is None:
+            raise ValueError(f"worker {worker} is not tracked")
+        self._requests[request_id] = _Request(worker, prefill_blocks, decode_blocks)
+        books.requests.add(request_id)
+        books.active += 1
+        books.prefill += prefill_blocks
+
+    def first_token(self, request_id: str) -> None:
+        """The request produced its first token: prefill done, decode begins."""
+        req = self._requests.get(request_id)
+        if req is None or req.prefilled:
+            return
+        req.prefilled = True
+        books = self._books[req.worker]
+        books.prefill -= req.prefill_blocks
+        books.decode += req.decode_blocks
+
+    def finished(self, request_id: str) -> None:
+        """The request ended (success, error or cancel); releases what it held."""
+        req = self._requests.pop(request_id, None)
+        if req is None:
+            return
+        books = self._books.get(req.worker)
+        if books is None:
+            return
+        books.requests.discard(request_id)
+        books.active -= 1
+        if req.prefilled:
+            books.decode -= req.decode_blocks
+        else:
+            books.prefill -= req.prefill_blocks
+
+    def reported(self, worker: int, load: ReportedLoad) -> None:
+        """Fold in the worker's own report of its load."""
+        books = self._books.get(worker)
+        if books is None:
+            return
+        books.external_active = max(0, load.running + load.waiting - books.active)
+        books.external_prefill = max(0.0, load.pending_prefill_blocks - books.prefill)
+        books.external_decode = max(0.0, load.decode_blocks - books.decode)
+
+    def load(self, worker: int) -> WorkerLoad:
+        """The load to weigh for ``worker`` (zero for an unknown worker)."""
+        books = self._books.get(worker)
+        if books is None:
+            return WorkerLoad(0, 0.0, 0.0)
+        return WorkerLoad(books.active + books.external_active,
+                          max(0.0, books.prefill) + books.external_prefill,
+                          max(0.0, books.decode) + books.external_decode)
+
+    def in_flight(self, worker: int) -> int:
+        """Requests this router has in flight on ``worker``."""
+        books = self._books.get(worker)
+        return 0 if books is None else books.active

@@ -1,0 +1,83 @@
+"""Blocks the router believes a worker holds without an event saying so yet.
+
+Two uses, one structure:
+
+- Predict-on-route: when a request is sent to w, its prompt blocks count as resident on w for
+  ``ttl`` seconds (about two seconds), until w's own events confirm them (then the index has
+  them) or the time runs out. So a burst of siblings sharing a new prefix lands together
+  instead of spreading before the first one's events arrive.
+- Approximate mode, for workers that publish no events: the same record with a long ``ttl``
+  (minutes, as SGLang's gateway does) and a bound on entries, learned from routing alone.
+
+Pure: the caller passes ``now``. Matching extends the index's leading run: blocks past the run
+the index reports count only while they are predicted here too.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+
+__all__ = ["PredictedResidency"]
+
+
+class PredictedResidency:
+    """Per worker, local block hashes with an expiry time; bounded, oldest dropped first.
+
+    Args:
+        ttl: seconds a prediction lives.
+        max_blocks: bound on entries per worker; the oldest go first.
+    """
+
+    def __init__(self, ttl: float, max_blocks: int = 1 << 20) -> None:
+        if ttl <= 0 or max_blocks <= 0:
+            raise ValueError("ttl and max_blocks must be positive")
+        self.ttl = ttl
+        self.max_blocks = max_blocks
+        self._by_worker: dict[int, OrderedDict[int, float]] = {}
+
+    def predict(self, worker: int, hashes: Sequence[int], now: float) -> None:
+        """Record that ``worker`` holds ``hashes`` as of ``now``."""
+        entries = self._by_worker.setdefault(worker, OrderedDict())
+        expiry = now + self.ttl
+        for h in hashes:
+            entries[h] = expiry
+            entries.move_to_end(h)
+        while len(entries) > self.max_blocks:
+            entries.popitem(last=False)
+
+    def extend(self, worker: int, hashes: Sequence[int], start: int, now: float) -> int:
+        """Return how far the leading run of ``hashes`` reaches on ``worker``, continuing from
+        ``start`` blocks already known resident."""
+        entries = self._by_worker.get(worker)
+        if not entries:
+            return start
+        n = start
+        while n < len(hashes):
+            expiry = entries.get(hashes[n])
+            if expiry is None or expiry <= now:
+                break
+            n += 1
+        return n
+
+    def workers(self) -> list[int]:
+        """Workers with any prediction recorded."""
+        return [w for w, e in self._by_worker.items() if e]
+
+    def forget(self, worker: int) -> None:
+        """Drop every prediction for ``worker`` (cleared, restarted, removed)."""
+        self._by_worker.pop(worker, None)
+
+    def expire(self, now: float) -> int:
+        """Drop expired predictions; returns how many went."""
+        dropped = 0
+        for entries in self._by_worker.values():
+            stale = [h for h, t in entries.items() if t <= now]
+            for h in stale:
+                del entries[h]
+            dropped += len(stale)
+        return dropped
+
+    def size(self, worker: int) -> int:
+        """Predictions held for ``worker`` (expired ones included until :meth:`expire`)."""
+        return len(self._by_worker.get(worker, ()))

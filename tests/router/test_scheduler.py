@@ -1,0 +1,97 @@
+"""Table-driven tests of the scheduler's cost rule, ties, temperature and tiers."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import pytest
+
+from router.scheduler import Candidate, SchedulerConfig, choose, cost_of
+
+DEFAULT = SchedulerConfig()
+
+
+@pytest.mark.parametrize("name, blocks, candidates, config, expected", [
+    ("the longest prefix wins when load is equal", 10,
+     [Candidate(0, matched_blocks=2, device_matched_blocks=2),
+      Candidate(1, matched_blocks=8, device_matched_blocks=8)], DEFAULT, 1),
+    # w1: prefill 10-8 + 0 = 2, decode 20 -> 22; w0: prefill 10 + 0, decode 0 -> 10
+    ("load outweighs the cache once decode blocks exceed the saving", 10,
+     [Candidate(0),
+      Candidate(1, matched_blocks=8, device_matched_blocks=8, decode_blocks=20)], DEFAULT, 0),
+    # the same, with overlap weight 3: w1 = 3*2 + 20 = 26, w0 = 3*10 = 30 -> the cache wins
+    ("a heavier overlap weight prefers the cache", 10,
+     [Candidate(0),
+      Candidate(1, matched_blocks=8, device_matched_blocks=8, decode_blocks=20)],
+     SchedulerConfig(overlap_weight=3.0), 1),
+    ("queued prefill counts against a worker", 10,
+     [Candidate(0, matched_blocks=5, device_matched_blocks=5, pending_prefill_blocks=9),
+      Candidate(1, matched_blocks=0)], DEFAULT, 1),
+    # host match credited 0.75: w0 = 10 - 0.75*8 = 4, w1 = 10 - 5 = 5
+    ("host-tier hits are credited less but still count", 10,
+     [Candidate(0, matched_blocks=8, device_matched_blocks=0),
+      Candidate(1, matched_blocks=5, device_matched_blocks=5)], DEFAULT, 0),
+    # with host credit 0.5: w0 = 10 - 4 = 6, w1 = 5 -> device wins
+    ("a lower host credit flips that choice", 10,
+     [Candidate(0, matched_blocks=8, device_matched_blocks=0),
+      Candidate(1, matched_blocks=5, device_matched_blocks=5)],
+     SchedulerConfig(host_credit=0.5), 1),
+    ("equal cost goes to fewer active requests", 4,
+     [Candidate(0, active_requests=3), Candidate(1, active_requests=1),
+      Candidate(2, active_requests=2)], DEFAULT, 1),
+    ("an empty prompt is decided on load alone", 0,
+     [Candidate(0, decode_blocks=5), Candidate(1, decode_blocks=1)], DEFAULT, 1),
+    ("a match longer than the request is capped", 3,
+     [Candidate(0, matched_blocks=9, device_matched_blocks=9, decode_blocks=1),
+      Candidate(1, matched_blocks=3, device_matched_blocks=3)], DEFAULT, 1),
+])
+def test_choice(name: str, blocks: int, candidates: list[Candidate], config: SchedulerConfig,
+                expected: int) -> None:
+    decision = choose(blocks, candidates, config, random.Random(0))
+    assert decision.worker == expected, name
+    assert decision.costs[0].cost <= decision.costs[-1].cost
+
+
+def test_cost_terms_are_reported() -> None:
+    terms = cost_of(Candidate(4, matched_blocks=6, device_matched_blocks=2,
+                              pending_prefill_blocks=3, decode_blocks=7, active_requests=2),
+                    10, SchedulerConfig(overlap_weight=2.0, host_credit=0.5))
+    # credited = 2 + 0.5*4 = 4; prefill = 10 - 4 + 3 = 9; cost = 2*9 + 7 = 25
+    assert (terms.credited_blocks, terms.prefill_blocks, terms.cost) == (4.0, 9.0, 25.0)
+
+
+def test_full_ties_are_broken_at_random_over_all_tied() -> None:
+    rng = random.Random(1)
+    picks = Counter(choose(4, [Candidate(w) for w in range(3)], DEFAULT, rng).worker
+                    for _ in range(300))
+    assert set(picks) == {0, 1, 2}
+    assert min(picks.values()) > 60
+
+
+def test_temperature_spreads_choices_towards_cheaper_workers() -> None:
+    rng = random.Random(2)
+    config = SchedulerConfig(temperature=0.5)
+    cands = [Candidate(0, matched_blocks=10, device_matched_blocks=10), Candidate(1),
+             Candidate(2, matched_blocks=5, device_matched_blocks=5)]
+    picks = Counter(choose(10, cands, config, rng).worker for _ in range(2000))
+    # normalised costs 0, 1, 0.5 -> weights 1, e^-2, e^-1: about 66%, 9%, 24%
+    assert picks[0] > picks[2] > picks[1] > 0
+    assert 0.60 < picks[0] / 2000 < 0.72
+
+
+def test_temperature_zero_is_deterministic() -> None:
+    cands = [Candidate(0, matched_blocks=3, device_matched_blocks=3), Candidate(1)]
+    assert {choose(10, cands, DEFAULT, random.Random(s)).worker for s in range(20)} == {0}
+
+
+@pytest.mark.parametrize("kwargs", [{"overlap_weight": -1}, {"host_credit": 1.5},
+                                    {"temperature": -0.1}])
+def test_bad_settings_are_refused(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        SchedulerConfig(**kwargs)
+
+
+def test_no_candidates_is_a_caller_error() -> None:
+    with pytest.raises(ValueError, match="no candidate"):
+        choose(3, [], DEFAULT, random.Random(0))
