@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from indexer.images import ImageSpan
+from indexer.images import ImageSpan, image_digest
 from indexer.prompts import PromptTokens, build_prompt
 from indexer.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from tests.fixtures.tokenizer_files import write_tiny_tokenizer
@@ -134,7 +134,7 @@ def test_router_and_worker_agree_on_ids(tmp_path: Path) -> None:
     assert router.images[0] == worker.images[0]
     remote_router, remote_worker = router.images[1], worker.images[1]
     assert remote_router.digest is None and remote_router.uuid == "cat"
-    assert remote_worker.digest == hashlib.sha256(b"\0" * 7 + b"\x03cat" + REMOTE).hexdigest()
+    assert remote_worker.digest == image_digest(REMOTE, "cat")
     # The router's lookup stops at the image it cannot identify, unless UUIDs may stand in.
     assert router.matchable_tokens() == remote_router.start
     assert router.matchable_tokens(by_uuid=True) == len(router.token_ids)
