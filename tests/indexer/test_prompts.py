@@ -104,7 +104,7 @@ def test_chat_images_expand_to_placeholders() -> None:
     head = ids("<|user|>\nA\n")
     assert p.token_ids == [*head, 3, 3, 3, *ids("\n"), 3, 3, 3, *ids("<|end|>\n<|assistant|>\n")]
     digest = hashlib.sha256(PNG).hexdigest()
-    with_uuid = hashlib.sha256(b"\0" * 7 + b"\x02u2" + PNG).hexdigest()
+    with_uuid = image_digest(PNG, "u2")
     assert p.images == [
         ImageSpan(start=len(head), length=3, digest=digest, uuid=None),
         ImageSpan(start=len(head) + 4, length=3, digest=with_uuid, uuid="u2"),
