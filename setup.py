@@ -1,4 +1,8 @@
-"""Builds the compiled index core (``native/``) as part of ``pip install``."""
+"""Builds the compiled index core (``native/``) as part of ``pip install``.
+
+``native/_core.pyx`` wraps the C++ tables in ``native/index_core.h`` and the hash in
+``native/hash64.h``; ``-O3`` matters (the hash's multiplies and the table probes inline).
+"""
 
 from Cython.Build import cythonize
 from setuptools import Extension, setup
@@ -7,9 +11,22 @@ extensions = [
     Extension(
         "native._core",
         ["native/_core.pyx"],
+        include_dirs=["native"],
+        depends=[
+            "native/_hashing.pxi",
+            "native/hash64.h",
+            "native/index_core.h",
+            "native/table.h",
+        ],
         language="c++",
-        extra_compile_args=["-O3", "-std=c++17"],
+        extra_compile_args=["-O3", "-std=c++17", "-fno-strict-aliasing"],
     ),
 ]
 
-setup(ext_modules=cythonize(extensions, language_level=3, compiler_directives={"boundscheck": False, "wraparound": False}))
+setup(
+    ext_modules=cythonize(
+        extensions,
+        language_level=3,
+        compiler_directives={"boundscheck": False, "wraparound": False},
+    ),
+)
