@@ -52,12 +52,97 @@ def _positive(text: str) -> int:
     return value
 
 
+def _add_worker(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("worker", help="run one bundled engine worker (OpenAI API + KV events)",
+                       description="Runs one engine worker: a paged KV cache, an engine (sim by "
+                       "default), its OpenAI-compatible HTTP API and its KV event stream. "
+                       "Every flag also reads KVROUTE_WORKER_<NAME> from the environment.")
+    a = p.add_argument
+    a("--host", help="HTTP bind address (default 127.0.0.1)")
+    a("--port", type=int, help="HTTP port (default 8100)")
+    a("--events-host", help="address the event sockets bind (default 127.0.0.1)")
+    a("--events-port", type=int, help="KV event PUB port (default 5557)")
+    a("--replay-port", type=int, help="KV event replay ROUTER port (default 5558)")
+    a("--topic", help="topic frame of every event batch (default empty)")
+    a("--data-parallel-rank", type=int, help="this worker's rank; shifts both event ports")
+    a("--engine", choices=["sim", "torch"], help="sim (default, no GPU) or torch")
+    a("--model", help="served model name (default kvroute-sim)")
+    a("--tokenizer", help="local tokenizer.json or its folder (default: byte-level)")
+    a("--block-size", type=int, help="tokens per KV block (default 32)")
+    a("--num-blocks", type=int, help="device KV blocks (default 4096)")
+    a("--host-blocks", type=int, help="host-tier KV blocks (default 0: none)")
+    a("--max-num-batched-tokens", type=int, help="tokens per engine iteration (default 8192)")
+    a("--max-num-seqs", type=int, help="running requests at most (default 256)")
+    a("--max-model-len", type=int, help="prompt + output tokens at most (default 65536)")
+    a("--speedup", type=float, help="sim engine: divide modelled time by this (default 1)")
+    a("--mm-tokens-per-image", type=int, help="placeholder positions per image (default 16)")
+    a("--lora", dest="loras", action="append", help="serve a LoRA adapter by this name")
+    a("--admin-token", help="bearer token for reset, snapshot and fault injection")
+    a("--replay-buffer", type=int, help="event batches kept for replay (default 10000)")
+    a("--max-pending-stored", type=int, help="stored entries per event batch at most")
+    a("--no-events", dest="events_port", action="store_const", const="none",
+      help="publish no KV events")
+    a("--no-prefix-caching", dest="prefix_caching", action="store_false", default=None,
+      help="never reuse KV blocks (and publish no events)")
+    a("--no-images", dest="images", action="store_false", default=None,
+      help="refuse image parts")
+    a("--no-image-hints", dest="image_hints", action="store_false", default=None,
+      help="publish no image UUID routing hints")
+    a("--torch-model", help="torch engine: tiny, llama-1b or a local weights folder")
+    a("--device", help="torch engine: cuda, cpu or auto (default)")
+    a("--kv-memory-gb", type=float, help="torch engine: GiB of KV cache (default: sized to fit)")
+    a("--log-level", help="debug, info, warning (default info)")
+
+
+def _add_router(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("router", help="run the KV-aware router in front of workers",
+                       description="Runs the router: an OpenAI-compatible endpoint that sends "
+                       "each request to the worker holding its prefix, weighed against load. "
+                       "Every flag also reads KVROUTE_<NAME> from the environment.")
+    a = p.add_argument
+    a("--worker", dest="workers", action="append", metavar="URL",
+      help="a worker's base URL (repeatable; also KVROUTE_WORKERS=url,url)")
+    a("--config", help="a TOML or JSON file of settings")
+    a("--host", help="bind address (default 127.0.0.1)")
+    a("--port", type=int, help="port (default 8000)")
+    a("--block-size", type=int, help="must equal the workers' (default 32)")
+    a("--tokenizer", help="must be the workers' tokenizer (default: byte-level)")
+    a("--overlap-weight", type=float, help="prefill vs decode weight (default 1.0)")
+    a("--host-credit", type=float, help="host-tier hit credit in [0,1] (default 0.75)")
+    a("--temperature", type=float, help="0 picks the cheapest; >0 samples (default 0)")
+    a("--admin-token", help="bearer token for /workers")
+    a("--health-interval", type=float, help="seconds between load polls (default 1)")
+    a("--unhealthy-grace", type=float, help="seconds before an unhealthy worker's entries go")
+    a("--seed", type=int, help="seed for tie-breaking")
+    a("--log-level", help="debug, info, warning (default info)")
+
+
+def _add_up(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("up", help="run the router and N sim workers on this machine",
+                       description="Starts N simulated workers and the router on 127.0.0.1 "
+                       "(free ports), waits until ready, prints the endpoint, and stops them "
+                       "all on Ctrl-C or SIGTERM.")
+    p.add_argument("--workers", type=_positive, default=3, help="sim workers (default 3)")
+    p.add_argument("--port", type=int, default=8000, help="router port (default 8000; 0: any)")
+    p.add_argument("--worker-arg", action="append", metavar="FLAG",
+                   help="extra flag for every worker, e.g. --worker-arg=--speedup=10")
+    p.add_argument("--router-arg", action="append", metavar="FLAG",
+                   help="extra flag for the router")
+    p.add_argument("--log-dir", help="write each child's output to DIR/<name>.log")
+    p.add_argument("--timeout", type=float, default=60.0, help="seconds to wait for ready")
+    p.add_argument("--status-interval", type=float, default=10.0,
+                   help="seconds between status lines")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """Return the parser for every subcommand."""
     parser = argparse.ArgumentParser(prog="kvroute", description=__doc__.splitlines()[0])
     parser.add_argument("--version", action="version", version=f"kvroute {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_events(sub)
+    _add_worker(sub)
+    _add_router(sub)
+    _add_up(sub)
     return parser
 
 
@@ -71,6 +156,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("kvroute events tail: --from-seq needs --replay", file=sys.stderr)
             return 2
         return run_tail(args)
+    if args.command == "up":
+        from kvroute.up import run_up
+
+        return run_up(args)
+    if args.command in ("worker", "router"):
+        from kvroute.serve import serve
+
+        return serve(args)
     raise AssertionError(f"unhandled command {args.command!r}")
 
 

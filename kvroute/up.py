@@ -1,0 +1,197 @@
+"""``kvroute up``: the router and N simulated workers on this machine, with one command.
+
+Starts each worker and then the router as child processes on 127.0.0.1 with free ports, waits
+until the router is ready, prints the endpoint and a request to paste, then a compact status
+line. Ctrl-C or SIGTERM stops every child it started: SIGTERM first, SIGKILL for any that has
+not exited within a few seconds; children also die with this process (``PR_SET_PDEATHSIG``),
+so none is orphaned even if ``kvroute up`` itself is killed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+__all__ = ["Cluster", "free_port", "run_up"]
+
+_PR_SET_PDEATHSIG = 1
+
+
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _die_with_parent() -> None:
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
+def _get_json(url: str, timeout: float = 2.0) -> dict:
+    with urllib.request.urlopen(url, timeout=timeout) as response:
+        return json.loads(response.read())
+
+
+@dataclass
+class Child:
+    name: str
+    process: subprocess.Popen[bytes]
+    url: str
+
+
+class Cluster:
+    """A router and its workers as child processes of this one.
+
+    Args:
+        workers: how many sim workers.
+        port: the router's port (0: a free one).
+        worker_args: extra flags for every worker.
+        router_args: extra flags for the router.
+        log_dir: where children's output goes (None: inherit this process's).
+    """
+
+    def __init__(self, workers: int, port: int = 0, worker_args: Sequence[str] = (),
+                 router_args: Sequence[str] = (), log_dir: str | None = None) -> None:
+        if workers < 1:
+            raise ValueError("at least one worker")
+        self.workers = workers
+        self.port = port or free_port()
+        self.worker_args = list(worker_args)
+        self.router_args = list(router_args)
+        self.log_dir = log_dir
+        self.children: list[Child] = []
+
+    @property
+    def url(self) -> str:
+        """The router's base URL."""
+        return f"http://127.0.0.1:{self.port}"
+
+    def _spawn(self, name: str, args: list[str], url: str) -> Child:
+        out = None
+        if self.log_dir is not None:
+            os.makedirs(self.log_dir, exist_ok=True)
+            out = open(os.path.join(self.log_dir, f"{name}.log"), "ab")  # noqa: SIM115
+        process = subprocess.Popen([sys.executable, "-m", "kvroute.cli", *args], stdout=out,
+                                   stderr=subprocess.STDOUT if out else None,
+                                   preexec_fn=_die_with_parent, start_new_session=True)
+        child = Child(name, process, url)
+        self.children.append(child)
+        return child
+
+    def start(self, timeout: float = 60.0) -> None:
+        """Start every worker, then the router; return once the router is ready.
+
+        Raises:
+            RuntimeError: a child exited or the router was not ready in time.
+        """
+        urls = []
+        for i in range(self.workers):
+            port = free_port()
+            url = f"http://127.0.0.1:{port}"
+            self._spawn(f"worker-{i}", ["worker", "--port", str(port), "--events-port",
+                                        str(free_port()), "--replay-port", str(free_port()),
+                                        *self.worker_args], url)
+            urls.append(url)
+        router = ["router", "--port", str(self.port)]
+        for url in urls:
+            router += ["--worker", url]
+        self._spawn("router", [*router, *self.router_args], self.url)
+        self.wait_ready(timeout)
+
+    def wait_ready(self, timeout: float) -> None:
+        """Wait until the router reports every worker healthy."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for child in self.children:
+                if child.process.poll() is not None:
+                    raise RuntimeError(f"{child.name} exited with {child.process.returncode}")
+            with contextlib.suppress(OSError, ValueError, urllib.error.URLError):
+                ready = _get_json(f"{self.url}/ready", 1.0)
+                if ready.get("workers") == self.workers:
+                    return
+            time.sleep(0.2)
+        raise RuntimeError(f"the router was not ready within {timeout}s")
+
+    def status(self) -> str:
+        """One line: workers healthy, indexed blocks, requests."""
+        try:
+            workers = _get_json(f"{self.url}/workers")
+        except (OSError, ValueError):
+            return "router not answering"
+        states = [w["state"] for w in workers["workers"]]
+        healthy = states.count("healthy")
+        return (f"workers {healthy}/{len(states)} healthy | "
+                f"index {workers['index']['blocks']} blocks")
+
+    def stop(self, grace: float = 5.0) -> None:
+        """SIGTERM every child (router first), then SIGKILL any left after ``grace``."""
+        for child in reversed(self.children):
+            if child.process.poll() is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.process.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace
+        for child in self.children:
+            left = max(0.0, deadline - time.monotonic())
+            try:
+                child.process.wait(left)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(child.process.pid, signal.SIGKILL)
+                child.process.wait()
+        self.children.clear()
+
+
+def _example(url: str) -> str:
+    body = json.dumps({"model": "kvroute-sim", "prompt": "Hello, kvroute!", "max_tokens": 16})
+    return f"curl -s {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'"
+
+
+def run_up(args: argparse.Namespace) -> int:
+    """Run the cluster until Ctrl-C or SIGTERM."""
+    cluster = Cluster(args.workers, args.port or 0, worker_args=args.worker_arg or [],
+                      router_args=args.router_arg or [], log_dir=args.log_dir)
+    stopping = False
+
+    def on_signal(signum: int, _: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    try:
+        cluster.start(timeout=args.timeout)
+        print(f"kvroute is up: {cluster.url} (router + {args.workers} sim workers)")
+        print(f"try:\n  {_example(cluster.url)}", flush=True)
+        last = 0.0
+        while not stopping:
+            for child in cluster.children:
+                if child.process.poll() is not None:
+                    print(f"{child.name} exited with {child.process.returncode}",
+                          file=sys.stderr)
+                    stopping = True
+            if time.monotonic() - last >= args.status_interval:
+                print(f"[{time.strftime('%H:%M:%S')}] {cluster.status()}", flush=True)
+                last = time.monotonic()
+            time.sleep(0.2)
+        return 0
+    except RuntimeError as exc:
+        print(f"kvroute up: {exc}", file=sys.stderr)
+        return 1
+    finally:
+        print("stopping...", file=sys.stderr)
+        cluster.stop()

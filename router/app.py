@@ -1,0 +1,219 @@
+"""The router's HTTP front: OpenAI-compatible endpoints, health, metrics, debug and admin.
+
+One request's path: parse the body, :meth:`RouterService.decide`, book the load, forward
+through the :class:`~router.proxy.Proxy`, pass the answer back as it arrives. A worker that
+fails before the first byte is retried once on the next-best worker; the answer names the
+chosen worker and the matched blocks in ``x-kvroute-*`` headers.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import logging
+import re
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from indexer.openai_api import ApiError, error_body, parse_body
+from router.metrics import RouterMetrics
+from router.proxy import Proxy, ProxyTimeouts, UpstreamAnswer, UpstreamUnavailable
+from router.registry import WorkerEntry, WorkerUnreachable
+from router.service import Route, RouterService
+from router.settings import RouterSettings
+from router.workers import IncompatibleWorker
+
+__all__ = ["create_app"]
+
+log = logging.getLogger(__name__)
+
+_CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+
+
+def create_app(settings: RouterSettings) -> FastAPI:
+    """Build the router app; its lifespan starts and stops every background part."""
+    state: dict[str, Any] = {}
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI) -> AsyncIterator[None]:
+        http = httpx.AsyncClient()
+        service = RouterService(settings, http)
+        proxy = Proxy(ProxyTimeouts(connect=settings.connect_timeout,
+                                    first_byte=settings.first_byte_timeout))
+        await proxy.start()
+        state.update(service=service, proxy=proxy, metrics=RouterMetrics(service))
+        await service.registry.start()
+        try:
+            yield
+        finally:
+            await service.registry.stop()
+            await proxy.close()
+            await http.aclose()
+
+    app = FastAPI(title="kvroute router", lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        return JSONResponse(error_body(exc), status_code=exc.status)
+
+    def service() -> RouterService:
+        return state["service"]  # type: ignore[no-any-return]
+
+    def admin(request: Request) -> None:
+        token = settings.admin_token
+        if token is None:
+            return
+        given = request.headers.get("authorization", "")
+        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
+            raise ApiError(401, "admin endpoints need 'Authorization: Bearer <token>'",
+                           "authentication_error")
+
+    async def forward(request: Request, kind: str, path: str) -> Response:
+        metrics: RouterMetrics = state["metrics"]
+        body = parse_body(await request.body())
+        try:
+            route = service().decide(body, kind)
+        except ApiError as exc:
+            metrics.request(path, exc.status)
+            raise
+        metrics.decided(route)
+        stream = bool(body.get("stream"))
+        raw = await request.body()
+        for attempt, worker in enumerate([route.worker, *route.fallbacks()[:1]]):
+            service().dispatched(route, worker)
+            try:
+                answer = await state["proxy"].send(f"{worker.url}{path}", raw, request.headers)
+            except UpstreamUnavailable as exc:
+                service().undispatched(route)
+                metrics.upstream_failure(worker, attempt)
+                log.warning("worker %s failed before answering: %s", worker.url, exc)
+                continue
+            headers = {**answer.headers, "x-kvroute-worker": worker.url,
+                       "x-kvroute-worker-id": str(worker.id),
+                       "x-kvroute-matched-blocks": str(route.decision.chosen.matched_blocks
+                                                       if worker is route.worker else 0)}
+            metrics.request(path, answer.status)
+            if stream and answer.status == 200:
+                return StreamingResponse(_relay(answer, route, metrics), status_code=200,
+                                         headers=headers, media_type="text/event-stream")
+            return await _whole(answer, route, headers, metrics)
+        metrics.request(path, 503)
+        raise ApiError(503, "no worker could take the request (tried "
+                       f"{min(2, len(route.entries))})", "service_unavailable")
+
+    async def _whole(answer: UpstreamAnswer, route: Route, headers: dict[str, str],
+                     metrics: RouterMetrics) -> Response:
+        try:
+            content = await answer.read()
+        except UpstreamUnavailable as exc:
+            raise ApiError(502, str(exc), "upstream_error") from None
+        finally:
+            service().load.finished(route.request_id)
+        found = _CACHED.search(content)
+        if found and answer.status == 200:
+            metrics.reported_cached(route, int(found.group(1)))
+        headers.pop("content-type", None)
+        return Response(content, status_code=answer.status, headers=headers,
+                        media_type=answer.headers.get("Content-Type", "application/json"))
+
+    async def _relay(answer: UpstreamAnswer, route: Route, metrics: RouterMetrics
+                     ) -> AsyncIterator[bytes]:
+        first = True
+        try:
+            async for chunk in answer.stream():
+                if first:
+                    service().load.first_token(route.request_id)
+                    first = False
+                found = _CACHED.search(chunk)
+                if found:
+                    metrics.reported_cached(route, int(found.group(1)))
+                yield chunk
+        finally:
+            service().load.finished(route.request_id)
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await forward(request, "completions", "/v1/completions")
+
+    @app.post("/v1/chat/completions")
+    async def chat(request: Request) -> Response:
+        return await forward(request, "chat", "/v1/chat/completions")
+
+    @app.post("/debug/route")
+    async def debug_route(request: Request) -> dict[str, Any]:
+        body = parse_body(await request.body())
+        kind = "chat" if "messages" in body else "completions"
+        route = service().decide(body, kind)
+        return {
+            "chosen": route.worker.url, "chosen_id": route.decision.worker,
+            "prompt_tokens": len(route.prompt.token_ids), "request_blocks": len(route.hashes),
+            "decision_us": round(route.decision_seconds * 1e6, 1),
+            "workers": [{"id": c.worker, "url": route.entries[c.worker].url,
+                         "matched_blocks": c.matched_blocks,
+                         "device_matched_blocks": c.device_matched_blocks,
+                         "prefill_blocks": c.prefill_blocks, "decode_blocks": c.decode_blocks,
+                         "active_requests": c.active_requests, "cost": c.cost}
+                        for c in route.decision.costs],
+        }
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        now = int(time.time())
+        return {"object": "list", "data": [{"id": m, "object": "model", "created": now,
+                                            "owned_by": "kvroute"} for m in service().models()]}
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/ready")
+    async def ready() -> JSONResponse:
+        healthy = len(service().registry.candidates())
+        if healthy == 0:
+            return JSONResponse({"ready": False, "reason": "no healthy worker"}, 503)
+        return JSONResponse({"ready": True, "workers": healthy})
+
+    @app.get("/metrics")
+    async def metrics_page() -> Response:
+        body, content_type = state["metrics"].render()
+        return Response(body, media_type=content_type)
+
+    @app.get("/workers")
+    async def list_workers(request: Request) -> dict[str, Any]:
+        admin(request)
+        reg = service().registry
+        return {"workers": [e.describe() for e in reg.entries()],
+                "index": {"blocks": service().index.num_blocks()}}
+
+    @app.post("/workers", status_code=201)
+    async def add_worker(request: Request) -> dict[str, Any]:
+        admin(request)
+        body = parse_body(await request.body())
+        url = body.get("url")
+        if type(url) is not str:
+            raise ApiError(400, "give the worker as {\"url\": \"http://host:port\"}", param="url")
+        try:
+            entry = await service().registry.add(url)
+        except IncompatibleWorker as exc:
+            raise ApiError(409, str(exc), "incompatible_worker") from None
+        except WorkerUnreachable as exc:
+            raise ApiError(502, str(exc), "upstream_error") from None
+        except ValueError as exc:
+            raise ApiError(400, str(exc), param="url") from None
+        return entry.describe()
+
+    @app.delete("/workers/{worker_id}")
+    async def remove_worker(worker_id: int, request: Request) -> dict[str, Any]:
+        admin(request)
+        try:
+            entry: WorkerEntry = await service().registry.remove(worker_id)
+        except KeyError:
+            raise ApiError(404, f"no worker {worker_id}", code="not_found") from None
+        return entry.describe()
+
+    return app

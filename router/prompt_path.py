@@ -1,0 +1,72 @@
+"""From a request body to the local block hashes the index is asked about.
+
+The router tokenizes exactly as the workers do (the shared :mod:`indexer.prompts`), then
+hashes the prompt's full blocks with the shared :mod:`indexer.hashing`, in the terms the
+workers' events use:
+
+- Image positions hash as the item's identity, with ``(identity, offset)`` for every image
+  overlapping a block, as TensorRT-LLM and kvroute workers publish them. The identity is the
+  caller's UUID when the request gave one and the worker advertised image routing version 1;
+  else the content digest of an inline image. An image the router cannot identify (a remote
+  URL it does not fetch) ends the matchable prefix there.
+- Scope: the LoRA adapter (when the request's model names one) and the cache salt, hashed as
+  the worker publishes it (``"salt:" + sha256(salt)[:16]`` for kvroute workers, raw for
+  engines that publish it raw).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+from indexer.index import block_hashes, scope_seed
+from indexer.prompts import PromptTokens
+
+__all__ = ["HashingTerms", "published_salt", "request_hashes"]
+
+SALT_SHA256_16 = "sha256-16"
+
+
+@dataclass(frozen=True, slots=True)
+class HashingTerms:
+    """How one group of workers names blocks: what the router must mirror."""
+
+    block_size: int
+    by_uuid: bool = False
+    salt_hashing: str | None = SALT_SHA256_16
+
+
+def published_salt(salt: str | None, salt_hashing: str | None) -> str | None:
+    """The cache salt as the worker writes it into its events."""
+    if salt is None:
+        return None
+    if salt_hashing == SALT_SHA256_16:
+        return "salt:" + hashlib.sha256(salt.encode()).hexdigest()[:16]
+    return salt
+
+
+def request_hashes(prompt: PromptTokens, terms: HashingTerms, lora: str | None = None
+                   ) -> list[int]:
+    """Return the local hashes of the prompt's matchable full blocks.
+
+    Args:
+        prompt: the tokenized request.
+        terms: how the target workers name blocks.
+        lora: the LoRA adapter the request selects, if any.
+    """
+    size = terms.block_size
+    limit = prompt.matchable_tokens(by_uuid=terms.by_uuid)
+    blocks = limit // size
+    tokens: list[int | str] = list(prompt.token_ids[: blocks * size])
+    mm: list[list[tuple[str, int]]] = [[] for _ in range(blocks)]
+    for span in prompt.images:
+        if span.start >= blocks * size:
+            break
+        identity = span.uuid if terms.by_uuid and span.uuid is not None else span.digest
+        assert identity is not None, "matchable_tokens stops before an unidentified image"
+        end = min(span.end, blocks * size)
+        tokens[span.start:end] = [identity] * (end - span.start)
+        for b in range(span.start // size, (end - 1) // size + 1):
+            mm[b].append((identity, max(0, b * size - span.start)))
+    seed = scope_seed(lora, published_salt(prompt.cache_salt, terms.salt_hashing))
+    return block_hashes(tokens, size, seed=seed, mm=mm if prompt.images else None)

@@ -1,0 +1,302 @@
+"""The worker registry: who the workers are, whether they are healthy, and their streams.
+
+Workers come from settings (``--worker``, environment, config file) and the admin API. For
+each, the registry reads ``GET /model_info``, refuses an incompatible one loudly, subscribes to
+its events (or, with no event endpoint, marks it approximate: the index learns from routing
+decisions alone), and polls ``GET /load`` every ``health_interval`` seconds:
+
+- a failed poll takes the worker out of the candidate set at once;
+- after ``unhealthy_grace`` seconds unhealthy, its index entries go too (they would only
+  attract requests to a worker that cannot serve them), and its subscription stops;
+- when it answers again, ``/model_info`` is read anew: a new ``instance_id`` means a restart,
+  so its entries are cleared and it is subscribed afresh;
+- a configured worker that is not up yet is retried on every poll (compose starts the router
+  and workers together).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from router.feed import EventFeed, IndexLike
+from router.load import LoadTracker, ReportedLoad
+from router.settings import RouterSettings
+from router.workers import IncompatibleWorker, WorkerInfo, WorkerState, parse_model_info
+
+__all__ = ["Registry", "WorkerEntry", "WorkerUnreachable"]
+
+log = logging.getLogger(__name__)
+
+
+class WorkerUnreachable(Exception):
+    """The worker did not answer ``/model_info``."""
+
+
+@dataclass(slots=True)
+class WorkerEntry:
+    """One registered worker."""
+
+    id: int
+    url: str
+    state: WorkerState = WorkerState.UNHEALTHY
+    info: WorkerInfo | None = None
+    feed: EventFeed | None = None
+    unhealthy_since: float | None = None
+    last_error: str | None = None
+    indexed: bool = False
+    counters: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def approximate(self) -> bool:
+        """True when the worker publishes no events: routing history is all we know."""
+        return self.info is not None and self.info.events_endpoint is None
+
+    def describe(self) -> dict[str, Any]:
+        """The JSON shape of ``GET /workers``."""
+        info = self.info
+        return {
+            "id": self.id, "url": self.url, "state": self.state.value,
+            "instance_id": info.instance_id if info else None,
+            "model": info.model if info else None,
+            "events": info.events_endpoint if info else None,
+            "approximate": self.approximate, "last_error": self.last_error,
+            "resyncing": bool(self.feed and self.feed.resyncing),
+            "counters": dict(self.counters),
+        }
+
+
+class Registry:
+    """Registered workers, their health and their event feeds.
+
+    Args:
+        settings: the router's frozen settings.
+        index: the prefix index the feeds apply events to.
+        load: the load tracker (workers are added and removed there too).
+        tokenizer_identity: the router's tokenizer identity; workers must match it.
+        forget: called with a worker id whenever its entries are dropped.
+        http: the client for control calls (model info, load, snapshots).
+    """
+
+    def __init__(self, settings: RouterSettings, index: IndexLike, load: LoadTracker,
+                 tokenizer_identity: str, forget: Callable[[int], None],
+                 http: httpx.AsyncClient) -> None:
+        self._settings = settings
+        self._index = index
+        self._load = load
+        self._tokenizer = tokenizer_identity
+        self._forget = forget
+        self._http = http
+        self._entries: dict[int, WorkerEntry] = {}
+        self._next_id = 0
+        self._poll: asyncio.Task[None] | None = None
+        self.mm_tokens_per_image: int | None = None
+
+    # -- membership -------------------------------------------------------------------------
+
+    def entries(self) -> list[WorkerEntry]:
+        """Every registered worker, in id order."""
+        return [self._entries[k] for k in sorted(self._entries)]
+
+    def get(self, worker: int) -> WorkerEntry | None:
+        """The entry with id ``worker``, if registered."""
+        return self._entries.get(worker)
+
+    def find(self, url: str) -> WorkerEntry | None:
+        """The entry for ``url``, if registered."""
+        url = url.rstrip("/")
+        return next((e for e in self._entries.values() if e.url == url), None)
+
+    def candidates(self) -> list[WorkerEntry]:
+        """Workers that may take a request now."""
+        return [e for e in self.entries() if e.state is WorkerState.HEALTHY]
+
+    async def add(self, url: str, *, must_answer: bool = True) -> WorkerEntry:
+        """Register the worker at ``url`` and connect to it.
+
+        Args:
+            url: the worker's base URL.
+            must_answer: raise when the worker does not answer (admin API); otherwise keep
+                it registered as unhealthy and retry on every poll (configured workers).
+
+        Raises:
+            ValueError: ``url`` is not an http(s) URL or is registered already.
+            IncompatibleWorker: its block size, tokenizer or image tokens differ.
+            WorkerUnreachable: it did not answer and ``must_answer`` is set.
+        """
+        url = url.rstrip("/")
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"worker URL {url!r} is not http(s)")
+        if self.find(url) is not None:
+            raise ValueError(f"worker {url} is registered already")
+        entry = WorkerEntry(self._next_id, url, unhealthy_since=time.monotonic())
+        try:
+            await self._connect(entry)
+        except WorkerUnreachable as exc:
+            if must_answer:
+                raise
+            entry.last_error = str(exc)
+        self._next_id += 1
+        self._entries[entry.id] = entry
+        self._load.add_worker(entry.id)
+        return entry
+
+    async def remove(self, worker: int) -> WorkerEntry:
+        """Unregister a worker: stop its feed and drop its entries and load.
+
+        Raises:
+            KeyError: no such worker.
+        """
+        entry = self._entries.pop(worker)
+        await self._disconnect(entry)
+        self._load.remove_worker(worker)
+        return entry
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Register the configured workers (not-yet-up ones are retried) and start polling."""
+        for url in self._settings.workers:
+            try:
+                await self.add(url, must_answer=False)
+            except (IncompatibleWorker, ValueError) as exc:
+                log.error("not routing to %s: %s", url, exc)
+        self._poll = asyncio.create_task(self._poll_forever(), name="kvroute-health")
+
+    async def stop(self) -> None:
+        """Stop polling and every feed."""
+        if self._poll is not None:
+            self._poll.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poll
+            self._poll = None
+        for entry in self._entries.values():
+            if entry.feed is not None:
+                await entry.feed.stop()
+                entry.feed = None
+
+    async def _poll_forever(self) -> None:
+        while True:
+            await asyncio.sleep(self._settings.health_interval)
+            await self.poll_once()
+
+    async def poll_once(self) -> None:
+        """Poll every worker's load once (health), concurrently."""
+        await asyncio.gather(*(self._check(e) for e in list(self._entries.values())))
+
+    # -- internals --------------------------------------------------------------------------
+
+    async def _check(self, entry: WorkerEntry) -> None:
+        if entry.state is WorkerState.INCOMPATIBLE:
+            return
+        try:
+            response = await self._http.get(f"{entry.url}/load", timeout=2.0)
+            response.raise_for_status()
+            load = response.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            self._mark_unhealthy(entry, f"load poll failed: {type(exc).__name__}: {exc}")
+            return
+        if entry.state is not WorkerState.HEALTHY:
+            try:
+                await self._connect(entry)
+            except (WorkerUnreachable, IncompatibleWorker) as exc:
+                entry.last_error = str(exc)
+                return
+        self._load.reported(entry.id, _reported(load, entry))
+
+    def _mark_unhealthy(self, entry: WorkerEntry, reason: str) -> None:
+        now = time.monotonic()
+        if entry.state is WorkerState.HEALTHY:
+            log.warning("worker %s unhealthy: %s", entry.url, reason)
+            entry.state = WorkerState.UNHEALTHY
+            entry.unhealthy_since = now
+        entry.last_error = reason
+        since = entry.unhealthy_since or now
+        if entry.indexed and now - since >= self._settings.unhealthy_grace:
+            log.warning("worker %s unhealthy for %.1fs: dropping its index entries",
+                        entry.url, now - since)
+            asyncio.get_running_loop().create_task(self._disconnect(entry))
+
+    async def _connect(self, entry: WorkerEntry) -> None:
+        try:
+            response = await self._http.get(f"{entry.url}/model_info", timeout=5.0)
+            response.raise_for_status()
+            body = response.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            raise WorkerUnreachable(f"{entry.url}/model_info: {type(exc).__name__}: {exc}"
+                                    ) from exc
+        info = parse_model_info(entry.url, body)
+        try:
+            info.check_compatible(self._settings.block_size, self._tokenizer)
+            self._check_images(info)
+        except IncompatibleWorker as exc:
+            entry.state, entry.last_error = WorkerState.INCOMPATIBLE, str(exc)
+            log.error("refusing worker: %s", exc)
+            raise
+        if entry.info is not None and entry.info.instance_id != info.instance_id:
+            log.warning("worker %s restarted (instance %s -> %s): re-learning its cache",
+                        entry.url, entry.info.instance_id, info.instance_id)
+            entry.counters["restarts"] = entry.counters.get("restarts", 0) + 1
+            await self._disconnect(entry)
+        entry.info = info
+        if self.mm_tokens_per_image is None and info.mm_tokens_per_image:
+            self.mm_tokens_per_image = info.mm_tokens_per_image
+        if entry.feed is None and info.events_endpoint is not None:
+            fetch = self._snapshot_fetcher(entry.url) if info.snapshot else None
+            entry.feed = EventFeed(entry.id, self._index, info.events_endpoint,
+                                   info.replay_endpoint, fetch_snapshot=fetch,
+                                   on_cleared=self._forget, counters=entry.counters)
+            await entry.feed.start()
+        entry.indexed = True
+        entry.state, entry.unhealthy_since, entry.last_error = WorkerState.HEALTHY, None, None
+        log.info("worker %s ready (instance %s)", entry.url, info.instance_id)
+
+    def _check_images(self, info: WorkerInfo) -> None:
+        known = self.mm_tokens_per_image
+        if known is not None and info.mm_tokens_per_image and info.mm_tokens_per_image != known:
+            raise IncompatibleWorker(
+                f"worker {info.url} expands an image to {info.mm_tokens_per_image} tokens but "
+                f"the other workers to {known}: image prompts would tokenize differently")
+
+    def _snapshot_fetcher(self, url: str) -> Any:
+        async def fetch() -> dict[str, Any]:
+            response = await self._http.get(f"{url}/kv/snapshot", timeout=10.0,
+                                            headers=self._admin_headers())
+            response.raise_for_status()
+            return response.json()  # type: ignore[no-any-return]
+        return fetch
+
+    def _admin_headers(self) -> dict[str, str]:
+        token = self._settings.extra.get("worker_admin_token")
+        return {"Authorization": f"Bearer {token}"} if token else {}
+
+    async def _disconnect(self, entry: WorkerEntry) -> None:
+        feed, entry.feed = entry.feed, None
+        if feed is not None:
+            await feed.stop()
+        self._index.clear(entry.id)
+        self._forget(entry.id)
+        entry.indexed = False
+        if hasattr(self._index, "remove_worker"):
+            self._index.remove_worker(entry.id)
+
+
+def _reported(load: Any, entry: WorkerEntry) -> ReportedLoad:
+    if type(load) is not dict:
+        return ReportedLoad()
+    block_size = entry.info.block_size if entry.info else 1
+
+    def num(name: str) -> float:
+        value = load.get(name, 0)
+        return float(value) if isinstance(value, int | float) else 0.0
+
+    return ReportedLoad(running=int(num("running")), waiting=int(num("waiting")),
+                        pending_prefill_blocks=num("pending_prefill_tokens") / block_size,
+                        decode_blocks=num("decode_blocks"))

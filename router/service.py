@@ -1,0 +1,150 @@
+"""The router's state and its one question: for this request, which worker?
+
+:class:`RouterService` owns the index, the load books, the predicted residency and the
+registry, and answers :meth:`RouterService.decide` (tokenize, hash, match, score). Sending is
+the app's business (:mod:`router.app` with :mod:`router.proxy`).
+"""
+
+from __future__ import annotations
+
+import random
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from indexer.index import PrefixIndex
+from indexer.openai_api import ApiError
+from indexer.prompts import PromptTokens, build_prompt
+from indexer.tokenizer import Tokenizer, load_tokenizer
+from router.load import LoadTracker
+from router.prompt_path import HashingTerms, request_hashes
+from router.registry import Registry, WorkerEntry
+from router.residency import PredictedResidency
+from router.scheduler import Candidate, Decision, SchedulerConfig, choose
+from router.settings import RouterSettings
+
+__all__ = ["Route", "RouterService"]
+
+
+@dataclass(slots=True)
+class Route:
+    """A decided request: what it is, where it goes, and what the router expects there."""
+
+    request_id: str
+    prompt: PromptTokens
+    hashes: list[int]
+    decision: Decision
+    entries: dict[int, WorkerEntry]
+    decided_at: float
+    decision_seconds: float
+
+    @property
+    def worker(self) -> WorkerEntry:
+        """The chosen worker."""
+        return self.entries[self.decision.worker]
+
+    def fallbacks(self) -> list[WorkerEntry]:
+        """The other candidates, next-best first."""
+        return [self.entries[c.worker] for c in self.decision.costs
+                if c.worker != self.decision.worker]
+
+
+class RouterService:
+    """Everything the router knows, and the routing decision.
+
+    Args:
+        settings: frozen settings.
+        http: the client for control calls to workers.
+    """
+
+    def __init__(self, settings: RouterSettings, http: httpx.AsyncClient) -> None:
+        self.settings = settings
+        self.tokenizer: Tokenizer = load_tokenizer(settings.tokenizer)
+        self.index = PrefixIndex(settings.block_size)
+        self.load = LoadTracker()
+        self.predicted = PredictedResidency(settings.predict_ttl)
+        self.approximate = PredictedResidency(settings.approximate_ttl, max_blocks=1 << 22)
+        self.scheduler = SchedulerConfig(settings.overlap_weight, settings.host_credit,
+                                         settings.temperature)
+        self.rng = random.Random(settings.seed)
+        self.registry = Registry(settings, self.index, self.load, self.tokenizer.identity,
+                                 self.forget, http)
+        self.counters: dict[str, float] = {}
+
+    def forget(self, worker: int) -> None:
+        """Drop every prediction about ``worker`` (its entries were cleared)."""
+        self.predicted.forget(worker)
+        self.approximate.forget(worker)
+
+    def models(self) -> list[str]:
+        """Models served by healthy workers."""
+        return sorted({e.info.model for e in self.registry.candidates() if e.info})
+
+    def decide(self, body: Any, kind: str) -> Route:
+        """Tokenize, hash, match and score one request body.
+
+        Raises:
+            ApiError: the body is invalid (400), names an unknown model (404), or no worker
+                can take it (503).
+        """
+        started = time.perf_counter()
+        entries = self.registry.candidates()
+        if not entries:
+            raise ApiError(503, "no worker is available", "service_unavailable")
+        model = body.get("model") if isinstance(body, dict) else None
+        if model is not None:
+            entries = [e for e in entries if e.info and e.info.model == model]
+            if not entries:
+                raise ApiError(404, f"the model {model!r} does not exist", "invalid_request_error",
+                               "model", "model_not_found")
+        try:
+            prompt = build_prompt(body, kind, self.tokenizer,
+                                  mm_tokens_per_image=self.registry.mm_tokens_per_image or 1,
+                                  max_image_bytes=self.settings.max_image_bytes, fetch=None)
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+        max_len = min((e.info.max_model_len for e in entries if e.info and e.info.max_model_len),
+                      default=0)
+        if max_len and len(prompt.token_ids) > max_len:
+            raise ApiError(400, f"the prompt has {len(prompt.token_ids)} tokens, more than the "
+                           f"model's {max_len}", param="prompt", code="context_length_exceeded")
+        first = entries[0].info
+        assert first is not None, "a candidate always has model info"
+        terms = HashingTerms(self.settings.block_size, by_uuid=first.image_routing_version == 1,
+                             salt_hashing=first.salt_hashing)
+        hashes = request_hashes(prompt, terms)
+        now = time.monotonic()
+        decision = choose(len(hashes), self._candidates(entries, hashes, now), self.scheduler,
+                          self.rng)
+        return Route(uuid.uuid4().hex, prompt, hashes, decision, {e.id: e for e in entries},
+                     now, time.perf_counter() - started)
+
+    def _candidates(self, entries: list[WorkerEntry], hashes: list[int], now: float
+                    ) -> list[Candidate]:
+        matches = self.index.match(hashes) if hashes else {}
+        out = []
+        for e in entries:
+            matched, device = matches.get(e.id, (0, 0))
+            residency = self.approximate if e.approximate else self.predicted
+            extended = residency.extend(e.id, hashes, matched, now)
+            device += extended - matched
+            load = self.load.load(e.id)
+            out.append(Candidate(e.id, extended, device, load.pending_prefill_blocks,
+                                 load.decode_blocks, load.active_requests))
+        return out
+
+    def dispatched(self, route: Route, worker: WorkerEntry) -> None:
+        """Book a request as sent to ``worker``: load, and predicted residency."""
+        cost = next(c for c in route.decision.costs if c.worker == worker.id)
+        blocks = len(route.hashes)
+        self.load.routed(route.request_id, worker.id, blocks - cost.credited_blocks,
+                         max(blocks, 1))
+        residency = self.approximate if worker.approximate else self.predicted
+        residency.predict(worker.id, route.hashes, time.monotonic())
+
+    def undispatched(self, route: Route) -> None:
+        """The send failed before the worker took the request: release its booking."""
+        self.load.finished(route.request_id)

@@ -1,0 +1,135 @@
+"""Router settings: read once at start-up from flags, environment and a config file, then
+frozen and passed down (starlette's ``config.py`` is the model).
+
+Precedence: command-line flag > environment (``KVROUTE_*``) > config file (TOML or JSON,
+``--config``) > default. Every bad value is refused with a message naming where it came from.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+__all__ = ["RouterSettings", "SettingsError", "load_settings"]
+
+
+class SettingsError(ValueError):
+    """A setting is missing, malformed or out of range; the message says which and where."""
+
+
+@dataclass(frozen=True, slots=True)
+class RouterSettings:
+    """Everything the router needs to know at start-up."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    workers: tuple[str, ...] = ()
+    block_size: int = 32
+    tokenizer: str | None = None
+    overlap_weight: float = 1.0
+    host_credit: float = 0.75
+    temperature: float = 0.0
+    predict_ttl: float = 2.0
+    approximate_ttl: float = 120.0
+    health_interval: float = 1.0
+    unhealthy_grace: float = 5.0
+    connect_timeout: float = 2.0
+    first_byte_timeout: float = 300.0
+    max_image_bytes: int = 20 * 1024 * 1024
+    admin_token: str | None = None
+    seed: int | None = None
+    log_level: str = "info"
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        checks = [
+            (0 < self.port < 65536, f"port {self.port} is not in 1..65535"),
+            (self.block_size > 0, f"block_size {self.block_size} must be positive"),
+            (self.overlap_weight >= 0, "overlap_weight must be >= 0"),
+            (0 <= self.host_credit <= 1, "host_credit must be in [0, 1]"),
+            (self.temperature >= 0, "temperature must be >= 0"),
+            (self.predict_ttl > 0 and self.approximate_ttl > 0, "ttls must be positive"),
+            (self.health_interval > 0, "health_interval must be positive"),
+            (self.unhealthy_grace >= 0, "unhealthy_grace must be >= 0"),
+            (self.connect_timeout > 0 and self.first_byte_timeout > 0,
+             "timeouts must be positive"),
+            (self.max_image_bytes > 0, "max_image_bytes must be positive"),
+        ]
+        for ok, message in checks:
+            if not ok:
+                raise SettingsError(message)
+        for url in self.workers:
+            if not url.startswith(("http://", "https://")):
+                raise SettingsError(f"worker {url!r} is not an http(s) URL")
+
+
+_TYPES = {f.name: f.type for f in fields(RouterSettings)}
+
+
+def _coerce(name: str, value: Any, origin: str) -> Any:
+    kind = _TYPES[name]
+    try:
+        if name == "workers":
+            if isinstance(value, str):
+                value = [v for v in (p.strip() for p in value.split(",")) if v]
+            return tuple(str(v).rstrip("/") for v in value)
+        if value is None:
+            return None
+        if kind in ("int", "int | None"):
+            return int(value)
+        if kind == "float":
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise SettingsError(f"{name} from {origin}: {value!r} is not a valid {kind}") from None
+
+
+def _read_file(path: str) -> dict[str, Any]:
+    file = Path(path)
+    try:
+        text = file.read_text()
+    except OSError as exc:
+        raise SettingsError(f"config file {path}: {exc.strerror}") from None
+    try:
+        data = json.loads(text) if file.suffix == ".json" else tomllib.loads(text)
+    except (json.JSONDecodeError, tomllib.TOMLDecodeError) as exc:
+        raise SettingsError(f"config file {path} is not valid: {exc}") from None
+    if not isinstance(data, dict):
+        raise SettingsError(f"config file {path} must hold a table of settings")
+    data = data.get("router", data)
+    unknown = set(data) - set(_TYPES) - {"extra"}
+    if unknown:
+        raise SettingsError(f"config file {path}: unknown settings {sorted(unknown)}")
+    return data
+
+
+def load_settings(flags: Mapping[str, Any], env: Mapping[str, str] | None = None,
+                  config_file: str | None = None) -> RouterSettings:
+    """Merge flags, environment and config file into frozen settings.
+
+    Args:
+        flags: values given on the command line (``None`` means not given).
+        env: the environment (``os.environ`` by default); ``KVROUTE_<NAME>`` per setting.
+        config_file: a TOML or JSON file of settings (a ``[router]`` table or top level).
+
+    Raises:
+        SettingsError: any value is malformed or out of range.
+    """
+    env = os.environ if env is None else env
+    merged: dict[str, Any] = {}
+    sources: list[tuple[str, Mapping[str, Any]]] = []
+    if config_file:
+        sources.append((f"config file {config_file}", _read_file(config_file)))
+    sources.append(("environment", {k[8:].lower(): v for k, v in env.items()
+                                    if k.startswith("KVROUTE_") and k[8:].lower() in _TYPES}))
+    sources.append(("flag", {k: v for k, v in flags.items() if v is not None and v != ()}))
+    for origin, values in sources:
+        for name, value in values.items():
+            if name in _TYPES and name != "extra":
+                merged[name] = _coerce(name, value, origin)
+    return RouterSettings(**merged)

@@ -1,0 +1,179 @@
+"""The router app against real HTTP peers on 127.0.0.1: proxying, retries, mid-stream
+failure, cancellation, registry checks and bad input."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from router.app import create_app
+from router.settings import RouterSettings
+from tests.support.servers import ScriptedWorker, UvicornServer, sse_events
+
+BODY = {"model": "kvroute-sim", "prompt": "hello router " * 8, "max_tokens": 4}
+
+
+def settings(*workers: ScriptedWorker, **kw: Any) -> RouterSettings:
+    return RouterSettings(workers=tuple(w.url for w in workers), health_interval=0.1, seed=3, **kw)
+
+
+@contextlib.asynccontextmanager
+async def router_for(
+    *workers: ScriptedWorker, ready: int | None = None, **kw: Any
+) -> AsyncIterator[httpx.AsyncClient]:
+    """A real router on 127.0.0.1 in front of ``workers``, and a client for it."""
+    app = create_app(settings(*workers, **kw))
+    async with UvicornServer(app) as router, httpx.AsyncClient(base_url=router.url) as client:
+        if ready is not None:
+            await wait_ready(client, ready)
+        yield client
+
+
+async def wait_ready(client: httpx.AsyncClient, workers: int) -> None:
+    for _ in range(200):
+        r = await client.get("/ready")
+        if r.status_code == 200 and r.json()["workers"] == workers:
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"router never had {workers} healthy workers: {r.text}")
+
+
+async def test_streaming_passes_through_with_routing_headers() -> None:
+    async with ScriptedWorker() as worker, router_for(worker, ready=1) as client:
+        r = await client.post("/v1/completions", json={**BODY, "stream": True})
+    assert r.status_code == 200
+    assert r.headers["x-kvroute-worker"] == worker.url
+    assert r.headers["x-kvroute-matched-blocks"] == "0"
+    events = sse_events(r.content)
+    assert events[-1] == "[DONE]" and len(events) == 4
+    assert worker.requests[0]["prompt"] == BODY["prompt"]  # the body is forwarded unchanged
+
+
+async def test_a_worker_failing_before_its_first_byte_is_retried_elsewhere() -> None:
+    async with (
+        ScriptedWorker("refuse") as bad,
+        ScriptedWorker() as good,
+        router_for(bad, good, ready=2) as client,
+    ):
+        answers = [
+            await client.post("/v1/completions", json={**BODY, "prompt": f"request {i} " * 20})
+            for i in range(12)
+        ]
+    assert [a.status_code for a in answers] == [200] * 12
+    assert all(a.headers["x-kvroute-worker"] == good.url for a in answers)
+    assert len(bad.requests) >= 1, "the refusing worker was tried first at least once"
+    assert len(good.requests) == 12
+
+
+async def test_when_every_worker_fails_the_client_gets_503_with_a_reason() -> None:
+    async with (
+        ScriptedWorker("refuse") as a,
+        ScriptedWorker("refuse") as b,
+        router_for(a, b, ready=2) as client,
+    ):
+        r = await client.post("/v1/completions", json=BODY)
+    assert r.status_code == 503
+    assert r.json()["error"]["type"] == "service_unavailable"
+    assert len(a.requests) + len(b.requests) == 2, "one try and one retry, no more"
+
+
+async def test_a_failure_mid_stream_ends_with_an_error_event() -> None:
+    async with ScriptedWorker("die_mid_stream") as worker, router_for(worker, ready=1) as client:
+        r = await client.post("/v1/completions", json={**BODY, "stream": True})
+    events = sse_events(r.content)
+    assert [e for e in events[:2]] == [{"choices": [{"index": 0, "text": "x"}]}] * 2
+    assert "error" in events[2] and events[2]["error"]["type"] == "upstream_error"
+    assert events[3] == "[DONE]"
+
+
+async def test_a_client_that_goes_away_cancels_the_upstream_request() -> None:
+    async with ScriptedWorker("slow") as worker, router_for(worker, ready=1) as client:
+        async with client.stream("POST", "/v1/completions", json={**BODY, "stream": True}) as r:
+            async for _ in r.aiter_bytes():
+                break  # one chunk, then hang up
+        await asyncio.wait_for(worker.cancelled.wait(), 5)
+        load = (await client.post("/debug/route", json=BODY)).json()
+    assert load["workers"][0]["active_requests"] == 0, "the cancelled request was released"
+
+
+async def test_a_worker_with_another_block_size_is_refused_loudly() -> None:
+    async with (
+        ScriptedWorker(block_size=16) as odd,
+        ScriptedWorker() as fine,
+        router_for(fine, ready=1) as client,
+    ):
+        r = await client.post("/workers", json={"url": odd.url})
+        listed = (await client.get("/workers")).json()["workers"]
+    assert r.status_code == 409
+    assert "block size 16" in r.json()["error"]["message"]
+    assert "32" in r.json()["error"]["message"]
+    assert [w["url"] for w in listed] == [fine.url]
+
+
+async def test_a_new_instance_id_is_seen_as_a_restart() -> None:
+    async with ScriptedWorker() as worker, router_for(worker, ready=1) as client:
+        # the worker goes away and comes back as a new instance
+        worker.instance_id = "scripted-2"
+        await worker.__aexit__(None, None, None)
+        for _ in range(100):
+            if (await client.get("/ready")).status_code == 503:
+                break
+            await asyncio.sleep(0.02)
+        await worker.__aenter__()
+        await wait_ready(client, 1)
+        described = (await client.get("/workers")).json()["workers"][0]
+    assert described["instance_id"] == "scripted-2"
+    assert described["counters"]["restarts"] == 1
+
+
+@pytest.mark.parametrize(
+    "body, status, kind",
+    [
+        (b"{not json", 400, "invalid_request_error"),
+        (b"[1, 2]", 400, "invalid_request_error"),
+        (b'{"model": "no-such-model", "prompt": "x"}', 404, "invalid_request_error"),
+        (b'{"model": "kvroute-sim"}', 400, "invalid_request_error"),
+        (b'{"model": "kvroute-sim", "prompt": ["a", "b"]}', 400, "invalid_request_error"),
+    ],
+)
+async def test_bad_bodies_get_openai_errors(body: bytes, status: int, kind: str) -> None:
+    async with ScriptedWorker() as worker, router_for(worker, ready=1) as client:
+        r = await client.post(
+            "/v1/completions", content=body, headers={"Content-Type": "application/json"}
+        )
+    assert r.status_code == status
+    error = r.json()["error"]
+    assert error["type"] == kind and error["message"]
+    assert worker.requests == [], "nothing bad reached the worker"
+
+
+async def test_no_worker_means_503_and_not_ready() -> None:
+    async with router_for() as client:
+        ready = await client.get("/ready")
+        r = await client.post("/v1/completions", json=BODY)
+    assert ready.status_code == 503
+    assert r.status_code == 503 and r.json()["error"]["message"] == "no worker is available"
+
+
+async def test_admin_endpoints_need_the_token() -> None:
+    async with (
+        ScriptedWorker() as worker,
+        router_for(worker, admin_token="s3cret", ready=1) as client,
+    ):
+        denied = await client.get("/workers")
+        allowed = await client.get("/workers", headers={"Authorization": "Bearer s3cret"})
+    assert denied.status_code == 401
+    assert allowed.status_code == 200
+
+
+async def test_approximate_mode_sends_a_repeated_prefix_back_to_its_worker() -> None:
+    async with ScriptedWorker() as a, ScriptedWorker() as b, router_for(a, b, ready=2) as client:
+        first = await client.post("/v1/completions", json={**BODY, "prompt": "p" * 400})
+        again = await client.post("/v1/completions", json={**BODY, "prompt": "p" * 400 + " more"})
+    assert again.headers["x-kvroute-worker"] == first.headers["x-kvroute-worker"]
+    assert int(again.headers["x-kvroute-matched-blocks"]) == 400 // 32
