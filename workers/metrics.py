@@ -1,0 +1,59 @@
+"""The worker's Prometheus metrics, on a registry of its own; state is read at scrape time."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter
+from prometheus_client.core import GaugeMetricFamily, Metric
+
+if TYPE_CHECKING:
+    from workers.openai_format import Completion
+    from workers.runtime import WorkerRuntime
+
+__all__ = ["WorkerMetrics"]
+
+
+class WorkerMetrics:
+    """Request counters plus a collector of engine, cache and event-sink state."""
+
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        self.registry = CollectorRegistry()
+        self.requests = Counter("kvroute_worker_requests", "Requests accepted, by endpoint",
+                                ["endpoint"], registry=self.registry)
+        self.refused = Counter("kvroute_worker_refused", "Requests refused, by status",
+                               ["status"], registry=self.registry)
+        self.prompt_tokens = Counter("kvroute_worker_prompt_tokens", "Prompt tokens served",
+                                     registry=self.registry)
+        self.cached_tokens = Counter("kvroute_worker_cached_tokens",
+                                     "Prompt tokens served from the prefix cache",
+                                     registry=self.registry)
+        self.generated_tokens = Counter("kvroute_worker_generated_tokens", "Tokens generated",
+                                        registry=self.registry)
+        self.registry.register(_EngineCollector(runtime))
+
+    def finished(self, reply: Completion, generated: int) -> None:
+        """Count a request served to its end."""
+        self.prompt_tokens.inc(reply.prompt_tokens)
+        self.cached_tokens.inc(reply.cached_tokens)
+        self.generated_tokens.inc(generated)
+
+
+class _EngineCollector:
+    def __init__(self, runtime: WorkerRuntime) -> None:
+        self._runtime = runtime
+
+    def collect(self) -> Iterator[Metric]:
+        load = self._runtime.engine.load()
+        for name in ("running", "waiting", "pending_prefill_tokens", "kv_usage"):
+            gauge = GaugeMetricFamily(f"kvroute_worker_{name}", f"Engine {name}")
+            gauge.add_metric([], float(load.get(name, 0)))
+            yield gauge
+        for name, value in self._runtime.engine.stats().items():
+            if isinstance(value, int | float) and not isinstance(value, bool):
+                # Engine statistics mix running totals and levels; exported as gauges, the
+                # type that is right for both when read at scrape time.
+                gauge = GaugeMetricFamily(f"kvroute_worker_{name}", f"Engine statistic {name}")
+                gauge.add_metric([], float(value))
+                yield gauge

@@ -1,0 +1,142 @@
+"""Assembles one worker from its settings: tokenizer, cache manager, batcher, executor, event
+sink, publisher and engine; and answers what the HTTP layer asks of the worker as a whole.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+import uuid
+from typing import Any
+
+from indexer.tokenizer import BYTE_OFFSET, ByteTokenizer, Tokenizer, load_tokenizer
+from workers.batcher import Batcher, EngineRequest
+from workers.block_keys import Prompt
+from workers.cache_manager import CacheManager
+from workers.engine import Engine, RequestHandle
+from workers.event_sink import EventSink
+from workers.executor import Executor, SimExecutor
+from workers.image_hints import ImageHints
+from workers.publisher import EventPublisher
+from workers.settings import WorkerSettings
+from workers.timing import H200_LLAMA_1B
+
+__all__ = ["WorkerRuntime"]
+
+SALT_HASHING = "sha256-16"
+
+
+def sim_vocab(tokenizer: Tokenizer) -> range:
+    """Token ids the sim engine draws from: printable ASCII for the byte tokenizer (so its
+    text reads cleanly), every non-special id for a real tokenizer."""
+    if isinstance(tokenizer, ByteTokenizer):
+        return range(BYTE_OFFSET + 32, BYTE_OFFSET + 127)
+    return range(min(tokenizer.vocab_size - 1, 260), tokenizer.vocab_size)
+
+
+class WorkerRuntime:
+    """One worker's parts, built from settings; started and stopped by the app's lifespan."""
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        self.tokenizer = load_tokenizer(settings.tokenizer)
+        self.instance_id = uuid.uuid4().hex
+        self.started_at = int(time.time())
+        self._loras = {name: i + 1 for i, name in enumerate(settings.loras)}
+        self.cache = CacheManager(settings.num_blocks, settings.block_size, settings.host_blocks)
+        self.batcher = Batcher(self.cache, max_num_batched_tokens=settings.max_num_batched_tokens,
+                               max_num_seqs=settings.max_num_seqs,
+                               max_model_len=settings.max_model_len)
+        self.executor = self._executor()
+        hints = ImageHints(settings.image_hint_capacity) if settings.image_hints else None
+        self.sink = EventSink(max_pending_stored=settings.max_pending_stored, hints=hints)
+        self.publisher: EventPublisher | None = None
+        if settings.events_enabled:
+            rank = settings.data_parallel_rank
+            host = settings.events_host
+            assert settings.events_port is not None, "events_enabled implies a port"
+            replay = None
+            if settings.replay_port is not None:
+                replay = f"tcp://{host}:{_shift(settings.replay_port, rank)}"
+            self.publisher = EventPublisher(f"tcp://{host}:{_shift(settings.events_port, rank)}",
+                                            replay, topic=settings.topic,
+                                            buffer_batches=settings.replay_buffer)
+        self.engine = Engine(self.cache, self.batcher, self.executor, self.sink, self.publisher,
+                             rank=settings.data_parallel_rank)
+
+    def _executor(self) -> Executor:
+        s = self.settings
+        if s.engine == "torch":
+            from workers.torch_engine import build_torch_executor
+
+            return build_torch_executor(s, self.tokenizer, self.cache)
+        return SimExecutor(H200_LLAMA_1B, speedup=s.speedup, vocab=sim_vocab(self.tokenizer),
+                           block_size=s.block_size)
+
+    async def start(self) -> None:
+        """Bind the event sockets and start the engine loop."""
+        if self.publisher is not None:
+            await self.publisher.start()
+        await self.engine.start()
+
+    async def stop(self) -> None:
+        """Stop the engine (aborting what runs) and close the sockets."""
+        await self.engine.stop()
+        if self.publisher is not None:
+            await self.publisher.close()
+
+    def lora_scope(self, model: str) -> tuple[int, str] | None:
+        """``(lora_id, name)`` when ``model`` names a served LoRA adapter."""
+        lora_id = self._loras.get(model)
+        return None if lora_id is None else (lora_id, model)
+
+    def scope_salt(self, salt: str | None) -> str | None:
+        """The salt the cache keys use; with prefix caching off, a fresh one per request so
+        no block is ever reused."""
+        if not self.settings.prefix_caching:
+            return f"no-reuse:{uuid.uuid4().hex}"
+        return salt
+
+    def submit(self, request_id: str, prompt: Prompt, max_tokens: int) -> RequestHandle:
+        """Hand a request to the engine.
+
+        Raises:
+            ValueError: the engine refuses it (too long, malformed).
+        """
+        eos = self.tokenizer.eos_token_id if self.settings.engine == "torch" else None
+        return self.engine.submit(EngineRequest(request_id, prompt, max_tokens,
+                                                eos_token_id=eos))
+
+    def model_info(self) -> dict[str, Any]:
+        """``GET /model_info``: what a router needs to index and route to this worker."""
+        s = self.settings
+        tokenizer_file = s.tokenizer or ""
+        extra: dict[str, Any] = {}
+        if s.image_routing_version is not None:
+            extra["trtllm_image_routing_version"] = s.image_routing_version
+        pub = self.publisher
+        return {
+            "model": s.model,
+            "engine": s.engine,
+            "block_size": s.block_size,
+            "tokenizer": self.tokenizer.identity,
+            "tokenizer_source": hashlib.sha256(tokenizer_file.encode()).hexdigest()[:8]
+            if tokenizer_file else "builtin",
+            "mm_tokens_per_image": s.mm_tokens_per_image if s.images else 0,
+            "instance_id": self.instance_id,
+            "events_endpoint": pub.endpoint if pub else None,
+            "replay_endpoint": pub.replay_endpoint if pub else None,
+            "topic": s.topic,
+            "data_parallel_rank": s.data_parallel_rank,
+            "capacity": {"num_blocks": s.num_blocks, "host_blocks": s.host_blocks,
+                         "max_num_seqs": s.max_num_seqs},
+            "max_model_len": s.max_model_len,
+            "salt_hashing": SALT_HASHING,
+            "kv_snapshot": pub is not None,
+            "lora_adapters": list(s.loras),
+            "extra": extra,
+        }
+
+
+def _shift(port: int, rank: int) -> int:
+    return port + rank if port else 0

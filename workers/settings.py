@@ -1,0 +1,138 @@
+"""Worker settings: read once from flags and environment (``KVROUTE_WORKER_*``), then frozen.
+
+Precedence: flag > environment > default. Every bad value is refused with a message naming the
+setting and where it came from.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+__all__ = ["WorkerSettings", "WorkerSettingsError", "load_worker_settings"]
+
+ENV_PREFIX = "KVROUTE_WORKER_"
+
+
+class WorkerSettingsError(ValueError):
+    """A worker setting is malformed or out of range."""
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSettings:
+    """Everything a worker needs at start-up."""
+
+    host: str = "127.0.0.1"
+    port: int = 8100
+    events_host: str = "127.0.0.1"
+    events_port: int | None = 5557
+    replay_port: int | None = 5558
+    topic: str = ""
+    data_parallel_rank: int = 0
+    engine: str = "sim"
+    model: str = "kvroute-sim"
+    tokenizer: str | None = None
+    block_size: int = 32
+    num_blocks: int = 4096
+    host_blocks: int = 0
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    max_model_len: int = 65536
+    speedup: float = 1.0
+    mm_tokens_per_image: int = 16
+    images: bool = True
+    prefix_caching: bool = True
+    image_hints: bool = True
+    image_hint_capacity: int = 4096
+    max_image_bytes: int = 20 * 1024 * 1024
+    image_fetch_timeout: float = 5.0
+    replay_buffer: int = 10_000
+    max_pending_stored: int = 4096
+    loras: tuple[str, ...] = ()
+    admin_token: str | None = None
+    seed: int = 0
+    log_level: str = "info"
+    # torch engine only
+    torch_model: str = "tiny"
+    device: str = "auto"
+    kv_memory_gb: float | None = None
+
+    def __post_init__(self) -> None:
+        positive = ("port", "block_size", "num_blocks", "max_num_batched_tokens",
+                    "max_num_seqs", "max_model_len", "mm_tokens_per_image",
+                    "image_hint_capacity", "max_image_bytes", "replay_buffer",
+                    "max_pending_stored")
+        for name in positive:
+            if getattr(self, name) <= 0:
+                raise WorkerSettingsError(f"{name} must be positive, got {getattr(self, name)}")
+        for name in ("host_blocks", "data_parallel_rank"):
+            if getattr(self, name) < 0:
+                raise WorkerSettingsError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if self.speedup <= 0:
+            raise WorkerSettingsError(f"speedup must be positive, got {self.speedup}")
+        if self.engine not in ("sim", "torch"):
+            raise WorkerSettingsError(f"engine must be 'sim' or 'torch', got {self.engine!r}")
+        if self.max_num_batched_tokens < self.block_size:
+            raise WorkerSettingsError("max_num_batched_tokens must be at least block_size")
+
+    @property
+    def events_enabled(self) -> bool:
+        """Whether KV events are published (a port is set and prefix caching is on)."""
+        return self.events_port is not None and self.prefix_caching
+
+    @property
+    def image_routing_version(self) -> int | None:
+        """1 when events, block reuse, images and hints are all on; else None."""
+        on = self.events_enabled and self.images and self.image_hints
+        return 1 if on else None
+
+
+_FIELDS = {f.name: f.type for f in fields(WorkerSettings)}
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+
+
+def _coerce(name: str, value: Any, origin: str) -> Any:
+    kind = str(_FIELDS[name])
+    try:
+        if value is None or (isinstance(value, str) and value.lower() in ("none", "")
+                             and "None" in kind):
+            return None
+        if name == "loras":
+            items = value.split(",") if isinstance(value, str) else value
+            return tuple(s.strip() for s in items if s.strip())
+        if kind == "bool":
+            if isinstance(value, bool):
+                return value
+            text = str(value).lower()
+            if text not in _TRUE | _FALSE:
+                raise ValueError
+            return text in _TRUE
+        if kind.startswith("int"):
+            return int(value)
+        if kind.startswith("float"):
+            return float(value)
+        return str(value)
+    except (TypeError, ValueError):
+        raise WorkerSettingsError(f"{name} from {origin}: {value!r} is not a valid {kind}"
+                                  ) from None
+
+
+def load_worker_settings(flags: Mapping[str, Any], env: Mapping[str, str] | None = None
+                         ) -> WorkerSettings:
+    """Merge flags over ``KVROUTE_WORKER_*`` environment variables over defaults.
+
+    Raises:
+        WorkerSettingsError: a value is malformed or out of range.
+    """
+    env = os.environ if env is None else env
+    merged: dict[str, Any] = {}
+    for key, value in env.items():
+        name = key[len(ENV_PREFIX):].lower() if key.startswith(ENV_PREFIX) else None
+        if name in _FIELDS:
+            merged[name] = _coerce(name, value, f"environment {key}")
+    for name, value in flags.items():
+        if name in _FIELDS and value is not None:
+            merged[name] = _coerce(name, value, f"flag --{name.replace('_', '-')}")
+    return WorkerSettings(**merged)
