@@ -34,6 +34,8 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s")
+    # One line per health poll would drown everything else: control-call logs only on trouble.
+    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
     uvicorn.run(app, host=host, port=port, log_level=level, access_log=False,
                 timeout_graceful_shutdown=5)
     return 0

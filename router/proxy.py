@@ -32,7 +32,7 @@ __all__ = ["Proxy", "ProxyTimeouts", "UpstreamAnswer", "UpstreamUnavailable"]
 # Hop-by-hop and length headers are the proxy's own business, never copied through.
 _DROP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length",
                            "content-encoding", "host", "te", "trailer", "upgrade",
-                           "proxy-authorization", "proxy-authenticate"})
+                           "proxy-authorization", "proxy-authenticate", "date", "server"})
 
 
 class UpstreamUnavailable(Exception):
