@@ -161,6 +161,14 @@ def create_app(settings: RouterSettings) -> FastAPI:
                         for c in route.decision.costs],
         }
 
+    @app.get("/debug/index/{worker_id}")
+    async def debug_index(worker_id: int, request: Request) -> dict[str, Any]:
+        admin(request)
+        if service().registry.get(worker_id) is None:
+            raise ApiError(404, f"no worker {worker_id}", code="not_found")
+        held = service().index.engine_hashes(worker_id)
+        return {"worker": worker_id, "blocks": {str(h): tiers for h, tiers in held.items()}}
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         now = int(time.time())
@@ -187,8 +195,12 @@ def create_app(settings: RouterSettings) -> FastAPI:
     async def list_workers(request: Request) -> dict[str, Any]:
         admin(request)
         reg = service().registry
-        return {"workers": [e.describe() for e in reg.entries()],
-                "index": {"blocks": service().index.num_blocks()}}
+        index = service().index
+        workers = []
+        for e in reg.entries():
+            device, host = index.worker_blocks(e.id)
+            workers.append({**e.describe(), "blocks": {"device": device, "host": host}})
+        return {"workers": workers, "index": {"blocks": index.num_blocks()}}
 
     @app.post("/workers", status_code=201)
     async def add_worker(request: Request) -> dict[str, Any]:

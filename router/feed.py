@@ -96,8 +96,10 @@ class EventFeed:
     def on_notice(self, notice: Notice) -> None:
         """Apply one subscriber notice (called in stream order)."""
         match notice:
-            case Delivered(seq, batch, _):
+            case Delivered(seq, batch, replayed):
                 self._bump("batches")
+                if replayed:
+                    self._bump("replayed")
                 self.last_lag = max(0.0, time.time() - batch.ts)
                 if self.resyncing:
                     self._held.append((seq, batch))

@@ -20,7 +20,7 @@ if TYPE_CHECKING:
 
 __all__ = ["RouterMetrics"]
 
-_FEED_COUNTERS = ("batches", "gaps", "history_lost", "resyncs", "snapshots", "restarts",
+_FEED_COUNTERS = ("batches", "replayed", "gaps", "history_lost", "resyncs", "snapshots", "restarts",
                   "malformed", "snapshot_failures")
 
 

@@ -1,0 +1,51 @@
+"""End-to-end fixtures: real workers and routers as processes, torn down even on failure."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from e2e.harness import Process, Router, Worker
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Callable[..., Any]]:
+    """Factory: ``cluster(workers=3, worker_settings={...}, router_settings={...})`` starts
+    the workers and one router, waits until ready, and returns ``(router, workers)``. Every
+    process started is killed at the end; their logs are printed when the test failed."""
+    started: list[Process] = []
+
+    def make(workers: int = 3, worker_settings: dict[str, Any] | None = None,
+             router_settings: dict[str, Any] | None = None) -> tuple[Router, list[Worker]]:
+        ws = [Worker(i, tmp_path, **(worker_settings or {})) for i in range(workers)]
+        for w in ws:
+            w.start()
+            started.append(w)
+        for w in ws:
+            w.wait_healthy()
+        router = Router("router", ws, tmp_path, **(router_settings or {}))
+        router.start()
+        started.append(router)
+        router.wait_ready(workers)
+        return router, ws
+
+    def track(process: Process) -> None:
+        started.append(process)
+
+    make.track = track  # type: ignore[attr-defined]
+    yield make
+    for p in reversed(started):
+        p.kill()
+    if request.node.rep_call.failed if hasattr(request.node, "rep_call") else False:
+        for p in started:
+            print(f"---- {p.name} ----\n{p.tail()}")
+
+
+@pytest.hookimpl(hookwrapper=True, tryfirst=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Any:
+    outcome = yield
+    report = outcome.get_result()
+    setattr(item, f"rep_{report.when}", report)

@@ -1,0 +1,114 @@
+"""Load spreads a hot prefix and comes back; a killed worker costs no request that had not
+started, ends streams in flight with an error event, and is re-learned when it returns."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+
+from e2e.harness import Router, wait_for
+
+HOT = "The shared system prompt of a busy agent fleet. " * 40  # 1,960 bytes: 61 blocks
+
+
+def stream_completion(router: Router, prompt: str, max_tokens: int) -> dict[str, Any]:
+    """Stream one completion; returns the worker, the events, and whether it ended in error."""
+    body = {"model": "kvroute-sim", "prompt": prompt, "max_tokens": max_tokens,
+            "stream": True}
+    events: list[Any] = []
+    with httpx.Client(base_url=router.url, timeout=60) as client, \
+            client.stream("POST", "/v1/completions", json=body) as r:
+        worker = r.headers.get("x-kvroute-worker")
+        for line in r.iter_lines():
+            if line.startswith("data: "):
+                data = line[6:]
+                events.append(data if data == "[DONE]" else json.loads(data))
+    return {"worker": worker, "events": events, "status": r.status_code,
+            "error": any(isinstance(e, dict) and "error" in e for e in events)}
+
+
+def test_a_hot_prefix_spreads_under_load_and_returns_when_load_falls(cluster: Any) -> None:
+    router, _ = cluster(workers=3)
+    first = router.complete(HOT + "warm up")
+    holder = first.headers["x-kvroute-worker"]
+    wait_for(lambda: next(w for w in router.workers() if w["url"] == holder)
+             ["blocks"]["device"] >= len(HOT) // 32, 5, "the hot prefix indexed")
+    with ThreadPoolExecutor(24) as pool:
+        results = list(pool.map(lambda i: stream_completion(router, HOT + f"q{i}", 200),
+                                range(24)))
+    used = {r["worker"] for r in results}
+    assert all(r["status"] == 200 and not r["error"] for r in results)
+    print(f"24 concurrent hot-prefix requests spread over {len(used)} workers: "
+          + ", ".join(f"{sum(r['worker'] == u for r in results)}" for u in sorted(used)))
+    assert len(used) >= 2, "load on the holder outweighed its cache"
+    assert sum(r["worker"] == holder for r in results) >= 24 // 3, "the holder took its share"
+    # load has fallen: the prefix goes to a worker holding all of it again
+    after = router.complete(HOT + "after the burst")
+    assert int(after.headers["x-kvroute-matched-blocks"]) == len(HOT) // 32
+    assert after.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == \
+        (len(HOT) // 32) * 32
+
+
+def test_kill_9_of_a_worker_under_load(cluster: Any) -> None:
+    router, workers = cluster(workers=3)
+    first = router.complete(HOT + "warm up")
+    victim = next(w for w in workers if w.url == first.headers["x-kvroute-worker"])
+    wait_for(lambda: len(router.indexed(victim)) >= len(HOT) // 32, 5, "victim indexed")
+    with ThreadPoolExecutor(4) as pool:
+        in_flight = [pool.submit(stream_completion, router, HOT + f"long {i}", 400)
+                     for i in range(4)]
+        wait_for(lambda: victim.alive() and httpx.get(f"{victim.url}/load").json()["running"]
+                 >= 2, 10, "streams running on the victim")
+        victim.kill()  # SIGKILL
+        killed_at = time.monotonic()
+        streams = [f.result(60) for f in in_flight]
+    on_victim = [s for s in streams if s["worker"] == victim.url]
+    assert on_victim, "some streams were on the victim"
+    for s in on_victim:
+        assert s["error"] and s["events"][-1] == "[DONE]", "ended with an error event"
+    # requests not yet started succeed elsewhere
+    after = [router.complete(HOT + f"after {i}") for i in range(6)]
+    assert [a.status_code for a in after] == [200] * 6
+    assert all(a.headers["x-kvroute-worker"] != victim.url for a in after)
+    wait_for(lambda: router.indexed(victim) == {}, 5, "the dead worker's entries gone")
+    gone_after = time.monotonic() - killed_at
+    # it comes back as a new instance on the same address: learned from scratch
+    victim.start()
+    victim.wait_healthy()
+    wait_for(lambda: next(w for w in router.workers() if w["url"] == victim.url)["state"]
+             == "healthy", 10, "the victim back in the candidate set")
+    described = next(w for w in router.workers() if w["url"] == victim.url)
+    assert described["counters"].get("restarts", 0) + 1 >= 1
+    assert router.indexed(victim) == victim.resident() == {}
+    print(f"kill -9: {len(on_victim)} streams ended with an error event, 0 of 6 later "
+          f"requests failed, entries dropped {gone_after:.2f}s after the kill")
+
+
+def test_requests_keep_flowing_while_a_worker_dies(cluster: Any) -> None:
+    router, workers = cluster(workers=2)
+    failures: list[int] = []
+    done = [0]
+    stop = threading.Event()
+
+    def traffic() -> None:
+        while not stop.is_set() and done[0] < 1000:
+            r = router.complete(f"steady {done[0] % 7} " * 30)
+            if r.status_code != 200:
+                failures.append(r.status_code)
+            done[0] += 1
+
+    thread = threading.Thread(target=traffic)
+    thread.start()
+    wait_for(lambda: done[0] >= 20, 20, "traffic before the fault")
+    workers[1].kill()
+    at_kill = done[0]
+    wait_for(lambda: done[0] >= at_kill + 50, 30, "traffic after the fault")
+    stop.set()
+    thread.join(30)
+    assert failures == [], f"requests failed: {failures}"
+    print(f"steady traffic: {done[0]} requests, {len(failures)} failed across a kill -9")

@@ -1,0 +1,40 @@
+"""A shared prefix is routed to its holder, and the worker confirms the prediction."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from e2e.harness import wait_for
+
+SYSTEM = "You are a careful assistant. Answer briefly and cite the source. " * 8  # 520 bytes
+
+
+def test_follow_up_goes_to_the_holder_and_cached_tokens_match(cluster: Any) -> None:
+    router, _workers = cluster(workers=3)
+    first = router.complete(SYSTEM + "Question one?")
+    assert first.status_code == 200, first.text
+    holder = first.headers["x-kvroute-worker"]
+    # the holder's events reach the router: its index has the prompt's full blocks
+    prompt_blocks = len((SYSTEM + "Question one?").encode()) // 32
+    wait_for(lambda: next(w for w in router.workers() if w["url"] == holder)["blocks"]["device"]
+             >= prompt_blocks, 5, "the holder's blocks in the router's index")
+    follow = router.complete(SYSTEM + "Question two, a different one?")
+    assert follow.status_code == 200
+    assert follow.headers["x-kvroute-worker"] == holder
+    predicted = int(follow.headers["x-kvroute-matched-blocks"]) * 32
+    cached = follow.json()["usage"]["prompt_tokens_details"]["cached_tokens"]
+    assert predicted == cached == (len(SYSTEM.encode()) // 32) * 32
+
+
+def test_salted_requests_never_match_each_other(cluster: Any) -> None:
+    router, _ = cluster(workers=2)
+    a = router.complete(SYSTEM + "salted", cache_salt="tenant-a")
+    assert a.status_code == 200
+    wait_for(lambda: sum(w["blocks"]["device"] for w in router.workers()) > 0, 5,
+             "blocks indexed")
+    b = router.complete(SYSTEM + "salted", cache_salt="tenant-b")
+    assert b.headers["x-kvroute-matched-blocks"] == "0"
+    assert b.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    again = router.complete(SYSTEM + "salted!", cache_salt="tenant-a")
+    assert again.headers["x-kvroute-worker"] == a.headers["x-kvroute-worker"]
+    assert int(again.headers["x-kvroute-matched-blocks"]) > 0
