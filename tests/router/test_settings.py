@@ -1,0 +1,101 @@
+"""Router and worker settings: precedence, config files, and what each bad value gets."""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from router.settings import RouterSettings, SettingsError, load_settings
+from workers.settings import WorkerSettingsError, load_worker_settings
+
+
+def test_flag_beats_environment_beats_file(tmp_path: Path) -> None:
+    config = tmp_path / "router.toml"
+    config.write_text('[router]\nport = 9001\nblock_size = 16\nworkers = ["http://a:1"]\n')
+    env = {"KVROUTE_PORT": "9002", "KVROUTE_WORKERS": "http://b:2, http://c:3/"}
+    s = load_settings({"port": 9003}, env=env, config_file=str(config))
+    assert (s.port, s.block_size, s.workers) == (9003, 16, ("http://b:2", "http://c:3"))
+
+
+def test_json_config_files_work_too(tmp_path: Path) -> None:
+    config = tmp_path / "router.json"
+    config.write_text('{"overlap_weight": 2.5, "temperature": 0.1}')
+    s = load_settings({}, env={}, config_file=str(config))
+    assert (s.overlap_weight, s.temperature) == (2.5, 0.1)
+
+
+@pytest.mark.parametrize("flags, env, fragment", [
+    ({"port": 0}, {}, "port 0"),
+    ({}, {"KVROUTE_PORT": "eighty"}, "port from environment"),
+    ({"host_credit": 1.5}, {}, "host_credit"),
+    ({"workers": ("ftp://x",)}, {}, "not an http(s) URL"),
+    ({"block_size": -4}, {}, "block_size"),
+    ({"temperature": -1.0}, {}, "temperature"),
+])
+def test_bad_router_settings_are_refused_with_the_reason(flags: dict, env: dict,
+                                                         fragment: str) -> None:
+    with pytest.raises(SettingsError, match=re.escape(fragment)):
+        load_settings(flags, env=env)
+
+
+@pytest.mark.parametrize("content, name, fragment", [
+    ("port = ", "r.toml", "not valid"),
+    ("{]", "r.json", "not valid"),
+    ("[router]\nbogus = 1\n", "r.toml", "unknown settings"),
+    ("[1, 2]", "r.json", "table of settings"),
+])
+def test_bad_config_files_are_refused(tmp_path: Path, content: str, name: str,
+                                      fragment: str) -> None:
+    path = tmp_path / name
+    path.write_text(content)
+    with pytest.raises(SettingsError, match=fragment):
+        load_settings({}, env={}, config_file=str(path))
+
+
+def test_a_missing_config_file_is_named() -> None:
+    with pytest.raises(SettingsError, match=r"config file /nope\.toml"):
+        load_settings({}, env={}, config_file="/nope.toml")
+
+
+def test_defaults_bind_loopback() -> None:
+    assert RouterSettings().host == "127.0.0.1"
+    assert load_worker_settings({}, env={}).host == "127.0.0.1"
+    assert load_worker_settings({}, env={}).events_host == "127.0.0.1"
+
+
+@pytest.mark.parametrize("flags, env, fragment", [
+    ({"num_blocks": 0}, {}, "num_blocks must be positive"),
+    ({}, {"KVROUTE_WORKER_SPEEDUP": "fast"}, "speedup from environment"),
+    ({}, {"KVROUTE_WORKER_IMAGES": "maybe"}, "images from environment"),
+    ({"engine": "tpu"}, {}, "engine must be"),
+    ({"max_num_batched_tokens": 8}, {}, "at least block_size"),
+])
+def test_bad_worker_settings_are_refused(flags: dict, env: dict, fragment: str) -> None:
+    with pytest.raises(WorkerSettingsError, match=fragment):
+        load_worker_settings(flags, env=env)
+
+
+def test_worker_environment_switches_parse() -> None:
+    env = {"KVROUTE_WORKER_IMAGES": "off", "KVROUTE_WORKER_EVENTS_PORT": "none",
+           "KVROUTE_WORKER_LORAS": "a, b"}
+    s = load_worker_settings({}, env=env)
+    assert (s.images, s.events_port, s.loras) == (False, None, ("a", "b"))
+    assert s.image_routing_version is None
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["router", "--port", "x"], "invalid int value"),
+    (["router", "--host-credit", "2"], "host_credit must be in [0, 1]"),
+    (["worker", "--engine", "tpu"], "invalid choice"),
+    (["worker", "--num-blocks", "0"], "num_blocks must be positive"),
+    (["events", "tail", "--connect", "tcp://127.0.0.1:1", "--count", "0"], "must be >= 1"),
+])
+def test_bad_cli_flags_exit_2_with_the_reason(args: list[str], fragment: str) -> None:
+    result = subprocess.run([sys.executable, "-m", "kvroute.cli", *args], capture_output=True,
+                            text=True, timeout=60, check=False)
+    assert result.returncode == 2
+    assert fragment in result.stderr
