@@ -25,9 +25,12 @@ Rules:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+import msgspec
 
 from indexer.chat import ImageRef, render_chat_with_images
 from indexer.images import IMAGE_MARKER, ImageSpan, decode_data_url, image_digest, splice_images
@@ -152,12 +155,22 @@ def _completion_ids(body: dict[str, Any], tokenizer: Tokenizer) -> list[int]:
     if not prompt:
         raise ValueError("prompt must not be empty")
     vocab = tokenizer.vocab_size
-    for i, t in enumerate(prompt):
+    try:
+        # Validated in C: an 8k-token prompt costs tens of microseconds, not milliseconds.
+        return msgspec.convert(prompt, _token_ids_type(vocab))
+    except msgspec.ValidationError:
+        pass
+    for i, t in enumerate(prompt):  # slow path, only to name the offending token
         if not _is_token_id(t):
-            raise ValueError(_PROMPT_SHAPE)
+            raise ValueError(_PROMPT_SHAPE) from None
         if not 0 <= t < vocab:
             raise ValueError(f"prompt token id {t} at index {i} is out of range [0, {vocab})")
-    return list(prompt)
+    raise AssertionError("msgspec refused a prompt the slow path accepts")
+
+
+@functools.lru_cache(maxsize=8)
+def _token_ids_type(vocab: int) -> Any:
+    return list[Annotated[int, msgspec.Meta(ge=0, lt=vocab)]]
 
 
 def _is_token_id(value: Any) -> bool:

@@ -148,6 +148,15 @@ class Registry:
         self._load.add_worker(entry.id)
         return entry
 
+    def adopt(self, info: WorkerInfo) -> WorkerEntry:
+        """Register a healthy worker whose model info is already known, without connecting
+        to it or subscribing to its events (benchmarks and simulations drive the index)."""
+        entry = WorkerEntry(self._next_id, info.url, WorkerState.HEALTHY, info, indexed=True)
+        self._next_id += 1
+        self._entries[entry.id] = entry
+        self._load.add_worker(entry.id)
+        return entry
+
     async def remove(self, worker: int) -> WorkerEntry:
         """Unregister a worker: stop its feed and drop its entries and load.
 

@@ -147,3 +147,16 @@ def test_load_errors_for_bad_config(tmp_path: Path) -> None:
     config.write_text(json.dumps({"chat_template": 7}), encoding="utf-8")
     with pytest.raises(ValueError, match=r"chat_template in .* is not a string$"):
         load_tokenizer(str(tmp_path))
+
+
+def test_byte_ids_are_utf8_bytes_plus_offset_across_unicode() -> None:
+    import random
+
+    rng = random.Random(5)
+    tok = ByteTokenizer()
+    for _ in range(200):
+        text = "".join(chr(rng.choice([rng.randrange(0, 0x80), rng.randrange(0x80, 0x800),
+                                       rng.randrange(0x800, 0xD800),
+                                       rng.randrange(0x10000, 0x110000)]))
+                       for _ in range(rng.randrange(1, 40)))
+        assert tok.encode(text) == [b + 4 for b in text.encode("utf-8")]

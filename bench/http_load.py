@@ -1,0 +1,114 @@
+"""A small closed-loop HTTP load generator and process launcher for the service benchmarks.
+
+``latency(url, body, n)`` sends ``n`` requests one after another over one kept-alive
+connection and returns per-request seconds; ``throughput(url, body, connections, seconds)``
+keeps ``connections`` requests in flight for ``seconds`` and returns requests per second.
+Both use aiohttp's client (the fast one here, see ``router/proxy.py``). :func:`spawn` starts a
+``kvroute`` subcommand on 127.0.0.1 and waits for its health endpoint.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import time
+import urllib.request
+from typing import Any
+
+import aiohttp
+
+__all__ = ["latency", "percentile", "spawn", "stop", "throughput"]
+
+
+def percentile(values: list[float], q: float) -> float:
+    """The ``q``-th percentile (0..100) by nearest rank."""
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[k]
+
+
+async def _latency(url: str, body: dict[str, Any], n: int, warmup: int) -> list[float]:
+    connector = aiohttp.TCPConnector(limit=1)
+    out: list[float] = []
+    async with aiohttp.ClientSession(connector=connector) as session:
+        for i in range(n + warmup):
+            started = time.perf_counter()
+            async with session.post(url, json=body) as r:
+                await r.read()
+                if r.status != 200:
+                    raise RuntimeError(f"{url} answered {r.status}")
+            if i >= warmup:
+                out.append(time.perf_counter() - started)
+    return out
+
+
+def latency(url: str, body: dict[str, Any], n: int = 500, warmup: int = 50) -> list[float]:
+    """Seconds per request, sequential over one connection."""
+    return asyncio.run(_latency(url, body, n, warmup))
+
+
+async def _throughput(url: str, body: dict[str, Any], connections: int, seconds: float
+                      ) -> tuple[int, int]:
+    connector = aiohttp.TCPConnector(limit=connections)
+    done = failed = 0
+    deadline = time.perf_counter() + seconds
+
+    async def loop(session: aiohttp.ClientSession) -> None:
+        nonlocal done, failed
+        while time.perf_counter() < deadline:
+            async with session.post(url, json=body) as r:
+                await r.read()
+                if r.status == 200:
+                    done += 1
+                else:
+                    failed += 1
+
+    async with aiohttp.ClientSession(connector=connector) as session:
+        await asyncio.gather(*(loop(session) for _ in range(connections)))
+    return done, failed
+
+
+def throughput(url: str, body: dict[str, Any], connections: int = 16, seconds: float = 5.0
+               ) -> tuple[float, int]:
+    """Requests per second with ``connections`` in flight, and how many failed."""
+    started = time.perf_counter()
+    done, failed = asyncio.run(_throughput(url, body, connections, seconds))
+    return done / (time.perf_counter() - started), failed
+
+
+def spawn(args: list[str], url: str, health: str = "/health", timeout: float = 30.0
+          ) -> subprocess.Popen[bytes]:
+    """Start ``kvroute <args>`` and wait until ``url + health`` answers 200."""
+    proc = subprocess.Popen([sys.executable, "-m", "kvroute.cli", *args,
+                             "--log-level", "warning"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"kvroute {' '.join(args)} exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(url + health, timeout=1) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            pass
+        time.sleep(0.1)
+    stop(proc)
+    raise RuntimeError(f"kvroute {' '.join(args)} was not healthy in {timeout}s")
+
+
+def stop(proc: subprocess.Popen[bytes]) -> None:
+    """SIGTERM the process group, SIGKILL after 5 s."""
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(5)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()

@@ -1,0 +1,139 @@
+"""Router benchmark: ``python -m bench.router [--json] [--quick]``.
+
+Three figures, in one run:
+
+1. ``decision_p50_us`` / ``decision_p99_us``: :meth:`RouterService.decide` end to end
+   (tokenize, hash, match, score) for an 8,192-token prompt, with 8 workers and 1,000,000
+   blocks in the index; half the prompts follow a resident chain for 4,096 tokens, half
+   share nothing. In process, no sockets.
+2. ``added_p50_ms`` / ``added_p99_ms``: the latency the router adds over calling a worker
+   directly, over one kept-alive connection, against a sim worker whose model costs nothing
+   (``--speedup 1e9``, ``max_tokens`` 1): router p50 minus direct p50 (and p99 likewise).
+3. ``router_rps``: requests per second one router process sustains with 16 connections in
+   flight, against 2 such workers; ``worker_rps`` is one worker alone under the same load,
+   for scale (on 2 cores the load generator, the router and the workers share the CPU).
+
+Targets (2-core machine): decision p99 <= 200 µs; added p50 <= 0.6 ms and p99 <= 2 ms;
+>= 2,000 requests/s through one router with 16 connections.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import time
+from typing import Any
+
+import httpx
+
+from bench.http_load import latency, percentile, spawn, stop, throughput
+from indexer.index import block_hashes, scope_seed
+from kvroute.up import free_port
+from router.service import RouterService
+from router.settings import RouterSettings
+from router.workers import WorkerInfo
+
+BLOCK = 32
+WORKERS = 8
+PROMPT_TOKENS = 8192
+
+
+def _service(total_blocks: int, rng: random.Random) -> tuple[RouterService, list[list[int]]]:
+    service = RouterService(RouterSettings(block_size=BLOCK, seed=1), httpx.AsyncClient())
+    for w in range(WORKERS):
+        service.registry.adopt(WorkerInfo(url=f"http://w{w}", model="kvroute-sim",
+                                          block_size=BLOCK, tokenizer="bytes-v1",
+                                          instance_id=f"i{w}", max_model_len=100_000))
+    per_worker = total_blocks // WORKERS
+    for w in range(WORKERS):  # filler: random chains, 256 blocks each
+        for _ in range(per_worker // 256):
+            service.index.store_hashes(w, [rng.getrandbits(64) for _ in range(256)])
+    chains = []
+    seed = scope_seed(None, None)
+    for i in range(64):  # resident conversations the queries follow
+        tokens = [rng.randrange(4, 260) for _ in range(PROMPT_TOKENS)]
+        hashes = block_hashes(tokens[: PROMPT_TOKENS // 2], BLOCK, seed=seed)
+        service.index.store_hashes(i % WORKERS, hashes)
+        chains.append(tokens)
+    return service, chains
+
+
+def decision_latency(total_blocks: int, queries: int) -> dict[str, float]:
+    """Time ``decide`` on 8k-token prompts; returns p50/p99 in µs."""
+    rng = random.Random(7)
+    service, chains = _service(total_blocks, rng)
+    times = []
+    for q in range(queries):
+        if q % 2 == 0:
+            tokens = chains[q % len(chains)]
+        else:
+            tokens = [rng.randrange(4, 260) for _ in range(PROMPT_TOKENS)]
+        body = {"model": "kvroute-sim", "prompt": tokens, "max_tokens": 1}
+        started = time.perf_counter()
+        route = service.decide(body, "completions")
+        times.append(time.perf_counter() - started)
+        service.load.routed(route.request_id, route.decision.worker, 0, 0)
+        service.load.finished(route.request_id)
+    return {"decision_p50_us": round(percentile(times, 50) * 1e6, 1),
+            "decision_p99_us": round(percentile(times, 99) * 1e6, 1),
+            "index_blocks": service.index.num_blocks()}
+
+
+def _worker_args(port: int) -> list[str]:
+    return ["worker", "--port", str(port), "--events-port", str(free_port()),
+            "--replay-port", str(free_port()), "--speedup", "1e9"]
+
+
+def service_figures(requests: int, seconds: float) -> dict[str, float]:
+    """Added latency over one connection, and throughput with 16 connections."""
+    body = {"model": "kvroute-sim", "prompt": "a small prompt", "max_tokens": 1}
+    ports = [free_port(), free_port()]
+    procs = [spawn(_worker_args(p), f"http://127.0.0.1:{p}") for p in ports]
+    router_port = free_port()
+    args = ["router", "--port", str(router_port), "--health-interval", "1"]
+    for p in ports:
+        args += ["--worker", f"http://127.0.0.1:{p}"]
+    try:
+        procs.append(spawn(args, f"http://127.0.0.1:{router_port}", health="/ready"))
+        worker_url = f"http://127.0.0.1:{ports[0]}/v1/completions"
+        router_url = f"http://127.0.0.1:{router_port}/v1/completions"
+        direct = latency(worker_url, body, requests)
+        routed = latency(router_url, body, requests)
+        worker_rps, _ = throughput(worker_url, body, 16, seconds)
+        router_rps, failed = throughput(router_url, body, 16, seconds)
+    finally:
+        for proc in procs:
+            stop(proc)
+    return {
+        "direct_p50_ms": round(percentile(direct, 50) * 1e3, 3),
+        "direct_p99_ms": round(percentile(direct, 99) * 1e3, 3),
+        "routed_p50_ms": round(percentile(routed, 50) * 1e3, 3),
+        "routed_p99_ms": round(percentile(routed, 99) * 1e3, 3),
+        "added_p50_ms": round((percentile(routed, 50) - percentile(direct, 50)) * 1e3, 3),
+        "added_p99_ms": round((percentile(routed, 99) - percentile(direct, 99)) * 1e3, 3),
+        "worker_rps": round(worker_rps), "router_rps": round(router_rps),
+        "router_failed": failed,
+    }
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--quick", action="store_true", help="a small, fast run")
+    args = parser.parse_args(argv)
+    blocks, queries = (100_000, 200) if args.quick else (1_000_000, 2000)
+    result: dict[str, Any] = decision_latency(blocks, queries)
+    result |= service_figures(200 if args.quick else 1000, 2.0 if args.quick else 5.0)
+    if args.json:
+        print(json.dumps(result))
+        return
+    width = max(len(k) for k in result)
+    for key, value in result.items():
+        print(f"{key:<{width}}  {value}")
+
+
+if __name__ == "__main__":
+    asyncio.set_event_loop_policy(None)
+    main()
