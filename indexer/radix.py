@@ -16,7 +16,8 @@ Notes:
        engine hashes, apply. A store whose engine hash is already mapped to another local
        hash drops the old mapping (all tiers) first.
     3. A store is skipped and counted when its block size differs from the index's (with a
-       warning on the 1st, 10th, 100th... occurrence: no clocks here), when its token count
+       warning on each worker's 1st, 10th, 100th... occurrence: no clocks here, and one
+       misconfigured worker does not silence the warning for the next), when its token count
        is not blocks x block size, when its parent is unknown for that worker, when image
        positions come without items, or when a token is out of range; checked in that order.
     4. A removal of an engine hash the worker does not hold on that tier is a counted no-op.
@@ -76,10 +77,11 @@ def _check_hashes(hashes: Sequence[int]) -> list[int]:
 
 
 def warn_block_size_mismatch(worker: int, got: int, expected: int, count: int) -> None:
-    """Warn about a block-size mismatch on the 1st, 10th, 100th, ... occurrence."""
+    """Warn about ``worker``'s ``count``-th block-size mismatch if it is the 1st, 10th, 100th..."""
     if str(count).rstrip("0") == "1":
         log.warning(
-            "worker %d stores blocks of %d tokens but the index uses %d: skipped (%d so far);"
+            "worker %d stores blocks of %d tokens but the index uses %d: skipped (%d so far"
+            " from this worker);"
             " overlap with this worker will stay 0 until the block sizes agree",
             worker, got, expected, count,
         )
@@ -129,6 +131,7 @@ class PrefixIndex:
         self._blocks: dict[int, dict[int, _Holding]] = {}
         self._workers: dict[int, _Worker] = {}
         self._stats = dict.fromkeys(STAT_NAMES, 0)
+        self._mismatches: dict[int, int] = {}  # worker -> block-size mismatches, for warnings
 
     # -- residency bookkeeping -------------------------------------------------------------
 
@@ -227,8 +230,8 @@ class PrefixIndex:
         blocks = len(event.block_hashes)
         if event.block_size != self.block_size:
             stats["block_size_mismatch"] += 1
-            warn_block_size_mismatch(worker, event.block_size, self.block_size,
-                             stats["block_size_mismatch"])
+            count = self._mismatches[worker] = self._mismatches.get(worker, 0) + 1
+            warn_block_size_mismatch(worker, event.block_size, self.block_size, count)
             return
         if (len(event.token_ids) != blocks * self.block_size
                 or not all(_is_u64(h) for h in event.block_hashes)
@@ -347,6 +350,7 @@ class PrefixIndex:
         """
         self.clear(worker)
         self._workers.pop(worker, None)
+        self._mismatches.pop(worker, None)
 
     # -- queries --------------------------------------------------------------------------
 

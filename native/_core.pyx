@@ -11,7 +11,6 @@ the rules for reading an event's scope and items are written once.
 
 from cython.operator cimport dereference as deref
 from cpython.list cimport PyList_New, PyList_SET_ITEM
-from cpython.long cimport PyLong_FromUnsignedLongLong
 from cpython.ref cimport PyObject
 from cpython.sequence cimport PySequence_Fast, PySequence_Fast_GET_SIZE
 from libc.stdint cimport uint32_t, uint64_t
@@ -50,6 +49,7 @@ cdef extern from "hash64.h":
     int kv_chain_small(uint64_t prev, PyObject **items, size_t blocks, size_t block_size,
                        uint64_t *out)
     int kv_u64(PyObject *o, uint64_t *out)
+    object kv_pylong_u64(uint64_t v)
     Py_ssize_t kv_token_words(PyObject **items, Py_ssize_t n, uint64_t *out, int *saw_str)
 
 cdef extern from "index_core.h" namespace "kvr":
@@ -147,6 +147,7 @@ cdef class PrefixIndex:
 
     cdef Index *core
     cdef unordered_map[uint32_t, uint32_t] dense
+    cdef unordered_map[uint32_t, uint64_t] mismatches  # worker -> block-size mismatches
     cdef readonly object block_size
     cdef size_t bs
     cdef uint64_t counts[N_STATS]
@@ -223,8 +224,9 @@ cdef class PrefixIndex:
         cdef Entry *e
         if ev.block_size != self.block_size:
             self.counts[BLOCK_SIZE_MISMATCH] += 1
+            self.mismatches[worker] += 1
             warn_block_size_mismatch(worker, ev.block_size, self.block_size,
-                                     self.counts[BLOCK_SIZE_MISMATCH])
+                                     self.mismatches[worker])
             return 0
         hashes = ev.block_hashes
         tokens = ev.token_ids
@@ -353,6 +355,7 @@ cdef class PrefixIndex:
         """
         _check_worker(worker)
         cdef long d = self._dense_of(worker)
+        self.mismatches.erase(<uint32_t>worker)
         if d >= 0:
             self.core.drop_worker(<uint32_t>d)
             self.dense.erase(<uint32_t>worker)
@@ -410,7 +413,8 @@ cdef class PrefixIndex:
 
     def memory_bytes(self):
         """Return the memory the index holds: table capacities, spills and worker maps."""
-        return self.core.memory_bytes() + sizeof(PrefixIndex) + self.dense.size() * 32
+        return (self.core.memory_bytes() + sizeof(PrefixIndex)
+                + (self.dense.size() + self.mismatches.size()) * 32)
 
     def stats(self):
         """Return the event counters (:data:`indexer.radix.STAT_NAMES`)."""

@@ -58,7 +58,7 @@ cdef list _as_list(const uint64_t *values, size_t n):
     cdef list out = PyList_New(n)
     cdef size_t i
     for i in range(n):
-        item = PyLong_FromUnsignedLongLong(values[i])
+        item = kv_pylong_u64(values[i])
         PyList_SET_ITEM(out, i, item)
         (<PyObject *>item).ob_refcnt += 1  # PyList_SET_ITEM steals the reference
     return out

@@ -84,7 +84,7 @@ struct Result {
 };
 
 struct Index {
-    Table<Slot> blocks;
+    Table<Slot, 2, 3, 4> blocks;  /* at most 2/3 full, +25% per growth: see table.h */
     std::vector<std::vector<Holder>> spills;
     std::vector<uint32_t> free_spills;
     std::vector<Worker *> workers;  /* by dense index; nullptr when free */

@@ -89,6 +89,22 @@ def test_block_size_mismatch_is_loud(impl: types.SimpleNamespace, index,
     assert "worker 3 stores blocks of 8 tokens but the index uses 4" in warnings[0].getMessage()
 
 
+def test_block_size_mismatch_warns_per_worker(impl: types.SimpleNamespace, index,
+                                              caplog: pytest.LogCaptureFixture) -> None:
+    wrong = Stored(block_hashes=[1], parent_block_hash=None, token_ids=[1] * 8, block_size=8)
+    with caplog.at_level(logging.WARNING):
+        for _ in range(5):
+            index.apply(3, wrong)
+        # Worker 4's first mismatch warns although it is the index's 6th.
+        index.apply(4, wrong)
+        # A worker that left and came back warns again from its 1st.
+        index.remove_worker(3)
+        index.apply(3, wrong)
+    warned = [r.getMessage().split()[1] for r in caplog.records if "block" in r.getMessage()]
+    assert warned == ["3", "4", "3"]
+    assert index.stats()["block_size_mismatch"] == 7
+
+
 def test_tiers(impl: types.SimpleNamespace, index) -> None:
     q = local(impl, 1, 2, 3)
     index.apply(0, stored([10, 11, 12], None, tokens(1, 2, 3)))
