@@ -8,9 +8,12 @@ Own accounting, updated as requests move (the router sees every byte it forwards
 
 Correction: each worker's ``GET /load`` reports what it really has (running, waiting, pending
 prefill tokens, KV blocks in use). Requests sent by other router replicas, or straight to the
-worker, appear there and not in our books; so the tracker keeps ``external = max(0, reported -
-own at report time)`` per term and adds it to its own figures until the next report. A report
-never lowers our own books: our in-flight requests are facts we saw.
+worker, appear there and not in our books; so when the worker counts more requests than we
+sent it, the tracker keeps ``external = max(0, reported - own at report time)`` per term and
+adds it to its own figures until the next report. When it counts no more requests than ours,
+there is no foreign load, whatever the phases say (our books cannot see a non-streamed
+request's first token). A report never lowers our own books: our in-flight requests are facts
+we saw.
 """
 
 from __future__ import annotations
@@ -127,6 +130,12 @@ class LoadTracker:
         if books is None:
             return
         books.external_active = max(0, load.running + load.waiting - books.active)
+        if books.external_active == 0:
+            # Every request there is ours. Its phase may differ between our books and the
+            # worker's (a non-streamed answer shows no first token until it ends), so a
+            # per-phase difference is not foreign load: count none.
+            books.external_prefill = books.external_decode = 0.0
+            return
         books.external_prefill = max(0.0, load.pending_prefill_blocks - books.prefill)
         books.external_decode = max(0.0, load.decode_blocks - books.decode)
 

@@ -42,6 +42,16 @@ def test_reported_load_adds_what_other_routers_sent() -> None:
     assert t.load(0) == WorkerLoad(1, 4.0, 0.0)
 
 
+def test_our_own_request_in_another_phase_is_not_foreign_load() -> None:
+    t = LoadTracker()
+    t.add_worker(0)
+    t.routed("a", 0, 4, 8)  # non-streamed: our books keep it in prefill until it ends
+    t.reported(0, ReportedLoad(running=1, pending_prefill_blocks=0, decode_blocks=8))
+    assert t.load(0) == WorkerLoad(1, 4.0, 0.0)
+    t.finished("a")
+    assert t.load(0) == WorkerLoad(0, 0.0, 0.0), "no stale load after it ends"
+
+
 def test_removing_a_worker_returns_its_in_flight_requests() -> None:
     t = LoadTracker()
     t.add_worker(0)
