@@ -7,9 +7,10 @@ the app's business (:mod:`router.app` with :mod:`router.proxy`).
 
 from __future__ import annotations
 
+import itertools
+import os
 import random
 import time
-import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +74,9 @@ class RouterService:
         self.registry = Registry(settings, self.index, self.load, self.tokenizer.identity,
                                  self.forget, http)
         self.counters: dict[str, float] = {}
+        # Request ids: unique per process without a syscall per request (uuid4 reads urandom).
+        self._ids = itertools.count()
+        self._id_prefix = os.urandom(4).hex()
 
     def forget(self, worker: int) -> None:
         """Drop every prediction about ``worker`` (its entries were cleared)."""
@@ -119,8 +123,9 @@ class RouterService:
         now = time.monotonic()
         decision = choose(len(hashes), self._candidates(entries, hashes, now), self.scheduler,
                           self.rng)
-        return Route(uuid.uuid4().hex, prompt, hashes, decision, {e.id: e for e in entries},
-                     now, time.perf_counter() - started)
+        request_id = f"{self._id_prefix}-{next(self._ids)}"
+        return Route(request_id, prompt, hashes, decision, {e.id: e for e in entries}, now,
+                     time.perf_counter() - started)
 
     def _candidates(self, entries: list[WorkerEntry], hashes: list[int], now: float
                     ) -> list[Candidate]:
