@@ -38,3 +38,19 @@ def test_salted_requests_never_match_each_other(cluster: Any) -> None:
     again = router.complete(SYSTEM + "salted!", cache_salt="tenant-a")
     assert again.headers["x-kvroute-worker"] == a.headers["x-kvroute-worker"]
     assert int(again.headers["x-kvroute-matched-blocks"]) > 0
+
+
+def test_a_lora_adapter_is_its_own_scope(cluster: Any) -> None:
+    router, _ = cluster(workers=2, worker_settings={"loras": "sql-adapter"})
+    models = router.client.get("/v1/models").json()["data"]
+    assert [m["id"] for m in models] == ["kvroute-sim", "sql-adapter"]
+    body = {"model": "sql-adapter", "prompt": SYSTEM + "lora", "max_tokens": 2}
+    first = router.client.post("/v1/completions", json=body)
+    assert first.status_code == 200
+    wait_for(lambda: sum(w["blocks"]["device"] for w in router.workers()) > 0, 5, "indexed")
+    again = router.client.post("/v1/completions", json={**body, "prompt": SYSTEM + "lora 2"})
+    assert again.headers["x-kvroute-worker"] == first.headers["x-kvroute-worker"]
+    matched = int(again.headers["x-kvroute-matched-blocks"])
+    assert matched * 32 == again.json()["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+    base = router.client.post("/v1/completions", json={**body, "model": "kvroute-sim"})
+    assert base.headers["x-kvroute-matched-blocks"] == "0", "the base model shares nothing"

@@ -85,7 +85,11 @@ class RouterService:
 
     def models(self) -> list[str]:
         """Models served by healthy workers."""
-        return sorted({e.info.model for e in self.registry.candidates() if e.info})
+        names = set()
+        for e in self.registry.candidates():
+            if e.info:
+                names.update((e.info.model, *e.info.lora_adapters))
+        return sorted(names)
 
     def decide(self, body: Any, kind: str) -> Route:
         """Tokenize, hash, match and score one request body.
@@ -100,7 +104,7 @@ class RouterService:
             raise ApiError(503, "no worker is available", "service_unavailable")
         model = body.get("model") if isinstance(body, dict) else None
         if model is not None:
-            entries = [e for e in entries if e.info and e.info.model == model]
+            entries = [e for e in entries if e.info and e.info.serves(model)]
             if not entries:
                 raise ApiError(404, f"the model {model!r} does not exist", "invalid_request_error",
                                "model", "model_not_found")
@@ -119,7 +123,8 @@ class RouterService:
         assert first is not None, "a candidate always has model info"
         terms = HashingTerms(self.settings.block_size, by_uuid=first.image_routing_version == 1,
                              salt_hashing=first.salt_hashing)
-        hashes = request_hashes(prompt, terms)
+        lora = model if model is not None and model != first.model else None
+        hashes = request_hashes(prompt, terms, lora)
         now = time.monotonic()
         decision = choose(len(hashes), self._candidates(entries, hashes, now), self.scheduler,
                           self.rng)

@@ -49,6 +49,11 @@ class WorkerInfo:
     snapshot: bool = False
     max_model_len: int = 0
     num_blocks: int = 0
+    lora_adapters: tuple[str, ...] = ()
+
+    def serves(self, model: str) -> bool:
+        """Whether ``model`` names this worker's base model or one of its LoRA adapters."""
+        return model == self.model or model in self.lora_adapters
 
     def check_compatible(self, block_size: int, tokenizer: str | None) -> None:
         """Raise :class:`IncompatibleWorker` unless this worker hashes like the router.
@@ -121,4 +126,5 @@ def parse_model_info(url: str, body: Any) -> WorkerInfo:
         snapshot=bool(body.get("kv_snapshot", False)),
         max_model_len=int(body.get("max_model_len") or 0),
         num_blocks=int(capacity.get("num_blocks") or 0),
+        lora_adapters=tuple(a for a in body.get("lora_adapters") or () if type(a) is str),
     )
