@@ -6,11 +6,12 @@ turns :func:`error_body` into its JSON response.
 
 from __future__ import annotations
 
+import hmac
 from typing import Any
 
 import msgspec
 
-__all__ = ["MAX_BODY_BYTES", "ApiError", "error_body", "parse_body"]
+__all__ = ["MAX_BODY_BYTES", "ApiError", "check_bearer", "error_body", "parse_body"]
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
@@ -49,3 +50,19 @@ def parse_body(raw: bytes, max_bytes: int = MAX_BODY_BYTES) -> dict[str, Any]:
     if type(body) is not dict:
         raise ApiError(400, "the body must be a JSON object")
     return body
+
+
+def check_bearer(authorization: str | None, token: str | None) -> None:
+    """Refuse a request whose ``Authorization`` header does not carry ``token``.
+
+    No token configured means the endpoint is open (both apps bind 127.0.0.1 by default).
+
+    Raises:
+        ApiError: 401 when a token is configured and the header does not match it.
+    """
+    if token is None:
+        return
+    given = (authorization or "").encode()
+    if not hmac.compare_digest(given, f"Bearer {token}".encode()):
+        raise ApiError(401, "this endpoint needs 'Authorization: Bearer <token>'",
+                       "authentication_error")

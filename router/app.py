@@ -9,7 +9,6 @@ chosen worker and the matched blocks in ``x-kvroute-*`` headers.
 from __future__ import annotations
 
 import contextlib
-import hmac
 import logging
 import re
 import time
@@ -20,7 +19,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from indexer.openai_api import ApiError, error_body, parse_body
+from indexer.openai_api import ApiError, check_bearer, error_body, parse_body
 from router.metrics import RouterMetrics
 from router.proxy import Proxy, ProxyTimeouts, UpstreamAnswer, UpstreamUnavailable
 from router.registry import WorkerEntry, WorkerUnreachable
@@ -65,13 +64,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
         return state["service"]  # type: ignore[no-any-return]
 
     def admin(request: Request) -> None:
-        token = settings.admin_token
-        if token is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-            raise ApiError(401, "admin endpoints need 'Authorization: Bearer <token>'",
-                           "authentication_error")
+        check_bearer(request.headers.get("authorization"), settings.admin_token)
 
     async def forward(request: Request, kind: str, path: str) -> Response:
         metrics: RouterMetrics = state["metrics"]

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
-import hmac
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -25,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from indexer.openai_api import ApiError, error_body, parse_body
+from indexer.openai_api import ApiError, check_bearer, error_body, parse_body
 from indexer.prompts import build_prompt
 from indexer.wire import encode_batch
 from workers.block_keys import Prompt, Scope
@@ -85,13 +84,7 @@ def create_app(settings: WorkerSettings) -> FastAPI:
         return JSONResponse(error_body(exc), status_code=exc.status)
 
     def admin(request: Request) -> None:
-        token = settings.admin_token
-        if token is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {token}".encode()):
-            raise ApiError(401, "this endpoint needs 'Authorization: Bearer <token>'",
-                           "authentication_error")
+        check_bearer(request.headers.get("authorization"), settings.admin_token)
 
     async def generate(request: Request, chat: bool) -> Response:
         body = parse_body(await request.body())
