@@ -111,6 +111,7 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
     a("--host-credit", type=float, help="host-tier hit credit in [0,1] (default 0.75)")
     a("--temperature", type=float, help="0 picks the cheapest; >0 samples (default 0)")
     a("--admin-token", help="bearer token for /workers")
+    a("--worker-admin-token", help="bearer token the workers want for /kv/snapshot")
     a("--health-interval", type=float, help="seconds between load polls (default 1)")
     a("--unhealthy-grace", type=float, help="seconds before an unhealthy worker's entries go")
     a("--seed", type=int, help="seed for tie-breaking")

@@ -283,7 +283,7 @@ class Registry:
         return fetch
 
     def _admin_headers(self) -> dict[str, str]:
-        token = self._settings.extra.get("worker_admin_token")
+        token = self._settings.worker_admin_token
         return {"Authorization": f"Bearer {token}"} if token else {}
 
     async def _disconnect(self, entry: WorkerEntry) -> None:

@@ -11,7 +11,7 @@ import json
 import os
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -42,9 +42,9 @@ class RouterSettings:
     first_byte_timeout: float = 300.0
     max_image_bytes: int = 20 * 1024 * 1024
     admin_token: str | None = None
+    worker_admin_token: str | None = None
     seed: int | None = None
     log_level: str = "info"
-    extra: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         checks = [
@@ -102,7 +102,7 @@ def _read_file(path: str) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise SettingsError(f"config file {path} must hold a table of settings")
     data = data.get("router", data)
-    unknown = set(data) - set(_TYPES) - {"extra"}
+    unknown = set(data) - set(_TYPES)
     if unknown:
         raise SettingsError(f"config file {path}: unknown settings {sorted(unknown)}")
     return data
@@ -130,6 +130,6 @@ def load_settings(flags: Mapping[str, Any], env: Mapping[str, str] | None = None
     sources.append(("flag", {k: v for k, v in flags.items() if v is not None and v != ()}))
     for origin, values in sources:
         for name, value in values.items():
-            if name in _TYPES and name != "extra":
+            if name in _TYPES:
                 merged[name] = _coerce(name, value, origin)
     return RouterSettings(**merged)
