@@ -55,6 +55,9 @@ def request_hashes(prompt: PromptTokens, terms: HashingTerms, lora: str | None =
         lora: the LoRA adapter the request selects, if any.
     """
     size = terms.block_size
+    seed = scope_seed(lora, published_salt(prompt.cache_salt, terms.salt_hashing))
+    if not prompt.images:  # the common case: hash the token list as it is, no copy
+        return block_hashes(prompt.token_ids, size, seed=seed)
     limit = prompt.matchable_tokens(by_uuid=terms.by_uuid)
     blocks = limit // size
     tokens: list[int | str] = list(prompt.token_ids[: blocks * size])
@@ -68,5 +71,4 @@ def request_hashes(prompt: PromptTokens, terms: HashingTerms, lora: str | None =
         tokens[span.start:end] = [identity] * (end - span.start)
         for b in range(span.start // size, (end - 1) // size + 1):
             mm[b].append((identity, max(0, b * size - span.start)))
-    seed = scope_seed(lora, published_salt(prompt.cache_salt, terms.salt_hashing))
-    return block_hashes(tokens, size, seed=seed, mm=mm if prompt.images else None)
+    return block_hashes(tokens, size, seed=seed, mm=mm)
