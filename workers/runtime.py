@@ -43,7 +43,12 @@ class WorkerRuntime:
         self.instance_id = uuid.uuid4().hex
         self.started_at = int(time.time())
         self._loras = {name: i + 1 for i, name in enumerate(settings.loras)}
-        self.cache = CacheManager(settings.num_blocks, settings.block_size, settings.host_blocks)
+        num_blocks = settings.num_blocks
+        if settings.engine == "torch":  # the KV cache is sized from its memory budget
+            from workers.torch_engine import kv_blocks_for
+
+            num_blocks = kv_blocks_for(settings)
+        self.cache = CacheManager(num_blocks, settings.block_size, settings.host_blocks)
         self.batcher = Batcher(self.cache, max_num_batched_tokens=settings.max_num_batched_tokens,
                                max_num_seqs=settings.max_num_seqs,
                                max_model_len=settings.max_model_len)
@@ -128,7 +133,7 @@ class WorkerRuntime:
             "replay_endpoint": pub.replay_endpoint if pub else None,
             "topic": s.topic,
             "data_parallel_rank": s.data_parallel_rank,
-            "capacity": {"num_blocks": s.num_blocks, "host_blocks": s.host_blocks,
+            "capacity": {"num_blocks": self.cache.pool.num_blocks, "host_blocks": s.host_blocks,
                          "max_num_seqs": s.max_num_seqs},
             "max_model_len": s.max_model_len,
             "salt_hashing": SALT_HASHING,

@@ -1,0 +1,424 @@
+"""The torch engine on a real device: prefill, cached prefill, decode, and routing over engines.
+
+Run: ``python -m bench.gpu [--json] [--model llama-1b] [--device auto]``.
+
+Sections (``docs/gpu.md`` holds the figures and what they mean):
+
+- ``ttft``: one 8,192-token prompt computed cold; the same prompt with 8,128 tokens cached (its
+  first 254 blocks already in the request's block table) and 64 new; 64 new tokens alone. Each
+  is one executor pass, sampling included, median of ``--repeats``.
+- ``decode``: tokens/s of decode iterations at batch 1, 8 and 32 over 1,024-token prompts.
+- ``routing``: ``--workers`` engines (own cache manager, batcher and KV blocks, one shared set
+  of weights, one GPU) driven in this process from the shared Mooncake synthetic trace, each
+  hash id scaled to 64 tokens (512 / 8) and outputs to 1/8. Two policies place the requests:
+  round-robin, and kvroute's (the real :class:`~indexer.index.PrefixIndex` fed by each
+  engine's published event batches through the wire codec, predicted residency, and
+  :func:`router.scheduler.choose` over each engine's reported load). Arrivals keep the trace's
+  spacing, compressed so the prompt tokens arrive at ``--load`` times the device's measured
+  cold prefill rate. Reported: TTFT p50/p99 and throughput.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import gc
+import json
+import os
+import random
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, cast
+
+from indexer.decode import decode_batch
+from indexer.index import PrefixIndex, block_hashes, scope_seed
+from indexer.tokenizer import ByteTokenizer
+from indexer.wire import KVEventBatch, encode_batch
+from router.residency import PredictedResidency
+from router.scheduler import Candidate, SchedulerConfig, choose
+from workers.batcher import Batcher, EngineRequest
+from workers.block_keys import Prompt
+from workers.cache_manager import CacheManager
+from workers.engine import Engine, RequestHandle
+from workers.event_sink import EventSink
+from workers.executor import DecodeStep, IterationPlan, PrefillChunk
+from workers.publisher import EventPublisher
+from workers.settings import WorkerSettings
+from workers.torch_engine import TorchExecutor, build_torch_executor
+from workers.torch_kv import PagedKV
+
+BS = 32
+TRACE = "traces/mooncake_synthetic_trace.jsonl"
+TOKENS_PER_HASH = 64  # the trace's 512-token blocks, scaled by 1/8
+
+
+def _sync() -> None:
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _median_ms(fn: Any, repeats: int) -> float:
+    fn()  # warm-up
+    times = []
+    for _ in range(repeats):
+        _sync()
+        t = time.perf_counter()
+        fn()
+        _sync()
+        times.append((time.perf_counter() - t) * 1e3)
+    return statistics.median(times)
+
+
+def _chunk(rid: str, blocks: Sequence[int], tokens: Sequence[int], start: int) -> PrefillChunk:
+    return PrefillChunk(
+        rid,
+        tuple(blocks),
+        start,
+        len(tokens) - start,
+        tuple(tokens[start:]),
+        (),
+        True,
+        0,
+        Prompt(tuple(tokens)),
+    )
+
+
+def _plan(prefill: Sequence[PrefillChunk] = (), decode: Sequence[DecodeStep] = ()) -> IterationPlan:
+    return IterationPlan(0, tuple(prefill), tuple(decode), (), ())
+
+
+def _executor(args: argparse.Namespace, cache: CacheManager) -> TorchExecutor:
+    s = WorkerSettings(
+        engine="torch", torch_model=args.model, device=args.device, block_size=BS, seed=0
+    )
+    return build_torch_executor(s, ByteTokenizer(), cache)
+
+
+def _tokens(rng: random.Random, n: int) -> list[int]:
+    return [rng.randrange(4, 260) for _ in range(n)]
+
+
+def bench_ttft(args: argparse.Namespace, ex: TorchExecutor, cache: CacheManager) -> dict[str, Any]:
+    """Cold 8k prefill, 8k with 8,128 cached, and 64 new tokens alone (ms)."""
+    rng = random.Random(1)
+    n, cached = 8192, 8128
+    long = _tokens(rng, n)
+    a = cache.allocate("ttft-long", Prompt(long))
+    short = _tokens(rng, n - cached)
+    b = cache.allocate("ttft-short", Prompt(short))
+    assert a is not None and b is not None, "the cache is too small for the ttft bench"
+    cold = _plan([_chunk("cold", a.block_ids, long, 0)])
+    warm = _plan([_chunk("warm", a.block_ids, long, cached)])
+    alone = _plan([_chunk("alone", b.block_ids, short, 0)])
+    out = {
+        "cold_8192_ms": _median_ms(lambda: ex.run(cold), args.repeats),
+        "cached_8128_new_64_ms": _median_ms(lambda: ex.run(warm), args.repeats),
+        "new_64_alone_ms": _median_ms(lambda: ex.run(alone), args.repeats),
+    }
+    if args.profile:
+        _profile(ex, {"cold 8192": cold, "cached 8128 + 64": warm})
+    for rid in ("ttft-long", "ttft-short"):
+        cache.free(rid)
+    out["cached_over_alone"] = out["cached_8128_new_64_ms"] / out["new_64_alone_ms"]
+    out["cold_tokens_per_s"] = n / out["cold_8192_ms"] * 1e3
+    return out
+
+
+def _profile(ex: TorchExecutor, plans: dict[str, IterationPlan]) -> None:
+    """Print the device and host time of each pass's top operators."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for name, plan in plans.items():
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            ex.run(plan)
+        print(f"# profile {name}", flush=True)
+        print(prof.key_averages().table(sort_by="self_device_time_total", row_limit=12), flush=True)
+
+
+def bench_decode(
+    args: argparse.Namespace, ex: TorchExecutor, cache: CacheManager, batch: int
+) -> dict[str, Any]:
+    """Median decode iteration at ``batch`` requests of 1,024-token prompts."""
+    rng = random.Random(batch)
+    b = Batcher(cache, max_num_batched_tokens=8192, max_num_seqs=batch)
+    steps = args.decode_steps
+    for i in range(batch):
+        b.add(
+            EngineRequest(
+                f"dec-{batch}-{i}", Prompt(_tokens(rng, 1024)), steps + 4, ignore_eos=True
+            )
+        )
+    times = []
+    while (plan := b.schedule()) is not None:
+        sampled, seconds = ex.run(plan)
+        if not plan.prefill and len(plan.decode) == batch:
+            times.append(seconds)
+            last = plan
+        b.complete(plan, sampled)
+    if args.profile and batch == 8:
+        _profile(ex, {"decode batch 8": last})
+    ms = statistics.median(times[2:]) * 1e3
+    return {"batch": batch, "ctx": 1024, "step_ms": ms, "tokens_per_s": batch / ms * 1e3}
+
+
+# -- routing ---------------------------------------------------------------------------------
+
+
+class IndexFeed:
+    """Stands in for a worker's publisher: each batch goes through the wire codec into the
+    router's index, as a ZMQ subscriber would apply it (minus the socket)."""
+
+    def __init__(self, index: Any, worker: int) -> None:
+        self.index, self.worker = index, worker
+        self.next_seq = 0
+
+    async def publish(self, batch: KVEventBatch) -> int:
+        self.index.apply_batch(self.worker, decode_batch(encode_batch(batch)).events)
+        self.next_seq += 1
+        return self.next_seq - 1
+
+
+def load_trace(path: Path, first: int, count: int) -> list[dict[str, Any]]:
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return rows[first : first + count]
+
+
+_HASH_TOKENS: dict[int, list[int]] = {}
+
+
+def trace_prompt(row: dict[str, Any]) -> list[int]:
+    """The row's prompt: each hash id's 64 deterministic tokens, cut to input_length / 8."""
+    tokens: list[int] = []
+    for h in row["hash_ids"]:
+        block = _HASH_TOKENS.get(h)
+        if block is None:
+            block = _HASH_TOKENS[h] = _tokens(random.Random(h), TOKENS_PER_HASH)
+        tokens.extend(block)
+    n = max(1, -(-row["input_length"] // (512 // TOKENS_PER_HASH)))
+    return tokens[:n]
+
+
+async def replay(
+    args: argparse.Namespace, policy: str, rows: list[dict[str, Any]], span_s: float, model: Any
+) -> dict[str, Any]:
+    """Replay ``rows`` over ``--workers`` engines placed by ``policy``; TTFT and throughput."""
+    index = PrefixIndex(BS)
+    engines: list[Engine] = []
+    for w in range(args.workers):
+        cache = CacheManager(args.worker_blocks, BS)
+        kv = PagedKV(
+            num_layers=model.config.num_layers,
+            block_size=BS,
+            kv_heads=model.config.num_kv_heads,
+            head_dim=model.config.head_dim,
+            num_blocks=args.worker_blocks,
+            host_blocks=0,
+            dtype=model.dtype,
+            device=model.device,
+        )
+        ex = TorchExecutor(model, kv, vocab_limit=ByteTokenizer.vocab_size)
+        batcher = Batcher(cache, max_num_batched_tokens=8192)
+        engines.append(
+            Engine(
+                cache, batcher, ex, EventSink(), cast(EventPublisher, IndexFeed(index, w)), rank=w
+            )
+        )
+    for e in engines:
+        await e.start()
+    predicted = PredictedResidency(ttl=2.0)
+    config, rng = SchedulerConfig(), random.Random(0)
+    seed = scope_seed(None, None)
+    t0 = rows[0]["timestamp"]
+    last = rows[-1]["timestamp"] - t0 or 1
+    ttft: list[float] = []
+    tokens_out = 0
+    start = time.perf_counter()
+
+    async def consume(handle: RequestHandle, arrived: float) -> None:
+        nonlocal tokens_out
+        async for out in handle:
+            if out.first:
+                ttft.append(time.perf_counter() - arrived)
+            tokens_out += 1
+
+    tasks = []
+    for i, row in enumerate(rows):
+        due = start + (row["timestamp"] - t0) / last * span_s
+        await asyncio.sleep(max(0.0, due - time.perf_counter()))
+        prompt = trace_prompt(row)
+        if policy == "round_robin":
+            worker = i % args.workers
+        else:
+            now = time.perf_counter()
+            hashes = block_hashes(prompt, BS, seed=seed)
+            matches = index.match(hashes)
+            candidates = []
+            for w, e in enumerate(engines):
+                matched, device = matches.get(w, (0, 0))
+                extended = predicted.extend(w, hashes, matched, now)
+                load = e.load()
+                candidates.append(
+                    Candidate(
+                        w,
+                        extended,
+                        device + extended - matched,
+                        load["pending_prefill_tokens"] / BS,
+                        load["decode_blocks"],
+                        int(load["running"] + load["waiting"]),
+                    )
+                )
+            worker = choose(len(hashes), candidates, config, rng).worker
+            predicted.predict(worker, hashes, now)
+        max_tokens = max(1, row["output_length"] // 8)
+        handle = engines[worker].submit(
+            EngineRequest(f"r{i}", Prompt(prompt), max_tokens, ignore_eos=True)
+        )
+        tasks.append(asyncio.create_task(consume(handle, time.perf_counter())))
+    await asyncio.gather(*tasks)
+    elapsed = time.perf_counter() - start
+    stats = [e.cache.stats() for e in engines]
+    for e in engines:
+        await e.stop()
+    query = sum(s.query_tokens for s in stats)
+    prompt_tokens = sum(len(trace_prompt(r)) for r in rows)
+    ttft.sort()
+    return {
+        "policy": policy,
+        "requests": len(rows),
+        "ttft_p50_ms": ttft[len(ttft) // 2] * 1e3,
+        "ttft_p99_ms": ttft[min(len(ttft) - 1, int(len(ttft) * 0.99))] * 1e3,
+        "ttft_mean_ms": statistics.fmean(ttft) * 1e3,
+        "makespan_s": elapsed,
+        "requests_per_s": len(rows) / elapsed,
+        "tokens_per_s": (prompt_tokens + tokens_out) / elapsed,
+        "hit_rate": sum(s.hit_tokens for s in stats) / query if query else 0.0,
+        "preemptions": sum(e.batcher.preemptions for e in engines),
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.gpu",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--model", default="llama-1b", help="tiny, llama-1b or a folder")
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--decode-steps", type=int, default=32)
+    parser.add_argument(
+        "--cold-rate",
+        type=float,
+        default=150_000.0,
+        help="cold prefill tokens/s to scale loads by when ttft is not run",
+    )
+    parser.add_argument("--profile", action="store_true", help="print operator profiles")
+    parser.add_argument("--sections", default="ttft,decode,routing")
+    parser.add_argument("--workers", type=int, default=4)
+    parser.add_argument(
+        "--worker-blocks",
+        type=int,
+        default=6144,
+        help="KV blocks per routed engine (llama-1b: 1 MiB each)",
+    )
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        default=None,
+        help="the Mooncake synthetic trace (default: $KVROUTE_SHARED or ../shared)",
+    )
+    parser.add_argument("--first", type=int, default=3200, help="first trace request")
+    parser.add_argument("--count", type=int, default=793, help="trace requests replayed")
+    parser.add_argument(
+        "--loads", default="1.0,2.0", help="offered prompt tokens / cold prefill rate, one run each"
+    )
+    args = parser.parse_args(argv)
+    sections = set(args.sections.split(","))
+    result: dict[str, Any] = {"model": args.model}
+
+    import torch
+
+    cache = CacheManager(2048, BS)
+    ex = _executor(args, cache)
+    result["device"] = torch.cuda.get_device_name() if ex.kv.device.type == "cuda" else "cpu"
+    result["torch"] = torch.__version__
+    result["params"] = ex.model.config.num_params
+    cold_rate = None
+    if "ttft" in sections:
+        result["ttft"] = bench_ttft(args, ex, cache)
+        cold_rate = result["ttft"]["cold_tokens_per_s"]
+        _log(args, "ttft", result["ttft"])
+    if "decode" in sections:
+        result["decode"] = [bench_decode(args, ex, cache, b) for b in (1, 8, 32)]
+        _log(args, "decode", result["decode"])
+    if "routing" in sections:
+        del ex
+        gc.collect()
+        from workers.torch_engine import resolve_device, resolve_model
+        from workers.torch_model import Decoder
+
+        config, _ = resolve_model(args.model)
+        device = resolve_device(args.device)
+        model = Decoder(config, torch.bfloat16 if device.type == "cuda" else torch.float32, device)
+        model.init_random(0)
+        shared = Path(
+            os.environ.get("KVROUTE_SHARED", Path(__file__).parent.parent.parent / "shared")
+        )
+        rows = load_trace(args.trace or shared / TRACE, args.first, args.count)
+        prompt_tokens = sum(len(trace_prompt(r)) for r in rows)
+        rate = cold_rate or args.cold_rate
+        result["routing"] = {
+            "workers": args.workers,
+            "worker_blocks": args.worker_blocks,
+            "requests": len(rows),
+            "prompt_tokens": prompt_tokens,
+            "cold_tokens_per_s": rate,
+            "runs": [],
+        }
+        for load in (float(x) for x in args.loads.split(",")):
+            span = prompt_tokens / (load * rate)
+            for policy in ("round_robin", "kvroute"):
+                run = asyncio.run(replay(args, policy, rows, span, model))
+                run.update(load=load, arrival_span_s=span)
+                result["routing"]["runs"].append(run)
+                _log(args, "routing", run)
+                gc.collect()
+    print(json.dumps(result, indent=1) if args.json else _table(result))
+    return 0
+
+
+def _log(args: argparse.Namespace, section: str, value: Any) -> None:
+    if args.json:
+        print(f"# {section}: {json.dumps(value)}", flush=True)
+
+
+def _table(result: dict[str, Any]) -> str:
+    lines = [f"{result['model']} on {result['device']} (torch {result['torch']})"]
+    t = result.get("ttft")
+    if t:
+        lines.append(
+            f"ttft cold 8192: {t['cold_8192_ms']:.1f} ms; 8128 cached + 64 new: "
+            f"{t['cached_8128_new_64_ms']:.1f} ms; 64 alone: {t['new_64_alone_ms']:.1f}"
+            f" ms (ratio {t['cached_over_alone']:.2f})"
+        )
+    for d in result.get("decode", []):
+        lines.append(
+            f"decode batch {d['batch']}: {d['step_ms']:.2f} ms/step, "
+            f"{d['tokens_per_s']:.0f} tokens/s"
+        )
+    for r in result.get("routing", {}).get("runs", []):
+        lines.append(
+            f"load {r['load']} {r['policy']:>11}: TTFT p50 {r['ttft_p50_ms']:.0f} ms "
+            f"p99 {r['ttft_p99_ms']:.0f} ms, {r['tokens_per_s']:.0f} tokens/s, "
+            f"hit {r['hit_rate']:.2f}"
+        )
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

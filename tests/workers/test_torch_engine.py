@@ -1,0 +1,294 @@
+"""The torch engine on the ``tiny`` decoder: paged KV against a dense forward from scratch.
+
+Every scenario drives the real Batcher and CacheManager and compares each sampled position's
+logits with :meth:`Decoder.forward_dense` over the same tokens (float32 on the CPU; bf16 on a
+GPU, marked ``gpu``). Block size 4 keeps prompts short while crossing many blocks.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from indexer.tokenizer import ByteTokenizer  # noqa: E402
+from workers.batcher import Batcher, EngineRequest  # noqa: E402
+from workers.block_keys import Prompt  # noqa: E402
+from workers.cache_manager import CacheManager  # noqa: E402
+from workers.engine import Engine  # noqa: E402
+from workers.event_sink import EventSink  # noqa: E402
+from workers.settings import WorkerSettings  # noqa: E402
+from workers.torch_engine import (  # noqa: E402
+    TorchEngineError,
+    TorchExecutor,
+    build_torch_executor,
+    kv_blocks_for,
+)
+
+BS = 4
+POISON = 1e4  # finite: a masked-out position weighs zero, and 0 * 1e4 is still 0
+
+DEVICES = [
+    "cpu",
+    pytest.param(
+        "cuda",
+        marks=[
+            pytest.mark.gpu,
+            pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+        ],
+    ),
+]
+# ||paged - dense|| / ||dense||: float32 arithmetic vs bf16 weights and activations.
+TOLERANCE = {"cpu": 1e-5, "cuda": 5e-2}
+
+
+def settings(device: str, **kw: Any) -> WorkerSettings:
+    values: dict[str, Any] = {
+        "engine": "torch",
+        "torch_model": "tiny",
+        "device": device,
+        "block_size": BS,
+        "max_num_batched_tokens": 16,
+    }
+    return WorkerSettings(**(values | kw))
+
+
+def executor(
+    device: str, num_blocks: int, host_blocks: int = 0, **kw: Any
+) -> tuple[CacheManager, TorchExecutor]:
+    cache = CacheManager(num_blocks, BS, host_blocks)
+    return cache, build_torch_executor(settings(device, **kw), ByteTokenizer(), cache)
+
+
+class Driver:
+    """Runs a batcher over an executor synchronously, keeping every sampled position's logits."""
+
+    def __init__(self, cache: CacheManager, ex: TorchExecutor, budget: int = 16) -> None:
+        self.cache, self.ex = cache, ex
+        self.batcher = Batcher(cache, max_num_batched_tokens=budget)
+        self.prompts: dict[str, list[int]] = {}
+        self.tokens: dict[str, list[int]] = {}
+        self.logits: dict[str, list[Any]] = {}
+        self.chunks: list[Any] = []
+
+    def add(self, rid: str, prompt: list[int], max_tokens: int) -> None:
+        self.prompts[rid] = prompt
+        self.batcher.add(EngineRequest(rid, Prompt(prompt), max_tokens))
+
+    def run(self) -> None:
+        while (plan := self.batcher.schedule()) is not None:
+            self.chunks.extend(plan.prefill)
+            logits = self.ex.logits(plan)
+            sampled = {}
+            for rid, row in logits.items():
+                self.logits.setdefault(rid, []).append(row)
+                sampled[rid] = int(row[: self.ex.vocab_limit].argmax())
+            for out in self.batcher.complete(plan, sampled):
+                self.tokens.setdefault(out.request_id, []).append(out.token_id)
+
+    def check(self, rid: str, device: str) -> None:
+        """Every sampled position of ``rid`` matches the dense forward over its sequence."""
+        seq = list(self.prompts[rid])
+        assert len(self.logits[rid]) == len(self.tokens[rid])
+        with torch.inference_mode():
+            for row, token in zip(self.logits[rid], self.tokens[rid], strict=True):
+                ref = self.ex.model.forward_dense(torch.tensor(seq, device=row.device))[-1]
+                err = ((row - ref).norm() / ref.norm()).item()
+                assert err < TOLERANCE[device], f"{rid} position {len(seq)}: error {err:.2e}"
+                seq.append(token)
+
+    def start_of(self, rid: str) -> int:
+        return next(c.start for c in self.chunks if c.request_id == rid)
+
+
+def prompt(seed: int, n: int) -> list[int]:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randint(4, 260, (n,), generator=g)).tolist()
+
+
+def poison_unused(cache: CacheManager, ex: TorchExecutor) -> None:
+    """Overwrite every device block that is not a cached block, as if reused by someone."""
+    keep = set(cache.pool.evictable_blocks())
+    assert cache.pool.num_held_blocks == 0, "poison only between requests"
+    for b in range(cache.pool.num_blocks):
+        if b not in keep:
+            ex.kv.device_blocks[b].fill_(POISON)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_logits_over_a_cached_prefix_equal_logits_from_scratch(device: str) -> None:
+    cache, ex = executor(device, num_blocks=64)
+    d = Driver(cache, ex)
+    shared = prompt(1, 26)
+    d.add("a", shared + prompt(2, 4), 3)
+    d.run()
+    poison_unused(cache, ex)
+    # b shares a's first 6 full blocks (24 tokens) and computes only its own tail, in two
+    # chunks of the 16-token budget, then decodes over the cached prefix.
+    d.add("b", shared + prompt(3, 14), 4)
+    d.run()
+    assert d.start_of("b") == 24
+    assert cache.stats().hit_tokens == 24
+    d.check("a", device)
+    d.check("b", device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_offload_and_onboard_round_trip_keeps_logits(device: str) -> None:
+    cache, ex = executor(device, num_blocks=12, host_blocks=16)
+    d = Driver(cache, ex)
+    first = prompt(4, 24)
+    d.add("a", first, 1)  # 6 full blocks, all committed when a finishes
+    d.run()
+    # b needs 10 of the 12 blocks: 6 free, then 4 of a's, tail first (a freed its tail
+    # first): a's blocks 2..5 go to the host tier, blocks 0..1 stay on the device.
+    d.add("b", prompt(5, 40), 1)
+    d.run()
+    assert cache.stats().offloads == 4
+    poison_unused(cache, ex)  # only a's blocks 0..1 (and b's) survive on the device
+    d.add("c", first + prompt(6, 5), 3)
+    d.run()
+    stats = cache.stats()
+    assert stats.onboards == 4
+    assert d.start_of("c") == 24
+    assert stats.host_hit_tokens == 16
+    d.check("b", device)
+    d.check("c", device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_blocks_freed_and_reused_do_not_leak_old_contents(device: str) -> None:
+    cache, ex = executor(device, num_blocks=8)
+    d = Driver(cache, ex)
+    d.add("a", prompt(7, 30), 2)  # fills all 8 blocks, the last one partly
+    d.run()
+    assert cache.stats().device_evictions == 0
+    # b's prompt ends mid-block and it decodes into the rest of that block: every block it
+    # gets held a's KV, and the slots past b's context still do.
+    d.add("b", prompt(8, 13), 6)
+    d.run()
+    assert cache.stats().hit_tokens == 0
+    d.check("b", device)
+    # Two requests at once reuse the same freed blocks in one batch (prefill and decode mixed).
+    d.add("c", prompt(9, 9), 5)
+    d.add("e", prompt(10, 6), 5)
+    d.run()
+    d.check("c", device)
+    d.check("e", device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+async def test_engine_produces_deterministic_greedy_tokens_and_reports_cached_tokens(
+    device: str,
+) -> None:
+    cache, ex = executor(device, num_blocks=64)
+    batcher = Batcher(cache, max_num_batched_tokens=16)
+    engine = Engine(cache, batcher, ex, EventSink(), None)
+    await engine.start()
+    try:
+        text = prompt(11, 30)
+
+        async def ask(rid: str) -> tuple[int, list[int]]:
+            handle = engine.submit(EngineRequest(rid, Prompt(text), 8, eos_token_id=None))
+            cached = await handle.admitted()
+            return cached, [out.token_id async for out in handle]
+
+        cold, first = await ask("r1")
+        warm, second = await ask("r2")
+    finally:
+        await engine.stop()
+    assert (cold, warm) == (0, 28)  # 7 full blocks; the last prompt position is recomputed
+    assert len(first) == 8
+    assert second == first
+    if device == "cpu":
+        seq = list(text)
+        with torch.inference_mode():
+            for token in first:
+                logits = ex.model.forward_dense(torch.tensor(seq))[-1]
+                assert int(logits[: ex.vocab_limit].argmax()) == token
+                seq.append(token)
+    assert all(0 <= t < ByteTokenizer.vocab_size for t in first)
+
+
+def test_same_seed_same_weights_and_seed_changes_them() -> None:
+    _, one = executor("cpu", num_blocks=4)
+    _, two = executor("cpu", num_blocks=4)
+    _, other = executor("cpu", num_blocks=4, seed=1)
+    w = [
+        dict(e.model.named_parameters())["model.layers.1.mlp.up_proj.weight"]
+        for e in (one, two, other)
+    ]
+    assert torch.equal(w[0], w[1])
+    assert not torch.equal(w[0], w[2])
+
+
+def _write_safetensors(path: Path, tensors: dict[str, Any]) -> None:
+    header: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    blobs, offset = [], 0
+    for name, t in tensors.items():
+        data = t.detach().contiguous().numpy().tobytes()
+        header[name] = {
+            "dtype": "F32",
+            "shape": list(t.shape),
+            "data_offsets": [offset, offset + len(data)],
+        }
+        blobs.append(data)
+        offset += len(data)
+    raw = json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(blobs))
+
+
+def test_loads_a_local_checkpoint_folder(tmp_path: Path) -> None:
+    _, random = executor("cpu", num_blocks=8)
+    c = random.model.config
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "vocab_size": c.vocab_size,
+                "hidden_size": c.hidden_size,
+                "num_hidden_layers": c.num_layers,
+                "num_attention_heads": c.num_heads,
+                "num_key_value_heads": c.num_kv_heads,
+                "intermediate_size": c.intermediate_size,
+                "rms_norm_eps": c.rms_norm_eps,
+                "rope_theta": c.rope_theta,
+            }
+        )
+    )
+    state = dict(random.model.named_parameters())
+    names = sorted(state)
+    _write_safetensors(
+        tmp_path / "model-00001.safetensors", {n: state[n] for n in names[: len(names) // 2]}
+    )
+    _write_safetensors(
+        tmp_path / "model-00002.safetensors", {n: state[n] for n in names[len(names) // 2 :]}
+    )
+    cache = CacheManager(8, BS)
+    loaded = build_torch_executor(
+        settings("cpu", torch_model=str(tmp_path)), ByteTokenizer(), cache
+    )
+    tokens = torch.tensor(prompt(12, 9))
+    with torch.inference_mode():
+        assert torch.equal(loaded.model.forward_dense(tokens), random.model.forward_dense(tokens))
+
+
+def test_kv_memory_budget_sizes_the_cache() -> None:
+    # tiny: 2 layers x K,V x 4 positions x 2 KV heads x 16 dims x 4 bytes = 2 KiB a block.
+    assert kv_blocks_for(settings("cpu", kv_memory_gb=1 / 1024)) == 512
+
+
+def test_clear_errors_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    with pytest.raises(TorchEngineError, match="neither a configuration"):
+        kv_blocks_for(settings("cpu", torch_model="no-such-model"))
+    with pytest.raises(TorchEngineError, match="holds no"):
+        kv_blocks_for(settings("cpu", kv_memory_gb=1e-9))
+    monkeypatch.setitem(sys.modules, "torch", None)  # as if PyTorch were not installed
+    with pytest.raises(TorchEngineError, match=r"pip install 'kvroute\[torch\]'"):
+        kv_blocks_for(settings("cpu"))

@@ -1,0 +1,333 @@
+"""The torch engine: a real Llama-style decoder computing each iteration on the GPU (or CPU),
+its KV cache in the cache manager's blocks.
+
+:func:`build_torch_executor` assembles it from the worker settings; :class:`TorchExecutor`
+implements the executor contract (:mod:`workers.executor`): perform the plan's block copies,
+compute every prefill chunk and decode step in one forward pass over a flat token batch
+(:class:`~workers.torch_model.PagedBatch`), and sample greedily (argmax over the tokenizer's
+ids) from each sampling position. The router cannot tell it from the simulated engine except by
+speed: the events, the API and the cache decisions are the cache manager's, shared by both.
+
+PyTorch is an optional dependency: this module imports it only inside functions, and the model
+and KV modules (which import it at the top) only from there, so a worker without PyTorch runs
+the sim engine and names the missing extra only when asked for the torch engine.
+
+Memory: the KV cache's size is decided before the cache manager exists
+(:func:`kv_blocks_for`): ``--kv-memory-gb`` when given, else a share of the device's free
+memory left after the weights (:data:`CUDA_KV_SHARE`), or :data:`CPU_KV_BYTES` on the CPU.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from indexer.tokenizer import Tokenizer, load_tokenizer
+from workers.cache_manager import CacheManager
+from workers.executor import IterationPlan
+from workers.settings import WorkerSettings
+
+if TYPE_CHECKING:
+    import torch
+
+    from workers.torch_kv import PagedKV
+    from workers.torch_model import Decoder, ModelConfig, PagedBatch
+
+__all__ = [
+    "CPU_KV_BYTES",
+    "CUDA_KV_SHARE",
+    "INSTALL_HINT",
+    "TorchEngineError",
+    "TorchExecutor",
+    "build_torch_executor",
+    "kv_blocks_for",
+    "resolve_model",
+]
+
+INSTALL_HINT = "pip install 'kvroute[torch]'"
+#: Share of the CUDA device's free memory, after weights and activation headroom, for KV.
+CUDA_KV_SHARE = 0.8
+#: Activation headroom kept free on CUDA: an 8k-token prefill of the 1B model needs ~1.5 GiB.
+CUDA_RESERVE_BYTES = 4 << 30
+#: KV cache bytes on the CPU when ``--kv-memory-gb`` is not given.
+CPU_KV_BYTES = 512 << 20
+
+
+class TorchEngineError(ValueError):
+    """The torch engine cannot start with these settings (no PyTorch, no such model or
+    device, too little memory); the message says what to change."""
+
+
+def _torch() -> Any:
+    try:
+        import torch
+    except ImportError:
+        raise TorchEngineError(
+            f"--engine torch needs PyTorch, which is not installed: {INSTALL_HINT}"
+        ) from None
+    return torch
+
+
+def resolve_device(name: str) -> torch.device:
+    """``cuda``, ``cpu`` or ``auto`` (CUDA when available) as a device.
+
+    Raises:
+        TorchEngineError: CUDA asked for and not available, or an unknown name.
+    """
+    torch = _torch()
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name not in ("cuda", "cpu") and not name.startswith("cuda:"):
+        raise TorchEngineError(f"--device must be cuda, cpu or auto, got {name!r}")
+    if name.startswith("cuda") and not torch.cuda.is_available():
+        raise TorchEngineError(f"--device {name}: PyTorch sees no CUDA device")
+    return torch.device(name)
+
+
+def resolve_model(name: str) -> tuple[ModelConfig, Path | None]:
+    """A configuration name or a local model folder: the config and the folder (if any).
+
+    Raises:
+        TorchEngineError: neither a known name nor a folder with ``config.json``.
+    """
+    _torch()
+    from workers.torch_model import CONFIGS, config_from_folder
+
+    if name in CONFIGS:
+        return CONFIGS[name], None
+    folder = Path(name).expanduser()
+    if not folder.is_dir():
+        raise TorchEngineError(
+            f"--torch-model {name!r} is neither a configuration ({', '.join(CONFIGS)}) nor a "
+            f"local model folder (weights are never downloaded)"
+        )
+    try:
+        return config_from_folder(folder), folder
+    except (ValueError, KeyError) as exc:
+        raise TorchEngineError(f"--torch-model {name}: {exc}") from None
+
+
+def _dtype(device: torch.device) -> torch.dtype:
+    torch = _torch()
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
+def kv_blocks_for(settings: WorkerSettings) -> int:
+    """How many device KV blocks the torch engine's memory budget holds.
+
+    ``settings.kv_memory_gb`` GiB when set; else :data:`CUDA_KV_SHARE` of the CUDA device's
+    free memory after the weights and :data:`CUDA_RESERVE_BYTES`; else :data:`CPU_KV_BYTES`.
+
+    Raises:
+        TorchEngineError: bad model or device, or a budget under one block.
+    """
+    from workers.torch_kv import bytes_per_block
+
+    config, _ = resolve_model(settings.torch_model)
+    device = resolve_device(settings.device)
+    dtype = _dtype(device)
+    per_block = bytes_per_block(
+        config.num_layers, settings.block_size, config.num_kv_heads, config.head_dim, dtype
+    )
+    if settings.kv_memory_gb is not None:
+        budget = int(settings.kv_memory_gb * 2**30)
+    elif device.type == "cuda":
+        free, _ = _torch().cuda.mem_get_info(device)
+        weights = config.num_params * dtype.itemsize
+        budget = int((free - weights - CUDA_RESERVE_BYTES) * CUDA_KV_SHARE)
+    else:
+        budget = CPU_KV_BYTES
+    blocks = budget // per_block
+    if blocks < 1:
+        raise TorchEngineError(
+            f"a KV budget of {budget / 2**30:.3f} GiB holds no {per_block}-byte block of "
+            f"{config.name}; raise --kv-memory-gb"
+        )
+    return blocks
+
+
+def build_torch_executor(
+    settings: WorkerSettings, tokenizer: Tokenizer, cache: CacheManager
+) -> TorchExecutor:
+    """Build the torch engine's executor for a worker.
+
+    The KV storage holds exactly the cache manager's ``num_blocks`` device blocks and
+    ``host_blocks`` host blocks (size the manager with :func:`kv_blocks_for` first).
+
+    Raises:
+        TorchEngineError: no PyTorch, unknown model or device, a tokenizer that does not fit
+            the model, or too little memory.
+    """
+    torch = _torch()
+    from workers.torch_kv import PagedKV
+    from workers.torch_model import Decoder, load_checkpoint
+
+    config, folder = resolve_model(settings.torch_model)
+    device = resolve_device(settings.device)
+    if folder is not None:
+        _check_tokenizer(folder, settings, tokenizer)
+    if tokenizer.vocab_size > config.vocab_size:
+        raise TorchEngineError(
+            f"the tokenizer has {tokenizer.vocab_size} ids but {config.name} embeds only "
+            f"{config.vocab_size}"
+        )
+    dtype = _dtype(device)
+    try:
+        model = Decoder(config, dtype, device)
+    except torch.cuda.OutOfMemoryError:
+        raise TorchEngineError(f"{config.name}'s weights do not fit on {device}") from None
+    if folder is None:
+        model.init_random(settings.seed)
+    else:
+        try:
+            load_checkpoint(model, folder)
+        except ValueError as exc:
+            raise TorchEngineError(str(exc)) from None
+    model.eval()
+    try:
+        kv = PagedKV(
+            num_layers=config.num_layers,
+            block_size=cache.block_size,
+            kv_heads=config.num_kv_heads,
+            head_dim=config.head_dim,
+            num_blocks=cache.pool.num_blocks,
+            host_blocks=cache.pool.host_blocks,
+            dtype=dtype,
+            device=device,
+        )
+    except ValueError as exc:
+        raise TorchEngineError(str(exc)) from None
+    return TorchExecutor(model, kv, vocab_limit=tokenizer.vocab_size)
+
+
+def _check_tokenizer(folder: Path, settings: WorkerSettings, tokenizer: Tokenizer) -> None:
+    # The router tokenizes with --tokenizer too: the worker must use that same file, and it
+    # must be the model's own.
+    if not (folder / "tokenizer.json").is_file():
+        return
+    if settings.tokenizer is None:
+        raise TorchEngineError(
+            f"{folder} holds its tokenizer: start the worker (and the router) with "
+            f"--tokenizer {folder / 'tokenizer.json'}"
+        )
+    if load_tokenizer(str(folder)).identity != tokenizer.identity:
+        raise TorchEngineError(f"--tokenizer {settings.tokenizer} is not {folder}'s tokenizer")
+
+
+class TorchExecutor:
+    """Runs iterations on a :class:`~workers.torch_model.Decoder` over a :class:`PagedKV`.
+
+    Args:
+        model: the decoder.
+        kv: its KV storage; block ids are the cache manager's.
+        vocab_limit: sample only ids below this (the tokenizer's vocabulary), default all.
+
+    Notes:
+        1. One plan at a time (the batcher never overlaps two); :meth:`execute` runs the
+           forward in a worker thread so the event loop keeps serving while the device works.
+        2. Sampling is greedy: the same prompt gives the same tokens on any worker with the
+           same model, after any preemption, up to the device's rounding.
+    """
+
+    def __init__(self, model: Decoder, kv: PagedKV, *, vocab_limit: int | None = None) -> None:
+        self.model = model
+        self.kv = kv
+        self.block_size = kv.block_size
+        self.vocab_limit = model.config.vocab_size if vocab_limit is None else vocab_limit
+        self._layers = kv.layers()
+        self._rows = kv.rows()
+
+    async def execute(self, plan: IterationPlan) -> tuple[dict[str, int], float]:
+        """Compute the plan and sample greedily.
+
+        Returns:
+            The sampled tokens, and the seconds the pass took (copies included).
+        """
+        return await asyncio.to_thread(self.run, plan)
+
+    def run(self, plan: IterationPlan) -> tuple[dict[str, int], float]:
+        """:meth:`execute`, synchronously."""
+        started = time.perf_counter()
+        logits = self.logits(plan)
+        sampled: dict[str, int] = {}
+        if logits:
+            ids = list(logits)
+            best = self._stack(logits, ids)[:, : self.vocab_limit].argmax(dim=-1).tolist()
+            sampled = dict(zip(ids, best, strict=True))
+        return sampled, time.perf_counter() - started
+
+    def logits(self, plan: IterationPlan) -> dict[str, torch.Tensor]:
+        """Perform the plan's copies, compute it, and return each sampling request's logits
+        (float32, over the model's whole vocabulary)."""
+        torch = _torch()
+        with torch.inference_mode():
+            self.kv.transfer(plan.transfers)
+            if not plan.prefill and not plan.decode:
+                return {}
+            batch, ids = self._batch(plan)
+            out = self.model.forward_paged(batch, self._layers, self._rows)
+            return dict(zip(ids, out.unbind(0), strict=True))
+
+    def _stack(self, logits: dict[str, torch.Tensor], ids: Sequence[str]) -> torch.Tensor:
+        return _torch().stack([logits[i] for i in ids])
+
+    def _batch(self, plan: IterationPlan) -> tuple[PagedBatch, list[str]]:
+        torch = _torch()
+        from workers.torch_model import PagedBatch
+
+        bs, vocab = self.block_size, self.model.config.vocab_size
+        layers = self.model.config.num_layers
+        device = self.kv.device
+        tokens: list[int] = []
+        positions: list[int] = []
+        slot_blocks: list[int] = []
+        prefill: list[tuple[int, int, int, Any]] = []
+        rows: list[int] = []
+        ids: list[str] = []
+        for c in plan.prefill:
+            first, end = len(tokens), c.start + c.num_new_tokens
+            tokens.extend(c.token_ids)
+            positions.extend(range(c.start, end))
+            slot_blocks.extend(c.block_ids[p // bs] for p in range(c.start, end))
+            table = torch.tensor(c.block_ids[: -(-end // bs)], dtype=torch.long)
+            prefill.append((first, c.start, c.num_new_tokens, table.to(device)))
+            if c.samples:
+                rows.append(len(tokens) - 1)
+                ids.append(c.request_id)
+        decode_offset = len(tokens)
+        tables = mask = None
+        if plan.decode:
+            width = max(-(-d.context_len // bs) for d in plan.decode)
+            padded = [list(d.block_ids[: -(-d.context_len // bs)]) for d in plan.decode]
+            tables = torch.tensor(
+                [t + [0] * (width - len(t)) for t in padded], dtype=torch.long
+            ).to(device)
+            lens = torch.tensor([d.context_len for d in plan.decode]).to(device)
+            mask = torch.arange(width * bs, device=device)[None, :] < lens[:, None]
+            for d in plan.decode:
+                p = d.context_len - 1
+                rows.append(len(tokens))
+                ids.append(d.request_id)
+                tokens.append(d.token_id)
+                positions.append(p)
+                slot_blocks.append(d.block_ids[p // bs])
+        bad = next((t for t in tokens if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise ValueError(f"token id {bad} is outside the model's vocabulary [0, {vocab})")
+        pos = torch.tensor(positions, dtype=torch.long)
+        batch = PagedBatch(
+            token_ids=torch.tensor(tokens, dtype=torch.long).to(device),
+            positions=pos.to(device),
+            slot_rows=(
+                torch.tensor(slot_blocks, dtype=torch.long) * (2 * layers * bs) + pos % bs
+            ).to(device),
+            prefill=tuple(prefill),
+            decode_offset=decode_offset,
+            decode_tables=tables,
+            decode_mask=mask,
+            logit_rows=torch.tensor(rows, dtype=torch.long).to(device),
+        )
+        return batch, ids

@@ -1,0 +1,499 @@
+"""A Llama-style decoder in PyTorch whose attention reads and writes a paged KV cache.
+
+The architecture is the one Llama and Qwen2 share: token embedding, then per layer RMSNorm ->
+grouped-query attention with rotary positions -> residual, RMSNorm -> SwiGLU MLP -> residual,
+then a final RMSNorm and the output projection. Parameter names are the Hugging Face ones
+(``model.layers.0.self_attn.q_proj.weight`` ...), so a local safetensors checkpoint loads as is.
+
+Two forwards compute the same function:
+
+- :meth:`Decoder.forward_paged` runs one engine iteration over a flat batch of tokens from many
+  sequences (:class:`PagedBatch`): each token's K/V is written into its slot of the paged cache
+  before attention, and each sequence attends to its whole context gathered from its block
+  table. A prefill chunk over a cached prefix thus computes only its new tokens.
+- :meth:`Decoder.forward_dense` runs one sequence from scratch with no cache: the reference the
+  tests compare the paged forward against.
+
+Notes:
+    1. Weights come from a named configuration (:data:`CONFIGS`) with seeded random values
+       (:meth:`Decoder.init_random`: every tensor's generator is seeded from the seed and the
+       tensor's name, so two processes with the same config, seed and device type get the same
+       weights), or from a local folder (:func:`load_checkpoint`). Nothing is ever downloaded.
+    2. Attention is PyTorch's SDPA: causal over the fresh K/V for a prefill from position 0,
+       an explicit mask over the gathered context otherwise; decode steps run as one padded
+       batch, each query-head group folded into the query length so K/V are never repeated.
+    3. Images have no vision tower here: an image's positions are its placeholder tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import mmap
+import zlib
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = [
+    "CONFIGS",
+    "Decoder",
+    "ModelConfig",
+    "PagedBatch",
+    "config_from_folder",
+    "load_checkpoint",
+    "read_safetensors",
+]
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama-style decoder.
+
+    Attributes:
+        name: the configuration's name, or the folder it was read from.
+        rope_scaling: Llama 3 frequency scaling as sorted (key, value) pairs (``factor``,
+            ``low_freq_factor``, ``high_freq_factor``, ``original_max_position_embeddings``);
+            empty for plain RoPE.
+        init_std: standard deviation of random weights (norms start at one).
+    """
+
+    name: str
+    vocab_size: int
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    head_dim: int = 0  # 0: hidden_size // num_heads
+    rope_theta: float = 10000.0
+    rms_norm_eps: float = 1e-5
+    attention_bias: bool = False
+    tie_word_embeddings: bool = False
+    rope_scaling: tuple[tuple[str, float], ...] = field(default=())
+    init_std: float = 0.02
+
+    def __post_init__(self) -> None:
+        if self.head_dim == 0:
+            object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"{self.name}: {self.num_heads} heads do not group over {self.num_kv_heads} "
+                f"KV heads"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"{self.name}: rotary positions need an even head_dim")
+
+    @property
+    def num_params(self) -> int:
+        """Parameters, the output projection counted once when tied."""
+        h, d, q, kv = self.hidden_size, self.head_dim, self.num_heads, self.num_kv_heads
+        attn = h * d * (2 * q + 2 * kv) + (d * (q + 2 * kv) if self.attention_bias else 0)
+        layer = attn + 3 * h * self.intermediate_size + 2 * h
+        head = 0 if self.tie_word_embeddings else self.vocab_size * h
+        return self.vocab_size * h + self.num_layers * layer + h + head
+
+
+#: Named configurations with random weights: ``tiny`` for tests, ``llama-1b`` the calibrated shape.
+CONFIGS: dict[str, ModelConfig] = {
+    # A larger init std than a real model's spreads the logits, so greedy argmax is not decided
+    # by rounding between the paged and the dense forward.
+    "tiny": ModelConfig(
+        "tiny",
+        vocab_size=512,
+        hidden_size=64,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        intermediate_size=128,
+        init_std=0.2,
+    ),
+    "llama-1b": ModelConfig(
+        "llama-1b",
+        vocab_size=32000,
+        hidden_size=2048,
+        num_layers=16,
+        num_heads=32,
+        num_kv_heads=8,
+        intermediate_size=8192,
+    ),
+}
+
+
+def config_from_folder(path: Path) -> ModelConfig:
+    """Read a Hugging Face ``config.json`` (Llama or Qwen2 layout).
+
+    Raises:
+        ValueError: no ``config.json``, or an architecture this decoder does not implement.
+    """
+    file = path / "config.json"
+    if not file.is_file():
+        raise ValueError(f"{path} has no config.json: not a model folder")
+    raw = json.loads(file.read_text())
+    kind = raw.get("model_type", "llama")
+    if kind not in ("llama", "qwen2", "mistral"):
+        raise ValueError(f"{file}: model_type {kind!r} is not a Llama-style decoder")
+    scaling = raw.get("rope_scaling") or {}
+    rope_type = scaling.get("rope_type", scaling.get("type"))
+    if scaling and rope_type != "llama3":
+        raise ValueError(f"{file}: rope_scaling {rope_type!r} is not supported (only llama3)")
+    heads = raw["num_attention_heads"]
+    return ModelConfig(
+        name=str(path),
+        vocab_size=raw["vocab_size"],
+        hidden_size=raw["hidden_size"],
+        num_layers=raw["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=raw.get("num_key_value_heads", heads),
+        intermediate_size=raw["intermediate_size"],
+        head_dim=raw.get("head_dim") or 0,
+        rope_theta=float(raw.get("rope_theta", 10000.0)),
+        rms_norm_eps=float(raw.get("rms_norm_eps", 1e-5)),
+        attention_bias=bool(raw.get("attention_bias", kind == "qwen2")),
+        tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+        rope_scaling=tuple(
+            sorted((k, float(v)) for k, v in scaling.items() if k not in ("rope_type", "type"))
+        ),
+    )
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+
+
+def read_safetensors(file: Path, device: torch.device, dtype: torch.dtype) -> dict[str, Tensor]:
+    """Read every tensor of a ``.safetensors`` file onto ``device`` as ``dtype``.
+
+    The format is an 8-byte little-endian header length, a JSON header (name -> dtype, shape,
+    byte range) and the raw data; reading it directly keeps the ``safetensors`` package an
+    optional nicety rather than a dependency.
+
+    Raises:
+        ValueError: the file is not a safetensors file or holds an unknown dtype.
+    """
+    with file.open("rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError(f"{file}: not a safetensors file")
+        size = int.from_bytes(head, "little")
+        try:
+            header = json.loads(f.read(size))
+        except ValueError:
+            raise ValueError(f"{file}: not a safetensors file (bad header)") from None
+        # A private writable mapping: torch.frombuffer warns on read-only buffers. It is
+        # closed when the last view of it is gone (each tensor is copied out of it).
+        data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    out: dict[str, Tensor] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        kind = _SAFETENSORS_DTYPES.get(info["dtype"])
+        if kind is None:
+            raise ValueError(f"{file}: tensor {name} has unknown dtype {info['dtype']}")
+        start, end = info["data_offsets"]
+        count = math.prod(info["shape"])
+        if count * kind.itemsize != end - start:
+            raise ValueError(f"{file}: tensor {name} has {end - start} bytes for its shape")
+        if count == 0:
+            out[name] = torch.empty(info["shape"], dtype=dtype, device=device)
+            continue
+        view = torch.frombuffer(data, dtype=kind, count=count, offset=8 + size + start)
+        out[name] = view.reshape(info["shape"]).to(device=device, dtype=dtype, copy=True)
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class PagedBatch:
+    """Where the tokens of one iteration come from and where their K/V go.
+
+    Tokens are flat: every prefill chunk's tokens in order, then one token per decode step.
+
+    Attributes:
+        token_ids: [T] token ids.
+        positions: [T] each token's position in its sequence.
+        slot_rows: [T] the row of each token's layer-0 K in the cache seen as rows of one
+            position (``block * layers * 2 * block_size + offset``; layer ``l`` adds
+            ``2 * l * block_size``, V adds ``block_size``).
+        prefill: per chunk, (first flat index, start position, new tokens, block table of the
+            whole context [ceil((start + new) / block_size)]).
+        decode_offset: flat index of the first decode token.
+        decode_tables: [B, max blocks] decode block tables, padded with block 0.
+        decode_mask: [B, max blocks * block_size] which gathered positions each step attends.
+        logit_rows: [S] flat indices whose logits are wanted, in order.
+    """
+
+    token_ids: Tensor
+    positions: Tensor
+    slot_rows: Tensor
+    prefill: tuple[tuple[int, int, int, Tensor], ...]
+    decode_offset: int
+    decode_tables: Tensor | None
+    decode_mask: Tensor | None
+    logit_rows: Tensor
+
+
+class _RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size, dtype=dtype, device=device))
+        self.eps = eps
+
+    def forward(self, x: Tensor) -> Tensor:
+        # In float32, as the reference implementations do, then back.
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)
+
+
+class _Attention(nn.Module):
+    def __init__(self, c: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        h, d = c.hidden_size, c.head_dim
+        kw = {"dtype": dtype, "device": device}
+        self.q_proj = nn.Linear(h, c.num_heads * d, bias=c.attention_bias, **kw)
+        self.k_proj = nn.Linear(h, c.num_kv_heads * d, bias=c.attention_bias, **kw)
+        self.v_proj = nn.Linear(h, c.num_kv_heads * d, bias=c.attention_bias, **kw)
+        self.o_proj = nn.Linear(c.num_heads * d, h, bias=False, **kw)
+
+
+class _MLP(nn.Module):
+    def __init__(self, c: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        h, m = c.hidden_size, c.intermediate_size
+        kw = {"dtype": dtype, "device": device}
+        self.gate_proj = nn.Linear(h, m, bias=False, **kw)
+        self.up_proj = nn.Linear(h, m, bias=False, **kw)
+        self.down_proj = nn.Linear(m, h, bias=False, **kw)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class _Layer(nn.Module):
+    def __init__(self, c: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.input_layernorm = _RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        self.self_attn = _Attention(c, dtype, device)
+        self.post_attention_layernorm = _RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+        self.mlp = _MLP(c, dtype, device)
+
+
+class _Backbone(nn.Module):
+    def __init__(self, c: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.embed_tokens = nn.Embedding(c.vocab_size, c.hidden_size, dtype=dtype, device=device)
+        self.layers = nn.ModuleList(_Layer(c, dtype, device) for _ in range(c.num_layers))
+        self.norm = _RMSNorm(c.hidden_size, c.rms_norm_eps, dtype, device)
+
+
+class Decoder(nn.Module):
+    """A Llama-style decoder (module docstring). Build with ``torch.device("meta")`` and no
+    memory is taken; :meth:`init_random` or :func:`load_checkpoint` fills it.
+
+    Args:
+        config: the shape.
+        dtype: parameter and activation dtype (bf16 on CUDA, float32 on CPU).
+        device: where the parameters live.
+    """
+
+    def __init__(self, config: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
+        super().__init__()
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self.model = _Backbone(config, dtype, device)
+        self.lm_head = (
+            None
+            if config.tie_word_embeddings
+            else nn.Linear(
+                config.hidden_size, config.vocab_size, bias=False, dtype=dtype, device=device
+            )
+        )
+        self.register_buffer("inv_freq", _inv_freq(config, device), persistent=False)
+
+    @torch.no_grad()
+    def init_random(self, seed: int) -> None:
+        """Fill every weight from ``seed`` (norms with ones, the rest normal(0, init_std))."""
+        for name, param in self.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+                continue
+            gen = torch.Generator(device=param.device)
+            gen.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63)
+            param.normal_(0.0, self.config.init_std, generator=gen)
+
+    # -- forwards --------------------------------------------------------------------------
+
+    def forward_paged(self, batch: PagedBatch, kv_layers: list[Tensor], kv_rows: Tensor) -> Tensor:
+        """Run one iteration: write every token's K/V into the cache, attend, return logits.
+
+        Args:
+            batch: the flat tokens and their cache layout.
+            kv_layers: per layer, the device blocks ``[num_blocks, 2, block_size, kv_heads,
+                head_dim]`` (views of one block-major allocation), read by attention.
+            kv_rows: the same allocation as ``[num_blocks * layers * 2 * block_size,
+                kv_heads * head_dim]`` rows, where each token's K/V is written in place.
+
+        Returns:
+            float32 logits ``[len(batch.logit_rows), vocab_size]``.
+        """
+        c = self.config
+        x = self.model.embed_tokens(batch.token_ids)
+        cos, sin = self._rotary(batch.positions)
+        block_size = kv_layers[0].shape[2]
+        for i, (layer, kv) in enumerate(zip(self.model.layers, kv_layers, strict=True)):
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = _rotate(attn.q_proj(h).view(-1, c.num_heads, c.head_dim), cos, sin)
+            k = _rotate(attn.k_proj(h).view(-1, c.num_kv_heads, c.head_dim), cos, sin)
+            v = attn.v_proj(h).view(-1, c.num_kv_heads, c.head_dim)
+            rows = batch.slot_rows + i * 2 * block_size
+            kv_rows.index_copy_(0, rows, k.flatten(1))
+            kv_rows.index_copy_(0, rows + block_size, v.flatten(1))
+            out = torch.empty_like(q)
+            for first, start, n, table in batch.prefill:
+                rows = slice(first, first + n)
+                if start == 0:
+                    out[rows] = _prefill_attention(q[rows], k[rows], v[rows], None)
+                else:
+                    ctx = start + n
+                    keys = kv[:, 0].index_select(0, table).flatten(0, 1)[:ctx]
+                    values = kv[:, 1].index_select(0, table).flatten(0, 1)[:ctx]
+                    pos = torch.arange(ctx, device=q.device)
+                    mask = pos[None, :] <= (start + pos[:n])[:, None]
+                    out[rows] = _prefill_attention(q[rows], keys, values, mask)
+            if batch.decode_tables is not None:
+                assert batch.decode_mask is not None, "decode tables without a mask"
+                rows = slice(batch.decode_offset, None)
+                out[rows] = _decode_attention(q[rows], kv, batch.decode_tables, batch.decode_mask)
+            x = x + attn.o_proj(out.flatten(1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self._logits(x[batch.logit_rows])
+
+    def forward_dense(self, token_ids: Tensor) -> Tensor:
+        """Run one sequence from scratch, no cache: float32 logits ``[n, vocab_size]``."""
+        c = self.config
+        x = self.model.embed_tokens(token_ids)
+        cos, sin = self._rotary(torch.arange(len(token_ids), device=token_ids.device))
+        for layer in self.model.layers:
+            attn = layer.self_attn
+            h = layer.input_layernorm(x)
+            q = _rotate(attn.q_proj(h).view(-1, c.num_heads, c.head_dim), cos, sin)
+            k = _rotate(attn.k_proj(h).view(-1, c.num_kv_heads, c.head_dim), cos, sin)
+            v = attn.v_proj(h).view(-1, c.num_kv_heads, c.head_dim)
+            x = x + attn.o_proj(_prefill_attention(q, k, v, None).flatten(1))
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self._logits(x)
+
+    # -- internals -------------------------------------------------------------------------
+
+    def _logits(self, x: Tensor) -> Tensor:
+        h = self.model.norm(x)
+        weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
+        return F.linear(h, weight).float()
+
+    def _rotary(self, positions: Tensor) -> tuple[Tensor, Tensor]:
+        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+        emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]  # [T, 1, head_dim]
+        return emb.cos().to(self.dtype), emb.sin().to(self.dtype)
+
+
+def _inv_freq(c: ModelConfig, device: torch.device) -> Tensor:
+    d = c.head_dim
+    inv = 1.0 / (c.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float32) / d))
+    if c.rope_scaling:
+        # Llama 3: long wavelengths slowed by ``factor``, short ones kept, a smooth ramp between.
+        s = dict(c.rope_scaling)
+        factor, low, high = s["factor"], s["low_freq_factor"], s["high_freq_factor"]
+        old = s["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv
+        smooth = ((old / wavelen - low) / (high - low)).clamp(0.0, 1.0)
+        scaled = (1 - smooth) * inv / factor + smooth * inv
+        inv = torch.where(
+            wavelen > old / low, inv / factor, torch.where(wavelen < old / high, inv, scaled)
+        )
+    return inv.to(device) if device.type != "meta" else inv.to("meta")
+
+
+def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def _prefill_attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor | None) -> Tensor:
+    """One sequence: q ``[n, Hq, D]`` over k, v ``[ctx, Hkv, D]``; causal when ``mask`` is None
+    (then ctx == n), else ``mask [n, ctx]`` says what each query sees. Returns ``[n, Hq, D]``."""
+    groups = q.shape[1] // k.shape[1]
+    if groups > 1:
+        k = k.repeat_interleave(groups, dim=1)
+        v = v.repeat_interleave(groups, dim=1)
+    # Batched 4-D inputs: the fused (flash, memory-efficient) kernels refuse 3-D ones, and the
+    # math fallback materialises the whole [heads, n, ctx] score matrix.
+    out = F.scaled_dot_product_attention(
+        q.transpose(0, 1)[None],
+        k.transpose(0, 1)[None],
+        v.transpose(0, 1)[None],
+        attn_mask=None if mask is None else mask[None, None],
+        is_causal=mask is None,
+    )
+    return out[0].transpose(0, 1)
+
+
+def _decode_attention(q: Tensor, kv: Tensor, tables: Tensor, mask: Tensor) -> Tensor:
+    """Decode steps as one padded batch: q ``[B, Hq, D]``, each step's context gathered from
+    its block table. Query heads of a group share a KV head, so they are folded into the query
+    length (``[B, Hkv, G, D]``) and K/V are never repeated. Returns ``[B, Hq, D]``."""
+    b, hq, d = q.shape
+    hkv = kv.shape[3]
+    keys = kv[:, 0][tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, S, D]
+    values = kv[:, 1][tables].flatten(1, 2).transpose(1, 2)
+    out = F.scaled_dot_product_attention(
+        q.view(b, hkv, hq // hkv, d), keys, values, attn_mask=mask[:, None, None, :]
+    )
+    return out.reshape(b, hq, d)
+
+
+def load_checkpoint(model: Decoder, folder: Path) -> None:
+    """Load every ``*.safetensors`` file of ``folder`` into ``model`` (Hugging Face names).
+
+    Raises:
+        ValueError: no safetensors file, or a missing or unexpected weight.
+    """
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        raise ValueError(f"{folder} has no *.safetensors files")
+    state: dict[str, Tensor] = {}
+    for file in files:
+        state.update(read_safetensors(file, model.device, model.dtype))
+    state = {k: v for k, v in state.items() if not k.endswith("rotary_emb.inv_freq")}
+    if model.lm_head is None:
+        state.pop("lm_head.weight", None)
+    expected = {name for name, _ in model.named_parameters()}
+    missing, unexpected = expected - state.keys(), state.keys() - expected
+    if missing or unexpected:
+        raise ValueError(
+            f"{folder}: weights do not match a Llama-style decoder: missing "
+            f"{sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+        )
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if param.shape != state[name].shape:
+                raise ValueError(
+                    f"{folder}: {name} has shape {tuple(state[name].shape)}, "
+                    f"config says {tuple(param.shape)}"
+                )
+            param.copy_(state[name])
