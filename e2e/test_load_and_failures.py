@@ -38,17 +38,19 @@ def test_a_hot_prefix_spreads_under_load_and_returns_when_load_falls(cluster: An
     holder = first.headers["x-kvroute-worker"]
     wait_for(lambda: next(w for w in router.workers() if w["url"] == holder)
              ["blocks"]["device"] >= len(HOT) // 32, 5, "the hot prefix indexed")
-    with ThreadPoolExecutor(24) as pool:
-        results = list(pool.map(lambda i: stream_completion(router, HOT + f"q{i}", 200),
-                                range(24)))
+    # 64 streams of 300 tokens: each holds the prefix's 61 blocks while it decodes; with the
+    # default weights (32 per prefill block) the holder's decode load outweighs the 62 blocks a
+    # cold worker would prefill once about 32 of them run there.
+    with ThreadPoolExecutor(64) as pool:
+        results = list(pool.map(lambda i: stream_completion(router, HOT + f"q{i}", 300),
+                                range(64)))
     used = {r["worker"] for r in results}
     assert all(r["status"] == 200 and not r["error"] for r in results)
-    print(f"24 concurrent hot-prefix requests spread over {len(used)} workers: "
-          + ", ".join(f"{sum(r['worker'] == u for r in results)}" for u in sorted(used)))
+    counts = sorted((sum(r["worker"] == u for r in results) for u in used), reverse=True)
+    print(f"64 concurrent hot-prefix requests spread over {len(used)} workers: {counts}")
     assert len(used) >= 2, "load on the holder outweighed its cache"
-    counts = [sum(r["worker"] == u for r in results) for u in used]
-    assert max(counts) <= 18, "no pile-up on one worker"
-    assert sum(r["worker"] == holder for r in results) >= 2, "the holder took part"
+    assert counts[0] <= 48, "no pile-up on one worker"
+    assert sum(r["worker"] == holder for r in results) >= 16, "the holder took the first ones"
     # load has fallen: the prefix goes to a worker holding all of it again
     after = router.complete(HOT + "after the burst")
     assert int(after.headers["x-kvroute-matched-blocks"]) == len(HOT) // 32

@@ -107,7 +107,9 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
     a("--port", type=int, help="port (default 8000)")
     a("--block-size", type=int, help="must equal the workers' (default 32)")
     a("--tokenizer", help="must be the workers' tokenizer (default: byte-level)")
-    a("--overlap-weight", type=float, help="prefill vs decode weight (default 1.0)")
+    a("--overlap-weight", type=float, help="prefill vs decode weight (default 32; 1 = Dynamo)")
+    a("--queue-weight", type=float, help="queued prefill vs own prefill (default 0.5)")
+    a("--predict-ttl", type=float, help="seconds a routed prefix counts resident (default 10)")
     a("--host-credit", type=float, help="host-tier hit credit in [0,1] (default 0.75)")
     a("--temperature", type=float, help="0 picks the cheapest; >0 samples (default 0)")
     a("--admin-token", help="bearer token for /workers")
@@ -144,6 +146,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_worker(sub)
     _add_router(sub)
     _add_up(sub)
+    from bench.replay import add_bench_parser
+
+    add_bench_parser(sub)
     return parser
 
 
@@ -157,6 +162,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             print("kvroute events tail: --from-seq needs --replay", file=sys.stderr)
             return 2
         return run_tail(args)
+    if args.command == "bench":
+        from bench.replay import run_bench
+
+        return run_bench(args)
     if args.command == "up":
         from kvroute.up import run_up
 

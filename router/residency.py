@@ -3,7 +3,8 @@
 Two uses, one structure:
 
 - Predict-on-route: when a request is sent to w, its prompt blocks count as resident on w for
-  ``ttl`` seconds (about two seconds), until w's own events confirm them (then the index has
+  ``ttl`` seconds (ten by default: near saturation a request can wait seconds before its
+  blocks are stored), until w's own events confirm them (then the index has
   them) or the time runs out. So a burst of siblings sharing a new prefix lands together
   instead of spreading before the first one's events arrive.
 - Approximate mode, for workers that publish no events: the same record with a long ``ttl``

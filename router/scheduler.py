@@ -3,7 +3,7 @@
 The rule (``shared/DESIGN.md``), per candidate worker w, for a request of B full blocks::
 
     matched(w)  = device_matched(w) + host_credit * (matched_any_tier(w) - device_matched(w))
-    prefill(w)  = (B - matched(w)) + pending_prefill_blocks(w)
+    prefill(w)  = (B - matched(w)) + queue_weight * pending_prefill_blocks(w)
     cost(w)     = overlap_weight * prefill(w) + decode_blocks(w)
 
 - ``matched`` is the leading run of the prompt's blocks the worker holds (index, plus blocks
@@ -14,7 +14,15 @@ The rule (``shared/DESIGN.md``), per candidate worker w, for a request of B full
   yet out); ``decode_blocks`` the KV blocks held by requests decoding there. Both come from
   the router's own accounting, corrected by the worker's reported load (:mod:`router.load`).
 - ``overlap_weight`` trades cache against load: above 1 prefers hits (TTFT), below 1 prefers
-  spreading (throughput). Default 1.0: one block of prefill costs as much as one of decode.
+  spreading (throughput). Default 32, tuned on ``bench.replay`` (``docs/benchmarks.md``): on
+  the calibrated H200 timing a block held by a decoding request costs about 30 times less
+  than a block to prefill, and at Dynamo's 1.0 the router moved requests off workers with long
+  decodes and recomputed their long prefixes elsewhere (multi-turn hit rate 76% -> 89%, p50
+  TTFT .28 -> .13 s at 32). ``--overlap-weight 1`` gives Dynamo's rule.
+- ``queue_weight`` (default 0.5) scales the prefill already queued on a worker against the
+  request's own uncached blocks: below 1 it prefers waiting behind a queue to recomputing a
+  prefix elsewhere, since a recompute costs the whole cluster work (and duplicates the prefix,
+  evicting something else) while a wait costs only this request. 1.0 is Dynamo's rule.
 
 Choice: temperature 0 picks the minimum cost; ties go to fewer active requests, then at random
 (seeded by the caller, so tests are exact). Temperature T > 0 samples from
@@ -37,13 +45,16 @@ __all__ = ["Candidate", "Decision", "SchedulerConfig", "WorkerCost", "choose"]
 class SchedulerConfig:
     """Scheduler settings (frozen at start-up)."""
 
-    overlap_weight: float = 1.0
+    overlap_weight: float = 32.0
     host_credit: float = 0.75
     temperature: float = 0.0
+    queue_weight: float = 0.5
 
     def __post_init__(self) -> None:
         if self.overlap_weight < 0:
             raise ValueError(f"overlap_weight must be >= 0, got {self.overlap_weight}")
+        if self.queue_weight < 0:
+            raise ValueError(f"queue_weight must be >= 0, got {self.queue_weight}")
         if not 0.0 <= self.host_credit <= 1.0:
             raise ValueError(f"host_credit must be in [0, 1], got {self.host_credit}")
         if self.temperature < 0:
@@ -94,7 +105,7 @@ def cost_of(candidate: Candidate, request_blocks: int, config: SchedulerConfig) 
     matched = min(candidate.matched_blocks, request_blocks)
     device = min(candidate.device_matched_blocks, matched)
     credited = device + config.host_credit * (matched - device)
-    prefill = (request_blocks - credited) + candidate.pending_prefill_blocks
+    prefill = (request_blocks - credited) + config.queue_weight * candidate.pending_prefill_blocks
     cost = config.overlap_weight * prefill + candidate.decode_blocks
     return WorkerCost(candidate.worker, matched, device, credited, prefill,
                       candidate.decode_blocks, candidate.active_requests, cost)

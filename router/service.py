@@ -69,7 +69,7 @@ class RouterService:
         self.predicted = PredictedResidency(settings.predict_ttl)
         self.approximate = PredictedResidency(settings.approximate_ttl, max_blocks=1 << 22)
         self.scheduler = SchedulerConfig(settings.overlap_weight, settings.host_credit,
-                                         settings.temperature)
+                                         settings.temperature, settings.queue_weight)
         self.rng = random.Random(settings.seed)
         self.registry = Registry(settings, self.index, self.load, self.tokenizer.identity,
                                  self.forget, http)

@@ -31,10 +31,11 @@ class RouterSettings:
     workers: tuple[str, ...] = ()
     block_size: int = 32
     tokenizer: str | None = None
-    overlap_weight: float = 1.0
+    overlap_weight: float = 32.0
+    queue_weight: float = 0.5
     host_credit: float = 0.75
     temperature: float = 0.0
-    predict_ttl: float = 2.0
+    predict_ttl: float = 10.0
     approximate_ttl: float = 120.0
     health_interval: float = 1.0
     unhealthy_grace: float = 5.0
@@ -51,6 +52,7 @@ class RouterSettings:
             (0 < self.port < 65536, f"port {self.port} is not in 1..65535"),
             (self.block_size > 0, f"block_size {self.block_size} must be positive"),
             (self.overlap_weight >= 0, "overlap_weight must be >= 0"),
+            (self.queue_weight >= 0, "queue_weight must be >= 0"),
             (0 <= self.host_credit <= 1, "host_credit must be in [0, 1]"),
             (self.temperature >= 0, "temperature must be >= 0"),
             (self.predict_ttl > 0 and self.approximate_ttl > 0, "ttls must be positive"),

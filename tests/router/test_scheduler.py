@@ -9,7 +9,8 @@ import pytest
 
 from router.scheduler import Candidate, SchedulerConfig, choose, cost_of
 
-DEFAULT = SchedulerConfig()
+# Dynamo's weights make the table's arithmetic easy to follow; the defaults get their own cases.
+DEFAULT = SchedulerConfig(overlap_weight=1.0, queue_weight=1.0)
 
 
 @pytest.mark.parametrize("name, blocks, candidates, config, expected", [
@@ -24,7 +25,7 @@ DEFAULT = SchedulerConfig()
     ("a heavier overlap weight prefers the cache", 10,
      [Candidate(0),
       Candidate(1, matched_blocks=8, device_matched_blocks=8, decode_blocks=20)],
-     SchedulerConfig(overlap_weight=3.0), 1),
+     SchedulerConfig(overlap_weight=3.0, queue_weight=1.0), 1),
     ("queued prefill counts against a worker", 10,
      [Candidate(0, matched_blocks=5, device_matched_blocks=5, pending_prefill_blocks=9),
       Candidate(1, matched_blocks=0)], DEFAULT, 1),
@@ -36,7 +37,22 @@ DEFAULT = SchedulerConfig()
     ("a lower host credit flips that choice", 10,
      [Candidate(0, matched_blocks=8, device_matched_blocks=0),
       Candidate(1, matched_blocks=5, device_matched_blocks=5)],
-     SchedulerConfig(host_credit=0.5), 1),
+     SchedulerConfig(overlap_weight=1.0, host_credit=0.5, queue_weight=1.0), 1),
+    # queue weight 0.25: w0 = 10 - 5 + 0.25*9 = 7.25 < w1 = 10 -> wait behind the queue
+    ("a low queue weight prefers waiting to recomputing", 10,
+     [Candidate(0, matched_blocks=5, device_matched_blocks=5, pending_prefill_blocks=9),
+      Candidate(1, matched_blocks=0)], SchedulerConfig(overlap_weight=1.0, queue_weight=0.25),
+     0),
+    # defaults (32, 0.5): w1 = 32*2 + 20 = 84 < w0 = 32*10 = 320 -> the cache wins
+    ("by default a decode load of 20 blocks does not outweigh 8 cached blocks", 10,
+     [Candidate(0),
+      Candidate(1, matched_blocks=8, device_matched_blocks=8, decode_blocks=20)],
+     SchedulerConfig(), 1),
+    # defaults: w1 = 32*2 + 300 = 364 > w0 = 320 -> spread
+    ("by default a heavy decode load does", 10,
+     [Candidate(0),
+      Candidate(1, matched_blocks=8, device_matched_blocks=8, decode_blocks=300)],
+     SchedulerConfig(), 0),
     ("equal cost goes to fewer active requests", 4,
      [Candidate(0, active_requests=3), Candidate(1, active_requests=1),
       Candidate(2, active_requests=2)], DEFAULT, 1),
@@ -56,9 +72,9 @@ def test_choice(name: str, blocks: int, candidates: list[Candidate], config: Sch
 def test_cost_terms_are_reported() -> None:
     terms = cost_of(Candidate(4, matched_blocks=6, device_matched_blocks=2,
                               pending_prefill_blocks=3, decode_blocks=7, active_requests=2),
-                    10, SchedulerConfig(overlap_weight=2.0, host_credit=0.5))
-    # credited = 2 + 0.5*4 = 4; prefill = 10 - 4 + 3 = 9; cost = 2*9 + 7 = 25
-    assert (terms.credited_blocks, terms.prefill_blocks, terms.cost) == (4.0, 9.0, 25.0)
+                    10, SchedulerConfig(overlap_weight=2.0, host_credit=0.5, queue_weight=0.5))
+    # credited = 2 + 0.5*4 = 4; prefill = 10 - 4 + 0.5*3 = 7.5; cost = 2*7.5 + 7 = 22
+    assert (terms.credited_blocks, terms.prefill_blocks, terms.cost) == (4.0, 7.5, 22.0)
 
 
 def test_full_ties_are_broken_at_random_over_all_tied() -> None:
@@ -71,7 +87,7 @@ def test_full_ties_are_broken_at_random_over_all_tied() -> None:
 
 def test_temperature_spreads_choices_towards_cheaper_workers() -> None:
     rng = random.Random(2)
-    config = SchedulerConfig(temperature=0.5)
+    config = SchedulerConfig(overlap_weight=1.0, temperature=0.5)
     cands = [Candidate(0, matched_blocks=10, device_matched_blocks=10), Candidate(1),
              Candidate(2, matched_blocks=5, device_matched_blocks=5)]
     picks = Counter(choose(10, cands, config, rng).worker for _ in range(2000))
@@ -86,7 +102,7 @@ def test_temperature_zero_is_deterministic() -> None:
 
 
 @pytest.mark.parametrize("kwargs", [{"overlap_weight": -1}, {"host_credit": 1.5},
-                                    {"temperature": -0.1}])
+                                    {"temperature": -0.1}, {"queue_weight": -0.5}])
 def test_bad_settings_are_refused(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         SchedulerConfig(**kwargs)

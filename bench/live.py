@@ -1,0 +1,177 @@
+"""Live mode: replay a workload against a running router over HTTP, measured from the client.
+
+Each request is sent at its (rate-scaled) arrival time as a streaming ``/v1/completions`` call
+whose prompt is the list of token ids (the workloads' ids are already in ``[4, 260)``, the
+byte tokenizer's non-special range), with ``max_tokens`` = the request's output length and
+``stream_options.include_usage`` so the worker reports its cached prompt tokens. TTFT is the
+time to the first streamed token, end-to-end latency the time to ``[DONE]``.
+
+The router decides where each request goes, so the report has one row (``live``) per run, and
+the columns a client cannot see (load imbalance, decision time) are empty. Images are not sent
+(token-id prompts carry no image parts): image workloads replay as text here.
+
+The HTTP client is aiohttp, created and closed here (one boundary: connection errors and bad
+statuses become a failed request, counted, never a crash).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import math
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import aiohttp
+
+from bench.report import percentile, write_json
+from bench.workloads import WorkloadRequest
+
+__all__ = ["LiveRecord", "replay_live", "run_live", "summarize_live"]
+
+
+@dataclass(slots=True)
+class LiveRecord:
+    """One request as the client saw it (seconds from its send time; -1 when never seen)."""
+
+    request_id: str
+    prompt_tokens: int
+    ttft_s: float = -1.0
+    e2e_s: float = -1.0
+    tokens_out: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+
+
+async def _one(session: aiohttp.ClientSession, url: str, req: WorkloadRequest,
+               model: str | None) -> LiveRecord:
+    tokens = req.token_ids()
+    rec = LiveRecord(req.request_id, len(tokens))
+    body: dict[str, Any] = {"prompt": list(tokens), "max_tokens": req.output_length,
+                            "stream": True, "stream_options": {"include_usage": True}}
+    if model is not None:
+        body["model"] = model
+    sent = time.perf_counter()
+    try:
+        async with session.post(f"{url.rstrip('/')}/v1/completions", json=body) as resp:
+            if resp.status != 200:
+                rec.error = f"HTTP {resp.status}"
+                return rec
+            async for raw in resp.content:
+                line = raw.strip()
+                if not line.startswith(b"data:"):
+                    continue
+                data = line[5:].strip()
+                if data == b"[DONE]":
+                    rec.e2e_s = time.perf_counter() - sent
+                    break
+                chunk = json.loads(data)
+                if "error" in chunk:
+                    rec.error = str(chunk["error"].get("message", chunk["error"]))
+                    break
+                if chunk.get("choices"):
+                    if rec.ttft_s < 0:
+                        rec.ttft_s = time.perf_counter() - sent
+                    rec.tokens_out += 1
+                usage = chunk.get("usage")
+                if usage:
+                    details = usage.get("prompt_tokens_details") or {}
+                    rec.cached_tokens = int(details.get("cached_tokens") or 0)
+    except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as exc:
+        rec.error = f"{type(exc).__name__}: {exc}"
+    if rec.error is None and rec.e2e_s < 0:
+        rec.error = "stream ended without [DONE]"
+    return rec
+
+
+async def replay_live(url: str, requests: Sequence[WorkloadRequest], *,
+                      concurrency: int = 512, model: str | None = None,
+                      progress: Any = None) -> tuple[list[LiveRecord], float]:
+    """Send every request at its arrival time; return the records and the wall makespan.
+
+    Args:
+        url: the router's (or one worker's) base URL.
+        requests: the workload, in arrival order, already rate-scaled.
+        concurrency: requests in flight at most (later ones wait, and their latency counts
+            from when they were sent).
+        model: the ``model`` field to send, if any.
+        progress: a tqdm-like object updated per finished request.
+    """
+    limit = asyncio.Semaphore(concurrency)
+    timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
+    connector = aiohttp.TCPConnector(limit=concurrency)
+    start = time.perf_counter()
+    first = requests[0].arrival_s if requests else 0.0
+
+    async def fire(session: aiohttp.ClientSession, req: WorkloadRequest) -> LiveRecord:
+        delay = req.arrival_s - first - (time.perf_counter() - start)
+        if delay > 0:
+            await asyncio.sleep(delay)
+        async with limit:
+            rec = await _one(session, url, req, model)
+        if progress is not None:
+            progress.update(1)
+        return rec
+
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        records = await asyncio.gather(*(fire(session, r) for r in requests))
+    return list(records), time.perf_counter() - start
+
+
+def summarize_live(records: Sequence[LiveRecord], makespan_s: float,
+                   label: str = "live") -> dict[str, Any]:
+    """Return the report row of a live run (``bench.report.METRIC_KEYS`` plus ``errors``)."""
+    ok = [r for r in records if r.error is None]
+    prompt = sum(r.prompt_tokens for r in ok)
+    ttft = [r.ttft_s for r in ok]
+    e2e = [r.e2e_s for r in ok]
+    return {
+        "policy": label,
+        "hit_rate": sum(r.cached_tokens for r in ok) / prompt if prompt else math.nan,
+        "hit_vs_pooled": math.nan,
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p90_s": percentile(ttft, 90),
+        "ttft_p99_s": percentile(ttft, 99),
+        "e2e_p50_s": percentile(e2e, 50),
+        "e2e_p99_s": percentile(e2e, 99),
+        "output_tok_s": sum(r.tokens_out for r in ok) / makespan_s if makespan_s else math.nan,
+        "load_imbalance": math.nan,
+        "decision_us_mean": math.nan,
+        "decision_us_p99": math.nan,
+        "requests": len(records),
+        "preemptions": math.nan,
+        "makespan_s": makespan_s,
+        "wall_s": makespan_s,
+        "errors": len(records) - len(ok),
+        "first_errors": [r.error for r in records if r.error is not None][:5],
+    }
+
+
+def run_live(args: argparse.Namespace, requests: Sequence[WorkloadRequest], name: str) -> int:
+    """Run live mode for :func:`bench.replay.run_bench`; return the exit status."""
+    from bench.report import table
+
+    bar = None
+    if not args.no_progress:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(requests), desc="live", file=sys.stderr, unit="req")
+    try:
+        records, makespan = asyncio.run(replay_live(args.live, requests,
+                                                    concurrency=args.concurrency,
+                                                    model=args.model, progress=bar))
+    finally:
+        if bar is not None:
+            bar.close()
+    row = summarize_live(records, makespan)
+    print(table([row], f"{name} live against {args.live}, rate x{args.rate_scale:g}"))
+    if row["errors"]:
+        print(f"{row['errors']} requests failed, e.g. {row['first_errors']}", file=sys.stderr)
+    if args.json_path:
+        write_json(args.json_path, {"workload": name, "live": args.live,
+                                    "requests": len(requests), "runs": [{"rows": [row]}]})
+    return 0 if not row["errors"] else 1

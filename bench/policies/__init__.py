@@ -1,0 +1,60 @@
+"""Routing policies for the benchmark: one interface (:mod:`.base`), one file per policy.
+
+:data:`POLICIES` maps each name to a factory of a fresh policy with its documented defaults.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from bench.policies.base import ClusterView, Policy, RouteRequest, WorkerMetrics
+from bench.policies.dynamo import Dynamo
+from bench.policies.kvroute_policy import KvroutePolicy, KvrouteUntuned
+from bench.policies.least_loaded import LeastLoaded
+from bench.policies.llmd_precise import LlmdPrecise
+from bench.policies.random_policy import RandomPolicy
+from bench.policies.round_robin import RoundRobin
+from bench.policies.sglang_cache_aware import SglangCacheAware
+
+__all__ = [
+    "POLICIES",
+    "ClusterView",
+    "Dynamo",
+    "KvroutePolicy",
+    "KvrouteUntuned",
+    "LeastLoaded",
+    "LlmdPrecise",
+    "Policy",
+    "RandomPolicy",
+    "RoundRobin",
+    "RouteRequest",
+    "SglangCacheAware",
+    "WorkerMetrics",
+    "make_policies",
+]
+
+#: Policy name -> factory, in the order reports list them.
+POLICIES: dict[str, Callable[[], Policy]] = {
+    "round_robin": RoundRobin,
+    "random": RandomPolicy,
+    "least_loaded": LeastLoaded,
+    "sglang_cache_aware": SglangCacheAware,
+    "llmd_precise": LlmdPrecise,
+    "dynamo": Dynamo,
+    "kvroute": KvroutePolicy,
+    "kvroute_untuned": KvrouteUntuned,
+}
+
+
+def make_policies(names: str) -> list[Policy]:
+    """Return fresh policies for a comma-separated list of names, or ``"all"``.
+
+    Raises:
+        ValueError: an unknown name.
+    """
+    wanted = list(POLICIES) if names.strip() == "all" else [
+        n.strip() for n in names.split(",") if n.strip()]
+    unknown = [n for n in wanted if n not in POLICIES]
+    if unknown or not wanted:
+        raise ValueError(f"unknown policies {unknown}; choose from {list(POLICIES)} or 'all'")
+    return [POLICIES[n]() for n in wanted]

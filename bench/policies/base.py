@@ -1,0 +1,134 @@
+"""The one interface every routing policy of the benchmark implements.
+
+A policy sees what a router in front of the cluster would see, no more:
+
+- the request (token ids, images; its router-local block hashes on demand);
+- the event-fed prefix index, when the policy asks for it (:attr:`Policy.needs_index`): the
+  simulation feeds it the workers' real KV events after the configured lag;
+- the workers' engine metrics (:meth:`ClusterView.worker_metrics`: running, waiting, KV
+  usage), as a metrics scrape would read them; a policy that scrapes periodically models
+  its own interval;
+- the lifecycle of what it routed (:meth:`Policy.first_token`, :meth:`Policy.finished`), as a
+  router in the response path sees it.
+
+Deciding is separate from sending: :meth:`Policy.route` returns a worker and the caller
+(simulation or live driver) sends. Policies do no I/O and read no clock; ``now`` is passed in.
+"""
+
+from __future__ import annotations
+
+import random
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+from indexer.images import ImageSpan
+from indexer.index import GLOBAL_SEED, PrefixIndex, block_hashes
+from indexer.prompts import PromptTokens
+from router.prompt_path import HashingTerms, request_hashes
+
+__all__ = ["ClusterView", "Policy", "RouteRequest", "WorkerMetrics"]
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerMetrics:
+    """What an engine's metrics endpoint says about one worker now.
+
+    Attributes:
+        running: requests holding KV blocks.
+        waiting: requests queued for admission.
+        kv_usage: fraction of device KV blocks held by requests, in [0, 1].
+    """
+
+    running: int
+    waiting: int
+    kv_usage: float
+
+
+class ClusterView(Protocol):
+    """What the driver offers a policy."""
+
+    num_workers: int
+    block_size: int
+    index: PrefixIndex | None
+    rng: random.Random
+
+    def worker_metrics(self, worker: int) -> WorkerMetrics:
+        """Return the worker's engine metrics now."""
+        ...
+
+
+class RouteRequest:
+    """One request as the router receives it.
+
+    Args:
+        request_id: unique id.
+        token_ids: the prompt's token ids.
+        images: its images (with content digests).
+        block_size: the workers' block size, for :attr:`hashes`.
+    """
+
+    __slots__ = ("_hashes", "block_size", "images", "request_id", "token_ids")
+
+    def __init__(self, request_id: str, token_ids: Sequence[int],
+                 images: Sequence[ImageSpan] = (), block_size: int = 32) -> None:
+        self.request_id = request_id
+        self.token_ids = token_ids
+        self.images = tuple(images)
+        self.block_size = block_size
+        self._hashes: list[int] | None = None
+
+    @property
+    def hashes(self) -> list[int]:
+        """Router-local hashes of the prompt's full blocks, computed once, as the router does
+        (:func:`router.prompt_path.request_hashes`)."""
+        if self._hashes is None:
+            if self.images:
+                prompt = PromptTokens(list(self.token_ids), list(self.images))
+                self._hashes = request_hashes(prompt, HashingTerms(self.block_size))
+            else:
+                # What request_hashes computes for a text prompt without a salt, minus its
+                # per-block image bookkeeping (a test pins the equality).
+                full = len(self.token_ids) // self.block_size * self.block_size
+                self._hashes = block_hashes(self.token_ids[:full], self.block_size,
+                                            seed=GLOBAL_SEED)
+        return self._hashes
+
+
+class Policy(ABC):
+    """A routing policy: picks a worker per request (see the module docstring).
+
+    Subclasses set :attr:`name` and, if they read the event-fed index, :attr:`needs_index`.
+    """
+
+    name: ClassVar[str]
+    needs_index: ClassVar[bool] = False
+
+    def start(self, cluster: ClusterView) -> None:
+        """Attach to a cluster before the first request; resets per-run state."""
+        self.cluster = cluster
+
+    @abstractmethod
+    def route(self, request: RouteRequest, now: float) -> int:
+        """Return the worker (in ``range(cluster.num_workers)``) that serves ``request``."""
+
+    def first_token(self, request_id: str, now: float) -> None:  # noqa: B027 (optional hook)
+        """The request produced its first token."""
+
+    def finished(self, request_id: str, now: float) -> None:  # noqa: B027 (optional hook)
+        """The request ended."""
+
+
+def pick_min(values: Sequence[float], rng: random.Random) -> int:
+    """Return the index of the smallest value, ties at random."""
+    best = min(values)
+    tied = [i for i, v in enumerate(values) if v == best]
+    return tied[0] if len(tied) == 1 else rng.choice(tied)
+
+
+def pick_max(values: Sequence[float], rng: random.Random) -> int:
+    """Return the index of the largest value, ties at random."""
+    best = max(values)
+    tied = [i for i, v in enumerate(values) if v == best]
+    return tied[0] if len(tied) == 1 else rng.choice(tied)

@@ -1,0 +1,206 @@
+"""Trace replay: every policy over the same workload on a simulated cluster, side by side.
+
+``python -m bench.replay --trace FILE --workers 8 --policies all --json OUT`` (also
+``kvroute bench replay``, through :func:`add_bench_parser` and :func:`run_bench`). Each policy
+runs on a fresh simulated cluster (:mod:`bench.sim`) in virtual time; the bounds
+(:mod:`bench.bounds`) are computed once per workload. Prints a table, writes JSON (with
+``--json``) and PNG plots (with ``--plot-dir``). ``--sensitivity`` repeats the run at event
+lags of 0, 10 ms, 100 ms and 1 s. ``--live URL`` replays against a running router instead
+(:mod:`bench.live`).
+
+Settings are read here once and passed down frozen.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["DEFAULT_TRACE", "add_bench_parser", "build_parser", "main", "run_bench"]
+
+#: The default trace, relative to the repository root.
+DEFAULT_TRACE = Path("..") / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
+SENSITIVITY_LAGS_MS = (0.0, 10.0, 100.0, 1000.0)
+_REPO = Path(__file__).resolve().parent.parent
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
+    return value
+
+
+def _add_arguments(p: argparse.ArgumentParser) -> None:
+    a = p.add_argument
+    a("--trace", help=f"Mooncake JSONL trace (default {DEFAULT_TRACE}, from the repo root)")
+    a("--generator", default="trace",
+      choices=["trace", "system_prompt", "multi_turn", "agentic", "images"],
+      help="workload: the trace, or a generator (default trace)")
+    a("--requests", type=_positive_int,
+      help="requests: the trace's first N, or how many to generate (default all / 2000)")
+    a("--rate", type=_positive_float, default=20.0,
+      help="generators: new requests or sessions per second before --rate-scale (default 20)")
+    a("--workers", type=_positive_int, default=8, help="simulated workers (default 8)")
+    a("--policies", default="all", help="comma-separated policy names, or all (default)")
+    a("--capacity-tokens", type=_positive_int, default=500_000,
+      help="KV cache per worker in tokens (default 500000)")
+    a("--rate-scale", type=_positive_float, default=1.0,
+      help="multiply the arrival rate (divide timestamps) by this (default 1)")
+    a("--event-lag-ms", type=float, default=0.0,
+      help="delay from an engine iteration to its events reaching the index (default 0)")
+    a("--event-path", choices=["wire", "direct"], default="wire",
+      help="events through msgpack encode/decode (wire, default) or as structs (direct)")
+    a("--block-size", type=_positive_int, default=32,
+      help="tokens per KV block on workers and index (default 32; trace ids are 512 tokens)")
+    a("--max-num-batched-tokens", type=_positive_int, default=8192,
+      help="engine tokens per iteration (default 8192)")
+    a("--seed", type=int, default=0, help="seed of generators and policies (default 0)")
+    a("--json", dest="json_path", metavar="OUT", help="write the results as JSON here")
+    a("--plot-dir", metavar="DIR", help="write PNG plots here")
+    a("--sensitivity", action="store_true",
+      help="run at event lags 0, 10 ms, 100 ms, 1 s (ignores --event-lag-ms)")
+    a("--no-progress", action="store_true", help="no progress bars")
+    a("--live", metavar="URL", help="replay against a running router at URL instead")
+    a("--model", default=None, help="live: the model name to send (default: none)")
+    a("--concurrency", type=_positive_int, default=512,
+      help="live: requests in flight at most (default 512)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the standalone parser of ``python -m bench.replay``."""
+    p = argparse.ArgumentParser(prog="python -m bench.replay",
+                                description="Replay a trace over routing policies side by side.")
+    _add_arguments(p)
+    return p
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    """Add ``bench`` (with its ``replay`` subcommand) to the ``kvroute`` command's subparsers.
+
+    Returns:
+        The ``bench replay`` parser; dispatch parsed arguments to :func:`run_bench`.
+    """
+    bench = subparsers.add_parser("bench", help="benchmarks: trace replay over routing policies")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    replay = bsub.add_parser("replay", help="replay a trace over policies side by side",
+                             description=__doc__.split("\n\n")[0])
+    _add_arguments(replay)
+    return replay
+
+
+def _workload(args: argparse.Namespace) -> tuple[list[Any], str]:
+    from bench.workloads import GeneratorConfig, generate, load_trace, scale_rate
+
+    if args.generator == "trace":
+        path = Path(args.trace) if args.trace else _REPO / DEFAULT_TRACE
+        requests = load_trace(path, limit=args.requests)
+        name = path.name
+    else:
+        config = GeneratorConfig(requests=args.requests or 2000, rate=args.rate)
+        requests = generate(args.generator, config, seed=args.seed)
+        name = args.generator
+    return scale_rate(requests, args.rate_scale), name
+
+
+def _progress(total: int, desc: str, enabled: bool) -> Any:
+    if not enabled:
+        return None
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, unit="req")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    """Run the benchmark the parsed arguments describe; return the exit status.
+
+    Returns:
+        0 on success, 2 on a bad setting (the message goes to stderr).
+    """
+    from bench.bounds import compute_bounds
+    from bench.policies import make_policies
+    from bench.report import plot, summarize, table, write_json
+    from bench.sim import SimConfig, simulate
+
+    try:
+        requests, name = _workload(args)
+        if args.live:
+            from bench.live import run_live
+
+            return run_live(args, requests, name)
+        make_policies(args.policies)  # fail fast on a bad name
+        lags = SENSITIVITY_LAGS_MS if args.sensitivity else (args.event_lag_ms,)
+        configs = [SimConfig(workers=args.workers, capacity_tokens=args.capacity_tokens,
+                             block_size=args.block_size, event_lag_s=lag / 1e3,
+                             event_path=args.event_path,
+                             max_num_batched_tokens=args.max_num_batched_tokens)
+                   for lag in lags]
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not requests:
+        print("error: the workload has no requests", file=sys.stderr)
+        return 2
+    show = not args.no_progress
+    started = time.perf_counter()
+    bounds = compute_bounds(requests, args.block_size, args.workers, configs[0].num_blocks)
+    bounds_s = time.perf_counter() - started
+    print(f"workload {name}: {len(requests)} requests over "
+          f"{requests[-1].arrival_s - requests[0].arrival_s:.1f} s, "
+          f"{bounds.prompt_tokens:,} prompt tokens; bounds: unlimited {bounds.unlimited:.1%}, "
+          f"pooled LRU ({args.workers} x {args.capacity_tokens:,} tokens) "
+          f"{bounds.pooled_lru:.1%} [{bounds_s:.1f} s]", file=sys.stderr)
+    document: dict[str, Any] = {
+        "workload": name,
+        "settings": {k: v for k, v in vars(args).items() if not callable(v)},
+        "requests": len(requests),
+        "bounds": {"unlimited": bounds.unlimited, "pooled_lru": bounds.pooled_lru,
+                   "pooled_blocks": bounds.pooled_blocks, "prompt_tokens": bounds.prompt_tokens},
+        "runs": [],
+    }
+    for config in configs:
+        results, rows = [], []
+        for policy in make_policies(args.policies):
+            bar = _progress(len(requests), f"{policy.name} lag {config.event_lag_s * 1e3:g} ms",
+                            show)
+            try:
+                res = simulate(requests, policy, config, seed=args.seed, progress=bar)
+            finally:
+                if bar is not None:
+                    bar.close()
+            results.append(res)
+            rows.append(summarize(res, bounds))
+        title = (f"{name}, {args.workers} workers x {args.capacity_tokens:,} tokens, rate x"
+                 f"{args.rate_scale:g}, event lag {config.event_lag_s * 1e3:g} ms, "
+                 f"block {args.block_size}")
+        print(table(rows, title))
+        print()
+        run = {"event_lag_ms": config.event_lag_s * 1e3, "rows": rows, "plots": []}
+        if args.plot_dir:
+            tag = f"_lag{config.event_lag_s * 1e3:g}ms" if args.sensitivity else ""
+            run["plots"] = [str(p) for p in plot(args.plot_dir, results, rows, bounds, tag)]
+        document["runs"].append(run)
+    if args.json_path:
+        write_json(args.json_path, document)
+        print(f"wrote {args.json_path}", file=sys.stderr)
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m bench.replay``."""
+    return run_bench(build_parser().parse_args(argv))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,185 @@
+"""What a benchmark run reports: per-policy figures, a terminal table, JSON and PNG plots.
+
+Figures per policy (:data:`METRIC_KEYS`):
+
+- ``hit_rate``: prompt tokens found cached at first admission / prompt tokens; and
+  ``hit_vs_pooled``, that over the pooled-LRU bound (:mod:`bench.bounds`).
+- ``ttft_p50_s``, ``ttft_p90_s``, ``ttft_p99_s``; ``e2e_p50_s``, ``e2e_p99_s``.
+- ``output_tok_s``: output tokens over the makespan (first arrival to last token).
+- ``load_imbalance``: max over mean of the workers' busy time (1.0 is perfect balance).
+- ``decision_us_mean``, ``decision_us_p99``: wall time of the routing decision (hashing,
+  index match and scoring), on this machine, in Python.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.bounds import Bounds
+from bench.sim import SimResult
+
+__all__ = ["METRIC_KEYS", "percentile", "plot", "summarize", "table", "write_json"]
+
+#: Keys of every policy's row, in table order.
+METRIC_KEYS = (
+    "policy",
+    "hit_rate",
+    "hit_vs_pooled",
+    "ttft_p50_s",
+    "ttft_p90_s",
+    "ttft_p99_s",
+    "e2e_p50_s",
+    "e2e_p99_s",
+    "output_tok_s",
+    "load_imbalance",
+    "decision_us_mean",
+    "decision_us_p99",
+    "requests",
+    "preemptions",
+    "makespan_s",
+    "wall_s",
+)
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Return the ``q``-th percentile (0..100) by linear interpolation; NaN when empty."""
+    if not values:
+        return math.nan
+    s = sorted(values)
+    pos = (len(s) - 1) * q / 100.0
+    lo = int(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
+
+
+def summarize(result: SimResult, bounds: Bounds | None) -> dict[str, Any]:
+    """Return one policy's row (:data:`METRIC_KEYS`, plus event-path timings)."""
+    recs = result.records
+    prompt = sum(r.prompt_tokens for r in recs)
+    hit = sum(max(r.cached_tokens, 0) for r in recs) / prompt if prompt else 0.0
+    ttft = [r.ttft_s for r in recs]
+    e2e = [r.e2e_s for r in recs]
+    busy = result.busy_s
+    mean_busy = sum(busy) / len(busy)
+    out = sum(r.tokens_out for r in recs)
+    decision = [d * 1e6 for d in result.decision_s]
+    row: dict[str, Any] = {
+        "policy": result.policy,
+        "hit_rate": hit,
+        "hit_vs_pooled": hit / bounds.pooled_lru if bounds and bounds.pooled_lru else math.nan,
+        "ttft_p50_s": percentile(ttft, 50),
+        "ttft_p90_s": percentile(ttft, 90),
+        "ttft_p99_s": percentile(ttft, 99),
+        "e2e_p50_s": percentile(e2e, 50),
+        "e2e_p99_s": percentile(e2e, 99),
+        "output_tok_s": out / result.makespan_s if result.makespan_s > 0 else math.nan,
+        "load_imbalance": max(busy) / mean_busy if mean_busy > 0 else math.nan,
+        "decision_us_mean": sum(decision) / len(decision) if decision else math.nan,
+        "decision_us_p99": percentile(decision, 99),
+        "requests": len(recs),
+        "preemptions": result.preemptions,
+        "makespan_s": result.makespan_s,
+        "wall_s": result.wall_s,
+        "event_wall_s": dict(result.event_wall_s),
+        "event_batches": result.event_batches,
+        "event_bytes": result.event_bytes,
+    }
+    return row
+
+
+_COLUMNS = (
+    ("policy", "policy", "{}"),
+    ("hit_rate", "hit", "{:.1%}"),
+    ("hit_vs_pooled", "/pool", "{:.0%}"),
+    ("ttft_p50_s", "TTFT p50", "{:.3f}"),
+    ("ttft_p90_s", "p90", "{:.3f}"),
+    ("ttft_p99_s", "p99", "{:.3f}"),
+    ("e2e_p50_s", "E2E p50", "{:.3f}"),
+    ("e2e_p99_s", "p99", "{:.3f}"),
+    ("output_tok_s", "out tok/s", "{:.0f}"),
+    ("load_imbalance", "imbal", "{:.2f}"),
+    ("decision_us_mean", "dec us", "{:.0f}"),
+    ("wall_s", "wall s", "{:.1f}"),
+)
+
+
+def table(rows: Sequence[dict[str, Any]], title: str = "") -> str:
+    """Return the rows as an aligned text table (times in seconds)."""
+    head = [h for _, h, _ in _COLUMNS]
+    body = [[fmt.format(row[key]) for key, _, fmt in _COLUMNS] for row in rows]
+    widths = [max(len(x) for x in col) for col in zip(head, *body, strict=False)]
+    lines = [title] if title else []
+    lines.append("  ".join(h.rjust(w) if i else h.ljust(w)
+                           for i, (h, w) in enumerate(zip(head, widths, strict=True))))
+    for cells in body:
+        lines.append("  ".join(c.rjust(w) if i else c.ljust(w)
+                               for i, (c, w) in enumerate(zip(cells, widths, strict=True))))
+    return "\n".join(lines)
+
+
+def write_json(path: str | Path, document: dict[str, Any]) -> None:
+    """Write the run's document (settings, bounds, rows) as JSON; NaN becomes null."""
+    def clean(v: Any) -> Any:
+        if isinstance(v, float) and not math.isfinite(v):
+            return None
+        if isinstance(v, dict):
+            return {k: clean(x) for k, x in v.items()}
+        if isinstance(v, list | tuple):
+            return [clean(x) for x in v]
+        return v
+
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(clean(document), indent=2) + "\n", encoding="utf-8")
+
+
+def plot(plot_dir: str | Path, results: Sequence[SimResult], rows: Sequence[dict[str, Any]],
+         bounds: Bounds | None, tag: str = "") -> list[Path]:
+    """Write ``ttft_cdf{tag}.png`` (TTFT CDF per policy) and ``hit_rate{tag}.png`` (hit rate per
+    policy against the bounds); return their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(plot_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for res in results:
+        ttft = sorted(r.ttft_s for r in res.records)
+        n = len(ttft)
+        ax.plot(ttft, [(i + 1) / n for i in range(n)], label=res.policy)
+    ax.set_xscale("log")
+    ax.set_xlabel("TTFT (s, log scale)")
+    ax.set_ylabel("share of requests")
+    ax.set_title(f"TTFT CDF per policy {tag}".strip())
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    paths.append(out_dir / f"ttft_cdf{tag}.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    names = [r["policy"] for r in rows]
+    ax.bar(range(len(rows)), [r["hit_rate"] for r in rows], color="tab:blue")
+    if bounds is not None:
+        ax.axhline(bounds.pooled_lru, color="tab:orange", linestyle="--",
+                   label=f"pooled LRU {bounds.pooled_lru:.1%}")
+        ax.axhline(bounds.unlimited, color="tab:red", linestyle=":",
+                   label=f"unlimited {bounds.unlimited:.1%}")
+        ax.legend(fontsize=8)
+    ax.set_xticks(range(len(rows)), names, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("prefix hit rate (tokens)")
+    ax.set_title(f"Hit rate against the bounds {tag}".strip())
+    ax.grid(True, axis="y", alpha=0.3)
+    fig.tight_layout()
+    paths.append(out_dir / f"hit_rate{tag}.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths

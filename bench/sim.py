@@ -1,0 +1,351 @@
+"""A discrete-event simulation of a routed cluster, in virtual time: no sockets, no sleeping.
+
+Each of N workers is the real worker core: a :class:`~workers.cache_manager.CacheManager` and
+a :class:`~workers.batcher.Batcher`, whose every iteration lasts what
+:meth:`~workers.executor.SimExecutor.modeled_seconds` says (the H200 calibration). After each
+iteration the worker's cache facts go through the real :class:`~workers.event_sink.EventSink`;
+for policies that read the index (:attr:`~bench.policies.base.Policy.needs_index`) the batch
+is delivered to the real :class:`~indexer.index.PrefixIndex` ``event_lag_s`` later, either
+over the wire (``encode_batch`` -> bytes -> ``decode_batch`` -> ``apply_batch``, the default)
+or directly (the sink's structs converted to normalised events in process; same index
+content, no msgpack). The policy decides at each arrival, and hears each request's first
+token and end when they happen.
+
+Events at one instant are processed in this order: event deliveries, then iteration ends,
+then arrivals; among equals, first scheduled first. The run is deterministic for a seed.
+
+Output tokens are the workload's (:meth:`~bench.workloads.WorkloadRequest.output_tokens`), so
+generated blocks are cached and reused exactly as a multi-turn workload expects.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from bench.policies.base import Policy, RouteRequest, WorkerMetrics
+from bench.workloads import WorkloadRequest
+from indexer.decode import DecodeStats, decode_batch
+from indexer.events import Cleared, MmItem, Removed, Stored
+from indexer.index import PrefixIndex
+from indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode_batch
+from workers.batcher import Batcher, EngineRequest
+from workers.block_keys import Prompt
+from workers.cache_manager import CacheManager
+from workers.event_sink import EventSink
+from workers.executor import IterationPlan, SimExecutor
+from workers.timing import H200_LLAMA_1B, TimingModel
+
+__all__ = ["EVENT_PATHS", "RequestRecord", "SimConfig", "SimResult", "simulate"]
+
+#: How events reach the index: over the wire format, or as structs in process.
+EVENT_PATHS = ("wire", "direct")
+
+_DELIVER, _DONE, _ARRIVE = 0, 1, 2
+
+
+@dataclass(frozen=True, slots=True)
+class SimConfig:
+    """The simulated cluster.
+
+    Attributes:
+        workers: engine workers.
+        capacity_tokens: KV cache per worker, in tokens (rounded down to whole blocks).
+        block_size: tokens per KV block, on workers and in the index.
+        max_num_batched_tokens: tokens per engine iteration (chunked prefill budget).
+        max_num_seqs: running requests per worker at most.
+        event_lag_s: delay from an iteration's end to its events reaching the index.
+        event_path: ``"wire"`` or ``"direct"`` (module docstring).
+        max_pending_stored: the event sink's cap on stored blocks per batch.
+        timing: the engine's cost model.
+    """
+
+    workers: int = 8
+    capacity_tokens: int = 500_000
+    block_size: int = 32
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+    event_lag_s: float = 0.0
+    event_path: str = "wire"
+    max_pending_stored: int = 4096
+    timing: TimingModel = H200_LLAMA_1B
+
+    def __post_init__(self) -> None:
+        if self.workers < 1:
+            raise ValueError(f"workers must be at least 1, got {self.workers}")
+        if self.capacity_tokens < self.block_size:
+            raise ValueError("capacity_tokens must hold at least one block")
+        if self.event_lag_s < 0:
+            raise ValueError(f"event_lag_s must be >= 0, got {self.event_lag_s}")
+        if self.event_path not in EVENT_PATHS:
+            raise ValueError(f"event_path must be one of {EVENT_PATHS}, got {self.event_path!r}")
+
+    @property
+    def num_blocks(self) -> int:
+        """Device blocks per worker."""
+        return self.capacity_tokens // self.block_size
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """What happened to one request (times in virtual seconds from the run's start)."""
+
+    request_id: str
+    arrival_s: float
+    worker: int
+    prompt_tokens: int
+    output_length: int
+    cached_tokens: int = -1  # prompt tokens found cached at first admission
+    first_token_s: float = -1.0
+    finish_s: float = -1.0
+    tokens_out: int = 0
+
+    @property
+    def ttft_s(self) -> float:
+        """Time to first token."""
+        return self.first_token_s - self.arrival_s
+
+    @property
+    def e2e_s(self) -> float:
+        """Time from arrival to the last token."""
+        return self.finish_s - self.arrival_s
+
+
+@dataclass(slots=True)
+class SimResult:
+    """One policy's run.
+
+    Attributes:
+        policy: the policy's name.
+        records: one per request, in arrival order.
+        busy_s: per worker, virtual seconds spent computing iterations.
+        decision_s: per request, wall seconds the policy took to decide (hashing included).
+        makespan_s: virtual seconds from the first arrival to the last token.
+        wall_s: wall seconds the simulation took.
+        preemptions: requests preempted, all workers.
+        iterations: engine iterations, all workers.
+        event_batches: event batches delivered to the index.
+        event_bytes: their encoded size (wire path).
+        event_wall_s: wall seconds in the event path: ``sink`` (capture and batch), ``encode``,
+            ``decode`` and ``apply``.
+        decode_stats: what the decoder skipped (all zero for a healthy run).
+    """
+
+    policy: str
+    records: list[RequestRecord]
+    busy_s: list[float]
+    decision_s: list[float]
+    makespan_s: float
+    wall_s: float
+    preemptions: int
+    iterations: int
+    event_batches: int = 0
+    event_bytes: int = 0
+    event_wall_s: dict[str, float] = field(default_factory=dict)
+    decode_stats: dict[str, int] = field(default_factory=dict)
+
+
+class _Worker:
+    __slots__ = ("batcher", "busy_s", "cache", "plan", "sink", "wid")
+
+    def __init__(self, wid: int, config: SimConfig, events: bool) -> None:
+        self.wid = wid
+        self.cache = CacheManager(config.num_blocks, config.block_size)
+        self.batcher = Batcher(self.cache, max_num_batched_tokens=config.max_num_batched_tokens,
+                               max_num_seqs=config.max_num_seqs)
+        self.sink = EventSink(max_pending_stored=config.max_pending_stored) if events else None
+        self.plan: IterationPlan | None = None
+        self.busy_s = 0.0
+
+
+class _Cluster:
+    """The :class:`~bench.policies.base.ClusterView` the policy sees."""
+
+    def __init__(self, workers: list[_Worker], block_size: int, index: PrefixIndex | None,
+                 rng: random.Random) -> None:
+        self._workers = workers
+        self.num_workers = len(workers)
+        self.block_size = block_size
+        self.index = index
+        self.rng = rng
+
+    def worker_metrics(self, worker: int) -> WorkerMetrics:
+        w = self._workers[worker]
+        pool = w.cache.pool
+        return WorkerMetrics(w.batcher.running, w.batcher.waiting,
+                             pool.num_held_blocks / pool.num_blocks)
+
+
+def _normalised(batch: KVEventBatch) -> list[Stored | Removed | Cleared]:
+    """The events ``decode_batch(encode_batch(batch))`` yields, without the bytes."""
+    out: list[Stored | Removed | Cleared] = []
+    for e in batch.events:
+        if isinstance(e, BlockStored):
+            mm = None if e.mm_keys is None else [
+                [MmItem(k.hash, k.start_offset, k.uuid) for k in per] for per in e.mm_keys]
+            out.append(Stored(e.block_hashes, e.parent_block_hash, e.token_ids, e.block_size,
+                              e.medium, e.lora_name, e.lora_id, e.extra_keys, e.group_idx,
+                              e.kv_cache_spec_kind, mm, e.trtllm_image_routing))
+        elif isinstance(e, BlockRemoved):
+            out.append(Removed(e.block_hashes, e.medium, e.group_idx))
+        else:
+            assert isinstance(e, AllBlocksCleared), f"unknown wire event {e!r}"
+            out.append(Cleared())
+    return out
+
+
+def simulate(requests: Sequence[WorkloadRequest], policy: Policy, config: SimConfig,
+             seed: int = 0, progress: Any = None) -> SimResult:
+    """Run one policy over a workload on a fresh cluster.
+
+    Args:
+        requests: the workload, in arrival order.
+        policy: a policy; :meth:`~bench.policies.base.Policy.start` is called here.
+        config: the cluster.
+        seed: seeds the policy's random choices.
+        progress: a tqdm-like object with ``update(n)`` called per finished request, or None.
+
+    Returns:
+        Every request's record and the run's counters.
+
+    Raises:
+        ValueError: a request cannot fit one worker's cache.
+    """
+    started = time.perf_counter()
+    uses_events = policy.needs_index
+    workers = [_Worker(w, config, uses_events) for w in range(config.workers)]
+    index = PrefixIndex(config.block_size) if uses_events else None
+    policy.start(_Cluster(workers, config.block_size, index, random.Random(seed)))
+    executor = SimExecutor(config.timing, block_size=config.block_size)
+    heap: list[tuple[float, int, int, int, Any]] = []
+    serial = 0
+    for i, r in enumerate(requests):
+        heap.append((r.arrival_s, _ARRIVE, serial, i, None))
+        serial += 1
+    heapq.heapify(heap)
+
+    records: list[RequestRecord] = []
+    by_id: dict[str, RequestRecord] = {}
+    outputs: dict[str, tuple[int, ...]] = {}
+    decision_s: list[float] = []
+    idle = [True] * config.workers
+    lag = config.event_lag_s
+    wire = config.event_path == "wire"
+    stats = DecodeStats()
+    ev_wall = {"sink": 0.0, "encode": 0.0, "decode": 0.0, "apply": 0.0}
+    ev_batches = ev_bytes = 0
+    iterations = 0
+    last_t = 0.0
+    perf = time.perf_counter
+
+    def start_iteration(w: _Worker, now: float) -> None:
+        nonlocal serial, iterations
+        plan = w.batcher.schedule()
+        if plan is None:
+            idle[w.wid] = True
+            return
+        idle[w.wid] = False
+        dt = executor.modeled_seconds(plan)
+        w.busy_s += dt
+        w.plan = plan
+        iterations += 1
+        heapq.heappush(heap, (now + dt, _DONE, serial, w.wid, None))
+        serial += 1
+
+    while heap:
+        now, kind, _, a, payload = heapq.heappop(heap)
+        if kind == _ARRIVE:
+            r = requests[a]
+            tokens = r.token_ids()
+            t0 = perf()
+            worker = policy.route(RouteRequest(r.request_id, tokens, r.images,
+                                               config.block_size), now)
+            decision_s.append(perf() - t0)
+            if not 0 <= worker < config.workers:
+                raise ValueError(f"policy {policy.name} chose worker {worker}")
+            rec = RequestRecord(r.request_id, r.arrival_s, worker, len(tokens), r.output_length)
+            records.append(rec)
+            by_id[r.request_id] = rec
+            outputs[r.request_id] = r.output_tokens()
+            w = workers[worker]
+            w.batcher.add(EngineRequest(r.request_id, Prompt(tokens, r.images),
+                                        r.output_length))
+            if idle[worker]:
+                start_iteration(w, now)
+        elif kind == _DONE:
+            w = workers[a]
+            plan = w.plan
+            assert plan is not None, f"worker {a} finished an iteration it never started"
+            w.plan = None
+            sampled: dict[str, int] = {}
+            for c in plan.prefill:
+                if plan.admitted and c.request_id in plan.admitted:
+                    rec = by_id[c.request_id]
+                    if rec.cached_tokens < 0:
+                        rec.cached_tokens = c.start
+                if c.samples:
+                    sampled[c.request_id] = outputs[c.request_id][c.output_index]
+            for d in plan.decode:
+                sampled[d.request_id] = outputs[d.request_id][d.output_index]
+            for out in w.batcher.complete(plan, sampled):
+                rec = by_id[out.request_id]
+                rec.tokens_out += 1
+                if out.index == 0:
+                    rec.first_token_s = now
+                    policy.first_token(out.request_id, now)
+                if out.finished:
+                    rec.finish_s = now
+                    last_t = now
+                    del outputs[out.request_id]
+                    policy.finished(out.request_id, now)
+                    if progress is not None:
+                        progress.update(1)
+            facts = w.cache.take_events()
+            if w.sink is not None:
+                t0 = perf()
+                w.sink.capture(facts)
+                batch = w.sink.next_batch(now, w.wid)
+                t1 = perf()
+                ev_wall["sink"] += t1 - t0
+                if batch is not None:
+                    if wire:
+                        data: Any = encode_batch(batch)
+                        ev_bytes += len(data)
+                        ev_wall["encode"] += perf() - t1
+                    else:
+                        data = batch
+                    heapq.heappush(heap, (now + lag, _DELIVER, serial, w.wid, data))
+                    serial += 1
+            start_iteration(w, now)
+        else:
+            assert index is not None
+            t0 = perf()
+            events = decode_batch(payload, stats).events if wire else _normalised(payload)
+            t1 = perf()
+            index.apply_batch(a, events)
+            ev_wall["decode"] += t1 - t0
+            ev_wall["apply"] += perf() - t1
+            ev_batches += 1
+
+    for rec in records:
+        assert rec.finish_s >= 0 and rec.tokens_out == rec.output_length, (
+            f"request {rec.request_id} did not finish: simulation lost it")
+    first = requests[0].arrival_s if requests else 0.0
+    return SimResult(
+        policy=policy.name,
+        records=records,
+        busy_s=[w.busy_s for w in workers],
+        decision_s=decision_s,
+        makespan_s=last_t - first,
+        wall_s=time.perf_counter() - started,
+        preemptions=sum(w.batcher.preemptions for w in workers),
+        iterations=iterations,
+        event_batches=ev_batches,
+        event_bytes=ev_bytes,
+        event_wall_s=ev_wall if uses_events else {},
+        decode_stats=stats.as_dict() if uses_events and wire else {},
+    )

@@ -1,0 +1,58 @@
+"""Live mode against a fake OpenAI-style streaming server on loopback."""
+
+from __future__ import annotations
+
+import json
+
+from aiohttp import web
+
+from bench.live import replay_live, summarize_live
+from bench.workloads import WorkloadRequest
+
+
+async def start_fake(seen: list[dict]) -> tuple[web.AppRunner, str]:
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        seen.append(body)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        for _ in range(body["max_tokens"]):
+            await resp.write(b"data: " + json.dumps({"choices": [{"text": "x"}]}).encode()
+                             + b"\n\n")
+        usage = {"choices": [], "usage": {"prompt_tokens_details": {"cached_tokens": 4}}}
+        await resp.write(b"data: " + json.dumps(usage).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = runner.addresses[0][1]
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def test_live_replay_streams_token_prompts_and_measures_latency() -> None:
+    seen: list[dict] = []
+    runner, url = await start_fake(seen)
+    try:
+        reqs = [WorkloadRequest(f"r{i}", 0.01 * i, (tuple(range(4, 20)),), 16, 3)
+                for i in range(3)]
+        records, makespan = await replay_live(url, reqs, concurrency=2)
+    finally:
+        await runner.cleanup()
+    assert [b["prompt"] for b in seen] == [list(range(4, 20))] * 3
+    assert all(b["stream"] and b["max_tokens"] == 3 for b in seen)
+    assert all(r.error is None and r.tokens_out == 3 and 0 <= r.ttft_s <= r.e2e_s
+               for r in records)
+    row = summarize_live(records, makespan)
+    assert row["hit_rate"] == 4 / 16 and row["errors"] == 0
+
+
+async def test_live_counts_a_refused_connection_as_an_error() -> None:
+    reqs = [WorkloadRequest("r", 0.0, ((5, 6),), 2, 1)]
+    records, _ = await replay_live("http://127.0.0.1:9", reqs)
+    assert records[0].error is not None
+    assert summarize_live(records, 1.0)["errors"] == 1

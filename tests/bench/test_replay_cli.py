@@ -1,0 +1,56 @@
+"""A short replay run writes the JSON with every key, a table and the PNG plots."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from bench.replay import main
+from bench.report import METRIC_KEYS
+
+
+def tiny_trace(path: Path) -> Path:
+    rows = [{"timestamp": 100 * i, "input_length": 700 + 10 * i, "output_length": 4,
+             "hash_ids": [i % 3, 100 + i]} for i in range(12)]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_short_run_writes_json_table_and_plots(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out.json"
+    plots = tmp_path / "plots"
+    status = main(["--trace", str(tiny_trace(tmp_path / "t.jsonl")), "--workers", "2",
+                   "--capacity-tokens", "20000", "--policies", "all", "--json", str(out),
+                   "--plot-dir", str(plots), "--no-progress"])
+    assert status == 0
+    doc = json.loads(out.read_text())
+    assert set(doc) >= {"workload", "settings", "requests", "bounds", "runs"}
+    assert set(doc["bounds"]) == {"unlimited", "pooled_lru", "pooled_blocks", "prompt_tokens"}
+    (run,) = doc["runs"]
+    assert [r["policy"] for r in run["rows"]] == [
+        "round_robin", "random", "least_loaded", "sglang_cache_aware", "llmd_precise",
+        "dynamo", "kvroute", "kvroute_untuned"]
+    for row in run["rows"]:
+        assert set(METRIC_KEYS) <= set(row)
+        assert row["requests"] == 12
+    for name in ("ttft_cdf.png", "hit_rate.png"):
+        assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "kvroute" in capsys.readouterr().out
+
+
+def test_sensitivity_runs_each_lag(tmp_path: Path) -> None:
+    out = tmp_path / "out.json"
+    status = main(["--trace", str(tiny_trace(tmp_path / "t.jsonl")), "--workers", "2",
+                   "--capacity-tokens", "20000", "--policies", "kvroute", "--sensitivity",
+                   "--json", str(out), "--no-progress"])
+    assert status == 0
+    lags = [run["event_lag_ms"] for run in json.loads(out.read_text())["runs"]]
+    assert lags == [0.0, 10.0, 100.0, 1000.0]
+
+
+def test_bad_policy_name_is_status_2(tmp_path: Path) -> None:
+    assert main(["--trace", str(tiny_trace(tmp_path / "t.jsonl")), "--policies", "nope",
+                 "--no-progress"]) == 2
