@@ -24,16 +24,7 @@ from typing import Any
 
 import aiohttp
 
-__all__ = ["latency", "percentile", "spawn", "stop", "throughput", "wrk_throughput"]
-
-
-def percentile(values: list[float], q: float) -> float:
-    """The ``q``-th percentile (0..100) by nearest rank."""
-    ordered = sorted(values)
-    if not ordered:
-        return float("nan")
-    k = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
-    return ordered[k]
+__all__ = ["latency", "spawn", "stop", "throughput", "wrk_throughput"]
 
 
 async def _latency(url: str, body: dict[str, Any], n: int, warmup: int) -> list[float]:

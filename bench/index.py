@@ -32,6 +32,7 @@ from collections import deque
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from bench.figures import percentile
 from indexer.events import Removed, Stored
 from indexer.hashing import GLOBAL_SEED
 
@@ -156,11 +157,6 @@ def _churn(index: Any, load: Workload, conversations: int) -> tuple[float, int]:
     return elapsed, blocks
 
 
-def _percentile(values: list[float], q: float) -> float:
-    ordered = sorted(values)
-    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
-
-
 def measure(impl: Any, pairs: int, queries: int, churn: int) -> dict[str, Any]:
     """Build, churn and query one implementation's index; return its figures."""
     index = impl.PrefixIndex(BLOCK)
@@ -191,10 +187,10 @@ def measure(impl: Any, pairs: int, queries: int, churn: int) -> dict[str, Any]:
         "distinct_blocks": index.num_blocks(),
         "build_blocks_per_s": round(build_blocks / build_s),
         "apply_blocks_per_s": round(churn_blocks / churn_s),
-        "match_p50_us": round(_percentile(times, 0.5), 2),
-        "match_p99_us": round(_percentile(times, 0.99), 2),
+        "match_p50_us": round(percentile(times, 50), 2),
+        "match_p99_us": round(percentile(times, 99), 2),
         "mean_workers_matched": round(sum(hits) / len(hits), 2),
-        "hash_8k_tokens_us": round(_percentile(hash_times, 0.5), 2),
+        "hash_8k_tokens_us": round(percentile(hash_times, 50), 2),
         "bytes_per_block": round(index.memory_bytes() / resident, 1),
     }
 

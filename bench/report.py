@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.bounds import Bounds
+from bench.figures import percentile
 from bench.sim import SimResult
 
 __all__ = ["METRIC_KEYS", "percentile", "plot", "summarize", "table", "write_json"]
@@ -43,17 +44,6 @@ METRIC_KEYS = (
     "makespan_s",
     "wall_s",
 )
-
-
-def percentile(values: Sequence[float], q: float) -> float:
-    """Return the ``q``-th percentile (0..100) by linear interpolation; NaN when empty."""
-    if not values:
-        return math.nan
-    s = sorted(values)
-    pos = (len(s) - 1) * q / 100.0
-    lo = int(pos)
-    hi = min(lo + 1, len(s) - 1)
-    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 def summarize(result: SimResult, bounds: Bounds | None) -> dict[str, Any]:

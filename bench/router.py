@@ -37,14 +37,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import random
 import time
 from typing import Any
 
 import httpx
 
-from bench.http_load import latency, percentile, spawn, stop, throughput, wrk_throughput
+from bench.figures import percentile, print_figures
+from bench.http_load import latency, spawn, stop, throughput, wrk_throughput
 from indexer.index import block_hashes, scope_seed
 from kvroute.up import free_port
 from router.service import RouterService
@@ -147,12 +147,7 @@ def main(argv: list[str] | None = None) -> None:
     blocks, queries = (100_000, 200) if args.quick else (1_000_000, 2000)
     result: dict[str, Any] = decision_latency(blocks, queries)
     result |= service_figures(200 if args.quick else 1000, 2.0 if args.quick else 5.0)
-    if args.json:
-        print(json.dumps(result))
-        return
-    width = max(len(k) for k in result)
-    for key, value in result.items():
-        print(f"{key:<{width}}  {value}")
+    print_figures(result, args.json)
 
 
 if __name__ == "__main__":

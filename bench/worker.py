@@ -14,12 +14,12 @@
 from __future__ import annotations
 
 import argparse
-import json
 import random
 import time
 from typing import Any
 
-from bench.http_load import latency, percentile, spawn, stop, throughput
+from bench.figures import percentile, print_figures
+from bench.http_load import latency, spawn, stop, throughput
 from kvroute.up import free_port
 from workers.block_keys import Prompt
 from workers.cache_manager import CacheManager
@@ -89,12 +89,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     result: dict[str, Any] = cache_churn(2_000 if args.quick else 20_000)
     result |= server_overhead(200 if args.quick else 1000, 2.0 if args.quick else 5.0)
-    if args.json:
-        print(json.dumps(result))
-        return
-    width = max(len(k) for k in result)
-    for key, value in result.items():
-        print(f"{key:<{width}}  {value}")
+    print_figures(result, args.json)
 
 
 if __name__ == "__main__":
