@@ -33,6 +33,9 @@ import struct
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
+from typing import Annotated
+
+import msgspec
 
 from indexer.images import ImageSpan, image_digest
 
@@ -140,6 +143,9 @@ class Scope:
         return keys or None
 
 
+_TOKEN_IDS = tuple[Annotated[int, msgspec.Meta(ge=0)], ...]
+
+
 @dataclass(frozen=True)
 class Prompt:
     """What a request brings to the cache: its tokens, its images and its scope.
@@ -162,9 +168,13 @@ class Prompt:
         object.__setattr__(self, "images", tuple(self.images))
         if not self.token_ids:
             raise ValueError("a prompt needs at least one token")
-        if not all(isinstance(t, int) for t in self.token_ids):
-            raise ValueError("token ids must be ints")
-        if min(self.token_ids) < 0 or max(self.token_ids) > U64_MAX:
+        try:  # checked in C: a Python loop here cost ~10% of a simulated cluster's time
+            msgspec.convert(self.token_ids, _TOKEN_IDS)
+        except msgspec.ValidationError:
+            if not all(isinstance(t, int) and not isinstance(t, bool) for t in self.token_ids):
+                raise ValueError("token ids must be ints") from None
+            raise ValueError("token ids must be in [0, 2**64 - 1]") from None
+        if max(self.token_ids) > U64_MAX:  # msgspec lets larger Python ints through
             raise ValueError("token ids must be in [0, 2**64 - 1]")
         end = 0
         for span in self.images:
