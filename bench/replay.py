@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from kvroute.argtypes import positive_float, positive_int
+
 __all__ = ["DEFAULT_TRACE", "add_bench_parser", "build_parser", "main", "run_bench"]
 
 #: The default trace, relative to the repository root.
@@ -28,43 +30,29 @@ SENSITIVITY_LAGS_MS = (0.0, 10.0, 100.0, 1000.0)
 _REPO = Path(__file__).resolve().parent.parent
 
 
-def _positive_int(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
-
-
-def _positive_float(text: str) -> float:
-    value = float(text)
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
-    return value
-
-
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
     a("--trace", help=f"Mooncake JSONL trace (default {DEFAULT_TRACE}, from the repo root)")
     a("--generator", default="trace",
       choices=["trace", "system_prompt", "multi_turn", "agentic", "images"],
       help="workload: the trace, or a generator (default trace)")
-    a("--requests", type=_positive_int,
+    a("--requests", type=positive_int,
       help="requests: the trace's first N, or how many to generate (default all / 2000)")
-    a("--rate", type=_positive_float, default=20.0,
+    a("--rate", type=positive_float, default=20.0,
       help="generators: new requests or sessions per second before --rate-scale (default 20)")
-    a("--workers", type=_positive_int, default=8, help="simulated workers (default 8)")
+    a("--workers", type=positive_int, default=8, help="simulated workers (default 8)")
     a("--policies", default="all", help="comma-separated policy names, or all (default)")
-    a("--capacity-tokens", type=_positive_int, default=500_000,
+    a("--capacity-tokens", type=positive_int, default=500_000,
       help="KV cache per worker in tokens (default 500000)")
-    a("--rate-scale", type=_positive_float, default=1.0,
+    a("--rate-scale", type=positive_float, default=1.0,
       help="multiply the arrival rate (divide timestamps) by this (default 1)")
     a("--event-lag-ms", type=float, default=0.0,
       help="delay from an engine iteration to its events reaching the index (default 0)")
     a("--event-path", choices=["wire", "direct"], default="wire",
       help="events through msgpack encode/decode (wire, default) or as structs (direct)")
-    a("--block-size", type=_positive_int, default=32,
+    a("--block-size", type=positive_int, default=32,
       help="tokens per KV block on workers and index (default 32; trace ids are 512 tokens)")
-    a("--max-num-batched-tokens", type=_positive_int, default=8192,
+    a("--max-num-batched-tokens", type=positive_int, default=8192,
       help="engine tokens per iteration (default 8192)")
     a("--seed", type=int, default=0, help="seed of generators and policies (default 0)")
     a("--json", dest="json_path", metavar="OUT", help="write the results as JSON here")
@@ -74,7 +62,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     a("--no-progress", action="store_true", help="no progress bars")
     a("--live", metavar="URL", help="replay against a running router at URL instead")
     a("--model", default=None, help="live: the model name to send (default: none)")
-    a("--concurrency", type=_positive_int, default=512,
+    a("--concurrency", type=positive_int, default=512,
       help="live: requests in flight at most (default 512)")
 
 

@@ -11,6 +11,7 @@ import sys
 from collections.abc import Sequence
 
 from kvroute import __version__
+from kvroute.argtypes import non_negative_int, positive_int
 
 
 def _add_events(sub: argparse._SubParsersAction) -> None:
@@ -28,28 +29,14 @@ def _add_events(sub: argparse._SubParsersAction) -> None:
     tail.add_argument("--replay", metavar="tcp://HOST:PORT",
                       help="the engine's replay endpoint (enables gap recovery)")
     tail.add_argument("--topic", default="", help="topic prefix (default: everything)")
-    tail.add_argument("--from-seq", type=_non_negative, metavar="N",
+    tail.add_argument("--from-seq", type=non_negative_int, metavar="N",
                       help="replay from seq N first (needs --replay)")
-    tail.add_argument("--count", type=_positive, metavar="N",
+    tail.add_argument("--count", type=positive_int, metavar="N",
                       help="exit after N batches")
     tail.add_argument("--timeout", type=float, metavar="SECONDS",
                       help="exit with status 3 if nothing arrives for this long")
     tail.add_argument("--json", action="store_true",
                       help="one JSON object a line (default: readable lines)")
-
-
-def _non_negative(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"must be >= 0, got {value}")
-    return value
-
-
-def _positive(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
-    return value
 
 
 def _add_worker(sub: argparse._SubParsersAction) -> None:
@@ -125,7 +112,7 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
                        description="Starts N simulated workers and the router on 127.0.0.1 "
                        "(free ports), waits until ready, prints the endpoint, and stops them "
                        "all on Ctrl-C or SIGTERM.")
-    p.add_argument("--workers", type=_positive, default=3, help="sim workers (default 3)")
+    p.add_argument("--workers", type=positive_int, default=3, help="sim workers (default 3)")
     p.add_argument("--port", type=int, default=8000, help="router port (default 8000; 0: any)")
     p.add_argument("--worker-arg", action="append", metavar="FLAG",
                    help="extra flag for every worker, e.g. --worker-arg=--speedup=10")
