@@ -210,7 +210,7 @@ class Registry:
             response.raise_for_status()
             load = response.json()
         except (httpx.HTTPError, ValueError) as exc:
-            self._mark_unhealthy(entry, f"load poll failed: {type(exc).__name__}: {exc}")
+            await self._mark_unhealthy(entry, f"load poll failed: {type(exc).__name__}: {exc}")
             return
         if entry.state is not WorkerState.HEALTHY:
             try:
@@ -220,7 +220,7 @@ class Registry:
                 return
         self._load.reported(entry.id, _reported(load, entry))
 
-    def _mark_unhealthy(self, entry: WorkerEntry, reason: str) -> None:
+    async def _mark_unhealthy(self, entry: WorkerEntry, reason: str) -> None:
         now = time.monotonic()
         if entry.state is WorkerState.HEALTHY:
             log.warning("worker %s unhealthy: %s", entry.url, reason)
@@ -231,7 +231,7 @@ class Registry:
         if entry.indexed and now - since >= self._settings.unhealthy_grace:
             log.warning("worker %s unhealthy for %.1fs: dropping its index entries",
                         entry.url, now - since)
-            asyncio.get_running_loop().create_task(self._disconnect(entry))
+            await self._disconnect(entry)
 
     async def _connect(self, entry: WorkerEntry) -> None:
         try:
