@@ -7,11 +7,13 @@ turns :func:`error_body` into its JSON response.
 from __future__ import annotations
 
 import hmac
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import msgspec
 
-__all__ = ["MAX_BODY_BYTES", "ApiError", "check_bearer", "error_body", "parse_body"]
+__all__ = ["MAX_BODY_BYTES", "ApiError", "check_bearer", "error_body", "parse_body",
+           "wait_for_disconnect"]
 
 MAX_BODY_BYTES = 64 * 1024 * 1024
 
@@ -66,3 +68,11 @@ def check_bearer(authorization: str | None, token: str | None) -> None:
     if not hmac.compare_digest(given, f"Bearer {token}".encode()):
         raise ApiError(401, "this endpoint needs 'Authorization: Bearer <token>'",
                        "authentication_error")
+
+
+async def wait_for_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+    """Return when the ASGI client has gone away (call after the request body was read)."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            return

@@ -8,6 +8,7 @@ chosen worker and the matched blocks in ``x-kvroute-*`` headers.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import re
@@ -19,7 +20,13 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from indexer.openai_api import ApiError, check_bearer, error_body, parse_body
+from indexer.openai_api import (
+    ApiError,
+    check_bearer,
+    error_body,
+    parse_body,
+    wait_for_disconnect,
+)
 from router.metrics import RouterMetrics
 from router.proxy import Proxy, ProxyTimeouts, UpstreamAnswer, UpstreamUnavailable
 from router.registry import WorkerEntry, WorkerUnreachable
@@ -76,7 +83,26 @@ def create_app(settings: RouterSettings) -> FastAPI:
             metrics.request(path, exc.status)
             raise
         metrics.decided(route)
-        stream = bool(body.get("stream"))
+        # Until the answer starts streaming back, a client that hangs up is only seen on the
+        # ASGI receive channel: race the whole exchange against it, so that the upstream
+        # request is cancelled with it (streams are then watched by Starlette).
+        exchange = asyncio.ensure_future(_exchange(request, raw, bool(body.get("stream")),
+                                                   route, path, metrics))
+        gone = asyncio.ensure_future(wait_for_disconnect(request.receive))
+        try:
+            await asyncio.wait([exchange, gone], return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not exchange.done():
+                exchange.cancel()
+                await asyncio.gather(exchange, return_exceptions=True)
+                service().load.finished(route.request_id)
+        if exchange.cancelled():
+            return Response(status_code=499)
+        return exchange.result()
+
+    async def _exchange(request: Request, raw: bytes, stream: bool, route: Route, path: str,
+                        metrics: RouterMetrics) -> Response:
         for attempt, worker in enumerate([route.worker, *route.fallbacks()[:1]]):
             service().dispatched(route, worker)
             try:

@@ -24,7 +24,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from indexer.openai_api import ApiError, check_bearer, error_body, parse_body
+from indexer.openai_api import (
+    ApiError,
+    check_bearer,
+    error_body,
+    parse_body,
+    wait_for_disconnect,
+)
 from indexer.prompts import build_prompt
 from indexer.wire import encode_batch
 from workers.block_keys import Prompt, Scope
@@ -128,7 +134,7 @@ def create_app(settings: WorkerSettings) -> FastAPI:
 
     async def _whole(request: Request, handle: Any, reply: Completion) -> JSONResponse:
         collect = asyncio.ensure_future(_collect(handle))
-        gone = asyncio.ensure_future(_disconnected(request))
+        gone = asyncio.ensure_future(wait_for_disconnect(request.receive))
         try:
             await asyncio.wait([collect, gone], return_when=asyncio.FIRST_COMPLETED)
         finally:
@@ -246,10 +252,3 @@ async def _collect(handle: Any) -> tuple[list[int], str | None]:
         if out.finished:
             reason = out.finish_reason
     return ids, reason
-
-
-async def _disconnected(request: Request) -> None:
-    while True:
-        message = await request.receive()
-        if message["type"] == "http.disconnect":
-            return

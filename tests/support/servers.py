@@ -82,7 +82,7 @@ class ScriptedWorker:
         app.router.add_get("/model_info", self._model_info)
         app.router.add_get("/load", self._load)
         app.router.add_post("/v1/completions", self._complete)
-        self._runner = web.AppRunner(app, access_log=None)
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
         await self._runner.setup()
         await web.TCPSite(self._runner, "127.0.0.1", self.port).start()
         return self
@@ -105,6 +105,12 @@ class ScriptedWorker:
         if self.mode == "refuse":
             return web.json_response({"error": {"message": "overloaded"}}, status=503)
         chunk = b'data: {"choices":[{"index":0,"text":"x"}]}\n\n'
+        if not body.get("stream") and self.mode == "slow":
+            try:
+                await asyncio.sleep(10)
+            except asyncio.CancelledError:
+                self.cancelled.set()
+                raise
         if not body.get("stream"):
             return web.json_response({"choices": [{"index": 0, "text": "ok"}],
                                       "usage": {"prompt_tokens": 1,
