@@ -53,11 +53,19 @@ def request_hashes(prompt: PromptTokens, terms: HashingTerms, lora: str | None =
         prompt: the tokenized request.
         terms: how the target workers name blocks.
         lora: the LoRA adapter the request selects, if any.
+
+    Raises:
+        ValueError: a token id is not a non-negative int (the router does not check ids
+            against the vocabulary; the worker does).
     """
     size = terms.block_size
     seed = scope_seed(lora, published_salt(prompt.cache_salt, terms.salt_hashing))
     if not prompt.images:  # the common case: hash the token list as it is, no copy
-        return block_hashes(prompt.token_ids, size, seed=seed)
+        hashes = block_hashes(prompt.token_ids, size, seed=seed)  # checks every full block
+        for t in prompt.token_ids[len(hashes) * size:]:  # and the partial tail, here
+            if type(t) is not int or t < 0:
+                raise ValueError(f"token ids are non-negative ints, not {t!r}")
+        return hashes
     limit = prompt.matchable_tokens(by_uuid=terms.by_uuid)
     blocks = limit // size
     tokens: list[int | str] = list(prompt.token_ids[: blocks * size])

@@ -111,7 +111,8 @@ class RouterService:
         try:
             prompt = build_prompt(body, kind, self.tokenizer,
                                   mm_tokens_per_image=self.registry.mm_tokens_per_image or 1,
-                                  max_image_bytes=self.settings.max_image_bytes, fetch=None)
+                                  max_image_bytes=self.settings.max_image_bytes, fetch=None,
+                                  check_token_ids=False)
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
         max_len = min((e.info.max_model_len for e in entries if e.info and e.info.max_model_len),
@@ -124,7 +125,11 @@ class RouterService:
         terms = HashingTerms(self.settings.block_size, by_uuid=first.image_routing_version == 1,
                              salt_hashing=first.salt_hashing)
         lora = model if model is not None and model != first.model else None
-        hashes = request_hashes(prompt, terms, lora)
+        try:
+            hashes = request_hashes(prompt, terms, lora)
+        except ValueError as exc:  # token ids that are not ints in [0, 2**64)
+            raise ApiError(400, f"the prompt's token ids are invalid: {exc}", param="prompt"
+                           ) from None
         now = time.monotonic()
         decision = choose(len(hashes), self._candidates(entries, hashes, now), self.scheduler,
                           self.rng)

@@ -151,6 +151,8 @@ async def test_a_new_instance_id_is_seen_as_a_restart() -> None:
         (b'{"model": "no-such-model", "prompt": "x"}', 404, "invalid_request_error"),
         (b'{"model": "kvroute-sim"}', 400, "invalid_request_error"),
         (b'{"model": "kvroute-sim", "prompt": ["a", "b"]}', 400, "invalid_request_error"),
+        (b'{"model": "kvroute-sim", "prompt": [1.5, 2]}', 400, "invalid_request_error"),
+        (b'{"model": "kvroute-sim", "prompt": [-1, 2]}', 400, "invalid_request_error"),
     ],
 )
 async def test_bad_bodies_get_openai_errors(body: bytes, status: int, kind: str) -> None:
