@@ -12,17 +12,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import socket
 from typing import Any
 
 import uvicorn
 from aiohttp import web
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from kvroute.up import free_port
 
 
 class UvicornServer:
