@@ -99,6 +99,8 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
     a("--predict-ttl", type=float, help="seconds a routed prefix counts resident (default 10)")
     a("--host-credit", type=float, help="host-tier hit credit in [0,1] (default 0.75)")
     a("--temperature", type=float, help="0 picks the cheapest; >0 samples (default 0)")
+    a("--policy", choices=["kv", "round_robin", "random"],
+      help="kv (default); round_robin or random ignore the cache (baselines)")
     a("--admin-token", help="bearer token for /workers")
     a("--worker-admin-token", help="bearer token the workers want for /kv/snapshot")
     a("--health-interval", type=float, help="seconds between load polls (default 1)")

@@ -76,6 +76,7 @@ class RouterService:
         self.counters: dict[str, float] = {}
         # Request ids: unique per process without a syscall per request (uuid4 reads urandom).
         self._ids = itertools.count()
+        self._turns = itertools.count()
         self._id_prefix = os.urandom(4).hex()
 
     def forget(self, worker: int) -> None:
@@ -133,9 +134,20 @@ class RouterService:
         now = time.monotonic()
         decision = choose(len(hashes), self._candidates(entries, hashes, now), self.scheduler,
                           self.rng)
+        if self.settings.policy != "kv":
+            decision = self._baseline(decision, entries)
         request_id = f"{self._id_prefix}-{next(self._ids)}"
         return Route(request_id, prompt, hashes, decision, {e.id: e for e in entries}, now,
                      time.perf_counter() - started)
+
+    def _baseline(self, decision: Decision, entries: list[WorkerEntry]) -> Decision:
+        # Cache-blind baselines: the costs stay (for /debug/route and fallbacks), the choice
+        # ignores them.
+        if self.settings.policy == "round_robin":
+            worker = entries[next(self._turns) % len(entries)].id
+        else:
+            worker = self.rng.choice(entries).id
+        return Decision(worker, decision.costs)
 
     def _candidates(self, entries: list[WorkerEntry], hashes: list[int], now: float
                     ) -> list[Candidate]:

@@ -15,7 +15,11 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-__all__ = ["RouterSettings", "SettingsError", "load_settings"]
+__all__ = ["POLICIES", "RouterSettings", "SettingsError", "load_settings"]
+
+#: ``kv``: prefix hits weighed against load (the point of kvroute). ``round_robin`` and
+#: ``random`` ignore the cache: baselines to measure against, one flag away.
+POLICIES = ("kv", "round_robin", "random")
 
 
 class SettingsError(ValueError):
@@ -35,6 +39,7 @@ class RouterSettings:
     queue_weight: float = 0.5
     host_credit: float = 0.75
     temperature: float = 0.0
+    policy: str = "kv"
     predict_ttl: float = 10.0
     approximate_ttl: float = 120.0
     health_interval: float = 1.0
@@ -55,6 +60,8 @@ class RouterSettings:
             (self.queue_weight >= 0, "queue_weight must be >= 0"),
             (0 <= self.host_credit <= 1, "host_credit must be in [0, 1]"),
             (self.temperature >= 0, "temperature must be >= 0"),
+            (self.policy in POLICIES,
+             f"policy {self.policy!r} is not one of {', '.join(POLICIES)}"),
             (self.predict_ttl > 0 and self.approximate_ttl > 0, "ttls must be positive"),
             (self.health_interval > 0, "health_interval must be positive"),
             (self.unhealthy_grace >= 0, "unhealthy_grace must be >= 0"),

@@ -191,3 +191,20 @@ async def test_approximate_mode_sends_a_repeated_prefix_back_to_its_worker() -> 
         again = await client.post("/v1/completions", json={**BODY, "prompt": "p" * 400 + " more"})
     assert again.headers["x-kvroute-worker"] == first.headers["x-kvroute-worker"]
     assert int(again.headers["x-kvroute-matched-blocks"]) == 400 // 32
+
+
+@pytest.mark.parametrize("policy", ["kv", "round_robin"])
+async def test_policy_round_robin_ignores_the_prefix_kv_follows_it(policy: str) -> None:
+    async with (
+        ScriptedWorker() as a,
+        ScriptedWorker() as b,
+        router_for(a, b, ready=2, policy=policy) as client,
+    ):
+        answers = [await client.post("/v1/completions", json=BODY) for _ in range(6)]
+    assert [r.status_code for r in answers] == [200] * 6
+    chosen = [r.headers["x-kvroute-worker"] for r in answers]
+    if policy == "kv":  # the first request's prefix is predicted resident: the rest follow it
+        assert len(set(chosen)) == 1
+    else:
+        assert chosen[0::2] == [chosen[0]] * 3 and chosen[1::2] == [chosen[1]] * 3
+        assert chosen[0] != chosen[1]

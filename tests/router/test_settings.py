@@ -35,6 +35,7 @@ def test_json_config_files_work_too(tmp_path: Path) -> None:
     ({"workers": ("ftp://x",)}, {}, "not an http(s) URL"),
     ({"block_size": -4}, {}, "block_size"),
     ({"temperature": -1.0}, {}, "temperature"),
+    ({}, {"KVROUTE_POLICY": "least_cost"}, "policy 'least_cost' is not one of kv"),
 ])
 def test_bad_router_settings_are_refused_with_the_reason(flags: dict, env: dict,
                                                          fragment: str) -> None:
