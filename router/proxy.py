@@ -39,6 +39,13 @@ class UpstreamUnavailable(Exception):
     """The worker failed before sending any byte of its answer: safe to retry elsewhere."""
 
 
+#: Seconds an idle pooled connection is kept. Below uvicorn's (and so vLLM's) 5 s server-side
+#: keep-alive: a connection the worker has already closed is never reused, which would fail
+#: the send with ``ServerDisconnectedError`` and move the request off its prefix holder (seen
+#: on the GPU routing benchmark with a 60 s pool).
+IDLE_KEEPALIVE_S = 4.0
+
+
 @dataclass(frozen=True, slots=True)
 class ProxyTimeouts:
     """Seconds allowed for each phase of a forwarded request."""
@@ -118,7 +125,8 @@ class Proxy:
     async def start(self) -> None:
         """Open the connection pool."""
         connector = aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0,
-                                         keepalive_timeout=60, enable_cleanup_closed=True)
+                                         keepalive_timeout=IDLE_KEEPALIVE_S,
+                                         enable_cleanup_closed=True)
         timeout = aiohttp.ClientTimeout(total=self.timeouts.total,
                                         sock_connect=self.timeouts.connect)
         self._session = aiohttp.ClientSession(connector=connector, timeout=timeout,
