@@ -8,7 +8,9 @@ Sections (``docs/gpu.md`` holds the figures and what they mean):
   first 254 blocks already in the request's block table) and 64 new; 64 new tokens alone. Each
   is one executor pass, sampling included, median of ``--repeats``.
 - ``decode``: tokens/s of decode iterations at batch 1, 8 and 32 over 1,024-token prompts.
-- ``routing``: ``--workers`` engines (own cache manager, batcher and KV blocks, one shared set
+- ``routing`` (the first attempt, kept for comparison; ``bench.gpu_routing`` is the routing
+  benchmark: one worker process per engine behind the real router): ``--workers`` engines
+  (own cache manager, batcher and KV blocks, one shared set
   of weights, one GPU) driven in this process from the shared Mooncake synthetic trace, each
   hash id scaled to 64 tokens (512 / 8) and outputs to 1/8. Two policies place the requests:
   round-robin, and kvroute's (the real :class:`~indexer.index.PrefixIndex` fed by each

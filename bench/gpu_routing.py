@@ -1,0 +1,216 @@
+"""Routing over real engines: torch workers, each its own process, behind the real router.
+
+Run (on a GPU machine, from the repository root)::
+
+    python -m bench.gpu_routing --workers 4 --kv-memory-gb 20 --first 0 --count 600 \\
+        --loads 0.9 --cold-rate 150000 --json bench-out/gpu_routing.json
+
+For each load and each router policy (``--policies``, default ``round_robin,kv``) it starts a
+fresh cluster with :class:`kvroute.up.Cluster`: ``--workers`` x ``kvroute worker --engine
+torch`` on the one device (separate processes: each engine has its own interpreter, so none
+waits on another's lock) and ``kvroute router --policy P``. Every worker is warmed up with a
+prompt of its own (CUDA context, kernel plans) and its cache emptied; then the Mooncake trace
+window ``--first .. --first + --count`` is replayed against the router over HTTP with
+streaming (:func:`bench.live.replay_live`), each hash id its full 512 tokens, outputs the
+trace's times ``--output-scale``.
+
+Arrivals keep the trace's spacing, compressed so prompt tokens arrive at ``load x
+--cold-rate`` tokens/s; ``--cold-rate`` is the device's cold prefill rate for one 8k-token
+prompt, as ``python -m bench.gpu --sections ttft`` measures it. A load near 1 puts
+round-robin at saturation: it recomputes most prefixes, kvroute reuses them.
+
+Reported per run, from the client side: TTFT p50/p90/p99, end-to-end p50/p99, prefix hit rate
+(``cached_tokens`` the workers report over prompt tokens), prompt and output tokens/s,
+failed requests, and each worker's share of the requests (``x-kvroute-worker`` is not seen by
+the streaming client, so shares come from each worker's ``/metrics``).
+
+Requests longer than ``--max-model-len`` are left out of the window (and counted): the longest
+trace prompts (up to 191k tokens) would otherwise be refused by the router.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import sys
+import time
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from bench.live import replay_live, summarize_live
+from bench.workloads import WorkloadRequest, load_trace, scale_rate
+from kvroute.up import Cluster
+
+__all__ = ["main", "run_policy", "window"]
+
+TRACE = "traces/mooncake_synthetic_trace.jsonl"
+
+
+def window(path: Path, first: int, count: int, max_len: int,
+           output_scale: float = 1.0) -> tuple[list[WorkloadRequest], int]:
+    """The trace's requests ``first .. first + count`` no longer than ``max_len`` tokens,
+    re-timed from zero, outputs scaled by ``output_scale`` (at least one token); and how many
+    were left out for length."""
+    rows = load_trace(path, limit=first + count)[first:]
+    kept = [r for r in rows if r.input_length <= max_len]
+    t0 = kept[0].arrival_s if kept else 0.0
+    out = [
+        WorkloadRequest(r.request_id, r.arrival_s - t0, r.segments, r.input_length,
+                        max(1, round(r.output_length * output_scale)), r.images, r.session)
+        for r in kept
+    ]
+    return out, len(rows) - len(kept)
+
+
+def _post(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+    req = urllib.request.Request(url, json.dumps(body).encode(),
+                                 {"content-type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def _worker_urls(cluster: Cluster) -> list[str]:
+    return [c.url for c in cluster.children if c.name.startswith("worker-")]
+
+
+def warm_up(cluster: Cluster, tokens: int) -> None:
+    """One request per worker straight to it (a prompt no trace request shares), then empty
+    its cache so the run starts cold."""
+    for i, url in enumerate(_worker_urls(cluster)):
+        prompt = [4 + (i * 7919 + j * 104729) % 256 for j in range(tokens)]
+        _post(f"{url}/v1/completions", {"prompt": prompt, "max_tokens": 4}, 300)
+        _post(f"{url}/reset_prefix_cache", {}, 30)
+
+
+def _metric_sum(url: str, name: str) -> float:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and not line.startswith("#"))
+
+
+def run_policy(args: argparse.Namespace, policy: str, requests: Sequence[WorkloadRequest],
+               log_dir: str | None) -> dict[str, Any]:
+    """Start a fresh cluster routed by ``policy``, replay ``requests``, stop it; one row."""
+    worker_args = ["--engine", "torch", "--torch-model", args.model, "--device", args.device,
+                   "--max-model-len", str(args.max_model_len)]
+    if args.kv_memory_gb is not None:
+        worker_args += ["--kv-memory-gb", str(args.kv_memory_gb)]
+    cluster = Cluster(args.workers, worker_args=worker_args,
+                      router_args=["--policy", policy, "--seed", "0"], log_dir=log_dir)
+    try:
+        started = time.perf_counter()
+        cluster.start(timeout=args.ready_timeout)
+        warm_up(cluster, args.warmup_tokens)
+        ready_s = time.perf_counter() - started
+        before = [_metric_sum(u, args.requests_metric) for u in _worker_urls(cluster)]
+        records, makespan = asyncio.run(replay_live(cluster.url, requests,
+                                                    concurrency=args.concurrency))
+        after = [_metric_sum(u, args.requests_metric) for u in _worker_urls(cluster)]
+    finally:
+        cluster.stop()
+    row = summarize_live(records, makespan, policy)
+    ok = [r for r in records if r.error is None]
+    shares = [a - b for a, b in zip(after, before, strict=True)]
+    row.update(
+        ready_s=ready_s,
+        prompt_tok_s=sum(r.prompt_tokens for r in ok) / makespan if makespan else 0.0,
+        worker_requests=shares,
+        request_imbalance=max(shares) / (sum(shares) / len(shares)) if sum(shares) else 0.0,
+    )
+    return row
+
+
+def _table(result: dict[str, Any]) -> str:
+    head = (f"{'load':>5} {'policy':>12} {'hit':>6} {'TTFT p50':>9} {'p90':>7} {'p99':>7} "
+            f"{'e2e p50':>8} {'p99':>7} {'prompt tok/s':>12} {'out tok/s':>9} {'err':>4}  shares")
+    lines = [f"{result['workers']} x {result['model']} workers, trace {result['first']}.."
+             f"{result['first'] + result['count']} ({result['requests']} requests, "
+             f"{result['prompt_tokens']} prompt tokens, {result['output_tokens']} output tokens, "
+             f"{result['skipped_long']} too long), "
+             f"TTFT in seconds", head]
+    for r in result["runs"]:
+        lines.append(
+            f"{r['load']:>5g} {r['policy']:>12} {r['hit_rate']:>6.1%} {r['ttft_p50_s']:>9.3f} "
+            f"{r['ttft_p90_s']:>7.3f} {r['ttft_p99_s']:>7.3f} {r['e2e_p50_s']:>8.2f} "
+            f"{r['e2e_p99_s']:>7.2f} {r['prompt_tok_s']:>12.0f} {r['output_tok_s']:>9.0f} "
+            f"{r['errors']:>4}  {[int(s) for s in r['worker_requests']]}")
+    for load in sorted({r["load"] for r in result["runs"]}):
+        runs = {r["policy"]: r for r in result["runs"] if r["load"] == load}
+        if "round_robin" in runs and "kv" in runs and runs["kv"]["ttft_p50_s"] > 0:
+            ratio = runs["round_robin"]["ttft_p50_s"] / runs["kv"]["ttft_p50_s"]
+            lines.append(f"load {load:g}: round-robin TTFT p50 / kv TTFT p50 = {ratio:.2f}")
+    return "\n".join(lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m bench.gpu_routing", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    a = p.add_argument
+    a("--workers", type=int, default=4, help="torch worker processes (default 4)")
+    a("--model", default="llama-1b", help="tiny, llama-1b or a local folder")
+    a("--device", default="auto", help="cuda, cpu or auto")
+    a("--kv-memory-gb", type=float, default=None, help="KV GiB per worker (default: sized)")
+    a("--trace", type=Path, default=None,
+      help="Mooncake trace (default: $KVROUTE_SHARED or ../shared)/" + TRACE)
+    a("--first", type=int, default=0, help="first trace request (default 0)")
+    a("--count", type=int, default=600, help="trace requests (default 600)")
+    a("--max-model-len", type=int, default=65536, help="longer requests are left out")
+    a("--output-scale", type=float, default=1.0,
+      help="multiply output lengths (default 1; decode is not what routing saves)")
+    a("--loads", default="0.9", help="offered prompt tokens/s over --cold-rate, comma-separated")
+    a("--cold-rate", type=float, default=150_000.0, help="the device's cold prefill tokens/s")
+    a("--policies", default="round_robin,kv", help="router policies, comma-separated")
+    a("--concurrency", type=int, default=2048, help="requests in flight at most")
+    a("--warmup-tokens", type=int, default=4096, help="warm-up prompt per worker")
+    a("--ready-timeout", type=float, default=300.0, help="seconds for the cluster to start")
+    a("--requests-metric", default="kvroute_worker_requests_total",
+      help="the workers' request counter in /metrics")
+    a("--log-dir", default=None, help="children's logs here (default: this terminal)")
+    a("--json", dest="json_path", default=None, help="write the result here")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    shared = Path(os.environ.get("KVROUTE_SHARED", Path(__file__).parent.parent.parent / "shared"))
+    path = args.trace or shared / TRACE
+    try:
+        requests, skipped = window(path, args.first, args.count, args.max_model_len,
+                                   args.output_scale)
+        loads = [float(x) for x in args.loads.split(",")]
+    except ValueError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    if not requests or any(load <= 0 for load in loads):
+        print("error: an empty window, or a load that is not positive", file=sys.stderr)
+        return 2
+    prompt_tokens = sum(r.input_length for r in requests)
+    span = requests[-1].arrival_s or 1.0
+    result: dict[str, Any] = {
+        "workers": args.workers, "model": args.model, "first": args.first, "count": args.count,
+        "requests": len(requests), "skipped_long": skipped, "prompt_tokens": prompt_tokens,
+        "cold_rate": args.cold_rate, "kv_memory_gb": args.kv_memory_gb,
+        "output_scale": args.output_scale,
+        "output_tokens": sum(r.output_length for r in requests), "runs": [],
+    }
+    for load in loads:
+        scaled = scale_rate(requests, span / (prompt_tokens / (load * args.cold_rate)))
+        for policy in args.policies.split(","):
+            row = run_policy(args, policy, scaled, args.log_dir)
+            row.update(load=load, arrival_span_s=scaled[-1].arrival_s)
+            result["runs"].append(row)
+            print(f"# {json.dumps(row)}", flush=True)
+    print(_table(result), flush=True)
+    if args.json_path:
+        Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.json_path).write_text(json.dumps(result, indent=1))
+    return 0 if all(r["errors"] == 0 for r in result["runs"]) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

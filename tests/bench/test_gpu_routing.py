@@ -1,0 +1,70 @@
+"""bench.gpu_routing: the trace window it replays, and one real run on the CPU (tiny model,
+two torch worker processes behind the real router, each router policy)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from bench.gpu_routing import window
+from bench.workloads import trace_block_tokens
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _trace(path: Path, rows: list[tuple[int, int, int, list[int]]]) -> Path:
+    path.write_text("".join(
+        json.dumps({"timestamp": t, "input_length": n, "output_length": m, "hash_ids": ids}) + "\n"
+        for t, n, m, ids in rows))
+    return path
+
+
+def test_window_cuts_retimes_drops_long_prompts_and_scales_outputs(tmp_path: Path) -> None:
+    trace = _trace(tmp_path / "t.jsonl", [
+        (0, 100, 10, [1]), (1000, 600, 8, [1, 2]), (1500, 2000, 40, [1, 2, 3, 4]),
+        (2500, 300, 3, [5]), (4000, 50, 1, [6]),
+    ])
+    requests, skipped = window(trace, 1, 3, max_len=1024, output_scale=0.5)
+    assert skipped == 1  # the 2,000-token request
+    assert [r.input_length for r in requests] == [600, 300]
+    assert [r.arrival_s for r in requests] == [0.0, 1.5]  # from the first kept request
+    assert [r.output_length for r in requests] == [4, 2]  # 3 * 0.5 rounds to 2, never 0
+    assert requests[0].token_ids() == (trace_block_tokens(1) + trace_block_tokens(2))[:600]
+
+
+def test_a_bad_trace_exits_2_with_the_reason(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"timestamp": 0}\n')
+    run = subprocess.run([sys.executable, "-m", "bench.gpu_routing", "--trace", str(bad)],
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2
+    assert "not a Mooncake trace line" in run.stderr
+
+
+def test_round_robin_and_kv_clusters_of_torch_workers_replay_the_trace(tmp_path: Path) -> None:
+    pytest.importorskip("torch")
+    # Twelve requests whose prompts extend one another (hash ids [0], [0, 1], [0, 1, 2]).
+    rows = [(i * 50, 400 + 500 * (i % 3), 2, list(range(1 + (i % 3)))) for i in range(12)]
+    trace = _trace(tmp_path / "t.jsonl", rows)
+    out = tmp_path / "out.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_routing", "--workers", "2", "--model", "tiny",
+         "--device", "cpu", "--kv-memory-gb", "0.02", "--trace", str(trace), "--count", "12",
+         "--loads", "0.5", "--cold-rate", "20000", "--warmup-tokens", "64",
+         "--log-dir", str(tmp_path / "logs"), "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    result = json.loads(out.read_text())
+    runs = {r["policy"]: r for r in result["runs"]}
+    assert set(runs) == {"round_robin", "kv"}
+    assert all(r["errors"] == 0 and r["requests"] == 12 for r in runs.values())
+    assert runs["round_robin"]["worker_requests"] == [6.0, 6.0]
+    assert sum(runs["kv"]["worker_requests"]) == 12
+    # Every prompt after the first three repeats a cached prefix: kv, sending each to its
+    # holder, reuses more than round-robin, which alternates.
+    assert runs["kv"]["hit_rate"] > runs["round_robin"]["hit_rate"]
+    assert "round-robin TTFT p50 / kv TTFT p50" in run.stdout
