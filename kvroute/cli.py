@@ -53,7 +53,8 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     a("--topic", help="topic frame of every event batch (default empty)")
     a("--data-parallel-rank", type=int, help="this worker's rank; shifts both event ports")
     a("--engine", choices=["sim", "torch"], help="sim (default, no GPU) or torch")
-    a("--model", help="served model name (default kvroute-sim)")
+    a("--model", help="served model name (default kvroute-sim); with --engine torch also the "
+      "weights (tiny, llama-1b or a folder) unless --torch-model says otherwise")
     a("--tokenizer", help="local tokenizer.json or its folder (default: byte-level)")
     a("--block-size", type=int, help="tokens per KV block (default 32)")
     a("--num-blocks", type=int, help="device KV blocks (default 4096)")
@@ -77,7 +78,8 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
       help="publish no image UUID routing hints")
     a("--torch-model", help="torch engine: tiny, llama-1b or a local weights folder")
     a("--device", help="torch engine: cuda, cpu or auto (default)")
-    a("--kv-memory-gb", type=float, help="torch engine: GiB of KV cache (default: sized to fit)")
+    a("--kv-memory-gb", "--kv-memory", dest="kv_memory_gb", type=float,
+      help="torch engine: GiB of KV cache (default: sized to fit)")
     a("--log-level", help="debug, info, warning (default info)")
 
 

@@ -135,4 +135,8 @@ def load_worker_settings(flags: Mapping[str, Any], env: Mapping[str, str] | None
     for name, value in flags.items():
         if name in _FIELDS and value is not None:
             merged[name] = _coerce(name, value, f"flag --{name.replace('_', '-')}")
+    if merged.get("engine") == "torch" and "model" in merged and "torch_model" not in merged:
+        # ``--engine torch --model llama-1b|PATH`` names the weights, as vLLM's --model does;
+        # the served name is the same string.
+        merged["torch_model"] = merged["model"]
     return WorkerSettings(**merged)

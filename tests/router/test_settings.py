@@ -88,6 +88,15 @@ def test_worker_environment_switches_parse() -> None:
     assert s.image_routing_version is None
 
 
+def test_torch_engine_model_names_the_weights_unless_torch_model_does() -> None:
+    s = load_worker_settings({"engine": "torch", "model": "llama-1b"}, env={})
+    assert (s.torch_model, s.model) == ("llama-1b", "llama-1b")
+    s = load_worker_settings({"engine": "torch", "model": "served", "torch_model": "tiny"}, env={})
+    assert (s.torch_model, s.model) == ("tiny", "served")
+    s = load_worker_settings({"model": "llama-1b"}, env={})  # the sim engine: a name only
+    assert (s.engine, s.torch_model) == ("sim", "tiny")
+
+
 @pytest.mark.parametrize("args, fragment", [
     (["router", "--port", "x"], "invalid int value"),
     (["router", "--host-credit", "2"], "host_credit must be in [0, 1]"),
