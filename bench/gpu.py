@@ -7,7 +7,8 @@ Sections (``docs/gpu.md`` holds the figures and what they mean):
 - ``ttft``: one 8,192-token prompt computed cold; the same prompt with 8,128 tokens cached (its
   first 254 blocks already in the request's block table) and 64 new; 64 new tokens alone. Each
   is one executor pass, sampling included, median of ``--repeats``.
-- ``decode``: tokens/s of decode iterations at batch 1, 8 and 32 over 1,024-token prompts.
+- ``decode``: tokens/s of decode iterations at batch 1, 8 and 32 over 1,024-token prompts,
+  eager and (on CUDA) replayed as CUDA graphs (:mod:`workers.torch_graphs`), in one run.
 - ``routing`` (the first attempt, kept for comparison; ``bench.gpu_routing`` is the routing
   benchmark: one worker process per engine behind the real router): ``--workers`` engines
   (own cache manager, batcher and KV blocks, one shared set
@@ -356,7 +357,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         cold_rate = result["ttft"]["cold_tokens_per_s"]
         _log(args, "ttft", result["ttft"])
     if "decode" in sections:
-        result["decode"] = [bench_decode(args, ex, cache, b) for b in (1, 8, 32)]
+        # Eager and CUDA-graph decode side by side, in this one run (CUDA only has graphs).
+        graphs = ex.graphs
+        result["decode"] = []
+        for mode in ("eager", "graphs") if graphs is not None else ("eager",):
+            ex.graphs = graphs if mode == "graphs" else None
+            for b in (1, 8, 32):
+                result["decode"].append(bench_decode(args, ex, cache, b) | {"mode": mode})
+        ex.graphs = graphs
         _log(args, "decode", result["decode"])
     if "routing" in sections:
         del ex
@@ -410,7 +418,7 @@ def _table(result: dict[str, Any]) -> str:
         )
     for d in result.get("decode", []):
         lines.append(
-            f"decode batch {d['batch']}: {d['step_ms']:.2f} ms/step, "
+            f"decode ({d['mode']}) batch {d['batch']}: {d['step_ms']:.2f} ms/step, "
             f"{d['tokens_per_s']:.0f} tokens/s"
         )
     for r in result.get("routing", {}).get("runs", []):

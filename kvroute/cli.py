@@ -80,6 +80,8 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     a("--device", help="torch engine: cuda, cpu or auto (default)")
     a("--kv-memory-gb", "--kv-memory", dest="kv_memory_gb", type=float,
       help="torch engine: GiB of KV cache (default: sized to fit)")
+    a("--no-cuda-graphs", dest="cuda_graphs", action="store_false", default=None,
+      help="torch engine on CUDA: run decode steps eagerly, not as replayed CUDA graphs")
     a("--log-level", help="debug, info, warning (default info)")
 
 

@@ -58,6 +58,7 @@ class WorkerSettings:
     torch_model: str = "tiny"
     device: str = "auto"
     kv_memory_gb: float | None = None
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         positive = ("port", "block_size", "num_blocks", "max_num_batched_tokens",

@@ -33,6 +33,7 @@ from workers.settings import WorkerSettings
 if TYPE_CHECKING:
     import torch
 
+    from workers.torch_graphs import DecodeGraphs
     from workers.torch_kv import PagedKV
     from workers.torch_model import Decoder, ModelConfig, PagedBatch
 
@@ -200,7 +201,8 @@ def build_torch_executor(
         )
     except ValueError as exc:
         raise TorchEngineError(str(exc)) from None
-    return TorchExecutor(model, kv, vocab_limit=tokenizer.vocab_size)
+    return TorchExecutor(model, kv, vocab_limit=tokenizer.vocab_size,
+                         cuda_graphs=settings.cuda_graphs and device.type == "cuda")
 
 
 def _check_tokenizer(folder: Path, settings: WorkerSettings, tokenizer: Tokenizer) -> None:
@@ -224,6 +226,9 @@ class TorchExecutor:
         model: the decoder.
         kv: its KV storage; block ids are the cache manager's.
         vocab_limit: sample only ids below this (the tokenizer's vocabulary), default all.
+        cuda_graphs: run decode-only iterations padded to fixed shapes
+            (:mod:`workers.torch_graphs`): replayed CUDA graphs on CUDA, the padded forward
+            eagerly on the CPU (what the tests use to check the padding).
 
     Notes:
         1. One plan at a time (the batcher never overlaps two); :meth:`execute` runs the
@@ -232,13 +237,20 @@ class TorchExecutor:
            same model, after any preemption, up to the device's rounding.
     """
 
-    def __init__(self, model: Decoder, kv: PagedKV, *, vocab_limit: int | None = None) -> None:
+    def __init__(self, model: Decoder, kv: PagedKV, *, vocab_limit: int | None = None,
+                 cuda_graphs: bool = False) -> None:
         self.model = model
         self.kv = kv
         self.block_size = kv.block_size
         self.vocab_limit = model.config.vocab_size if vocab_limit is None else vocab_limit
         self._layers = kv.layers()
         self._rows = kv.rows()
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs:
+            from workers.torch_graphs import DecodeGraphs
+
+            self.graphs = DecodeGraphs(model, self._layers, self._rows, kv.scratch_block,
+                                       kv.block_size, capture=kv.device.type == "cuda")
 
     async def execute(self, plan: IterationPlan) -> tuple[dict[str, int], float]:
         """Compute the plan and sample greedily.
@@ -267,6 +279,9 @@ class TorchExecutor:
             self.kv.transfer(plan.transfers)
             if not plan.prefill and not plan.decode:
                 return {}
+            if self.graphs is not None and not plan.prefill and self.graphs.fits(plan.decode):
+                out = self.graphs.logits(plan.decode)
+                return dict(zip((d.request_id for d in plan.decode), out.unbind(0), strict=True))
             batch, ids = self._batch(plan)
             out = self.model.forward_paged(batch, self._layers, self._rows)
             return dict(zip(ids, out.unbind(0), strict=True))

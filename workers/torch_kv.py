@@ -17,6 +17,9 @@ Ordering on CUDA (plain synchronous copies on the CPU):
 3. After the last copy the compute stream waits for the copy stream, so no kernel reads an
    onboarded block, or overwrites an offloaded one, before its copy completed.
 
+One device block past the cache manager's, :attr:`PagedKV.scratch_block`, belongs to no
+request: padded decode rows (:mod:`workers.torch_graphs`) write and read it.
+
 Both tiers start zeroed, not uninitialised: attention multiplies padded and masked-out
 positions by a zero weight, and zero times a NaN bit pattern left in fresh memory is NaN.
 """
@@ -72,7 +75,7 @@ class PagedKV:
         block = (num_layers, 2, block_size, kv_heads, head_dim)
         self.block_bytes = bytes_per_block(num_layers, block_size, kv_heads, head_dim, dtype)
         try:
-            self.device_blocks = torch.zeros((num_blocks, *block), dtype=dtype, device=device)
+            self.device_blocks = torch.zeros((num_blocks + 1, *block), dtype=dtype, device=device)
         except torch.cuda.OutOfMemoryError:
             raise ValueError(
                 f"{num_blocks} KV blocks of {self.block_bytes} bytes "
@@ -87,17 +90,23 @@ class PagedKV:
 
     @property
     def num_blocks(self) -> int:
-        """Device blocks."""
-        return self.device_blocks.shape[0]
+        """Device blocks the cache manager hands out (the scratch block not counted)."""
+        return self.device_blocks.shape[0] - 1
+
+    @property
+    def scratch_block(self) -> int:
+        """The device block no request owns, for padding (module docstring)."""
+        return self.device_blocks.shape[0] - 1
 
     def layers(self) -> list[Tensor]:
-        """Per layer, the view ``[num_blocks, 2, block_size, kv_heads, head_dim]``."""
+        """Per layer, the view ``[num_blocks + 1, 2, block_size, kv_heads, head_dim]``."""
         return list(self.device_blocks.unbind(1))
 
     def rows(self) -> Tensor:
-        """The device blocks as ``[num_blocks * layers * 2 * block_size, kv_heads * head_dim]``
-        rows of one position each: where the forward writes K/V (one ``index_copy_`` a layer
-        and tensor, rather than a scatter through a strided per-layer view)."""
+        """The device blocks (scratch included) as ``[blocks * layers * 2 * block_size,
+        kv_heads * head_dim]`` rows of one position each: where the forward writes K/V (one
+        ``index_copy_`` a layer and tensor, rather than a scatter through a strided per-layer
+        view)."""
         return self.device_blocks.view(-1, self.device_blocks[0, 0, 0, 0].numel())
 
     def transfer(self, transfers: Sequence[BlockTransfer]) -> None:

@@ -23,6 +23,7 @@ from workers.block_keys import Prompt  # noqa: E402
 from workers.cache_manager import CacheManager  # noqa: E402
 from workers.engine import Engine  # noqa: E402
 from workers.event_sink import EventSink  # noqa: E402
+from workers.executor import DecodeStep  # noqa: E402
 from workers.settings import WorkerSettings  # noqa: E402
 from workers.torch_engine import (  # noqa: E402
     TorchEngineError,
@@ -30,6 +31,7 @@ from workers.torch_engine import (  # noqa: E402
     build_torch_executor,
     kv_blocks_for,
 )
+from workers.torch_graphs import MAX_SLOTS  # noqa: E402
 
 BS = 4
 POISON = 1e4  # finite: a masked-out position weighs zero, and 0 * 1e4 is still 0
@@ -76,6 +78,7 @@ class Driver:
         self.tokens: dict[str, list[int]] = {}
         self.logits: dict[str, list[Any]] = {}
         self.chunks: list[Any] = []
+        self.blocks: set[int] = set()  # every block a plan gave a request
 
     def add(self, rid: str, prompt: list[int], max_tokens: int) -> None:
         self.prompts[rid] = prompt
@@ -84,6 +87,8 @@ class Driver:
     def run(self) -> None:
         while (plan := self.batcher.schedule()) is not None:
             self.chunks.extend(plan.prefill)
+            for step in (*plan.prefill, *plan.decode):
+                self.blocks.update(step.block_ids)
             logits = self.ex.logits(plan)
             sampled = {}
             for rid, row in logits.items():
@@ -181,6 +186,46 @@ def test_blocks_freed_and_reused_do_not_leak_old_contents(device: str) -> None:
     d.run()
     d.check("c", device)
     d.check("e", device)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_padded_decode_steps_match_the_dense_forward_and_touch_no_free_block(
+    device: str,
+) -> None:
+    cache, plain = executor(device, num_blocks=64)
+    # On CUDA: captured graphs, replayed. On the CPU: the same padded forward, eagerly.
+    ex = TorchExecutor(plain.model, plain.kv, vocab_limit=plain.vocab_limit, cuda_graphs=True)
+    assert ex.graphs is not None
+    ex.kv.device_blocks[: cache.pool.num_blocks].fill_(POISON)
+    d = Driver(cache, ex, budget=128)
+    # Three requests decode together (a batch of 3 padded to 4) over tables of 2, 10 and 18
+    # blocks (padded to 8, 16 and 32 wide as they grow), then one alone.
+    for i, n in enumerate((5, 38, 70)):
+        d.add(f"r{i}", prompt(20 + i, n), 6)
+    d.run()
+    d.add("r3", prompt(23, 9), 4)
+    d.run()
+    assert ex.graphs.steps >= 8
+    if device == "cuda":
+        assert ex.graphs.replayed == ex.graphs.steps and ex.graphs.captured >= 2
+    for rid in ("r0", "r1", "r2", "r3"):
+        d.check(rid, device)
+    # Padding wrote only the scratch block: every block no request was given still holds
+    # the poison.
+    untouched = [b for b in range(cache.pool.num_blocks) if b not in d.blocks]
+    assert untouched, "the test needs free blocks to watch"
+    assert bool((ex.kv.device_blocks[untouched] == POISON).all())
+
+
+def test_decode_steps_too_large_to_pad_are_left_to_the_unpadded_forward() -> None:
+    _, plain = executor("cpu", num_blocks=64)
+    ex = TorchExecutor(plain.model, plain.kv, vocab_limit=plain.vocab_limit, cuda_graphs=True)
+    assert ex.graphs is not None
+    step = DecodeStep("x", tuple(range(40)), 40 * BS, 5, 0, Prompt([5] * (40 * BS)))
+    assert ex.graphs.fits([step])
+    assert not ex.graphs.fits([step] * 300)  # more rows than the largest batch bucket
+    wide = DecodeStep("y", (0,), MAX_SLOTS + 1, 5, 0, Prompt([5]))  # too long to pad
+    assert not ex.graphs.fits([wide])
 
 
 @pytest.mark.parametrize("device", DEVICES)

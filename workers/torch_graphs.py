@@ -1,0 +1,165 @@
+"""Decode iterations at fixed shapes, captured once per shape as CUDA graphs and replayed.
+
+A decode step of the 1B model launches ~900 small kernels; on the H200 machine's CPU that host
+work (~25 ms a step) was ten times the kernels' device time (~2.7 ms). A CUDA graph replays
+the whole step with one launch. Graphs need fixed shapes and fixed addresses, so each step is
+padded to a *shape*: the batch rounded up to :data:`BATCH_BUCKETS`, the block-table width to a
+power of two (at least :data:`MIN_WIDTH` blocks), and its inputs copied into that shape's one
+static tensor ``[tokens B | positions B | slot rows B | context lengths B | tables B x W]``.
+
+Padding never touches a real block: padded rows write their K/V into the scratch block
+(:attr:`workers.torch_kv.PagedKV.scratch_block`, one block past the cache manager's), their
+table entries point there, and each attends to one position of it (a row with no visible
+position would be NaN). Real rows' table padding also points at the scratch block, masked out.
+
+On CUDA each shape is captured on its first use (a few forwards' time, once) into one memory
+pool shared by every shape (they replay one at a time; the logits are cloned before the next
+replay). With ``capture=False`` the same padded forward runs eagerly: the CPU tests check it
+against the unpadded forward, and with it the padding rules the graphs rely on.
+
+Shapes whose gathered context would exceed :data:`MAX_SLOTS` positions (batch x width x block
+size) are not padded: :meth:`DecodeGraphs.fits` says no and the executor runs them eagerly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from workers.executor import DecodeStep
+from workers.torch_model import Decoder, PagedBatch
+
+__all__ = ["BATCH_BUCKETS", "MAX_SLOTS", "MIN_WIDTH", "DecodeGraphs"]
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+MIN_WIDTH = 8
+#: Gathered context positions per step at most (1M: 1 GiB of K per layer for the 1B model).
+MAX_SLOTS = 1 << 20
+
+
+def _round_up(n: int, buckets: Sequence[int]) -> int:
+    return next(b for b in buckets if b >= n)
+
+
+def _width(blocks: int) -> int:
+    return max(MIN_WIDTH, 1 << (blocks - 1).bit_length())
+
+
+@dataclass(slots=True)
+class _Shape:
+    batch: int
+    width: int
+    inputs: Tensor
+    logits: Tensor | None = None
+    graph: torch.cuda.CUDAGraph | None = None
+
+
+class DecodeGraphs:
+    """Padded decode forwards, one static shape per (batch bucket, width bucket).
+
+    Args:
+        model: the decoder.
+        kv_layers, kv_rows: the KV cache views the executor passes to ``forward_paged``.
+        scratch_block: a device block no request owns (padding writes and reads it).
+        block_size: tokens per block.
+        capture: capture CUDA graphs (CUDA only); False runs the padded forward eagerly.
+    """
+
+    def __init__(self, model: Decoder, kv_layers: list[Tensor], kv_rows: Tensor,
+                 scratch_block: int, block_size: int, *, capture: bool) -> None:
+        self.model = model
+        self.kv_layers, self.kv_rows = kv_layers, kv_rows
+        self.scratch = scratch_block
+        self.block_size = block_size
+        self.capture = capture
+        self.device = kv_rows.device
+        self._row_stride = 2 * model.config.num_layers * block_size
+        self._shapes: dict[tuple[int, int], _Shape] = {}
+        self._rows = torch.arange(BATCH_BUCKETS[-1], device=self.device)
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self.steps = 0  # padded steps run
+        self.captured = 0  # shapes captured as graphs
+        self.replayed = 0  # steps replayed from a graph
+
+    def fits(self, steps: Sequence[DecodeStep]) -> bool:
+        """Whether these decode steps run padded (else the caller runs them eagerly)."""
+        if not steps or len(steps) > BATCH_BUCKETS[-1]:
+            return False
+        blocks = max(-(-s.context_len // self.block_size) for s in steps)
+        return _round_up(len(steps), BATCH_BUCKETS) * _width(blocks) * self.block_size <= MAX_SLOTS
+
+    def logits(self, steps: Sequence[DecodeStep]) -> Tensor:
+        """float32 logits ``[len(steps), vocab]`` of one decode step per request (a copy)."""
+        bs = self.block_size
+        n = len(steps)
+        blocks = max(-(-s.context_len // bs) for s in steps)
+        shape = self._shape(_round_up(n, BATCH_BUCKETS), _width(blocks))
+        b, w = shape.batch, shape.width
+        pad = b - n
+        scratch_row = self.scratch * self._row_stride
+        tokens = [s.token_id for s in steps] + [0] * pad
+        positions = [s.context_len - 1 for s in steps] + [0] * pad
+        slots = [s.block_ids[(s.context_len - 1) // bs] * self._row_stride
+                 + (s.context_len - 1) % bs for s in steps] + [scratch_row] * pad
+        lens = [s.context_len for s in steps] + [1] * pad
+        tables: list[int] = []
+        for s in steps:
+            used = -(-s.context_len // bs)
+            tables.extend(s.block_ids[:used])
+            tables.extend([self.scratch] * (w - used))
+        tables.extend([self.scratch] * (w * pad))
+        host = torch.tensor(tokens + positions + slots + lens + tables, dtype=torch.long)
+        shape.inputs.copy_(host, non_blocking=True)
+        self.steps += 1
+        if shape.graph is not None:
+            shape.graph.replay()
+            self.replayed += 1
+            assert shape.logits is not None, "a captured shape keeps its output"
+            return shape.logits[:n].clone()
+        return self._forward(shape)[:n]
+
+    def _shape(self, batch: int, width: int) -> _Shape:
+        shape = self._shapes.get((batch, width))
+        if shape is None:
+            inputs = torch.zeros(4 * batch + batch * width, dtype=torch.long, device=self.device)
+            # Every row padding until filled: scratch slot and table, one visible position.
+            inputs[2 * batch : 3 * batch] = self.scratch * self._row_stride
+            inputs[3 * batch : 4 * batch] = 1
+            inputs[4 * batch :] = self.scratch
+            shape = self._shapes[(batch, width)] = _Shape(batch, width, inputs)
+            if self.capture:
+                self._capture(shape)
+        return shape
+
+    def _forward(self, shape: _Shape) -> Tensor:
+        b, w, bs = shape.batch, shape.width, self.block_size
+        x = shape.inputs
+        lens = x[3 * b : 4 * b]
+        batch = PagedBatch(
+            token_ids=x[:b],
+            positions=x[b : 2 * b],
+            slot_rows=x[2 * b : 3 * b],
+            prefill=(),
+            decode_offset=0,
+            decode_tables=x[4 * b :].view(b, w),
+            decode_mask=torch.arange(w * bs, device=self.device)[None, :] < lens[:, None],
+            logit_rows=self._rows[:b],
+        )
+        return self.model.forward_paged(batch, self.kv_layers, self.kv_rows)
+
+    def _capture(self, shape: _Shape) -> None:
+        compute = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(compute)
+        with torch.cuda.stream(side):
+            for _ in range(2):  # kernel selection and allocator warm-up, outside the graph
+                self._forward(shape)
+        compute.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+            shape.logits = self._forward(shape)
+        shape.graph = graph
+        self.captured += 1
