@@ -3,8 +3,14 @@
 The rule (``shared/DESIGN.md``), per candidate worker w, for a request of B full blocks::
 
     matched(w)  = device_matched(w) + host_credit * (matched_any_tier(w) - device_matched(w))
-    prefill(w)  = (B - matched(w)) + queue_weight * pending_prefill_blocks(w)
+    prefill(w)  = (B - matched(w)) + queued(pending_prefill_blocks(w))
+    queued(p)   = queue_weight * min(p, queue_cap_blocks) + max(p - queue_cap_blocks, 0)
     cost(w)     = overlap_weight * prefill(w) + decode_blocks(w)
+                  + overlap_weight * admission_weight * admission(w)
+    admission(w) = max(kv_excess(w), seq_excess(w) * kv_held(w) / active_requests(w))
+    kv_excess(w)  = max(0, kv_held(w) + B - kv_shared(w) - kv_capacity_blocks(w))
+                                                            (0 if the capacity is unknown)
+    seq_excess(w) = max(0, active_requests(w) + 1 - max_running(w))   (0 if unknown)
 
 - ``matched`` is the leading run of the prompt's blocks the worker holds (index, plus blocks
   predicted resident because the router just sent a request with that prefix there). A block
@@ -23,6 +29,31 @@ The rule (``shared/DESIGN.md``), per candidate worker w, for a request of B full
   request's own uncached blocks: below 1 it prefers waiting behind a queue to recomputing a
   prefix elsewhere, since a recompute costs the whole cluster work (and duplicates the prefix,
   evicting something else) while a wait costs only this request. 1.0 is Dynamo's rule.
+  ``queue_cap_blocks`` (default unbounded: the plain ``queue_weight * pending``) discounts
+  only a queue's first blocks; the rest count at 1.0, so a low weight cannot pile traffic
+  behind one worker without bound (the eviction-pressure rule, :mod:`router.pressure`).
+- ``admission_weight`` (default 0: no term, today's rule exactly) prices what the request
+  would wait for *before* it is admitted, which the prefill terms do not see: a request whose
+  prompt is mostly cached adds few pending-prefill blocks, yet it cannot start until the
+  worker has KV for its whole prompt and a free sequence slot. ``kv_held`` is the KV the
+  router estimates the worker's in-flight requests hold or will hold (the caller's estimate:
+  the load books' decode plus waiting blocks, :meth:`router.load.LoadTracker.waiting_blocks`,
+  or the distinct blocks of the in-flight prompts), ``kv_shared`` the request's blocks among
+  them (an engine does not allocate a block twice); ``kv_excess`` is how many blocks must be
+  freed (requests finishing) before this request fits in ``kv_capacity_blocks``;
+  ``seq_excess`` is how many requests must finish before a slot frees under ``max_running``
+  (the engine's ``max_num_seqs``), converted to blocks at the worker's mean ``kv_held`` per
+  in-flight request, so both read "blocks that must finish decoding before this request
+  starts". Both are in prefill-block units, hence ``overlap_weight``. A capacity or limit of
+  0 means unknown: no such term. Measured, not a default (``bench.policies.kvroute_pressure``
+  ``kvroute_pressure_admit*``): on the benchmark only the slot half ever binds (a hot
+  ``multi_turn`` worker at its 256 sequences with half its KV free); the books' ``kv_held``
+  sums prompts, so a prefix shared by many in-flight requests is counted once per request
+  (about 5x the distinct blocks on the generators) and the KV half then fires on phantom KV.
+  The slot half fixes the tail of a hot ``multi_turn`` worker at 8 workers but, when every
+  worker is full (4 workers, overloaded sessions), outweighs the prefix and spreads sessions
+  off their holders (97% -> 88% of the pooled hit rate, p99 15.8 -> 23.2 s): off by default
+  in the router too (``--admission-weight``).
 
 Choice: temperature 0 picks the minimum cost; ties go to fewer active requests, then at random
 (seeded by the caller, so tests are exact). Temperature T > 0 samples from
@@ -38,7 +69,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-__all__ = ["Candidate", "Decision", "SchedulerConfig", "WorkerCost", "choose"]
+__all__ = ["Candidate", "Decision", "SchedulerConfig", "WorkerCost", "admission_blocks", "choose"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,12 +80,22 @@ class SchedulerConfig:
     host_credit: float = 0.75
     temperature: float = 0.0
     queue_weight: float = 0.5
+    #: Only the first ``queue_cap_blocks`` of a worker's pending prefill are weighted at
+    #: ``queue_weight``; blocks beyond count at 1.0 (Dynamo's weight). Unbounded by default.
+    queue_cap_blocks: float = math.inf
+    #: Weight of the admission term (blocks that must finish before this request is admitted,
+    #: in prefill blocks); 0 (default) leaves it out: today's rule exactly.
+    admission_weight: float = 0.0
 
     def __post_init__(self) -> None:
         if self.overlap_weight < 0:
             raise ValueError(f"overlap_weight must be >= 0, got {self.overlap_weight}")
         if self.queue_weight < 0:
             raise ValueError(f"queue_weight must be >= 0, got {self.queue_weight}")
+        if not self.queue_cap_blocks >= 0:  # also rejects NaN
+            raise ValueError(f"queue_cap_blocks must be >= 0, got {self.queue_cap_blocks}")
+        if not self.admission_weight >= 0:  # also rejects NaN
+            raise ValueError(f"admission_weight must be >= 0, got {self.admission_weight}")
         if not 0.0 <= self.host_credit <= 1.0:
             raise ValueError(f"host_credit must be in [0, 1], got {self.host_credit}")
         if self.temperature < 0:
@@ -71,6 +112,14 @@ class Candidate:
     pending_prefill_blocks: float = 0.0
     decode_blocks: float = 0.0
     active_requests: int = 0
+    #: KV blocks the worker's in-flight requests hold or will hold (router's estimate).
+    kv_held_blocks: float = 0.0
+    #: The request's blocks among those (not allocated twice).
+    kv_shared_blocks: float = 0.0
+    #: The worker's device KV blocks; 0 = unknown (no KV admission term).
+    kv_capacity_blocks: float = 0.0
+    #: The most requests the worker runs at once (``max_num_seqs``); 0 = unknown.
+    max_running: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +134,7 @@ class WorkerCost:
     decode_blocks: float
     active_requests: int
     cost: float
+    admission_blocks: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,10 +155,36 @@ def cost_of(candidate: Candidate, request_blocks: int, config: SchedulerConfig) 
     matched = min(candidate.matched_blocks, request_blocks)
     device = min(candidate.device_matched_blocks, matched)
     credited = device + config.host_credit * (matched - device)
-    prefill = (request_blocks - credited) + config.queue_weight * candidate.pending_prefill_blocks
+    pending = candidate.pending_prefill_blocks
+    cap = config.queue_cap_blocks
+    if pending > cap:
+        queued = config.queue_weight * cap + (pending - cap)
+    else:
+        queued = config.queue_weight * pending
+    prefill = (request_blocks - credited) + queued
     cost = config.overlap_weight * prefill + candidate.decode_blocks
+    admission = 0.0
+    if config.admission_weight > 0:
+        admission = admission_blocks(candidate, request_blocks)
+        cost += config.overlap_weight * config.admission_weight * admission
     return WorkerCost(candidate.worker, matched, device, credited, prefill,
-                      candidate.decode_blocks, candidate.active_requests, cost)
+                      candidate.decode_blocks, candidate.active_requests, cost, admission)
+
+
+def admission_blocks(candidate: Candidate, request_blocks: int) -> float:
+    """Blocks that must finish on the candidate before a request of ``request_blocks`` is
+    admitted there (``admission(w)`` in the module docstring)."""
+    held = candidate.kv_held_blocks
+    kv = 0.0
+    if candidate.kv_capacity_blocks > 0:
+        kv = max(0.0, held + request_blocks - min(candidate.kv_shared_blocks, request_blocks)
+                 - candidate.kv_capacity_blocks)
+    seq = 0.0
+    if candidate.max_running > 0 and candidate.active_requests > 0:
+        excess = candidate.active_requests + 1 - candidate.max_running
+        if excess > 0:
+            seq = excess * held / candidate.active_requests
+    return max(kv, seq)
 
 
 def choose(request_blocks: int, candidates: Sequence[Candidate], config: SchedulerConfig,

@@ -111,3 +111,84 @@ def test_bad_settings_are_refused(kwargs: dict[str, float]) -> None:
 def test_no_candidates_is_a_caller_error() -> None:
     with pytest.raises(ValueError, match="no candidate"):
         choose(3, [], DEFAULT, random.Random(0))
+
+
+# --- the admission term (admission_weight > 0) -----------------------------------------------
+
+def test_admission_weight_zero_is_todays_rule_whatever_the_admission_fields() -> None:
+    plain = Candidate(0, 6, 6, pending_prefill_blocks=40, decode_blocks=900, active_requests=9)
+    full = Candidate(0, 6, 6, pending_prefill_blocks=40, decode_blocks=900, active_requests=9,
+                     kv_held_blocks=1400, kv_shared_blocks=3, kv_capacity_blocks=100,
+                     max_running=2)
+    for config in (SchedulerConfig(), DEFAULT):
+        assert cost_of(full, 10, config).cost == cost_of(plain, 10, config).cost
+        assert cost_of(full, 10, config).admission_blocks == 0.0
+
+
+def test_kv_excess_is_charged_in_prefill_blocks() -> None:
+    # held 95, request 10, capacity 100 -> 5 blocks must finish first
+    c = Candidate(0, 9, 9, decode_blocks=90, kv_held_blocks=95, kv_capacity_blocks=100)
+    base = cost_of(c, 10, SchedulerConfig()).cost  # 32 * 1 + 90
+    got = cost_of(c, 10, SchedulerConfig(admission_weight=0.5))
+    assert got.admission_blocks == 5.0
+    assert got.cost == base + 32 * 0.5 * 5 == 202.0
+
+
+def test_no_kv_excess_while_the_request_fits_or_the_capacity_is_unknown() -> None:
+    config = SchedulerConfig(admission_weight=1.0)
+    fits = Candidate(0, decode_blocks=80, kv_held_blocks=90, kv_capacity_blocks=100)
+    assert cost_of(fits, 10, config).admission_blocks == 0.0  # 90 + 10 = 100 fits
+    unknown = Candidate(0, decode_blocks=10_000, kv_held_blocks=20_000)
+    assert cost_of(unknown, 10, config).admission_blocks == 0.0
+
+
+def test_blocks_shared_with_in_flight_requests_need_no_new_kv() -> None:
+    config = SchedulerConfig(admission_weight=1.0)
+    # held 98 of 100; the request's 10 blocks: 6 among the held ones -> 98 + 4 - 100 = 2
+    c = Candidate(0, kv_held_blocks=98, kv_shared_blocks=6, kv_capacity_blocks=100)
+    assert cost_of(c, 10, config).admission_blocks == 2.0
+    # sharing is capped at the request's blocks
+    c = Candidate(0, kv_held_blocks=98, kv_shared_blocks=60, kv_capacity_blocks=100)
+    assert cost_of(c, 10, config).admission_blocks == 0.0
+
+
+def test_full_sequence_slots_are_charged_at_the_mean_blocks_per_request() -> None:
+    config = SchedulerConfig(admission_weight=1.0)
+    # 4 in flight holding 30 + 10 blocks, 4 slots: one must finish -> 1 * 40 / 4 = 10 blocks
+    c = Candidate(0, decode_blocks=30, kv_held_blocks=40, active_requests=4, max_running=4)
+    assert cost_of(c, 10, config).admission_blocks == 10.0
+    # 6 in flight in 4 slots: 3 must finish
+    c6 = Candidate(0, decode_blocks=50, kv_held_blocks=60, active_requests=6, max_running=4)
+    assert cost_of(c6, 10, config).admission_blocks == 30.0
+    # a free slot: nothing to wait for
+    free = Candidate(0, decode_blocks=30, kv_held_blocks=40, active_requests=3, max_running=4)
+    assert cost_of(free, 10, config).admission_blocks == 0.0
+
+
+def test_the_later_of_the_two_admissions_is_charged() -> None:
+    c = Candidate(0, decode_blocks=30, kv_held_blocks=40, active_requests=4, max_running=4,
+                  kv_capacity_blocks=35)
+    # kv: 30 + 10 + 10 - 35 = 15 > slots: 10
+    assert cost_of(c, 10, SchedulerConfig(admission_weight=1.0)).admission_blocks == 15.0
+
+
+def test_a_cached_worker_with_full_slots_loses_to_an_idle_one_with_the_term() -> None:
+    # w0 holds 90 of 100 blocks but runs 256 of 256 with 4 waiting; w1 is idle and cold.
+    hot = Candidate(0, 90, 90, pending_prefill_blocks=40, decode_blocks=25_000,
+                    active_requests=260, kv_held_blocks=25_400, max_running=256)
+    # hot: 32 * (10 + 0.25 * 40) + 25,000 = 25,640 < cold: 32 * 100 + 23,000 = 26,200
+    cold = Candidate(1, decode_blocks=23_000, active_requests=200, max_running=256)
+    rng = random.Random(0)
+    assert choose(100, [hot, cold], SchedulerConfig(queue_weight=0.25), rng).worker == 0
+    with_term = choose(100, [hot, cold], SchedulerConfig(queue_weight=0.25,
+                                                         admission_weight=1.0), rng)
+    assert with_term.worker == 1
+    # 5 must finish at 25,400 / 260 blocks each: + 32 * 488.5
+    assert with_term.costs[-1].admission_blocks == pytest.approx(5 * 25_400 / 260)
+    assert with_term.costs[0].admission_blocks == 0.0
+
+
+@pytest.mark.parametrize("value", [-0.1, float("nan")])
+def test_a_bad_admission_weight_is_refused(value: float) -> None:
+    with pytest.raises(ValueError, match="admission_weight"):
+        SchedulerConfig(admission_weight=value)

@@ -1,0 +1,152 @@
+"""Eviction pressure (window, peaks, tiers, clears), the pressure -> queue weight rule, and the
+scheduler's queue cap."""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+
+from indexer.events import Cleared, Removed, Stored
+from router.pressure import EvictionPressure, PressureRule, queue_weight_for
+from router.scheduler import Candidate, SchedulerConfig, choose, cost_of
+
+
+def stored(n: int, medium: str | None = None) -> Stored:
+    return Stored(list(range(n)), None, [0] * (n * 4), 4, medium)
+
+
+def removed(n: int, medium: str | None = None) -> Removed:
+    return Removed(list(range(n)), medium)
+
+
+def test_pressure_is_removals_in_the_window_over_the_sum_of_peaks() -> None:
+    p = EvictionPressure(window_s=10.0)
+    assert p.pressure(0.0) == 0.0  # nothing held yet: no division by zero
+    p.observe(0, [stored(100)], 0.0)
+    p.observe(1, [stored(300)], 0.0)
+    assert p.pressure(0.0) == 0.0
+    p.observe(0, [removed(40), stored(40)], 1.0)  # full: evicts to store
+    p.observe(1, [removed(60)], 2.0)
+    assert p.peak(0) == 100 and p.resident(0) == 100
+    assert p.peak(1) == 300 and p.resident(1) == 240
+    assert p.pressure(2.0) == pytest.approx(100 / 400)
+    # The removal at t=1 leaves the window at t=11 (window is (now - 10, now]).
+    assert p.pressure(10.999) == pytest.approx(100 / 400)
+    assert p.pressure(11.0) == pytest.approx(60 / 400)
+    assert p.pressure(12.0) == 0.0
+
+
+def test_peak_is_kept_when_the_cache_drains_so_pressure_is_over_capacity() -> None:
+    p = EvictionPressure(window_s=5.0)
+    p.observe(0, [stored(200)], 0.0)
+    p.observe(0, [removed(150)], 1.0)
+    assert p.resident(0) == 50 and p.peak(0) == 200
+    assert p.pressure(1.0) == pytest.approx(150 / 200)
+
+
+def test_events_apply_in_order_within_a_batch() -> None:
+    # Remove-then-store never exceeds the capacity; store-then-remove does, briefly.
+    a, b = EvictionPressure(), EvictionPressure()
+    a.observe(0, [stored(10)], 0.0)
+    b.observe(0, [stored(10)], 0.0)
+    a.observe(0, [removed(5), stored(5)], 1.0)
+    b.observe(0, [stored(5), removed(5)], 1.0)
+    assert a.peak(0) == 10 and b.peak(0) == 15
+    assert a.resident(0) == b.resident(0) == 10
+
+
+def test_host_tier_events_do_not_count() -> None:
+    p = EvictionPressure()
+    p.observe(0, [stored(100), stored(50, "CPU"), removed(30, "cpu_tier")], 0.0)
+    assert p.peak(0) == 100 and p.pressure(0.0) == 0.0
+    p.observe(0, [removed(30, "GPU")], 1.0)
+    assert p.pressure(1.0) == pytest.approx(0.3)
+
+
+def test_clear_is_not_eviction_and_keeps_the_peak() -> None:
+    p = EvictionPressure()
+    p.observe(0, [stored(100)], 0.0)
+    p.observe(0, [Cleared()], 1.0)
+    assert p.resident(0) == 0 and p.peak(0) == 100 and p.pressure(1.0) == 0.0
+    # A removal of blocks from before the router listened does not go negative.
+    p.observe(0, [removed(10)], 2.0)
+    assert p.resident(0) == 0 and p.pressure(2.0) == pytest.approx(0.1)
+
+
+def test_record_counts_match_observed_events_and_forget_drops_the_worker() -> None:
+    p, q = EvictionPressure(), EvictionPressure()
+    p.observe(0, [stored(80)], 0.0)
+    p.observe(0, [removed(20), stored(20)], 1.0)
+    q.record(0, stored=80, removed=0, now=0.0)
+    q.record(0, stored=20, removed=20, now=1.0)
+    assert (p.peak(0), p.resident(0), p.pressure(1.0)) == (q.peak(0), q.resident(0),
+                                                          q.pressure(1.0))
+    q.record(1, stored=80, removed=0, now=1.0)
+    assert q.pressure(1.0) == pytest.approx(20 / 160)
+    q.forget(1)
+    assert q.peak(1) == 0 and q.pressure(1.0) == pytest.approx(20 / 80)
+    with pytest.raises(ValueError):
+        q.record(0, stored=-1, removed=0, now=2.0)
+    with pytest.raises(ValueError):
+        EvictionPressure(window_s=0.0)
+
+
+@pytest.mark.parametrize(("pressure", "weight"), [
+    (0.0, 0.25), (0.3, 0.25), (0.5, 0.175), (0.6, 0.1375), (0.7, 0.10), (2.0, 0.10)])
+def test_queue_weight_is_flat_outside_the_band_and_linear_inside(pressure: float,
+                                                                 weight: float) -> None:
+    assert queue_weight_for(pressure) == pytest.approx(weight)
+
+
+def test_queue_weight_rule_is_configurable_and_validated() -> None:
+    rule = PressureRule(low=0.5, high=0.5, low_pressure_weight=1.0, high_pressure_weight=0.0)
+    assert queue_weight_for(0.49, rule) == 1.0 and queue_weight_for(0.5, rule) == 1.0
+    assert queue_weight_for(0.51, rule) == 0.0
+    with pytest.raises(ValueError):
+        PressureRule(low=0.8, high=0.2)
+    with pytest.raises(ValueError):
+        PressureRule(high_pressure_weight=-0.1)
+
+
+def test_queue_cap_weights_only_the_first_blocks_of_a_queue() -> None:
+    capped = SchedulerConfig(overlap_weight=1.0, queue_weight=0.1, queue_cap_blocks=3000)
+    plain = SchedulerConfig(overlap_weight=1.0, queue_weight=0.1)
+    short, long_ = Candidate(0, pending_prefill_blocks=2000), Candidate(1,
+                                                                     pending_prefill_blocks=5000)
+    assert cost_of(short, 10, capped).cost == pytest.approx(10 + 200)
+    assert cost_of(long_, 10, capped).cost == pytest.approx(10 + 300 + 2000)
+    assert cost_of(long_, 10, plain).cost == pytest.approx(10 + 500)
+
+
+def test_queue_cap_changes_the_choice_between_waiting_and_recomputing() -> None:
+    # Worker 0 holds the whole 1,000-block prompt behind a 6,000-block queue; worker 1 is idle.
+    cands = [Candidate(0, 1000, 1000, pending_prefill_blocks=6000), Candidate(1)]
+    rng = random.Random(0)
+    uncapped = SchedulerConfig(queue_weight=0.1)
+    assert choose(1000, cands, uncapped, rng).worker == 0  # 600 queued < 1,000 to recompute
+    capped = SchedulerConfig(queue_weight=0.1, queue_cap_blocks=3000)
+    assert choose(1000, cands, capped, rng).worker == 1  # 300 + 3,000 queued > 1,000
+
+
+def test_default_cap_is_unbounded_and_bad_caps_are_rejected() -> None:
+    assert SchedulerConfig().queue_cap_blocks == math.inf
+    c = Candidate(0, pending_prefill_blocks=1e9)
+    assert cost_of(c, 0, SchedulerConfig()).prefill_blocks == 0.5 * 1e9
+    assert cost_of(c, 0, SchedulerConfig(queue_cap_blocks=0)).prefill_blocks == 1e9
+    for bad in (-1.0, math.nan):
+        with pytest.raises(ValueError, match="queue_cap_blocks"):
+            SchedulerConfig(queue_cap_blocks=bad)
+
+
+def test_the_idle_segment_runs_from_its_weight_at_zero_to_the_low_weight() -> None:
+    rule = PressureRule(idle_weight=0.5, idle_below=0.1)
+    assert queue_weight_for(0.0, rule) == 0.5
+    assert queue_weight_for(0.05, rule) == pytest.approx(0.375)
+    assert queue_weight_for(0.1, rule) == 0.25  # K from here on
+    assert queue_weight_for(0.5, rule) == pytest.approx(0.175)
+    assert queue_weight_for(0.9, rule) == pytest.approx(0.10)
+    assert queue_weight_for(0.0) == 0.25  # without the segment: K at zero pressure
+    with pytest.raises(ValueError, match="idle_below"):
+        PressureRule(idle_weight=0.5, idle_below=0.5)  # past low (0.3)
