@@ -99,7 +99,16 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
     a("--block-size", type=int, help="must equal the workers' (default 32)")
     a("--tokenizer", help="must be the workers' tokenizer (default: byte-level)")
     a("--overlap-weight", type=float, help="prefill vs decode weight (default 32; 1 = Dynamo)")
-    a("--queue-weight", type=float, help="queued prefill vs own prefill (default 0.5)")
+    a("--queue-weight", help="queued prefill vs own prefill (default 0.5), or auto: by "
+      "eviction pressure, 0.5 while caches keep everything down to 0.1 when they churn")
+    a("--queue-cap-blocks", type=float,
+      help="queued prefill blocks per worker counted at the queue weight, the rest at 1 "
+      "(default: 3000 under auto, no cap otherwise)")
+    a("--admission-weight", type=float,
+      help="price of waiting for a sequence slot on a full worker, in prefill blocks "
+      "(default 0: off; see docs/benchmarks.md before turning it on)")
+    a("--pressure-window", type=float,
+      help="seconds of cache removals the eviction pressure counts (default 10)")
     a("--predict-ttl", type=float, help="seconds a routed prefix counts resident (default 10)")
     a("--host-credit", type=float, help="host-tier hit credit in [0,1] (default 0.75)")
     a("--temperature", type=float, help="0 picks the cheapest; >0 samples (default 0)")

@@ -181,7 +181,8 @@ def create_app(settings: RouterSettings) -> FastAPI:
                          "matched_blocks": c.matched_blocks,
                          "device_matched_blocks": c.device_matched_blocks,
                          "prefill_blocks": c.prefill_blocks, "decode_blocks": c.decode_blocks,
-                         "active_requests": c.active_requests, "cost": c.cost}
+                         "active_requests": c.active_requests,
+                         "admission_blocks": c.admission_blocks, "cost": c.cost}
                         for c in route.decision.costs],
         }
 

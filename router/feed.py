@@ -58,13 +58,17 @@ class EventFeed:
         on_cleared: called with the worker id whenever its entries were dropped (so the
             router forgets predictions too).
         counters: a dict of counters to bump (``resyncs``, ``snapshots``, ...).
+        on_events: called with the worker id and each batch's events once the index has
+            applied them (the router's eviction-pressure tracker listens here).
     """
 
     def __init__(self, worker: int, index: IndexLike, endpoint: str, replay_endpoint: str | None,
                  *, fetch_snapshot: SnapshotFetch | None, on_cleared: Callable[[int], None],
-                 counters: dict[str, float]) -> None:
+                 counters: dict[str, float],
+                 on_events: Callable[[int, list[Event]], None] | None = None) -> None:
         self.worker = worker
         self._index = index
+        self._on_events = on_events
         self._fetch = fetch_snapshot
         self._on_cleared = on_cleared
         self.counters = counters
@@ -122,6 +126,8 @@ class EventFeed:
         except Exception:  # the index counts bad events itself; this is a last resort
             self._bump("apply_errors")
             log.exception("index rejected a batch from worker %d", self.worker)
+        if self._on_events is not None:
+            self._on_events(self.worker, batch.events)
         if any(isinstance(e, Cleared) for e in batch.events):
             self._on_cleared(self.worker)
 

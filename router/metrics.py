@@ -7,6 +7,7 @@ lag, gaps, replays, resyncs, malformed input) is read from the service at scrape
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
@@ -92,6 +93,16 @@ class _StateCollector:
         for state in ("healthy", "unhealthy", "incompatible"):
             states.add_metric([state], sum(e.state.value == state for e in entries))
         yield states
+        now = time.monotonic()
+        pressure = GaugeMetricFamily(
+            "kvroute_eviction_pressure",
+            "Device blocks the workers removed in the pressure window over their peak resident")
+        pressure.add_metric([], service.pressure.pressure(now))
+        yield pressure
+        weight = GaugeMetricFamily("kvroute_queue_weight",
+                                   "The queue weight a routing decision now uses")
+        weight.add_metric([], service.queue_weight(now))
+        yield weight
         lag = GaugeMetricFamily("kvroute_event_lag_seconds",
                                 "Now minus the timestamp of the worker's latest event batch",
                                 labels=["worker"])

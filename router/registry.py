@@ -26,6 +26,7 @@ from typing import Any
 
 import httpx
 
+from indexer.events import Event
 from router.feed import EventFeed, IndexLike
 from router.load import LoadTracker, ReportedLoad
 from router.settings import RouterSettings
@@ -83,12 +84,15 @@ class Registry:
         tokenizer_identity: the router's tokenizer identity; workers must match it.
         forget: called with a worker id whenever its entries are dropped.
         http: the client for control calls (model info, load, snapshots).
+        on_events: passed to every feed (called with each applied batch's events).
     """
 
     def __init__(self, settings: RouterSettings, index: IndexLike, load: LoadTracker,
                  tokenizer_identity: str, forget: Callable[[int], None],
-                 http: httpx.AsyncClient) -> None:
+                 http: httpx.AsyncClient,
+                 on_events: Callable[[int, list[Event]], None] | None = None) -> None:
         self._settings = settings
+        self._on_events = on_events
         self._index = index
         self._load = load
         self._tokenizer = tokenizer_identity
@@ -261,7 +265,8 @@ class Registry:
             fetch = self._snapshot_fetcher(entry.url) if info.snapshot else None
             entry.feed = EventFeed(entry.id, self._index, info.events_endpoint,
                                    info.replay_endpoint, fetch_snapshot=fetch,
-                                   on_cleared=self._forget, counters=entry.counters)
+                                   on_cleared=self._forget, counters=entry.counters,
+                                   on_events=self._on_events)
             await entry.feed.start()
         entry.indexed = True
         entry.state, entry.unhealthy_since, entry.last_error = WorkerState.HEALTHY, None, None

@@ -7,7 +7,9 @@ the app's business (:mod:`router.app` with :mod:`router.proxy`).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
+import math
 import os
 import random
 import time
@@ -16,11 +18,18 @@ from typing import Any
 
 import httpx
 
+from indexer.events import Cleared, Event
 from indexer.index import PrefixIndex
 from indexer.openai_api import ApiError
 from indexer.prompts import PromptTokens, build_prompt
 from indexer.tokenizer import Tokenizer, load_tokenizer
 from router.load import LoadTracker
+from router.pressure import (
+    AUTO_QUEUE_CAP_BLOCKS,
+    ROUTER_PRESSURE_RULE,
+    EvictionPressure,
+    queue_weight_for,
+)
 from router.prompt_path import HashingTerms, request_hashes
 from router.registry import Registry, WorkerEntry
 from router.residency import PredictedResidency
@@ -68,11 +77,19 @@ class RouterService:
         self.load = LoadTracker()
         self.predicted = PredictedResidency(settings.predict_ttl)
         self.approximate = PredictedResidency(settings.approximate_ttl, max_blocks=1 << 22)
-        self.scheduler = SchedulerConfig(settings.overlap_weight, settings.host_credit,
-                                         settings.temperature, settings.queue_weight)
+        # The queue weight: fixed when set, else by eviction pressure (router.pressure).
+        self.pressure = EvictionPressure(settings.pressure_window)
+        self.pressure_rule = ROUTER_PRESSURE_RULE
+        fixed, cap = settings.queue_weight, settings.queue_cap_blocks
+        if cap is None:  # the rule's cap under auto; none with a fixed weight
+            cap = AUTO_QUEUE_CAP_BLOCKS if fixed is None else math.inf
+        self.scheduler = SchedulerConfig(
+            settings.overlap_weight, settings.host_credit, settings.temperature,
+            queue_weight_for(0.0, self.pressure_rule) if fixed is None else fixed, cap,
+            settings.admission_weight)
         self.rng = random.Random(settings.seed)
         self.registry = Registry(settings, self.index, self.load, self.tokenizer.identity,
-                                 self.forget, http)
+                                 self.forget, http, on_events=self._observe)
         self.counters: dict[str, float] = {}
         # Request ids: unique per process without a syscall per request (uuid4 reads urandom).
         self._ids = itertools.count()
@@ -83,6 +100,16 @@ class RouterService:
         """Drop every prediction about ``worker`` (its entries were cleared)."""
         self.predicted.forget(worker)
         self.approximate.forget(worker)
+        self.pressure.observe(worker, [Cleared()], time.monotonic())
+
+    def _observe(self, worker: int, events: list[Event]) -> None:
+        self.pressure.observe(worker, events, time.monotonic())
+
+    def queue_weight(self, now: float) -> float:
+        """The queue weight a decision at ``now`` uses (fixed, or by eviction pressure)."""
+        if self.settings.queue_weight is not None:
+            return self.settings.queue_weight
+        return queue_weight_for(self.pressure.pressure(now), self.pressure_rule)
 
     def models(self) -> list[str]:
         """Models served by healthy workers."""
@@ -132,6 +159,9 @@ class RouterService:
             raise ApiError(400, f"the prompt's token ids are invalid: {exc}", param="prompt"
                            ) from None
         now = time.monotonic()
+        weight = self.queue_weight(now)
+        if weight != self.scheduler.queue_weight:
+            self.scheduler = dataclasses.replace(self.scheduler, queue_weight=weight)
         decision = choose(len(hashes), self._candidates(entries, hashes, now), self.scheduler,
                           self.rng)
         if self.settings.policy != "kv":
@@ -159,8 +189,14 @@ class RouterService:
             extended = residency.extend(e.id, hashes, matched, now)
             device += extended - matched
             load = self.load.load(e.id)
+            # The admission term's slot half (router.scheduler): blocks in flight per request
+            # from the books, the engine's sequence limit from /model_info. Its KV half stays
+            # off (capacity 0): the books sum prompts, so shared prefixes count once per
+            # request and the term would fire on KV that is not held.
+            held = load.decode_blocks + self.load.waiting_blocks(e.id)
             out.append(Candidate(e.id, extended, device, load.pending_prefill_blocks,
-                                 load.decode_blocks, load.active_requests))
+                                 load.decode_blocks, load.active_requests, kv_held_blocks=held,
+                                 max_running=e.info.max_num_seqs if e.info else 0))
         return out
 
     def dispatched(self, route: Route, worker: WorkerEntry) -> None:

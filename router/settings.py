@@ -36,7 +36,10 @@ class RouterSettings:
     block_size: int = 32
     tokenizer: str | None = None
     overlap_weight: float = 32.0
-    queue_weight: float = 0.5
+    queue_weight: float | None = 0.5
+    queue_cap_blocks: float | None = None
+    admission_weight: float = 0.0
+    pressure_window: float = 10.0
     host_credit: float = 0.75
     temperature: float = 0.0
     policy: str = "kv"
@@ -57,7 +60,12 @@ class RouterSettings:
             (0 < self.port < 65536, f"port {self.port} is not in 1..65535"),
             (self.block_size > 0, f"block_size {self.block_size} must be positive"),
             (self.overlap_weight >= 0, "overlap_weight must be >= 0"),
-            (self.queue_weight >= 0, "queue_weight must be >= 0"),
+            (self.queue_weight is None or self.queue_weight >= 0,
+             "queue_weight must be >= 0 (or auto: by eviction pressure)"),
+            (self.queue_cap_blocks is None or self.queue_cap_blocks >= 0,
+             "queue_cap_blocks must be >= 0"),
+            (self.pressure_window > 0, "pressure_window must be positive"),
+            (self.admission_weight >= 0, "admission_weight must be >= 0"),
             (0 <= self.host_credit <= 1, "host_credit must be in [0, 1]"),
             (self.temperature >= 0, "temperature must be >= 0"),
             (self.policy in POLICIES,
@@ -91,7 +99,9 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
             return None
         if kind in ("int", "int | None"):
             return int(value)
-        if kind == "float":
+        if kind == "float | None" and str(value).strip().lower() in ("auto", "none", ""):
+            return None
+        if kind in ("float", "float | None"):
             return float(value)
         return str(value)
     except (TypeError, ValueError):

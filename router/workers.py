@@ -49,6 +49,7 @@ class WorkerInfo:
     snapshot: bool = False
     max_model_len: int = 0
     num_blocks: int = 0
+    max_num_seqs: int = 0
     lora_adapters: tuple[str, ...] = ()
 
     def serves(self, model: str) -> bool:
@@ -126,5 +127,6 @@ def parse_model_info(url: str, body: Any) -> WorkerInfo:
         snapshot=bool(body.get("kv_snapshot", False)),
         max_model_len=int(body.get("max_model_len") or 0),
         num_blocks=int(capacity.get("num_blocks") or 0),
+        max_num_seqs=int(capacity.get("max_num_seqs") or 0),
         lora_adapters=tuple(a for a in body.get("lora_adapters") or () if type(a) is str),
     )

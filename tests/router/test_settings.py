@@ -21,6 +21,12 @@ def test_flag_beats_environment_beats_file(tmp_path: Path) -> None:
     assert (s.port, s.block_size, s.workers) == (9003, 16, ("http://b:2", "http://c:3"))
 
 
+def test_queue_weight_is_fixed_unless_auto() -> None:
+    assert load_settings({}, env={}).queue_weight == 0.5
+    assert load_settings({}, env={"KVROUTE_QUEUE_WEIGHT": "auto"}).queue_weight is None
+    assert load_settings({"queue_weight": "0.25"}, env={}).queue_weight == 0.25
+
+
 def test_json_config_files_work_too(tmp_path: Path) -> None:
     config = tmp_path / "router.json"
     config.write_text('{"overlap_weight": 2.5, "temperature": 0.1}')
@@ -36,6 +42,9 @@ def test_json_config_files_work_too(tmp_path: Path) -> None:
     ({"block_size": -4}, {}, "block_size"),
     ({"temperature": -1.0}, {}, "temperature"),
     ({}, {"KVROUTE_POLICY": "least_cost"}, "policy 'least_cost' is not one of kv"),
+    ({"queue_weight": "heavy"}, {}, "queue_weight from flag: 'heavy' is not a valid float"),
+    ({"queue_weight": "-1"}, {}, "queue_weight must be >= 0"),
+    ({"pressure_window": 0.0}, {}, "pressure_window must be positive"),
 ])
 def test_bad_router_settings_are_refused_with_the_reason(flags: dict, env: dict,
                                                          fragment: str) -> None:

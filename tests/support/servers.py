@@ -57,8 +57,9 @@ class ScriptedWorker:
     for 10 s, recording when the client goes away)."""
 
     def __init__(self, mode: str = "ok", *, block_size: int = 32, model: str = "kvroute-sim",
-                 tokenizer: str = "bytes-v1") -> None:
+                 tokenizer: str = "bytes-v1", max_num_seqs: int = 0) -> None:
         self.mode = mode
+        self.max_num_seqs = max_num_seqs
         self.block_size = block_size
         self.model = model
         self.tokenizer = tokenizer
@@ -87,9 +88,12 @@ class ScriptedWorker:
             await self._runner.cleanup()
 
     async def _model_info(self, _: web.Request) -> web.Response:
-        return web.json_response({"model": self.model, "block_size": self.block_size,
-                                  "tokenizer": self.tokenizer, "instance_id": self.instance_id,
-                                  "events_endpoint": None, "max_model_len": 100000})
+        info = {"model": self.model, "block_size": self.block_size, "tokenizer": self.tokenizer,
+                "instance_id": self.instance_id, "events_endpoint": None,
+                "max_model_len": 100000}
+        if self.max_num_seqs:
+            info["capacity"] = {"max_num_seqs": self.max_num_seqs}
+        return web.json_response(info)
 
     async def _load(self, _: web.Request) -> web.Response:
         return web.json_response({"running": 0, "waiting": 0})
