@@ -9,7 +9,8 @@ is delivered to the real :class:`~indexer.index.PrefixIndex` ``event_lag_s`` lat
 over the wire (``encode_batch`` -> bytes -> ``decode_batch`` -> ``apply_batch``, the default)
 or directly (the sink's structs converted to normalised events in process; same index
 content, no msgpack). The policy decides at each arrival, and hears each request's first
-token and end when they happen.
+token and end when they happen, and each applied batch's normalised events
+(:meth:`~bench.policies.base.Policy.index_events`).
 
 Events at one instant are processed in this order: event deliveries, then iteration ends,
 then arrivals; among equals, first scheduled first. The run is deterministic for a seed.
@@ -329,6 +330,7 @@ def simulate(requests: Sequence[WorkloadRequest], policy: Policy, config: SimCon
             index.apply_batch(a, events)
             ev_wall["decode"] += t1 - t0
             ev_wall["apply"] += perf() - t1
+            policy.index_events(a, events, now)
             ev_batches += 1
 
     for rec in records:

@@ -1,6 +1,7 @@
 """Routing policies for the benchmark: one interface (:mod:`.base`), one file per policy.
 
-:data:`POLICIES` maps each name to a factory of a fresh policy with its documented defaults.
+:data:`POLICIES` maps each name to a factory of a fresh policy with its documented defaults;
+:data:`VARIANTS` holds experimental variants, run by name, never by ``all``.
 """
 
 from __future__ import annotations
@@ -10,6 +11,15 @@ from collections.abc import Callable
 from bench.policies.base import ClusterView, Policy, RouteRequest, WorkerMetrics
 from bench.policies.dynamo import Dynamo
 from bench.policies.kvroute_policy import KvroutePolicy, KvrouteUntuned
+from bench.policies.kvroute_pressure import (
+    ADMIT_VARIANTS,
+    KvroutePressure,
+    KvroutePressureBalanced,
+    KvroutePressureCap1500,
+    KvroutePressureHalf,
+    KvroutePressureIdle,
+    KvroutePressureSmooth,
+)
 from bench.policies.least_loaded import LeastLoaded
 from bench.policies.llmd_precise import LlmdPrecise
 from bench.policies.random_policy import RandomPolicy
@@ -18,9 +28,11 @@ from bench.policies.sglang_cache_aware import SglangCacheAware
 
 __all__ = [
     "POLICIES",
+    "VARIANTS",
     "ClusterView",
     "Dynamo",
     "KvroutePolicy",
+    "KvroutePressure",
     "KvrouteUntuned",
     "LeastLoaded",
     "LlmdPrecise",
@@ -43,6 +55,17 @@ POLICIES: dict[str, Callable[[], Policy]] = {
     "dynamo": Dynamo,
     "kvroute": KvroutePolicy,
     "kvroute_untuned": KvrouteUntuned,
+    "kvroute_pressure": KvroutePressure,
+}
+
+#: Variants run by name only (not in ``all``): experiments around ``kvroute_pressure``.
+VARIANTS: dict[str, Callable[[], Policy]] = {
+    "kvroute_pressure_cap1500": KvroutePressureCap1500,
+    "kvroute_pressure_smooth": KvroutePressureSmooth,
+    "kvroute_pressure_half": KvroutePressureHalf,
+    "kvroute_pressure_idle": KvroutePressureIdle,
+    "kvroute_pressure_balanced": KvroutePressureBalanced,
+    **ADMIT_VARIANTS,
 }
 
 
@@ -54,7 +77,8 @@ def make_policies(names: str) -> list[Policy]:
     """
     wanted = list(POLICIES) if names.strip() == "all" else [
         n.strip() for n in names.split(",") if n.strip()]
-    unknown = [n for n in wanted if n not in POLICIES]
+    known = {**POLICIES, **VARIANTS}
+    unknown = [n for n in wanted if n not in known]
     if unknown or not wanted:
-        raise ValueError(f"unknown policies {unknown}; choose from {list(POLICIES)} or 'all'")
-    return [POLICIES[n]() for n in wanted]
+        raise ValueError(f"unknown policies {unknown}; choose from {list(known)} or 'all'")
+    return [known[n]() for n in wanted]

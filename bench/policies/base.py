@@ -8,6 +8,8 @@ A policy sees what a router in front of the cluster would see, no more:
 - the workers' engine metrics (:meth:`ClusterView.worker_metrics`: running, waiting, KV
   usage), as a metrics scrape would read them; a policy that scrapes periodically models
   its own interval;
+- the index's events as they are applied (:meth:`Policy.index_events`), for a policy that
+  keeps its own statistics of them, as a router's event subscriber could;
 - the lifecycle of what it routed (:meth:`Policy.first_token`, :meth:`Policy.finished`), as a
   router in the response path sees it.
 
@@ -23,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
+from indexer.events import Event
 from indexer.images import ImageSpan
 from indexer.index import GLOBAL_SEED, PrefixIndex, block_hashes
 from indexer.prompts import PromptTokens
@@ -118,6 +121,11 @@ class Policy(ABC):
 
     def finished(self, request_id: str, now: float) -> None:  # noqa: B027 (optional hook)
         """The request ended."""
+
+    def index_events(self, worker: int, events: Sequence[Event],  # noqa: B027 (optional hook)
+                     now: float) -> None:
+        """``worker``'s normalised events were just applied to the index (only for a policy
+        with :attr:`needs_index`)."""
 
 
 def pick_min(values: Sequence[float], rng: random.Random) -> int:

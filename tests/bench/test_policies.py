@@ -165,7 +165,7 @@ def test_kvroute_predicts_residency_before_events_arrive() -> None:
 def test_make_policies_knows_all_and_rejects_unknown_names() -> None:
     names = [p.name for p in make_policies("all")]
     assert names == ["round_robin", "random", "least_loaded", "sglang_cache_aware",
-                     "llmd_precise", "dynamo", "kvroute", "kvroute_untuned"]
+                     "llmd_precise", "dynamo", "kvroute", "kvroute_untuned", "kvroute_pressure"]
     with pytest.raises(ValueError, match="unknown"):
         make_policies("round_robin,nope")
 
