@@ -182,6 +182,7 @@ class RouterService:
     def _candidates(self, entries: list[WorkerEntry], hashes: list[int], now: float
                     ) -> list[Candidate]:
         matches = self.index.match(hashes) if hashes else {}
+        admission = self.scheduler.admission_weight > 0
         out = []
         for e in entries:
             matched, device = matches.get(e.id, (0, 0))
@@ -189,17 +190,19 @@ class RouterService:
             extended = residency.extend(e.id, hashes, matched, now)
             device += extended - matched
             load = self.load.load(e.id)
-            # The admission term's slot half (router.scheduler), when weighted: blocks in
-            # flight per request from the books, the engine's sequence limit from /model_info.
-            # Its KV half stays off (capacity 0): the books sum prompts, so shared prefixes
-            # count once per request and the term would fire on KV that is not held.
-            admission = self.scheduler.admission_weight > 0 and e.info is not None
+            if not admission:
+                out.append(Candidate(e.id, extended, device, load.pending_prefill_blocks,
+                                     load.decode_blocks, load.active_requests))
+                continue
+            # The admission term's slot half (router.scheduler): blocks in flight per request
+            # from the books, the engine's sequence limit from /model_info. Its KV half stays
+            # off (capacity 0): the books sum prompts, so shared prefixes count once per
+            # request and the term would fire on KV that is not held.
             out.append(Candidate(
                 e.id, extended, device, load.pending_prefill_blocks, load.decode_blocks,
                 load.active_requests,
-                kv_held_blocks=(load.decode_blocks + self.load.waiting_blocks(e.id)
-                                if admission else 0.0),
-                max_running=e.info.max_num_seqs if admission and e.info else 0))
+                kv_held_blocks=load.decode_blocks + self.load.waiting_blocks(e.id),
+                max_running=e.info.max_num_seqs if e.info else 0))
         return out
 
     def dispatched(self, route: Route, worker: WorkerEntry) -> None:
