@@ -173,6 +173,7 @@ class _Cluster:
         self.block_size = block_size
         self.index = index
         self.rng = rng
+        self.max_num_seqs = workers[0].batcher.max_num_seqs if workers else 0
 
     def worker_metrics(self, worker: int) -> WorkerMetrics:
         w = self._workers[worker]

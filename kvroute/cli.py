@@ -106,7 +106,7 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
       "(default: 3000 under auto, no cap otherwise)")
     a("--admission-weight", type=float,
       help="price of waiting for a sequence slot on a full worker, in prefill blocks "
-      "(default 0: off; see docs/benchmarks.md before turning it on)")
+      "while another has one free (default 1; 0 turns it off)")
     a("--pressure-window", type=float,
       help="seconds of cache removals the eviction pressure counts (default 10)")
     a("--predict-ttl", type=float, help="seconds a routed prefix counts resident (default 10)")

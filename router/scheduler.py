@@ -32,7 +32,7 @@ The rule (``shared/DESIGN.md``), per candidate worker w, for a request of B full
   ``queue_cap_blocks`` (default unbounded: the plain ``queue_weight * pending``) discounts
   only a queue's first blocks; the rest count at 1.0, so a low weight cannot pile traffic
   behind one worker without bound (the eviction-pressure rule, :mod:`router.pressure`).
-- ``admission_weight`` (default 0: no term, today's rule exactly) prices what the request
+- ``admission_weight`` (0 here by default: no term; the router passes 1) prices what the request
   would wait for *before* it is admitted, which the prefill terms do not see: a request whose
   prompt is mostly cached adds few pending-prefill blocks, yet it cannot start until the
   worker has KV for its whole prompt and a free sequence slot. ``kv_held`` is the KV the
@@ -45,15 +45,14 @@ The rule (``shared/DESIGN.md``), per candidate worker w, for a request of B full
   (the engine's ``max_num_seqs``), converted to blocks at the worker's mean ``kv_held`` per
   in-flight request, so both read "blocks that must finish decoding before this request
   starts". Both are in prefill-block units, hence ``overlap_weight``. A capacity or limit of
-  0 means unknown: no such term. Measured, not a default (``bench.policies.kvroute_pressure``
-  ``kvroute_pressure_admit*``): on the benchmark only the slot half ever binds (a hot
-  ``multi_turn`` worker at its 256 sequences with half its KV free); the books' ``kv_held``
-  sums prompts, so a prefix shared by many in-flight requests is counted once per request
-  (about 5x the distinct blocks on the generators) and the KV half then fires on phantom KV.
-  The slot half fixes the tail of a hot ``multi_turn`` worker at 8 workers but, when every
-  worker is full (4 workers, overloaded sessions), outweighs the prefix and spreads sessions
-  off their holders (97% -> 88% of the pooled hit rate, p99 15.8 -> 23.2 s): off by default
-  in the router too (``--admission-weight``).
+  0 means unknown: no such term. The slot half counts only while some candidate has a free
+  slot (when all are full the wait is the same everywhere and the prefix decides). Measured
+  (``bench.policies.kvroute_pressure`` ``kvroute_*admit*``, ``docs/benchmarks.md``): the slot
+  half fixes the tail of a hot ``multi_turn`` worker at its 256 sequences and changes no
+  other run checked, so the router fills it by default (``--admission-weight 1``); the KV
+  half stays unfilled there, because the books' ``kv_held`` sums prompts, so a prefix shared
+  by many in-flight requests is counted once per request (about 5x the distinct blocks on the
+  generators) and the KV half then fires on phantom KV.
 
 Choice: temperature 0 picks the minimum cost; ties go to fewer active requests, then at random
 (seeded by the caller, so tests are exact). Temperature T > 0 samples from
@@ -150,8 +149,10 @@ class Decision:
         return next(c for c in self.costs if c.worker == self.worker)
 
 
-def cost_of(candidate: Candidate, request_blocks: int, config: SchedulerConfig) -> WorkerCost:
-    """Return the cost terms of one candidate for a request of ``request_blocks`` blocks."""
+def cost_of(candidate: Candidate, request_blocks: int, config: SchedulerConfig,
+            slot_free_elsewhere: bool = True) -> WorkerCost:
+    """Return the cost terms of one candidate for a request of ``request_blocks`` blocks
+    (``slot_free_elsewhere``: as :func:`admission_blocks`)."""
     matched = min(candidate.matched_blocks, request_blocks)
     device = min(candidate.device_matched_blocks, matched)
     credited = device + config.host_credit * (matched - device)
@@ -165,22 +166,25 @@ def cost_of(candidate: Candidate, request_blocks: int, config: SchedulerConfig) 
     cost = config.overlap_weight * prefill + candidate.decode_blocks
     admission = 0.0
     if config.admission_weight > 0:
-        admission = admission_blocks(candidate, request_blocks)
+        admission = admission_blocks(candidate, request_blocks, slot_free_elsewhere)
         cost += config.overlap_weight * config.admission_weight * admission
     return WorkerCost(candidate.worker, matched, device, credited, prefill,
                       candidate.decode_blocks, candidate.active_requests, cost, admission)
 
 
-def admission_blocks(candidate: Candidate, request_blocks: int) -> float:
+def admission_blocks(candidate: Candidate, request_blocks: int,
+                     slot_free_elsewhere: bool = True) -> float:
     """Blocks that must finish on the candidate before a request of ``request_blocks`` is
-    admitted there (``admission(w)`` in the module docstring)."""
+    admitted there (``admission(w)`` in the module docstring). The slot half counts only while
+    some worker has a free slot (``slot_free_elsewhere``): when all are full, waiting for a
+    slot is the same everywhere and the prefix should decide."""
     held = candidate.kv_held_blocks
     kv = 0.0
     if candidate.kv_capacity_blocks > 0:
         kv = max(0.0, held + request_blocks - min(candidate.kv_shared_blocks, request_blocks)
                  - candidate.kv_capacity_blocks)
     seq = 0.0
-    if candidate.max_running > 0 and candidate.active_requests > 0:
+    if slot_free_elsewhere and candidate.max_running > 0 and candidate.active_requests > 0:
         excess = candidate.active_requests + 1 - candidate.max_running
         if excess > 0:
             seq = excess * held / candidate.active_requests
@@ -207,7 +211,9 @@ def choose(request_blocks: int, candidates: Sequence[Candidate], config: Schedul
         raise ValueError("no candidate workers")
     if request_blocks < 0:
         raise ValueError(f"request_blocks must be >= 0, got {request_blocks}")
-    costs = sorted((cost_of(c, request_blocks, config) for c in candidates),
+    free = config.admission_weight > 0 and any(
+        c.max_running > 0 and c.active_requests < c.max_running for c in candidates)
+    costs = sorted((cost_of(c, request_blocks, config, free) for c in candidates),
                    key=lambda c: (c.cost, c.active_requests, c.worker))
     if config.temperature > 0 and len(costs) > 1:
         worker = _sample(costs, config.temperature, rng)

@@ -38,7 +38,7 @@ class RouterSettings:
     overlap_weight: float = 32.0
     queue_weight: float | None = 0.5
     queue_cap_blocks: float | None = None
-    admission_weight: float = 0.0
+    admission_weight: float = 1.0
     pressure_window: float = 10.0
     host_credit: float = 0.75
     temperature: float = 0.0

@@ -56,6 +56,8 @@ class ClusterView(Protocol):
     block_size: int
     index: PrefixIndex | None
     rng: random.Random
+    #: Each worker's sequence limit (``max_num_seqs``), as its ``/model_info`` reports it.
+    max_num_seqs: int
 
     def worker_metrics(self, worker: int) -> WorkerMetrics:
         """Return the worker's engine metrics now."""

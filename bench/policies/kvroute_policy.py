@@ -44,7 +44,8 @@ class KvroutePolicy(Policy):
 
     def __init__(self, config: SchedulerConfig | None = None,
                  predict_ttl: float | None = None) -> None:
-        self.config = config or SchedulerConfig()
+        self.config = config or SchedulerConfig(
+            admission_weight=RouterSettings().admission_weight)
         self.predict_ttl = RouterSettings().predict_ttl if predict_ttl is None else predict_ttl
 
     def start(self, cluster: ClusterView) -> None:
@@ -65,8 +66,15 @@ class KvroutePolicy(Policy):
             extended = self._predicted.extend(w, hashes, matched, now)
             device += extended - matched
             load = self._load.load(w)
-            out.append(Candidate(w, extended, device, load.pending_prefill_blocks,
-                                 load.decode_blocks, load.active_requests))
+            if self.config.admission_weight > 0:  # as the router fills them
+                out.append(Candidate(
+                    w, extended, device, load.pending_prefill_blocks, load.decode_blocks,
+                    load.active_requests,
+                    kv_held_blocks=load.decode_blocks + self._load.waiting_blocks(w),
+                    max_running=self.cluster.max_num_seqs))
+            else:
+                out.append(Candidate(w, extended, device, load.pending_prefill_blocks,
+                                     load.decode_blocks, load.active_requests))
         return out
 
     def route(self, request: RouteRequest, now: float) -> int:

@@ -23,6 +23,7 @@ from bench.policies.kvroute_policy import KvroutePolicy
 from indexer.events import Event
 from router.pressure import EvictionPressure, PressureRule, queue_weight_for
 from router.scheduler import Candidate, SchedulerConfig
+from router.settings import RouterSettings
 
 __all__ = ["KvroutePressure"]
 
@@ -45,7 +46,7 @@ class KvroutePressure(KvroutePolicy):
     def __init__(self, config: SchedulerConfig | None = None, predict_ttl: float | None = None,
                  rule: PressureRule | None = None, queue_cap_blocks: float = 3000.0,
                  window_s: float = 10.0) -> None:
-        base = config or SchedulerConfig()
+        base = config or SchedulerConfig(admission_weight=RouterSettings().admission_weight)
         super().__init__(dataclasses.replace(base, queue_cap_blocks=queue_cap_blocks),
                          predict_ttl)
         self.rule = rule or PressureRule()

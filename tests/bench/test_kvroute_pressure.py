@@ -57,7 +57,7 @@ def test_the_admission_variant_without_known_limits_is_rule_k_exactly() -> None:
 
     reqs = workload()
     config = SimConfig(workers=2, capacity_tokens=4_000)
-    k = simulate(reqs, KvroutePressure(), config, seed=3)
+    k = simulate(reqs, KvroutePressure(SchedulerConfig()), config, seed=3)  # no admission term
     blind = simulate(reqs, KvroutePressureAdmit(kv=False, max_running=0), config, seed=3)
     assert fingerprint(blind) == fingerprint(k)
 
@@ -67,7 +67,7 @@ def test_the_slot_term_moves_requests_off_a_worker_whose_slots_are_full() -> Non
 
     reqs = workload()
     config = SimConfig(workers=2, capacity_tokens=400_000, max_num_seqs=2)
-    k = simulate(reqs, KvroutePressure(), config, seed=3)
+    k = simulate(reqs, KvroutePressure(SchedulerConfig()), config, seed=3)  # no admission term
     policy = KvroutePressureAdmit(kv=False, max_running=2)
     seq = simulate(reqs, policy, config, seed=3)
     assert fingerprint(seq) != fingerprint(k)

@@ -29,6 +29,7 @@ BS = 4
 class FakeCluster:
     def __init__(self, metrics: list[WorkerMetrics] | None = None) -> None:
         self.num_workers = 2
+        self.max_num_seqs = 256
         self.block_size = BS
         self.index = PrefixIndex(BS)
         self.rng = random.Random(0)
@@ -181,3 +182,13 @@ def test_kvroute_queue_weight_trades_waiting_against_recomputing(queue_weight: f
     p._load.routed("queued", 0, 20.0, 20)  # ... behind 20 blocks of pending prefill
     # Weight 1: 0 + 20 > 10 + 0, recompute on worker 1. Weight 0.25: 0 + 5 < 10, wait on 0.
     assert p.route(req, 0.0) == expected
+
+
+def test_kvroute_decides_with_the_routers_default_settings() -> None:
+    from router.settings import RouterSettings
+
+    d, p = RouterSettings(), KvroutePolicy()
+    assert (p.config.overlap_weight, p.config.queue_weight, p.config.host_credit,
+            p.config.admission_weight, p.predict_ttl) == (
+        d.overlap_weight, d.queue_weight, d.host_credit, d.admission_weight, d.predict_ttl)
+    assert p.config.queue_cap_blocks == float("inf")  # no cap with a fixed weight

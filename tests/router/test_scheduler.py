@@ -188,6 +188,21 @@ def test_a_cached_worker_with_full_slots_loses_to_an_idle_one_with_the_term() ->
     assert with_term.costs[0].admission_blocks == 0.0
 
 
+def test_when_every_worker_is_full_the_slot_term_is_dropped_and_the_prefix_decides() -> None:
+    config = SchedulerConfig(queue_weight=0.25, admission_weight=1.0)
+    hot = Candidate(0, 90, 90, pending_prefill_blocks=40, decode_blocks=25_000,
+                    active_requests=260, kv_held_blocks=25_400, max_running=256)
+    full = Candidate(1, decode_blocks=23_000, active_requests=256, kv_held_blocks=23_000,
+                     max_running=256)
+    both_full = choose(100, [hot, full], config, random.Random(0))
+    assert both_full.worker == 0  # waiting for a slot is the same everywhere
+    assert all(c.admission_blocks == 0.0 for c in both_full.costs)
+    # the same call with one slot free on worker 1: the term is back
+    free = Candidate(1, decode_blocks=23_000, active_requests=255, kv_held_blocks=23_000,
+                     max_running=256)
+    assert choose(100, [hot, free], config, random.Random(0)).worker == 1
+
+
 @pytest.mark.parametrize("value", [-0.1, float("nan")])
 def test_a_bad_admission_weight_is_refused(value: float) -> None:
     with pytest.raises(ValueError, match="admission_weight"):
