@@ -101,7 +101,9 @@ class SchedulerConfig:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
 
 
-@dataclass(frozen=True, slots=True)
+# Candidate and WorkerCost are built per worker per request on the hot path: plain slotted
+# classes, since a frozen dataclass's __init__ costs an object.__setattr__ per field.
+@dataclass(slots=True)
 class Candidate:
     """One worker that may serve the request, with what the router knows of it."""
 
@@ -121,7 +123,7 @@ class Candidate:
     max_running: int = 0
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class WorkerCost:
     """The terms of one candidate's cost, as ``/debug/route`` shows them."""
 
@@ -165,7 +167,9 @@ def cost_of(candidate: Candidate, request_blocks: int, config: SchedulerConfig,
     prefill = (request_blocks - credited) + queued
     cost = config.overlap_weight * prefill + candidate.decode_blocks
     admission = 0.0
-    if config.admission_weight > 0:
+    if config.admission_weight > 0 and (
+            candidate.kv_capacity_blocks > 0
+            or (slot_free_elsewhere and 0 < candidate.max_running <= candidate.active_requests)):
         admission = admission_blocks(candidate, request_blocks, slot_free_elsewhere)
         cost += config.overlap_weight * config.admission_weight * admission
     return WorkerCost(candidate.worker, matched, device, credited, prefill,
@@ -211,8 +215,16 @@ def choose(request_blocks: int, candidates: Sequence[Candidate], config: Schedul
         raise ValueError("no candidate workers")
     if request_blocks < 0:
         raise ValueError(f"request_blocks must be >= 0, got {request_blocks}")
-    free = config.admission_weight > 0 and any(
-        c.max_running > 0 and c.active_requests < c.max_running for c in candidates)
+    free = False  # some worker has a free slot while another is full (the slot half's case)
+    if config.admission_weight > 0:
+        full = False
+        for c in candidates:
+            if c.max_running > 0:
+                if c.active_requests < c.max_running:
+                    free = True
+                else:
+                    full = True
+        free = free and full
     costs = sorted((cost_of(c, request_blocks, config, free) for c in candidates),
                    key=lambda c: (c.cost, c.active_requests, c.worker))
     if config.temperature > 0 and len(costs) > 1:

@@ -198,11 +198,12 @@ class RouterService:
             # from the books, the engine's sequence limit from /model_info. Its KV half stays
             # off (capacity 0): the books sum prompts, so shared prefixes count once per
             # request and the term would fire on KV that is not held.
-            out.append(Candidate(
-                e.id, extended, device, load.pending_prefill_blocks, load.decode_blocks,
-                load.active_requests,
-                kv_held_blocks=load.decode_blocks + self.load.waiting_blocks(e.id),
-                max_running=e.info.max_num_seqs if e.info else 0))
+            limit = e.info.max_num_seqs if e.info else 0
+            held = (load.decode_blocks + self.load.waiting_blocks(e.id)
+                    if 0 < limit <= load.active_requests else 0.0)  # read only when full
+            out.append(Candidate(e.id, extended, device, load.pending_prefill_blocks,
+                                 load.decode_blocks, load.active_requests, held, 0.0, 0.0,
+                                 limit))
         return out
 
     def dispatched(self, route: Route, worker: WorkerEntry) -> None:
