@@ -16,6 +16,7 @@ from bench.policies.kvroute_pressure import (
     KvroutePressure,
     KvroutePressureBalanced,
     KvroutePressureCap1500,
+    KvroutePressureFilled,
     KvroutePressureHalf,
     KvroutePressureIdle,
     KvroutePressureSmooth,
@@ -64,6 +65,7 @@ VARIANTS: dict[str, Callable[[], Policy]] = {
     "kvroute_pressure_smooth": KvroutePressureSmooth,
     "kvroute_pressure_half": KvroutePressureHalf,
     "kvroute_pressure_idle": KvroutePressureIdle,
+    "kvroute_pressure_filled": KvroutePressureFilled,
     "kvroute_pressure_balanced": KvroutePressureBalanced,
     **ADMIT_VARIANTS,
 }

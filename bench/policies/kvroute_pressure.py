@@ -254,3 +254,21 @@ ADMIT_VARIANTS: dict[str, type[KvroutePressureAdmit]] = {
          {"rule": FIXED_HALF, "queue_cap_blocks": float("inf"), "kv": False}),
     ]},
 }
+
+
+class KvroutePressureFilled(KvroutePressure):
+    """Variant: today's 0.5 until the cluster has evicted a block, rule K from then on (the
+    generators, whose caches never fill, run exactly today's weight)."""
+
+    name = "kvroute_pressure_filled"
+
+    def start(self, cluster: ClusterView) -> None:
+        super().start(cluster)
+        self._evicted = False
+
+    def route(self, request: RouteRequest, now: float) -> int:
+        self._evicted = self._evicted or self._pressure.pressure(now) > 0
+        if not self._evicted:
+            self.config = dataclasses.replace(self.config, queue_weight=0.5)
+            return KvroutePolicy.route(self, request, now)
+        return super().route(request, now)
