@@ -174,6 +174,7 @@ class _Cluster:
         self.index = index
         self.rng = rng
         self.max_num_seqs = workers[0].batcher.max_num_seqs if workers else 0
+        self.capacity_blocks = workers[0].cache.pool.num_blocks if workers else 0
 
     def worker_metrics(self, worker: int) -> WorkerMetrics:
         w = self._workers[worker]

@@ -63,18 +63,20 @@ def _gauge(router: Any, name: str) -> float:
 
 def test_queue_weight_auto_follows_eviction_pressure_a_fixed_one_does_not(cluster: Any) -> None:
     # Two workers of 64 blocks each (4,096 tokens of KV together); twelve distinct 1,000-byte
-    # prompts need 372 blocks, so the caches evict and say so in their events.
+    # prompts need 372 blocks, so the caches evict and say so in their events. auto is the
+    # default.
     router, _ = cluster(workers=2, worker_settings={"num_blocks": 64, "speedup": 50},
-                        router_settings={"pressure_window": 60, "queue_weight": "auto"})
+                        router_settings={"pressure_window": 60})
     assert _gauge(router, "kvroute_eviction_pressure") == 0.0
-    assert _gauge(router, "kvroute_queue_weight") == 0.25  # rule K at pressure 0
+    assert _gauge(router, "kvroute_queue_weight") == 0.5  # caches warming up: today's weight
     for i in range(12):
         assert router.complete(f"{i:04d} " + "distinct prompt text " * 47).status_code == 200
     wait_for(lambda: _gauge(router, "kvroute_eviction_pressure") >= 0.5, 10,
              "the removals to reach the router")
     assert _gauge(router, "kvroute_queue_weight") < 0.25  # churning caches: wait, not recompute
-    fixed, _ = cluster(workers=1, worker_settings={"num_blocks": 64, "speedup": 50})
+    fixed, _ = cluster(workers=1, worker_settings={"num_blocks": 64, "speedup": 50},
+                       router_settings={"queue_weight": 0.5})
     for i in range(6):
         assert fixed.complete(f"{i:04d} " + "distinct prompt text " * 47).status_code == 200
     wait_for(lambda: _gauge(fixed, "kvroute_eviction_pressure") > 0, 10, "removals seen")
-    assert _gauge(fixed, "kvroute_queue_weight") == 0.5  # the default: fixed
+    assert _gauge(fixed, "kvroute_queue_weight") == 0.5  # fixed: the pressure does not move it

@@ -99,8 +99,8 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
     a("--block-size", type=int, help="must equal the workers' (default 32)")
     a("--tokenizer", help="must be the workers' tokenizer (default: byte-level)")
     a("--overlap-weight", type=float, help="prefill vs decode weight (default 32; 1 = Dynamo)")
-    a("--queue-weight", help="queued prefill vs own prefill (default 0.5), or auto: by "
-      "eviction pressure, 0.5 while caches keep everything down to 0.1 when they churn")
+    a("--queue-weight", help="queued prefill vs own prefill: auto (default: 0.5 while caches "
+      "warm up, then by eviction pressure from 0.25 down to 0.1), or a fixed number")
     a("--queue-cap-blocks", type=float,
       help="queued prefill blocks per worker counted at the queue weight, the rest at 1 "
       "(default: 3000 under auto, no cap otherwise)")

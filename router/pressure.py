@@ -25,9 +25,12 @@ are discounted, the rest count at 1.0) so a low weight cannot pile a hot prefix'
 behind one worker without bound.
 
 Status: measured on ``bench.replay`` over several seeds (``docs/benchmarks.md``, last
-section) and not the router's default: it meets the hit-rate target at 0.5M tokens per worker
-where the default does not, but at zero pressure its 0.25 weight blew up ``multi_turn``'s TTFT
-p99 at two of five seeds. The defaults here are that measured rule.
+section). Alone (the defaults here, "rule K") it meets the hit-rate target at 0.5M tokens per
+worker where a fixed 0.5 does not, but at zero pressure its 0.25 weight blew up
+``multi_turn``'s TTFT p99 at two of five seeds. The router's default
+(:data:`ROUTER_PRESSURE_RULE`, ``--queue-weight auto``) therefore keeps 0.5 while the caches
+warm up (:meth:`EvictionPressure.warming`) and applies K once they have evicted or are half
+full.
 
 Pure: the caller passes ``now`` (seconds, any monotonic origin) with every call. No I/O.
 """
@@ -66,6 +69,7 @@ class EvictionPressure:
         self._peak: dict[int, int] = {}
         self._removals: deque[tuple[float, int]] = deque()  # (time, blocks), oldest first
         self._removed_in_window = 0
+        self._warmed = False  # a device block was evicted, or the caches were found full enough
 
     def observe(self, worker: int, events: Iterable[Event], now: float) -> None:
         """Account one batch of ``worker``'s events received at ``now``, in order."""
@@ -108,12 +112,22 @@ class EvictionPressure:
         if blocks:
             self._removals.append((now, blocks))
             self._removed_in_window += blocks
+            self._warmed = True
 
     def forget(self, worker: int) -> None:
         """Drop a worker's resident and peak counts (it left the cluster). Its removals already
         in the window stay until they age out."""
         self._resident.pop(worker, None)
         self._peak.pop(worker, None)
+
+    def warming(self, capacity_blocks: float, fill: float) -> bool:
+        """True until the first device eviction and while the resident blocks are under
+        ``fill`` x ``capacity_blocks`` (the workers' device blocks; 0 = unknown, then only an
+        eviction ends it). Once over, it stays over: a cache that filled once is in the
+        regime the pressure rule is for."""
+        if not self._warmed and capacity_blocks > 0:
+            self._warmed = sum(self._resident.values()) >= fill * capacity_blocks
+        return not self._warmed
 
     def pressure(self, now: float) -> float:
         """Blocks removed in ``(now - window_s, now]`` over the sum of peak resident blocks;
@@ -149,17 +163,22 @@ class PressureRule:
             linearly to ``low_pressure_weight`` at ``idle_below``; None (default): no such
             segment.
         idle_below: where the idle segment ends (default 0.1, at most ``low``).
+        warmup_weight: if set, the weight while the caches warm up
+            (:meth:`EvictionPressure.warming`: no eviction yet and under ``warmup_fill`` full);
+            None (default): the pressure decides from the start.
+        warmup_fill: the fill that ends the warm-up (default 0.5).
 
     Raises:
         ValueError: ``low > high``, ``idle_below`` outside ``(0, low]``, or a negative value.
     """
 
     __slots__ = ("high", "high_pressure_weight", "idle_below", "idle_weight", "low",
-                 "low_pressure_weight")
+                 "low_pressure_weight", "warmup_fill", "warmup_weight")
 
     def __init__(self, low: float = 0.3, high: float = 0.7, low_pressure_weight: float = 0.25,
                  high_pressure_weight: float = 0.10, idle_weight: float | None = None,
-                 idle_below: float = 0.1) -> None:
+                 idle_below: float = 0.1, warmup_weight: float | None = None,
+                 warmup_fill: float = 0.5) -> None:
         if min(low, high, low_pressure_weight, high_pressure_weight) < 0:
             raise ValueError("pressure bounds and weights must be >= 0")
         if low > high:
@@ -170,25 +189,34 @@ class PressureRule:
         self.high = high
         self.low_pressure_weight = low_pressure_weight
         self.high_pressure_weight = high_pressure_weight
+        if warmup_weight is not None and (warmup_weight < 0 or not 0 < warmup_fill <= 1):
+            raise ValueError("warmup_weight must be >= 0 and warmup_fill in (0, 1]")
         self.idle_weight = idle_weight
         self.idle_below = idle_below
+        self.warmup_weight = warmup_weight
+        self.warmup_fill = warmup_fill
 
     def __repr__(self) -> str:
         return (f"PressureRule(low={self.low}, high={self.high}, "
                 f"low_pressure_weight={self.low_pressure_weight}, "
                 f"high_pressure_weight={self.high_pressure_weight}, "
-                f"idle_weight={self.idle_weight}, idle_below={self.idle_below})")
+                f"idle_weight={self.idle_weight}, idle_below={self.idle_below}, "
+                f"warmup_weight={self.warmup_weight}, warmup_fill={self.warmup_fill})")
 
 
-def queue_weight_for(pressure: float, rule: PressureRule | None = None) -> float:
+def queue_weight_for(pressure: float, rule: PressureRule | None = None, *,
+                     warming: bool = False) -> float:
     """Return the queue weight for an eviction ``pressure`` (module docstring).
 
     ``rule.low_pressure_weight`` at ``pressure <= rule.low``, ``rule.high_pressure_weight`` at
     ``pressure >= rule.high``, linear between. Defaults: 0.25 at <= 0.3, 0.10 at >= 0.7. With
     ``rule.idle_weight`` set, pressures below ``rule.idle_below`` run linearly from it (at 0)
-    to ``rule.low_pressure_weight``.
+    to ``rule.low_pressure_weight``; ``warming`` (:meth:`EvictionPressure.warming`) with
+    ``rule.warmup_weight`` set gives that weight instead.
     """
     r = rule or _DEFAULT_RULE
+    if warming and r.warmup_weight is not None:
+        return r.warmup_weight
     if r.idle_weight is not None and pressure < r.idle_below:
         frac = max(pressure, 0.0) / r.idle_below
         return r.idle_weight + frac * (r.low_pressure_weight - r.idle_weight)
@@ -202,9 +230,9 @@ def queue_weight_for(pressure: float, rule: PressureRule | None = None) -> float
 
 _DEFAULT_RULE = PressureRule()
 
-#: The router's rule under ``--queue-weight auto``: rule K, 0.25 at pressure <= 0.3 down to
-#: 0.10 at >= 0.7 (``docs/benchmarks.md``, "an eviction-pressure queue weight": the bench's
-#: ``kvroute_pressure``, which meets every trace target over three seeds).
-ROUTER_PRESSURE_RULE = PressureRule()
+#: The router's rule under ``--queue-weight auto``: today's 0.5 while the caches warm up (no
+#: eviction yet, under half full), then rule K, 0.25 at pressure <= 0.3 down to 0.10 at >= 0.7
+#: (``docs/benchmarks.md``, "an eviction-pressure queue weight": the bench's ``kvroute_auto``).
+ROUTER_PRESSURE_RULE = PressureRule(warmup_weight=0.5, warmup_fill=0.5)
 #: Pending-prefill blocks per worker discounted at the queue weight under ``auto``.
 AUTO_QUEUE_CAP_BLOCKS = 3000.0

@@ -85,7 +85,8 @@ class RouterService:
             cap = AUTO_QUEUE_CAP_BLOCKS if fixed is None else math.inf
         self.scheduler = SchedulerConfig(
             settings.overlap_weight, settings.host_credit, settings.temperature,
-            queue_weight_for(0.0, self.pressure_rule) if fixed is None else fixed, cap,
+            queue_weight_for(0.0, self.pressure_rule, warming=True) if fixed is None else fixed,
+            cap,
             settings.admission_weight)
         self.rng = random.Random(settings.seed)
         self.registry = Registry(settings, self.index, self.load, self.tokenizer.identity,
@@ -109,7 +110,11 @@ class RouterService:
         """The queue weight a decision at ``now`` uses (fixed, or by eviction pressure)."""
         if self.settings.queue_weight is not None:
             return self.settings.queue_weight
-        return queue_weight_for(self.pressure.pressure(now), self.pressure_rule)
+        rule, warming = self.pressure_rule, False
+        if rule.warmup_weight is not None:
+            capacity = sum(e.info.num_blocks for e in self.registry.entries() if e.info)
+            warming = self.pressure.warming(capacity, rule.warmup_fill)
+        return queue_weight_for(self.pressure.pressure(now), rule, warming=warming)
 
     def models(self) -> list[str]:
         """Models served by healthy workers."""

@@ -36,7 +36,7 @@ class RouterSettings:
     block_size: int = 32
     tokenizer: str | None = None
     overlap_weight: float = 32.0
-    queue_weight: float | None = 0.5
+    queue_weight: float | None = None
     queue_cap_blocks: float | None = None
     admission_weight: float = 1.0
     pressure_window: float = 10.0

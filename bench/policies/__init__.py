@@ -13,10 +13,10 @@ from bench.policies.dynamo import Dynamo
 from bench.policies.kvroute_policy import KvroutePolicy, KvrouteUntuned
 from bench.policies.kvroute_pressure import (
     ADMIT_VARIANTS,
+    KvrouteAuto,
     KvroutePressure,
     KvroutePressureBalanced,
     KvroutePressureCap1500,
-    KvroutePressureFilled,
     KvroutePressureHalf,
     KvroutePressureIdle,
     KvroutePressureSmooth,
@@ -54,7 +54,8 @@ POLICIES: dict[str, Callable[[], Policy]] = {
     "sglang_cache_aware": SglangCacheAware,
     "llmd_precise": LlmdPrecise,
     "dynamo": Dynamo,
-    "kvroute": KvroutePolicy,
+    "kvroute": KvrouteAuto,
+    "kvroute_fixed": KvroutePolicy,
     "kvroute_untuned": KvrouteUntuned,
     "kvroute_pressure": KvroutePressure,
 }
@@ -65,7 +66,6 @@ VARIANTS: dict[str, Callable[[], Policy]] = {
     "kvroute_pressure_smooth": KvroutePressureSmooth,
     "kvroute_pressure_half": KvroutePressureHalf,
     "kvroute_pressure_idle": KvroutePressureIdle,
-    "kvroute_pressure_filled": KvroutePressureFilled,
     "kvroute_pressure_balanced": KvroutePressureBalanced,
     **ADMIT_VARIANTS,
 }

@@ -58,6 +58,8 @@ class ClusterView(Protocol):
     rng: random.Random
     #: Each worker's sequence limit (``max_num_seqs``), as its ``/model_info`` reports it.
     max_num_seqs: int
+    #: Each worker's device KV blocks, as its ``/model_info`` reports them.
+    capacity_blocks: int
 
     def worker_metrics(self, worker: int) -> WorkerMetrics:
         """Return the worker's engine metrics now."""

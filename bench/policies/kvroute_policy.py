@@ -1,4 +1,6 @@
-"""``kvroute``: our router's decision, exactly as :class:`router.service.RouterService` makes it.
+"""``kvroute_fixed``: our router's decision with a fixed queue weight (``--queue-weight 0.5``),
+exactly as :class:`router.service.RouterService` makes it. The router's default, ``kvroute``,
+is this plus the eviction-pressure queue weight (:mod:`bench.policies.kvroute_pressure`).
 
 Per request: the index's leading match per worker, extended by predicted residency
 (:class:`router.residency.PredictedResidency`: blocks of requests just routed there count as
@@ -7,10 +9,11 @@ resident for ``predict_ttl`` seconds, until the worker's events confirm them), t
 request is booked (uncached blocks as pending prefill, prompt blocks as decode after the first
 token) and its blocks predicted resident on the chosen worker.
 
-The benchmark runs it twice: ``kvroute`` with the router's defaults (overlap weight 32,
-queue weight 0.5, predictions live 10 s: tuned on this benchmark, see ``docs/benchmarks.md``
-for the sweep) and ``kvroute_untuned`` with the settings before tuning (Dynamo's weights 1 and
-1, predictions live 2 s), so what the tuning bought stays visible. ``queue_weight`` scales the
+The benchmark runs it twice: ``kvroute_fixed`` with the router's other defaults (overlap
+weight 32, predictions live 10 s, the admission term: tuned on this benchmark, see
+``docs/benchmarks.md``; queue weight 0.5, the default before ``auto``) and
+``kvroute_untuned`` with the settings before tuning (Dynamo's weights 1 and 1, predictions
+live 2 s), so what the tuning bought stays visible. ``queue_weight`` scales the
 pending-prefill term against the request's own uncached blocks
 (``cost = overlap_weight * (uncached + queue_weight * pending_prefill) + decode``): below 1 it
 prefers waiting behind a worker's queue to recomputing a prefix elsewhere; a recompute costs
@@ -39,7 +42,7 @@ class KvroutePolicy(Policy):
             (the router's default when omitted).
     """
 
-    name = "kvroute"
+    name = "kvroute_fixed"
     needs_index = True
 
     def __init__(self, config: SchedulerConfig | None = None,

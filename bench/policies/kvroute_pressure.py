@@ -21,7 +21,12 @@ from collections.abc import Sequence
 from bench.policies.base import ClusterView, RouteRequest
 from bench.policies.kvroute_policy import KvroutePolicy
 from indexer.events import Event
-from router.pressure import EvictionPressure, PressureRule, queue_weight_for
+from router.pressure import (
+    ROUTER_PRESSURE_RULE,
+    EvictionPressure,
+    PressureRule,
+    queue_weight_for,
+)
 from router.scheduler import Candidate, SchedulerConfig
 from router.settings import RouterSettings
 
@@ -63,7 +68,9 @@ class KvroutePressure(KvroutePolicy):
     def route(self, request: RouteRequest, now: float) -> int:
         pressure = self._pressure.pressure(now)
         self.pressure_samples.append(pressure)
-        weight = queue_weight_for(pressure, self.rule)
+        warming = self.rule.warmup_weight is not None and self._pressure.warming(
+            self.cluster.capacity_blocks * self.cluster.num_workers, self.rule.warmup_fill)
+        weight = queue_weight_for(pressure, self.rule, warming=warming)
         if weight != self.config.queue_weight:
             self.config = dataclasses.replace(self.config, queue_weight=weight)
         return super().route(request, now)
@@ -256,19 +263,15 @@ ADMIT_VARIANTS: dict[str, type[KvroutePressureAdmit]] = {
 }
 
 
-class KvroutePressureFilled(KvroutePressure):
-    """Variant: today's 0.5 until the cluster has evicted a block, rule K from then on (the
-    generators, whose caches never fill, run exactly today's weight)."""
+class KvrouteAuto(KvroutePressure):
+    """``kvroute``: the router's default, ``--queue-weight auto``
+    (:data:`router.pressure.ROUTER_PRESSURE_RULE`): 0.5 while the caches warm up (no eviction
+    yet, under half full), rule K after, the first 3,000 queued blocks discounted, and the
+    admission term's slot half. Measured first as ``kvroute_pressure_fill``;
+    ``kvroute_pressure_filled`` was the same without the fill test (0.5 until the first
+    eviction)."""
 
-    name = "kvroute_pressure_filled"
+    name = "kvroute"
 
-    def start(self, cluster: ClusterView) -> None:
-        super().start(cluster)
-        self._evicted = False
-
-    def route(self, request: RouteRequest, now: float) -> int:
-        self._evicted = self._evicted or self._pressure.pressure(now) > 0
-        if not self._evicted:
-            self.config = dataclasses.replace(self.config, queue_weight=0.5)
-            return KvroutePolicy.route(self, request, now)
-        return super().route(request, now)
+    def __init__(self) -> None:
+        super().__init__(rule=ROUTER_PRESSURE_RULE)

@@ -30,6 +30,7 @@ class FakeCluster:
     def __init__(self, metrics: list[WorkerMetrics] | None = None) -> None:
         self.num_workers = 2
         self.max_num_seqs = 256
+        self.capacity_blocks = 1000
         self.block_size = BS
         self.index = PrefixIndex(BS)
         self.rng = random.Random(0)
@@ -166,7 +167,8 @@ def test_kvroute_predicts_residency_before_events_arrive() -> None:
 def test_make_policies_knows_all_and_rejects_unknown_names() -> None:
     names = [p.name for p in make_policies("all")]
     assert names == ["round_robin", "random", "least_loaded", "sglang_cache_aware",
-                     "llmd_precise", "dynamo", "kvroute", "kvroute_untuned", "kvroute_pressure"]
+                     "llmd_precise", "dynamo", "kvroute", "kvroute_fixed", "kvroute_untuned",
+                     "kvroute_pressure"]
     with pytest.raises(ValueError, match="unknown"):
         make_policies("round_robin,nope")
 
@@ -185,10 +187,15 @@ def test_kvroute_queue_weight_trades_waiting_against_recomputing(queue_weight: f
 
 
 def test_kvroute_decides_with_the_routers_default_settings() -> None:
+    from bench.policies import POLICIES
+    from router.pressure import AUTO_QUEUE_CAP_BLOCKS, ROUTER_PRESSURE_RULE
     from router.settings import RouterSettings
 
-    d, p = RouterSettings(), KvroutePolicy()
-    assert (p.config.overlap_weight, p.config.queue_weight, p.config.host_credit,
-            p.config.admission_weight, p.predict_ttl) == (
-        d.overlap_weight, d.queue_weight, d.host_credit, d.admission_weight, d.predict_ttl)
-    assert p.config.queue_cap_blocks == float("inf")  # no cap with a fixed weight
+    d, p = RouterSettings(), POLICIES["kvroute"]()
+    assert d.queue_weight is None and p.rule is ROUTER_PRESSURE_RULE  # auto
+    assert (p.config.overlap_weight, p.config.host_credit, p.config.admission_weight,
+            p.config.queue_cap_blocks, p.predict_ttl, p.window_s) == (
+        d.overlap_weight, d.host_credit, d.admission_weight, AUTO_QUEUE_CAP_BLOCKS,
+        d.predict_ttl, d.pressure_window)
+    fixed = POLICIES["kvroute_fixed"]()  # --queue-weight 0.5: no cap
+    assert (fixed.config.queue_weight, fixed.config.queue_cap_blocks) == (0.5, float("inf"))

@@ -32,7 +32,7 @@ def test_short_run_writes_json_table_and_plots(tmp_path: Path,
     (run,) = doc["runs"]
     assert [r["policy"] for r in run["rows"]] == [
         "round_robin", "random", "least_loaded", "sglang_cache_aware", "llmd_precise",
-        "dynamo", "kvroute", "kvroute_untuned", "kvroute_pressure"]
+        "dynamo", "kvroute", "kvroute_fixed", "kvroute_untuned", "kvroute_pressure"]
     for row in run["rows"]:
         assert set(METRIC_KEYS) <= set(row)
         assert row["requests"] == 12

@@ -21,8 +21,8 @@ def test_flag_beats_environment_beats_file(tmp_path: Path) -> None:
     assert (s.port, s.block_size, s.workers) == (9003, 16, ("http://b:2", "http://c:3"))
 
 
-def test_queue_weight_is_fixed_unless_auto() -> None:
-    assert load_settings({}, env={}).queue_weight == 0.5
+def test_queue_weight_is_auto_unless_a_number_is_given() -> None:
+    assert load_settings({}, env={}).queue_weight is None
     assert load_settings({}, env={"KVROUTE_QUEUE_WEIGHT": "auto"}).queue_weight is None
     assert load_settings({"queue_weight": "0.25"}, env={}).queue_weight == 0.25
 
