@@ -98,10 +98,15 @@ class RouterService:
         self._id_prefix = os.urandom(4).hex()
 
     def forget(self, worker: int) -> None:
-        """Drop every prediction about ``worker`` (its entries were cleared)."""
+        """Drop every prediction about ``worker`` (its entries were cleared). A worker still
+        registered (restarted, or unhealthy) keeps its peak as the pressure's capacity; a
+        removed one leaves the pressure entirely."""
         self.predicted.forget(worker)
         self.approximate.forget(worker)
-        self.pressure.observe(worker, [Cleared()], time.monotonic())
+        if self.registry.get(worker) is None:
+            self.pressure.forget(worker)
+        else:
+            self.pressure.observe(worker, [Cleared()], time.monotonic())
 
     def _observe(self, worker: int, events: list[Event]) -> None:
         self.pressure.observe(worker, events, time.monotonic())

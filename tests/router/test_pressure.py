@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import random
+import time
 
 import pytest
 
@@ -150,3 +151,27 @@ def test_the_idle_segment_runs_from_its_weight_at_zero_to_the_low_weight() -> No
     assert queue_weight_for(0.0) == 0.25  # without the segment: K at zero pressure
     with pytest.raises(ValueError, match="idle_below"):
         PressureRule(idle_weight=0.5, idle_below=0.5)  # past low (0.3)
+
+
+async def test_a_removed_worker_leaves_the_routers_pressure_a_restarted_one_keeps_its_peak(
+) -> None:
+    import httpx
+
+    from router.service import RouterService
+    from router.settings import RouterSettings
+    from router.workers import WorkerInfo
+
+    async with httpx.AsyncClient() as http:
+        service = RouterService(RouterSettings(), http)
+        for w in range(2):
+            service.registry.adopt(WorkerInfo(url=f"http://w{w}", model="m", block_size=32,
+                                              tokenizer="bytes-v1", instance_id=f"i{w}"))
+        service._observe(0, [stored(100)])
+        service._observe(1, [stored(300), removed(60)])
+        now = time.monotonic()
+        assert service.pressure.pressure(now) == pytest.approx(60 / 400)
+        service.forget(1)  # restarted: its cache is empty, its capacity is not
+        assert service.pressure.peak(1) == 300 and service.pressure.resident(1) == 0
+        await service.registry.remove(1)  # removed: its capacity leaves the denominator
+        assert service.pressure.peak(1) == 0
+        assert service.pressure.pressure(time.monotonic()) == pytest.approx(60 / 100)
