@@ -16,8 +16,10 @@ from e2e.harness import Router, wait_for
 HOT = "The shared system prompt of a busy agent fleet. " * 40  # 1,960 bytes: 61 blocks
 
 
-def stream_completion(router: Router, prompt: str, max_tokens: int) -> dict[str, Any]:
-    """Stream one completion; returns the worker, the events, and whether it ended in error."""
+def stream_completion(router: Router, prompt: str, max_tokens: int,
+                      started: threading.Event | None = None) -> dict[str, Any]:
+    """Stream one completion; returns the worker, the events, and whether it ended in error.
+    ``started`` is set at the first event (the router booked the first token before)."""
     body = {"model": "kvroute-sim", "prompt": prompt, "max_tokens": max_tokens,
             "stream": True}
     events: list[Any] = []
@@ -28,6 +30,8 @@ def stream_completion(router: Router, prompt: str, max_tokens: int) -> dict[str,
             if line.startswith("data: "):
                 data = line[6:]
                 events.append(data if data == "[DONE]" else json.loads(data))
+                if started is not None:
+                    started.set()
     return {"worker": worker, "events": events, "status": r.status_code,
             "error": any(isinstance(e, dict) and "error" in e for e in events)}
 
@@ -38,19 +42,28 @@ def test_a_hot_prefix_spreads_under_load_and_returns_when_load_falls(cluster: An
     holder = first.headers["x-kvroute-worker"]
     wait_for(lambda: next(w for w in router.workers() if w["url"] == holder)
              ["blocks"]["device"] >= len(HOT) // 32, 5, "the hot prefix indexed")
-    # 64 streams of 300 tokens: each holds the prefix's 61 blocks while it decodes; with the
-    # default weights (32 per prefill block) the holder's decode load outweighs the 62 blocks a
-    # cold worker would prefill once about 32 of them run there.
+    # 64 streams of 300 tokens, in 8 waves of 8, each wave sent once the last one decodes:
+    # each stream holds the prefix's 61 blocks while it decodes; with the default weights (32
+    # per prefill block) the holder's decode load outweighs the 62 blocks a cold worker would
+    # prefill once about 32 of them run there. (A stream counts as decode load from its first
+    # token: a burst that all arrives before any first token stays on the holder, which CI's
+    # slower machine showed; docs/benchmarks.md has why the rule waits for the first token.)
     with ThreadPoolExecutor(64) as pool:
-        results = list(pool.map(lambda i: stream_completion(router, HOT + f"q{i}", 300),
-                                range(64)))
+        futures = []
+        for wave in range(8):
+            started = [threading.Event() for _ in range(8)]
+            futures += [pool.submit(stream_completion, router, HOT + f"q{wave}.{i}", 300, s)
+                        for i, s in enumerate(started)]
+            assert all(s.wait(30) for s in started), "a wave's streams started"
+        results = [f.result(60) for f in futures]
     used = {r["worker"] for r in results}
     assert all(r["status"] == 200 and not r["error"] for r in results)
     counts = sorted((sum(r["worker"] == u for r in results) for u in used), reverse=True)
     print(f"64 concurrent hot-prefix requests spread over {len(used)} workers: {counts}")
     assert len(used) >= 2, "load on the holder outweighed its cache"
     assert counts[0] <= 48, "no pile-up on one worker"
-    assert sum(r["worker"] == holder for r in results) >= 16, "the holder took the first ones"
+    on_holder = sum(r["worker"] == holder for r in results)
+    assert 24 <= on_holder <= 40, "the holder took the first ones, about the 32 the weights say"
     # load has fallen: the prefix goes to a worker holding all of it again
     after = router.complete(HOT + "after the burst")
     assert int(after.headers["x-kvroute-matched-blocks"]) == len(HOT) // 32
