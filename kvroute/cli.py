@@ -102,8 +102,8 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
     a("--queue-weight", help="queued prefill vs own prefill: auto (default: 0.5 while caches "
       "warm up, then by eviction pressure from 0.25 down to 0.1), or a fixed number")
     a("--queue-cap-blocks", type=float,
-      help="queued prefill blocks per worker counted at the queue weight, the rest at 1 "
-      "(default: 3000 under auto, no cap otherwise)")
+      help="queued prefill blocks per worker past the shortest queue counted at the queue "
+      "weight, the rest at 1 (default: 3000 under auto, no cap otherwise)")
     a("--admission-weight", type=float,
       help="price of waiting for a sequence slot on a full worker, in prefill blocks "
       "while another has one free (default 1; 0 turns it off)")

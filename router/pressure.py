@@ -20,9 +20,9 @@ copy of the prefix, which evicts something else; when caches churn (high pressur
 duplicate evicts blocks that other requests were about to hit, so waiting is worth more and
 the weight drops. When caches are roomy a duplicate is nearly free and the queue counts
 more. Paired with a cap on the discounted queue
-(:attr:`router.scheduler.SchedulerConfig.queue_cap_blocks`: only the first blocks of a queue
-are discounted, the rest count at 1.0) so a low weight cannot pile a hot prefix's traffic
-behind one worker without bound.
+(:attr:`router.scheduler.SchedulerConfig.queue_cap_blocks`: only a queue's first blocks past
+the shortest queue in the cluster are discounted, the rest count at 1.0) so a low weight
+cannot pile a hot prefix's traffic behind one worker without bound.
 
 Status: measured on ``bench.replay`` over several seeds (``docs/benchmarks.md``, last
 section). Alone (the defaults here, "rule K") it meets the hit-rate target at 0.5M tokens per

@@ -14,12 +14,17 @@ from bench.policies.kvroute_policy import KvroutePolicy, KvrouteUntuned
 from bench.policies.kvroute_pressure import (
     ADMIT_VARIANTS,
     KvrouteAuto,
+    KvrouteBacklog,
+    KvrouteBacklog1000,
+    KvrouteNoCap,
     KvroutePressure,
     KvroutePressureBalanced,
     KvroutePressureCap1500,
     KvroutePressureHalf,
     KvroutePressureIdle,
     KvroutePressureSmooth,
+    KvrouteWaiting,
+    KvrouteWaitingHalf,
 )
 from bench.policies.least_loaded import LeastLoaded
 from bench.policies.llmd_precise import LlmdPrecise
@@ -67,6 +72,11 @@ VARIANTS: dict[str, Callable[[], Policy]] = {
     "kvroute_pressure_half": KvroutePressureHalf,
     "kvroute_pressure_idle": KvroutePressureIdle,
     "kvroute_pressure_balanced": KvroutePressureBalanced,
+    "kvroute_nocap": KvrouteNoCap,
+    "kvroute_backlog256": KvrouteBacklog,
+    "kvroute_backlog1000": KvrouteBacklog1000,
+    "kvroute_waiting": KvrouteWaiting,
+    "kvroute_waiting_half": KvrouteWaitingHalf,
     **ADMIT_VARIANTS,
 }
 

@@ -275,3 +275,60 @@ class KvrouteAuto(KvroutePressure):
 
     def __init__(self) -> None:
         super().__init__(rule=ROUTER_PRESSURE_RULE)
+
+
+class KvrouteWaiting(KvrouteAuto):
+    """Variant of ``kvroute``: a request routed but not yet at its first token counts in the
+    worker's decode term from the moment it is routed (as Dynamo's active blocks do), not
+    only after its first token, so a burst that arrives before any first token still sees
+    the decode load it is about to add."""
+
+    name = "kvroute_waiting"
+    waiting_share = 1.0
+
+    def candidates(self, hashes: list[int], now: float) -> list[Candidate]:
+        return [dataclasses.replace(
+            c, decode_blocks=c.decode_blocks
+            + self.waiting_share * self._load.waiting_blocks(c.worker))
+            for c in super().candidates(hashes, now)]
+
+
+class KvrouteWaitingHalf(KvrouteWaiting):
+    """Variant: as ``kvroute_waiting`` with waiting requests' blocks at half weight."""
+
+    name = "kvroute_waiting_half"
+    waiting_share = 0.5
+
+
+class KvrouteNoCap(KvrouteAuto):
+    """Variant of ``kvroute`` without the queue cap (what the cap buys: the 8 x 0.5M trace
+    p99, ``docs/benchmarks.md``)."""
+
+    name = "kvroute_nocap"
+
+    def __init__(self) -> None:
+        KvroutePressure.__init__(self, rule=ROUTER_PRESSURE_RULE, queue_cap_blocks=float("inf"))
+
+
+class KvrouteBacklog(KvrouteAuto):
+    """Variant of ``kvroute``: while every worker has at least ``backlog_blocks`` of prefill
+    queued (the cluster is saturated: a recompute adds to a backlog everyone waits on), the
+    queue weight drops to ``backlog_weight`` whatever the pressure says."""
+
+    name = "kvroute_backlog256"
+    backlog_blocks = 256.0
+    backlog_weight = 0.1
+
+    def candidates(self, hashes: list[int], now: float) -> list[Candidate]:
+        out = super().candidates(hashes, now)
+        if min(c.pending_prefill_blocks for c in out) >= self.backlog_blocks \
+                and self.config.queue_weight > self.backlog_weight:
+            self.config = dataclasses.replace(self.config, queue_weight=self.backlog_weight)
+        return out
+
+
+class KvrouteBacklog1000(KvrouteBacklog):
+    """Variant: as ``kvroute_backlog256`` from 1,000 queued blocks on every worker."""
+
+    name = "kvroute_backlog1000"
+    backlog_blocks = 1000.0

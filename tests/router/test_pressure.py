@@ -131,6 +131,24 @@ def test_queue_cap_changes_the_choice_between_waiting_and_recomputing() -> None:
     assert choose(1000, cands, capped, rng).worker == 1  # 300 + 3,000 queued > 1,000
 
 
+def test_queue_cap_counts_from_the_shortest_queue() -> None:
+    # Every worker is backlogged: worker 0 holds the 1,000-block prompt behind 6,000 queued
+    # blocks, worker 1 holds nothing behind 4,000. Counted from zero the cap would send the
+    # request to worker 1 (300 + 3,000 against 1,000 + 300 + 1,000); counted from the shortest
+    # queue (4,000), worker 0's whole queue is discounted: 600 against 1,400.
+    capped = SchedulerConfig(overlap_weight=1.0, queue_weight=0.1, queue_cap_blocks=3000)
+    cands = [Candidate(0, 1000, 1000, pending_prefill_blocks=6000),
+             Candidate(1, pending_prefill_blocks=4000)]
+    decision = choose(1000, cands, capped, random.Random(0))
+    assert decision.worker == 0
+    assert {c.worker: c.cost for c in decision.costs} == pytest.approx({0: 600, 1: 1400})
+    # A queue that runs away from the others' is still capped: 9,000 is 2,000 past 4,000 + 3,000.
+    cands[0] = Candidate(0, 1000, 1000, pending_prefill_blocks=9000)
+    decision = choose(1000, cands, capped, random.Random(0))
+    assert decision.worker == 1
+    assert {c.worker: c.cost for c in decision.costs} == pytest.approx({0: 2700, 1: 1400})
+
+
 def test_default_cap_is_unbounded_and_bad_caps_are_rejected() -> None:
     assert SchedulerConfig().queue_cap_blocks == math.inf
     c = Candidate(0, pending_prefill_blocks=1e9)
