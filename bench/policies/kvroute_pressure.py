@@ -332,3 +332,29 @@ class KvrouteBacklog1000(KvrouteBacklog):
 
     name = "kvroute_backlog1000"
     backlog_blocks = 1000.0
+
+
+class KvrouteFullNoDecode(KvrouteAuto):
+    """Variant of ``kvroute``: while every worker is at its sequence limit (all admit only as
+    requests finish), the decode term is left out: each runs a full batch either way."""
+
+    name = "kvroute_full_nodecode"
+    full_queue_weight: float | None = None
+
+    def candidates(self, hashes: list[int], now: float) -> list[Candidate]:
+        out = super().candidates(hashes, now)
+        limit = self.cluster.max_num_seqs
+        if limit and all(c.active_requests >= limit for c in out):
+            out = [dataclasses.replace(c, decode_blocks=0.0) for c in out]
+            if self.full_queue_weight is not None:
+                self.config = dataclasses.replace(self.config,
+                                                  queue_weight=self.full_queue_weight)
+        return out
+
+
+class KvrouteFullSticky(KvrouteFullNoDecode):
+    """Variant: as ``kvroute_full_nodecode``, and queue weight 0 while all are full (only
+    the part of a queue past the cap counts)."""
+
+    name = "kvroute_full_sticky"
+    full_queue_weight = 0.0
