@@ -358,3 +358,29 @@ class KvrouteFullSticky(KvrouteFullNoDecode):
 
     name = "kvroute_full_sticky"
     full_queue_weight = 0.0
+
+
+class KvrouteOverlap16(KvrouteAuto):
+    """Variant of ``kvroute`` with overlap weight 16 (a decoding block priced at 1/16 of a
+    prefill block, not 1/32)."""
+
+    name = "kvroute_ow16"
+    overlap_weight = 16.0
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.config = dataclasses.replace(self.config, overlap_weight=self.overlap_weight)
+
+
+class KvrouteOverlap8(KvrouteOverlap16):
+    """Variant of ``kvroute`` with overlap weight 8."""
+
+    name = "kvroute_ow8"
+    overlap_weight = 8.0
+
+
+class KvrouteOverlap64(KvrouteOverlap16):
+    """Variant of ``kvroute`` with overlap weight 64."""
+
+    name = "kvroute_ow64"
+    overlap_weight = 64.0
