@@ -384,3 +384,16 @@ class KvrouteOverlap64(KvrouteOverlap16):
 
     name = "kvroute_ow64"
     overlap_weight = 64.0
+
+
+class KvrouteIterations(KvrouteAuto):
+    """Variant of ``kvroute``: the decode term counted once per engine iteration the request
+    would wait through (``1 + pending prefill / 256`` blocks, 256 blocks being one 8,192-token
+    iteration): a TTFT-shaped price for a worker's decode batch."""
+
+    name = "kvroute_iter"
+
+    def candidates(self, hashes: list[int], now: float) -> list[Candidate]:
+        return [dataclasses.replace(
+            c, decode_blocks=c.decode_blocks * (1.0 + c.pending_prefill_blocks / 256.0))
+            for c in super().candidates(hashes, now)]
