@@ -37,7 +37,8 @@ The rule (``shared/DESIGN.md``), per candidate worker w, for a request of B full
   because what it stops is one worker's queue running away from the others': when every
   worker is backlogged alike, a recompute only adds to a backlog the whole cluster waits on.
   Measured (``docs/benchmarks.md``): counted from zero, the cap cost the overloaded 4-worker
-  ``agentic`` runs 3 points of hit rate and 10-15% of TTFT p99, and changed nothing else.
+  ``agentic`` runs 1-3 points of hit rate and up to 13% of TTFT p99 (``multi_turn`` there
+  moved by under a point, its p99 either way); no trace or 8-worker run changed.
 - ``admission_weight`` (0 here by default: no term; the router passes 1) prices what the request
   would wait for *before* it is admitted, which the prefill terms do not see: a request whose
   prompt is mostly cached adds few pending-prefill blocks, yet it cannot start until the
