@@ -10,27 +10,17 @@ from collections.abc import Callable
 
 from bench.policies.base import ClusterView, Policy, RouteRequest, WorkerMetrics
 from bench.policies.dynamo import Dynamo
+from bench.policies.kvroute_load_variants import LOAD_VARIANTS
 from bench.policies.kvroute_policy import KvroutePolicy, KvrouteUntuned
 from bench.policies.kvroute_pressure import (
     ADMIT_VARIANTS,
     KvrouteAuto,
-    KvrouteBacklog,
-    KvrouteBacklog1000,
-    KvrouteFullNoDecode,
-    KvrouteFullSticky,
-    KvrouteIterations,
-    KvrouteNoCap,
-    KvrouteOverlap8,
-    KvrouteOverlap16,
-    KvrouteOverlap64,
     KvroutePressure,
     KvroutePressureBalanced,
     KvroutePressureCap1500,
     KvroutePressureHalf,
     KvroutePressureIdle,
     KvroutePressureSmooth,
-    KvrouteWaiting,
-    KvrouteWaitingHalf,
 )
 from bench.policies.least_loaded import LeastLoaded
 from bench.policies.llmd_precise import LlmdPrecise
@@ -78,18 +68,8 @@ VARIANTS: dict[str, Callable[[], Policy]] = {
     "kvroute_pressure_half": KvroutePressureHalf,
     "kvroute_pressure_idle": KvroutePressureIdle,
     "kvroute_pressure_balanced": KvroutePressureBalanced,
-    "kvroute_nocap": KvrouteNoCap,
-    "kvroute_ow16": KvrouteOverlap16,
-    "kvroute_ow8": KvrouteOverlap8,
-    "kvroute_ow64": KvrouteOverlap64,
-    "kvroute_backlog256": KvrouteBacklog,
-    "kvroute_backlog1000": KvrouteBacklog1000,
-    "kvroute_full_nodecode": KvrouteFullNoDecode,
-    "kvroute_full_sticky": KvrouteFullSticky,
-    "kvroute_iter": KvrouteIterations,
-    "kvroute_waiting": KvrouteWaiting,
-    "kvroute_waiting_half": KvrouteWaitingHalf,
     **ADMIT_VARIANTS,
+    **LOAD_VARIANTS,
 }
 
 
