@@ -10,7 +10,7 @@ from bench.policies.kvroute_load_variants import LOAD_VARIANTS
 from bench.policies.kvroute_pressure import KvrouteAuto
 from bench.sim import SimConfig, simulate
 from bench.workloads import GeneratorConfig, generate
-from tests.bench.test_policies import BS, FakeCluster
+from tests.support.policies import BS, FakeCluster
 
 
 def started(policy: KvroutePolicy) -> KvroutePolicy:

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import random
-
 import pytest
 
 from bench.policies import (
@@ -18,26 +16,11 @@ from bench.policies import (
     WorkerMetrics,
     make_policies,
 )
-from indexer.index import GLOBAL_SEED, PrefixIndex, block_hashes
+from indexer.index import GLOBAL_SEED, block_hashes
 from indexer.prompts import PromptTokens
 from router.prompt_path import HashingTerms, request_hashes
 from router.scheduler import SchedulerConfig
-
-BS = 4
-
-
-class FakeCluster:
-    def __init__(self, metrics: list[WorkerMetrics] | None = None) -> None:
-        self.num_workers = 2
-        self.max_num_seqs = 256
-        self.capacity_blocks = 1000
-        self.block_size = BS
-        self.index = PrefixIndex(BS)
-        self.rng = random.Random(0)
-        self.metrics = metrics or [WorkerMetrics(0, 0, 0.0), WorkerMetrics(0, 0, 0.0)]
-
-    def worker_metrics(self, worker: int) -> WorkerMetrics:
-        return self.metrics[worker]
+from tests.support.policies import BS, FakeCluster
 
 
 def rr(rid: str, tokens: tuple[int, ...]) -> RouteRequest:
