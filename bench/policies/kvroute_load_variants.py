@@ -19,6 +19,10 @@ from router.scheduler import Candidate
 
 __all__ = ["LOAD_VARIANTS"]
 
+# The backlog and full-cluster variants set the queue weight inside ``candidates``: the base
+# route evaluates ``candidates(...)`` before it reads ``self.config`` for ``choose``, and
+# ``KvroutePressure.route`` sets the pressure's weight again before the next decision.
+
 
 class KvrouteWaiting(KvrouteAuto):
     """Variant of ``kvroute``: a request routed but not yet at its first token counts in the
