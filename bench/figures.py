@@ -1,4 +1,5 @@
-"""Benchmark figures: percentiles, and printing a run's figures as a table or one JSON line."""
+"""Benchmark figures: means, percentiles, and printing a run's figures as a table or one JSON
+line."""
 
 from __future__ import annotations
 
@@ -7,7 +8,12 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-__all__ = ["percentile", "print_figures"]
+__all__ = ["mean", "percentile", "print_figures"]
+
+
+def mean(values: Sequence[float]) -> float:
+    """Return the arithmetic mean; NaN when empty."""
+    return math.fsum(values) / len(values) if values else math.nan
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -28,6 +28,7 @@ from typing import Any
 
 import aiohttp
 
+from bench.figures import mean
 from bench.report import percentile, write_json
 from bench.workloads import WorkloadRequest
 
@@ -133,9 +134,11 @@ def summarize_live(records: Sequence[LiveRecord], makespan_s: float,
         "policy": label,
         "hit_rate": sum(r.cached_tokens for r in ok) / prompt if prompt else math.nan,
         "hit_vs_pooled": math.nan,
+        "ttft_mean_s": mean(ttft),
         "ttft_p50_s": percentile(ttft, 50),
         "ttft_p90_s": percentile(ttft, 90),
         "ttft_p99_s": percentile(ttft, 99),
+        "e2e_mean_s": mean(e2e),
         "e2e_p50_s": percentile(e2e, 50),
         "e2e_p99_s": percentile(e2e, 99),
         "output_tok_s": sum(r.tokens_out for r in ok) / makespan_s if makespan_s else math.nan,

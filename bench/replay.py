@@ -6,7 +6,8 @@ runs on a fresh simulated cluster (:mod:`bench.sim`) in virtual time; the bounds
 (:mod:`bench.bounds`) are computed once per workload. Prints a table, writes JSON (with
 ``--json``) and PNG plots (with ``--plot-dir``). ``--sensitivity`` repeats the run at event
 lags of 0, 10 ms, 100 ms and 1 s. ``--live URL`` replays against a running router instead
-(:mod:`bench.live`).
+(:mod:`bench.live`). ``--per-worker`` adds each policy's per-worker table (requests, TTFT,
+decode context: where a skewed median comes from) to the terminal and the JSON.
 
 Settings are read here once and passed down frozen.
 """
@@ -59,6 +60,8 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     a("--plot-dir", metavar="DIR", help="write PNG plots here")
     a("--sensitivity", action="store_true",
       help="run at event lags 0, 10 ms, 100 ms, 1 s (ignores --event-lag-ms)")
+    a("--per-worker", action="store_true",
+      help="also print and save each policy's per-worker requests, TTFT and decode context")
     a("--no-progress", action="store_true", help="no progress bars")
     a("--live", metavar="URL", help="replay against a running router at URL instead")
     a("--model", default=None, help="live: the model name to send (default: none)")
@@ -118,11 +121,14 @@ def run_bench(args: argparse.Namespace) -> int:
     """
     from bench.bounds import compute_bounds
     from bench.policies import make_policies
-    from bench.report import plot, summarize, table, write_json
+    from bench.report import per_worker, per_worker_table, plot, summarize, table, write_json
     from bench.sim import SimConfig, simulate
 
     try:
         requests, name = _workload(args)
+        if args.live and args.per_worker:
+            raise ValueError("--per-worker reports the simulation's workers; a --live run "
+                             "sees only the router")
         if args.live:
             from bench.live import run_live
 
@@ -169,11 +175,16 @@ def run_bench(args: argparse.Namespace) -> int:
                     bar.close()
             results.append(res)
             rows.append(summarize(res, bounds))
+            if args.per_worker:
+                rows[-1]["per_worker"] = per_worker(res)
         title = (f"{name}, {args.workers} workers x {args.capacity_tokens:,} tokens, rate x"
                  f"{args.rate_scale:g}, event lag {config.event_lag_s * 1e3:g} ms, "
                  f"block {args.block_size}")
         print(table(rows, title))
         print()
+        for row in rows if args.per_worker else ():
+            print(per_worker_table(row["per_worker"], f"{row['policy']}, per worker"))
+            print()
         run = {"event_lag_ms": config.event_lag_s * 1e3, "rows": rows, "plots": []}
         if args.plot_dir:
             tag = f"_lag{config.event_lag_s * 1e3:g}ms" if args.sensitivity else ""

@@ -4,7 +4,10 @@ Figures per policy (:data:`METRIC_KEYS`):
 
 - ``hit_rate``: prompt tokens found cached at first admission / prompt tokens; and
   ``hit_vs_pooled``, that over the pooled-LRU bound (:mod:`bench.bounds`).
-- ``ttft_p50_s``, ``ttft_p90_s``, ``ttft_p99_s``; ``e2e_p50_s``, ``e2e_p99_s``.
+- ``ttft_mean_s``, ``ttft_p50_s``, ``ttft_p90_s``, ``ttft_p99_s``; ``e2e_mean_s``,
+  ``e2e_p50_s``, ``e2e_p99_s``. The mean is there because a median alone can reward an
+  imbalanced cluster: when a third of the requests land on lightly loaded workers, the median
+  falls while most others wait longer (``docs/benchmarks.md``, "The ``multi_turn`` median").
 - ``output_tok_s``: output tokens over the makespan (first arrival to last token).
 - ``load_imbalance``: max over mean of the workers' busy time (1.0 is perfect balance).
 - ``decision_us_mean``, ``decision_us_p99``: wall time of the routing decision (hashing,
@@ -20,19 +23,22 @@ from pathlib import Path
 from typing import Any
 
 from bench.bounds import Bounds
-from bench.figures import percentile
+from bench.figures import mean, percentile
 from bench.sim import SimResult
 
-__all__ = ["METRIC_KEYS", "percentile", "plot", "summarize", "table", "write_json"]
+__all__ = ["METRIC_KEYS", "per_worker", "per_worker_table", "percentile", "plot", "summarize",
+           "table", "write_json"]
 
 #: Keys of every policy's row, in table order.
 METRIC_KEYS = (
     "policy",
     "hit_rate",
     "hit_vs_pooled",
+    "ttft_mean_s",
     "ttft_p50_s",
     "ttft_p90_s",
     "ttft_p99_s",
+    "e2e_mean_s",
     "e2e_p50_s",
     "e2e_p99_s",
     "output_tok_s",
@@ -61,9 +67,11 @@ def summarize(result: SimResult, bounds: Bounds | None) -> dict[str, Any]:
         "policy": result.policy,
         "hit_rate": hit,
         "hit_vs_pooled": hit / bounds.pooled_lru if bounds and bounds.pooled_lru else math.nan,
+        "ttft_mean_s": mean(ttft),
         "ttft_p50_s": percentile(ttft, 50),
         "ttft_p90_s": percentile(ttft, 90),
         "ttft_p99_s": percentile(ttft, 99),
+        "e2e_mean_s": mean(e2e),
         "e2e_p50_s": percentile(e2e, 50),
         "e2e_p99_s": percentile(e2e, 99),
         "output_tok_s": out / result.makespan_s if result.makespan_s > 0 else math.nan,
@@ -81,11 +89,41 @@ def summarize(result: SimResult, bounds: Bounds | None) -> dict[str, Any]:
     return row
 
 
+def per_worker(result: SimResult) -> list[dict[str, Any]]:
+    """Return one row per worker: the requests it served, their TTFT mean and p50, its busy
+    seconds, and the decode context its iterations carried on average (tokens; what an
+    iteration's length grows with, so what a request arriving there waits on)."""
+    ttft: list[list[float]] = [[] for _ in result.busy_s]
+    for r in result.records:
+        ttft[r.worker].append(r.ttft_s)
+    context = result.decode_context_s or [math.nan] * len(result.busy_s)
+    return [{"worker": w, "requests": len(t), "ttft_mean_s": mean(t),
+             "ttft_p50_s": percentile(t, 50), "busy_s": busy,
+             "decode_context_tokens": ctx / busy if busy > 0 else math.nan}
+            for w, (t, busy, ctx) in enumerate(zip(ttft, result.busy_s, context, strict=True))]
+
+
+_WORKER_COLUMNS = (
+    ("worker", "worker", "{}"),
+    ("requests", "requests", "{}"),
+    ("ttft_mean_s", "TTFT mean", "{:.3f}"),
+    ("ttft_p50_s", "p50", "{:.3f}"),
+    ("busy_s", "busy s", "{:.1f}"),
+    ("decode_context_tokens", "decode context", "{:,.0f}"),
+)
+
+
+def per_worker_table(rows: Sequence[dict[str, Any]], title: str = "") -> str:
+    """Return :func:`per_worker`'s rows as an aligned text table."""
+    return _aligned(rows, _WORKER_COLUMNS, title)
+
+
 _COLUMNS = (
     ("policy", "policy", "{}"),
     ("hit_rate", "hit", "{:.1%}"),
     ("hit_vs_pooled", "/pool", "{:.0%}"),
-    ("ttft_p50_s", "TTFT p50", "{:.3f}"),
+    ("ttft_mean_s", "TTFT mean", "{:.3f}"),
+    ("ttft_p50_s", "p50", "{:.3f}"),
     ("ttft_p90_s", "p90", "{:.3f}"),
     ("ttft_p99_s", "p99", "{:.3f}"),
     ("e2e_p50_s", "E2E p50", "{:.3f}"),
@@ -99,8 +137,13 @@ _COLUMNS = (
 
 def table(rows: Sequence[dict[str, Any]], title: str = "") -> str:
     """Return the rows as an aligned text table (times in seconds)."""
-    head = [h for _, h, _ in _COLUMNS]
-    body = [[fmt.format(row[key]) for key, _, fmt in _COLUMNS] for row in rows]
+    return _aligned(rows, _COLUMNS, title)
+
+
+def _aligned(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str, str]],
+             title: str) -> str:
+    head = [h for _, h, _ in columns]
+    body = [[fmt.format(row[key]) for key, _, fmt in columns] for row in rows]
     widths = [max(len(x) for x in col) for col in zip(head, *body, strict=False)]
     lines = [title] if title else []
     lines.append("  ".join(h.rjust(w) if i else h.ljust(w)

@@ -134,6 +134,10 @@ class SimResult:
         event_wall_s: wall seconds in the event path: ``sink`` (capture and batch), ``encode``,
             ``decode`` and ``apply``.
         decode_stats: what the decoder skipped (all zero for a healthy run).
+        decode_context_s: per worker, the decode context (tokens a decode step attends over,
+            summed over the iteration's sequences) times the iteration's seconds, summed;
+            over ``busy_s`` it is the context an iteration carried on average, which sets
+            how long an iteration takes (``workers.timing``).
     """
 
     policy: str
@@ -148,10 +152,11 @@ class SimResult:
     event_bytes: int = 0
     event_wall_s: dict[str, float] = field(default_factory=dict)
     decode_stats: dict[str, int] = field(default_factory=dict)
+    decode_context_s: list[float] = field(default_factory=list)
 
 
 class _Worker:
-    __slots__ = ("batcher", "busy_s", "cache", "plan", "sink", "wid")
+    __slots__ = ("batcher", "busy_s", "cache", "context_s", "plan", "sink", "wid")
 
     def __init__(self, wid: int, config: SimConfig, events: bool) -> None:
         self.wid = wid
@@ -161,6 +166,7 @@ class _Worker:
         self.sink = EventSink(max_pending_stored=config.max_pending_stored) if events else None
         self.plan: IterationPlan | None = None
         self.busy_s = 0.0
+        self.context_s = 0.0
 
 
 class _Cluster:
@@ -254,6 +260,8 @@ def simulate(requests: Sequence[WorkloadRequest], policy: Policy, config: SimCon
         idle[w.wid] = False
         dt = executor.modeled_seconds(plan)
         w.busy_s += dt
+        if plan.decode:
+            w.context_s += dt * sum(d.context_len for d in plan.decode)
         w.plan = plan
         iterations += 1
         heapq.heappush(heap, (now + dt, _DONE, serial, w.wid, None))
@@ -352,4 +360,5 @@ def simulate(requests: Sequence[WorkloadRequest], policy: Policy, config: SimCon
         event_bytes=ev_bytes,
         event_wall_s=ev_wall if uses_events else {},
         decode_stats=stats.as_dict() if uses_events and wire else {},
+        decode_context_s=[w.context_s for w in workers],
     )

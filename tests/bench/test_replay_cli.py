@@ -54,3 +54,28 @@ def test_sensitivity_runs_each_lag(tmp_path: Path) -> None:
 def test_bad_policy_name_is_status_2(tmp_path: Path) -> None:
     assert main(["--trace", str(tiny_trace(tmp_path / "t.jsonl")), "--policies", "nope",
                  "--no-progress"]) == 2
+
+
+def test_per_worker_rows_add_up_to_the_run(tmp_path: Path,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out.json"
+    status = main(["--trace", str(tiny_trace(tmp_path / "t.jsonl")), "--workers", "2",
+                   "--capacity-tokens", "20000", "--policies", "round_robin,kvroute",
+                   "--per-worker", "--json", str(out), "--no-progress"])
+    assert status == 0
+    for row in json.loads(out.read_text())["runs"][0]["rows"]:
+        workers = row["per_worker"]
+        assert [w["worker"] for w in workers] == [0, 1]
+        assert sum(w["requests"] for w in workers) == row["requests"] == 12
+        assert all(w["busy_s"] > 0 and w["decode_context_tokens"] > 0 for w in workers)
+        mean = sum(w["ttft_mean_s"] * w["requests"] for w in workers) / row["requests"]
+        assert mean == pytest.approx(row["ttft_mean_s"])
+    printed = capsys.readouterr().out
+    assert "round_robin, per worker" in printed and "decode context" in printed
+
+
+def test_per_worker_with_live_is_refused(tmp_path: Path,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--trace", str(tiny_trace(tmp_path / "t.jsonl")), "--per-worker",
+                 "--live", "http://127.0.0.1:9", "--no-progress"]) == 2
+    assert "--per-worker" in capsys.readouterr().err
