@@ -1,18 +1,20 @@
 """Variants of ``kvroute`` (the router's default,
 :class:`~bench.policies.kvroute_pressure.KvrouteAuto`) that change how load is priced: when
 a routed request starts to count as decode load, the queue cap, the queue weight under
-backlog, the decode term when every worker is full, and the overlap weight. Each was measured
+backlog, the decode term when every worker is full, the overlap weight, and the load a
+request imposes on requests that arrive after it (``kvroute_ext*``). Each was measured
 against the default and none replaced it; the figures are in ``docs/benchmarks.md``
-(sections "Bursts and backlogs" and "At the issue's rate"). Run by name only
-(:data:`LOAD_VARIANTS`, registered in :data:`bench.policies.VARIANTS`).
+(sections "Bursts and backlogs", "At the issue's rate" and "The ``multi_turn`` median"). Run
+by name only (:data:`LOAD_VARIANTS`, registered in :data:`bench.policies.VARIANTS`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections import deque
 from collections.abc import Callable
 
-from bench.policies.base import Policy
+from bench.policies.base import ClusterView, Policy, RouteRequest
 from bench.policies.kvroute_pressure import KvrouteAuto, KvroutePressure
 from router.pressure import ROUTER_PRESSURE_RULE
 from router.scheduler import Candidate
@@ -146,6 +148,48 @@ class KvrouteIterations(KvrouteAuto):
             for c in super().candidates(hashes, now)]
 
 
+class KvrouteExternality(KvrouteAuto):
+    """Variant of ``kvroute``: each worker's decode term also counts the decode blocks this
+    request would add to the batch of every request arriving there while it decodes,
+    ``horizon_s * B * rate(w)``, with ``rate(w)`` the requests routed to ``w`` over the last
+    ``window_s`` seconds. The request's own TTFT grows with a worker's decode batch; this is
+    the TTFT it costs the requests after it, so a long prompt avoids a busy lane and short
+    prompts gather where the batch is light (shortest-job lanes)."""
+
+    name = "kvroute_ext15"
+    horizon_s = 15.0
+    window_s = 10.0
+
+    def start(self, cluster: ClusterView) -> None:
+        super().start(cluster)
+        self._routed: list[deque[float]] = [deque() for _ in range(cluster.num_workers)]
+
+    def rate(self, worker: int, now: float) -> float:
+        """Requests per second routed to ``worker`` over the last ``window_s``."""
+        times = self._routed[worker]
+        while times and times[0] < now - self.window_s:
+            times.popleft()
+        return len(times) / self.window_s
+
+    def candidates(self, hashes: list[int], now: float) -> list[Candidate]:
+        extra = self.horizon_s * len(hashes)
+        return [dataclasses.replace(
+            c, decode_blocks=c.decode_blocks + extra * self.rate(c.worker, now))
+            for c in super().candidates(hashes, now)]
+
+    def route(self, request: RouteRequest, now: float) -> int:
+        worker = super().route(request, now)
+        self._routed[worker].append(now)
+        return worker
+
+
+class KvrouteExternality20(KvrouteExternality):
+    """Variant: as ``kvroute_ext15`` with a 20 s horizon."""
+
+    name = "kvroute_ext20"
+    horizon_s = 20.0
+
+
 #: name -> class, for :data:`bench.policies.VARIANTS`.
 LOAD_VARIANTS: dict[str, Callable[[], Policy]] = {
     "kvroute_waiting": KvrouteWaiting,
@@ -159,4 +203,6 @@ LOAD_VARIANTS: dict[str, Callable[[], Policy]] = {
     "kvroute_ow16": KvrouteOverlap16,
     "kvroute_ow64": KvrouteOverlap64,
     "kvroute_iter": KvrouteIterations,
+    "kvroute_ext15": KvrouteExternality,
+    "kvroute_ext20": KvrouteExternality20,
 }

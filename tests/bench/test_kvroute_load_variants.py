@@ -32,6 +32,21 @@ def test_waiting_requests_count_as_decode_only_in_the_waiting_variants() -> None
         assert decode[worker] == pytest.approx(40), name
 
 
+def test_the_externality_variant_prices_a_workers_recent_arrivals() -> None:
+    policy = started(LOAD_VARIANTS["kvroute_ext15"]())
+    request = RouteRequest("a", tuple(range(10, 170)), (), BS)  # 40 blocks
+    first = policy.route(request, 0.0)
+    policy.finished("a", 0.5)  # no decode load left: only the arrival history differs
+    plain = {c.worker: c.decode_blocks
+             for c in KvroutePolicy.candidates(policy, request.hashes, 1.0)}
+    extra = {c.worker: c.decode_blocks - plain[c.worker]
+             for c in policy.candidates(request.hashes, 1.0)}
+    # one arrival in the 10 s window: 15 s x 40 blocks x 0.1 requests/s on that worker only
+    assert extra[first] == pytest.approx(60.0)
+    assert all(v == 0.0 for w, v in extra.items() if w != first)
+    assert policy.candidates(request.hashes, 10.5)[first].decode_blocks == plain[first]
+
+
 def test_weights_and_cap_of_the_plain_variants() -> None:
     assert [LOAD_VARIANTS[f"kvroute_ow{n}"]().config.overlap_weight for n in (8, 16, 64)] == [
         8.0, 16.0, 64.0]
