@@ -7,8 +7,10 @@ byte tokenizer's non-special range), with ``max_tokens`` = the request's output 
 time to the first streamed token, end-to-end latency the time to ``[DONE]``.
 
 The router decides where each request goes, so the report has one row (``live``) per run, and
-the columns a client cannot see (load imbalance, decision time) are empty. Images are not sent
-(token-id prompts carry no image parts): image workloads replay as text here.
+the columns a client cannot see (load imbalance, decision time) are empty. The hit rate's
+share of the pooled bound, and the plots, use the bounds of the cluster the flags describe.
+Images are not sent (token-id prompts carry no image parts): image workloads replay as text
+here.
 
 The HTTP client is aiohttp, created and closed here (one boundary: connection errors and bad
 statuses become a failed request, counted, never a crash).
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import math
 import sys
@@ -28,6 +31,7 @@ from typing import Any
 
 import aiohttp
 
+from bench.bounds import Bounds
 from bench.figures import mean
 from bench.report import percentile, write_json
 from bench.workloads import WorkloadRequest
@@ -154,9 +158,13 @@ def summarize_live(records: Sequence[LiveRecord], makespan_s: float,
     }
 
 
-def run_live(args: argparse.Namespace, requests: Sequence[WorkloadRequest], name: str) -> int:
-    """Run live mode for :func:`bench.replay.run_bench`; return the exit status."""
-    from bench.report import table
+def run_live(args: argparse.Namespace, requests: Sequence[WorkloadRequest], name: str,
+             bounds: Bounds | None = None) -> int:
+    """Run live mode for :func:`bench.replay.run_bench`; return the exit status (0, or 1 when
+    a request failed). ``bounds`` are the hit-rate ceilings of the cluster the flags describe
+    (``--workers`` x ``--capacity-tokens``, ``--block-size``): the live cluster is not asked,
+    so they are only as right as those flags."""
+    from bench.report import plot, table
 
     bar = None
     if not args.no_progress:
@@ -171,10 +179,20 @@ def run_live(args: argparse.Namespace, requests: Sequence[WorkloadRequest], name
         if bar is not None:
             bar.close()
     row = summarize_live(records, makespan)
+    if bounds is not None and bounds.pooled_lru > 0:
+        row["hit_vs_pooled"] = row["hit_rate"] / bounds.pooled_lru
     print(table([row], f"{name} live against {args.live}, rate x{args.rate_scale:g}"))
     if row["errors"]:
         print(f"{row['errors']} requests failed, e.g. {row['first_errors']}", file=sys.stderr)
+    plots: list[str] = []
+    if args.plot_dir:
+        ttft = [r.ttft_s for r in records if r.error is None]
+        plots = [str(p) for p in plot(args.plot_dir, {row["policy"]: ttft}, [row], bounds)]
     if args.json_path:
-        write_json(args.json_path, {"workload": name, "live": args.live,
-                                    "requests": len(requests), "runs": [{"rows": [row]}]})
+        document: dict[str, Any] = {"workload": name, "live": args.live,
+                                    "requests": len(requests),
+                                    "runs": [{"rows": [row], "plots": plots}]}
+        if bounds is not None:
+            document["bounds"] = dataclasses.asdict(bounds)
+        write_json(args.json_path, document)
     return 0 if not row["errors"] else 1

@@ -15,6 +15,7 @@ Settings are read here once and passed down frozen.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 import time
 from collections.abc import Sequence
@@ -129,11 +130,8 @@ def run_bench(args: argparse.Namespace) -> int:
         if args.live and args.per_worker:
             raise ValueError("--per-worker reports the simulation's workers; a --live run "
                              "sees only the router")
-        if args.live:
-            from bench.live import run_live
-
-            return run_live(args, requests, name)
-        make_policies(args.policies)  # fail fast on a bad name
+        if not args.live:
+            make_policies(args.policies)  # fail fast on a bad name
         lags = SENSITIVITY_LAGS_MS if args.sensitivity else (args.event_lag_ms,)
         configs = [SimConfig(workers=args.workers, capacity_tokens=args.capacity_tokens,
                              block_size=args.block_size, event_lag_s=lag / 1e3,
@@ -155,12 +153,15 @@ def run_bench(args: argparse.Namespace) -> int:
           f"{bounds.prompt_tokens:,} prompt tokens; bounds: unlimited {bounds.unlimited:.1%}, "
           f"pooled LRU ({args.workers} x {args.capacity_tokens:,} tokens) "
           f"{bounds.pooled_lru:.1%} [{bounds_s:.1f} s]", file=sys.stderr)
+    if args.live:
+        from bench.live import run_live
+
+        return run_live(args, requests, name, bounds)
     document: dict[str, Any] = {
         "workload": name,
         "settings": {k: v for k, v in vars(args).items() if not callable(v)},
         "requests": len(requests),
-        "bounds": {"unlimited": bounds.unlimited, "pooled_lru": bounds.pooled_lru,
-                   "pooled_blocks": bounds.pooled_blocks, "prompt_tokens": bounds.prompt_tokens},
+        "bounds": dataclasses.asdict(bounds),
         "runs": [],
     }
     for config in configs:
@@ -188,7 +189,8 @@ def run_bench(args: argparse.Namespace) -> int:
         run = {"event_lag_ms": config.event_lag_s * 1e3, "rows": rows, "plots": []}
         if args.plot_dir:
             tag = f"_lag{config.event_lag_s * 1e3:g}ms" if args.sensitivity else ""
-            run["plots"] = [str(p) for p in plot(args.plot_dir, results, rows, bounds, tag)]
+            ttfts = {res.policy: [r.ttft_s for r in res.records] for res in results}
+            run["plots"] = [str(p) for p in plot(args.plot_dir, ttfts, rows, bounds, tag)]
         document["runs"].append(run)
     if args.json_path:
         write_json(args.json_path, document)

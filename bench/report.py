@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -169,10 +169,11 @@ def write_json(path: str | Path, document: dict[str, Any]) -> None:
     Path(path).write_text(json.dumps(clean(document), indent=2) + "\n", encoding="utf-8")
 
 
-def plot(plot_dir: str | Path, results: Sequence[SimResult], rows: Sequence[dict[str, Any]],
-         bounds: Bounds | None, tag: str = "") -> list[Path]:
-    """Write ``ttft_cdf{tag}.png`` (TTFT CDF per policy) and ``hit_rate{tag}.png`` (hit rate per
-    policy against the bounds); return their paths."""
+def plot(plot_dir: str | Path, ttfts: Mapping[str, Sequence[float]],
+         rows: Sequence[dict[str, Any]], bounds: Bounds | None, tag: str = "") -> list[Path]:
+    """Write ``ttft_cdf{tag}.png`` (TTFT CDF per policy; ``ttfts``: policy -> its requests'
+    TTFTs in seconds) and ``hit_rate{tag}.png`` (hit rate per row against the bounds); return
+    their paths."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -183,10 +184,10 @@ def plot(plot_dir: str | Path, results: Sequence[SimResult], rows: Sequence[dict
     paths = []
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
-    for res in results:
-        ttft = sorted(r.ttft_s for r in res.records)
+    for name, values in ttfts.items():
+        ttft = sorted(values)
         n = len(ttft)
-        ax.plot(ttft, [(i + 1) / n for i in range(n)], label=res.policy)
+        ax.plot(ttft, [(i + 1) / n for i in range(n)], label=name)
     ax.set_xscale("log")
     ax.set_xlabel("TTFT (s, log scale)")
     ax.set_ylabel("share of requests")
