@@ -4,7 +4,11 @@ Each request is sent at its (rate-scaled) arrival time as a streaming ``/v1/comp
 whose prompt is the list of token ids (the workloads' ids are already in ``[4, 260)``, the
 byte tokenizer's non-special range), with ``max_tokens`` = the request's output length and
 ``stream_options.include_usage`` so the worker reports its cached prompt tokens. TTFT is the
-time to the first streamed token, end-to-end latency the time to ``[DONE]``.
+time from the request's scheduled arrival to the first streamed token, end-to-end latency to
+``[DONE]``: a request held back by the client's ``concurrency`` limit is late, and its wait
+counts (an open-loop load, so a slow server cannot hide its queue by slowing the client down);
+``late_sends`` counts the requests sent more than 10 ms after their arrival time, so a run
+that the client held back says so.
 
 The router decides where each request goes, so the report has one row (``live``) per run, and
 the columns a client cannot see (load imbalance, decision time) are empty. The hit rate's
@@ -36,15 +40,20 @@ from bench.figures import mean
 from bench.report import percentile, write_json
 from bench.workloads import WorkloadRequest
 
-__all__ = ["LiveRecord", "replay_live", "run_live", "summarize_live"]
+__all__ = ["LATE_S", "LiveRecord", "replay_live", "run_live", "summarize_live"]
+
+#: A request sent more than this many seconds after its scheduled arrival counts as late.
+LATE_S = 0.010
 
 
 @dataclass(slots=True)
 class LiveRecord:
-    """One request as the client saw it (seconds from its send time; -1 when never seen)."""
+    """One request as the client saw it (seconds from its scheduled arrival; -1 when never
+    seen)."""
 
     request_id: str
     prompt_tokens: int
+    send_delay_s: float = 0.0  # sent this long after its scheduled arrival
     ttft_s: float = -1.0
     e2e_s: float = -1.0
     tokens_out: int = 0
@@ -53,14 +62,14 @@ class LiveRecord:
 
 
 async def _one(session: aiohttp.ClientSession, url: str, req: WorkloadRequest,
-               model: str | None) -> LiveRecord:
+               model: str | None, due: float) -> LiveRecord:
+    """Send one request; times count from ``due`` (its scheduled arrival, perf_counter)."""
     tokens = req.token_ids()
-    rec = LiveRecord(req.request_id, len(tokens))
+    rec = LiveRecord(req.request_id, len(tokens), max(0.0, time.perf_counter() - due))
     body: dict[str, Any] = {"prompt": list(tokens), "max_tokens": req.output_length,
                             "stream": True, "stream_options": {"include_usage": True}}
     if model is not None:
         body["model"] = model
-    sent = time.perf_counter()
     try:
         async with session.post(f"{url.rstrip('/')}/v1/completions", json=body) as resp:
             if resp.status != 200:
@@ -72,7 +81,7 @@ async def _one(session: aiohttp.ClientSession, url: str, req: WorkloadRequest,
                     continue
                 data = line[5:].strip()
                 if data == b"[DONE]":
-                    rec.e2e_s = time.perf_counter() - sent
+                    rec.e2e_s = time.perf_counter() - due
                     break
                 chunk = json.loads(data)
                 if "error" in chunk:
@@ -80,7 +89,7 @@ async def _one(session: aiohttp.ClientSession, url: str, req: WorkloadRequest,
                     break
                 if chunk.get("choices"):
                     if rec.ttft_s < 0:
-                        rec.ttft_s = time.perf_counter() - sent
+                        rec.ttft_s = time.perf_counter() - due
                     rec.tokens_out += 1
                 usage = chunk.get("usage")
                 if usage:
@@ -101,8 +110,8 @@ async def replay_live(url: str, requests: Sequence[WorkloadRequest], *,
     Args:
         url: the router's (or one worker's) base URL.
         requests: the workload, in arrival order, already rate-scaled.
-        concurrency: requests in flight at most (later ones wait, and their latency counts
-            from when they were sent).
+        concurrency: requests in flight at most (later ones wait; their latency counts from
+            their scheduled arrival, and ``send_delay_s`` says how long they waited).
         model: the ``model`` field to send, if any.
         progress: a tqdm-like object updated per finished request.
     """
@@ -113,11 +122,12 @@ async def replay_live(url: str, requests: Sequence[WorkloadRequest], *,
     first = requests[0].arrival_s if requests else 0.0
 
     async def fire(session: aiohttp.ClientSession, req: WorkloadRequest) -> LiveRecord:
-        delay = req.arrival_s - first - (time.perf_counter() - start)
+        due = start + (req.arrival_s - first)
+        delay = due - time.perf_counter()
         if delay > 0:
             await asyncio.sleep(delay)
         async with limit:
-            rec = await _one(session, url, req, model)
+            rec = await _one(session, url, req, model, due)
         if progress is not None:
             progress.update(1)
         return rec
@@ -154,6 +164,7 @@ def summarize_live(records: Sequence[LiveRecord], makespan_s: float,
         "makespan_s": makespan_s,
         "wall_s": makespan_s,
         "errors": len(records) - len(ok),
+        "late_sends": sum(1 for r in records if r.send_delay_s > LATE_S),
         "first_errors": [r.error for r in records if r.error is not None][:5],
     }
 
@@ -184,6 +195,10 @@ def run_live(args: argparse.Namespace, requests: Sequence[WorkloadRequest], name
     print(table([row], f"{name} live against {args.live}, rate x{args.rate_scale:g}"))
     if row["errors"]:
         print(f"{row['errors']} requests failed, e.g. {row['first_errors']}", file=sys.stderr)
+    if row["late_sends"]:
+        print(f"{row['late_sends']} requests were sent over {LATE_S * 1e3:g} ms late (the "
+              f"client's --concurrency {args.concurrency} held them; their wait is in their "
+              "latency)", file=sys.stderr)
     plots: list[str] = []
     if args.plot_dir:
         ttft = [r.ttft_s for r in records if r.error is None]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 from aiohttp import web
@@ -56,3 +57,33 @@ async def test_live_counts_a_refused_connection_as_an_error() -> None:
     records, _ = await replay_live("http://127.0.0.1:9", reqs)
     assert records[0].error is not None
     assert summarize_live(records, 1.0)["errors"] == 1
+
+
+async def test_a_request_the_client_holds_back_counts_its_wait() -> None:
+    async def slow(request: web.Request) -> web.StreamResponse:
+        await request.json()
+        await asyncio.sleep(0.2)
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await resp.prepare(request)
+        await resp.write(b"data: " + json.dumps({"choices": [{"text": "x"}]}).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", slow)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        reqs = [WorkloadRequest(f"r{i}", 0.0, ((5, 6),), 2, 1) for i in range(3)]
+        records, _ = await replay_live(url, reqs, concurrency=1)  # all three due at once
+    finally:
+        await runner.cleanup()
+    ttft = sorted(r.ttft_s for r in records)
+    # one at a time, 0.2 s each: the third waited for two before it was even sent
+    assert ttft[0] >= 0.2 and ttft[2] >= 0.6
+    assert sorted(r.send_delay_s for r in records)[2] >= 0.4
+    row = summarize_live(records, 1.0)
+    assert row["late_sends"] == 2 and row["errors"] == 0
