@@ -83,6 +83,8 @@ class EvictionPressure:
             elif isinstance(e, Cleared):
                 # A restart or reset, not eviction: nothing resident, no removals counted.
                 self._resident[worker] = 0
+                if self._warmed and not any(self._resident.values()):
+                    self._warmed = False  # every cache is empty again: a cold cluster
         self._prune(now)
 
     def record(self, worker: int, stored: int, removed: int, now: float) -> None:
@@ -124,7 +126,9 @@ class EvictionPressure:
         """True until the first device eviction and while the resident blocks are under
         ``fill`` x ``capacity_blocks`` (the workers' device blocks; 0 = unknown, then only an
         eviction ends it). Once over, it stays over: a cache that filled once is in the
-        regime the pressure rule is for."""
+        regime the pressure rule is for; one worker's restart does not change that. Only a
+        reset that leaves every worker's cache empty (each has sent ``Cleared`` and stored
+        nothing since) starts the warm-up again, as on a fresh cluster."""
         if not self._warmed and capacity_blocks > 0:
             self._warmed = sum(self._resident.values()) >= fill * capacity_blocks
         return not self._warmed

@@ -193,3 +193,32 @@ async def test_a_removed_worker_leaves_the_routers_pressure_a_restarted_one_keep
         await service.registry.remove(1)  # removed: its capacity leaves the denominator
         assert service.pressure.peak(1) == 0
         assert service.pressure.pressure(time.monotonic()) == pytest.approx(60 / 100)
+
+
+def test_warm_up_ends_at_the_fill_or_the_first_eviction() -> None:
+    p = EvictionPressure()
+    p.observe(0, [stored(40)], 0.0)
+    p.observe(1, [stored(49)], 0.0)
+    assert p.warming(capacity_blocks=200, fill=0.5)  # 89 of 200 resident: under half
+    p.observe(1, [stored(11)], 1.0)
+    assert not p.warming(capacity_blocks=200, fill=0.5)  # 100: half full, and it stays over
+    q = EvictionPressure()
+    q.observe(0, [stored(10), removed(1)], 0.0)
+    assert not q.warming(capacity_blocks=200, fill=0.5)  # an eviction ends it at any fill
+    r = EvictionPressure()
+    r.observe(0, [stored(150)], 0.0)
+    assert r.warming(capacity_blocks=0, fill=0.5)  # capacity unknown: only an eviction ends it
+
+
+def test_one_restart_keeps_the_cluster_warm_and_a_full_reset_warms_it_up_again() -> None:
+    p = EvictionPressure()
+    p.observe(0, [stored(100), removed(10)], 0.0)
+    p.observe(1, [stored(100)], 0.0)
+    assert not p.warming(capacity_blocks=400, fill=0.5)
+    p.observe(0, [Cleared()], 1.0)  # worker 0 restarts; worker 1 still holds its blocks
+    assert not p.warming(capacity_blocks=400, fill=0.5)
+    p.observe(1, [Cleared()], 2.0)  # now every cache is empty
+    assert p.warming(capacity_blocks=400, fill=0.5)
+    p.observe(0, [stored(150)], 3.0)
+    p.observe(1, [stored(60)], 3.0)
+    assert not p.warming(capacity_blocks=400, fill=0.5)  # half full again
