@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
@@ -25,6 +26,12 @@ async def start_fake(seen: list[dict]) -> tuple[web.AppRunner, str]:
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
+    return await serve(completions)
+
+
+async def serve(completions: Callable[[web.Request], Awaitable[web.StreamResponse]]
+                ) -> tuple[web.AppRunner, str]:
+    """Serve ``completions`` at ``/v1/completions`` on a free loopback port."""
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
     runner = web.AppRunner(app)
@@ -69,13 +76,7 @@ async def test_a_request_the_client_holds_back_counts_its_wait() -> None:
         await resp.write(b"data: [DONE]\n\n")
         return resp
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", slow)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    runner, url = await serve(slow)
     try:
         reqs = [WorkloadRequest(f"r{i}", 0.0, ((5, 6),), 2, 1) for i in range(3)]
         records, _ = await replay_live(url, reqs, concurrency=1)  # all three due at once
