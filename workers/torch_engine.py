@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from workers.torch_graphs import DecodeGraphs
     from workers.torch_kv import PagedKV
     from workers.torch_model import Decoder, ModelConfig, PagedBatch
+    from workers.torch_piecewise import PiecewiseGraphs
 
 __all__ = [
     "CPU_KV_BYTES",
@@ -227,8 +228,10 @@ class TorchExecutor:
         kv: its KV storage; block ids are the cache manager's.
         vocab_limit: sample only ids below this (the tokenizer's vocabulary), default all.
         cuda_graphs: run decode-only iterations padded to fixed shapes
-            (:mod:`workers.torch_graphs`): replayed CUDA graphs on CUDA, the padded forward
-            eagerly on the CPU (what the tests use to check the padding).
+            (:mod:`workers.torch_graphs`), and the others of at most 2,048 tokens padded to a
+            token bucket in per-layer pieces (:mod:`workers.torch_piecewise`): replayed CUDA
+            graphs on CUDA, the padded forwards eagerly on the CPU (what the tests use to
+            check the padding).
 
     Notes:
         1. One plan at a time (the batcher never overlaps two); :meth:`execute` runs the
@@ -246,11 +249,16 @@ class TorchExecutor:
         self._layers = kv.layers()
         self._rows = kv.rows()
         self.graphs: DecodeGraphs | None = None
+        self.piecewise: PiecewiseGraphs | None = None
         if cuda_graphs:
             from workers.torch_graphs import DecodeGraphs
+            from workers.torch_piecewise import PiecewiseGraphs
 
+            capture = kv.device.type == "cuda"
             self.graphs = DecodeGraphs(model, self._layers, self._rows, kv.scratch_block,
-                                       kv.block_size, capture=kv.device.type == "cuda")
+                                       kv.block_size, capture=capture)
+            self.piecewise = PiecewiseGraphs(model, self._layers, self._rows, kv.scratch_block,
+                                             kv.block_size, capture=capture)
 
     async def execute(self, plan: IterationPlan) -> tuple[dict[str, int], float]:
         """Compute the plan and sample greedily.
@@ -283,7 +291,10 @@ class TorchExecutor:
                 out = self.graphs.logits(plan.decode)
                 return dict(zip((d.request_id for d in plan.decode), out.unbind(0), strict=True))
             batch, ids = self._batch(plan)
-            out = self.model.forward_paged(batch, self._layers, self._rows)
+            if self.piecewise is not None and self.piecewise.fits(len(batch.token_ids)):
+                out = self.piecewise.logits(batch)
+            else:
+                out = self.model.forward_paged(batch, self._layers, self._rows)
             return dict(zip(ids, out.unbind(0), strict=True))
 
     def _stack(self, logits: dict[str, torch.Tensor], ids: Sequence[str]) -> torch.Tensor:

@@ -43,8 +43,10 @@ __all__ = [
     "Decoder",
     "ModelConfig",
     "PagedBatch",
+    "PrefillView",
     "config_from_folder",
     "load_checkpoint",
+    "prefill_views",
     "read_safetensors",
 ]
 
@@ -245,6 +247,39 @@ class PagedBatch:
     logit_rows: Tensor
 
 
+@dataclass(frozen=True, slots=True)
+class PrefillView:
+    """One prefill chunk as attention reads it (built once per iteration, used by every layer).
+
+    Attributes:
+        first: flat index of the chunk's first token.
+        new: its tokens.
+        context: positions its last token sees (start + new).
+        table: block table of the whole context; None when the chunk starts at position 0
+            (then it attends causally over its own fresh K/V).
+        mask: [new, context] which positions each query sees; None with ``table``.
+    """
+
+    first: int
+    new: int
+    context: int
+    table: Tensor | None
+    mask: Tensor | None
+
+
+def prefill_views(batch: PagedBatch, device: torch.device) -> list[PrefillView]:
+    """The batch's prefill chunks with their causal masks over the cached context."""
+    views = []
+    for first, start, n, table in batch.prefill:
+        if start == 0:
+            views.append(PrefillView(first, n, n, None, None))
+            continue
+        ctx = start + n
+        pos = torch.arange(ctx, device=device)
+        views.append(PrefillView(first, n, ctx, table, pos[None, :] <= (start + pos[:n])[:, None]))
+    return views
+
+
 class _RMSNorm(nn.Module):
     def __init__(self, size: int, eps: float, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
@@ -350,38 +385,63 @@ class Decoder(nn.Module):
         Returns:
             float32 logits ``[len(batch.logit_rows), vocab_size]``.
         """
-        c = self.config
-        x = self.model.embed_tokens(batch.token_ids)
-        cos, sin = self._rotary(batch.positions)
+        x, cos, sin = self.embed(batch.token_ids, batch.positions)
         block_size = kv_layers[0].shape[2]
-        for i, (layer, kv) in enumerate(zip(self.model.layers, kv_layers, strict=True)):
-            attn = layer.self_attn
-            h = layer.input_layernorm(x)
-            q = _rotate(attn.q_proj(h).view(-1, c.num_heads, c.head_dim), cos, sin)
-            k = _rotate(attn.k_proj(h).view(-1, c.num_kv_heads, c.head_dim), cos, sin)
-            v = attn.v_proj(h).view(-1, c.num_kv_heads, c.head_dim)
-            rows = batch.slot_rows + i * 2 * block_size
-            kv_rows.index_copy_(0, rows, k.flatten(1))
-            kv_rows.index_copy_(0, rows + block_size, v.flatten(1))
+        prefill = prefill_views(batch, kv_layers[0].device)
+        for i, kv in enumerate(kv_layers):
+            q, k, v = self.attention_inputs(i, x, cos, sin, batch.slot_rows, kv_rows, block_size)
             out = torch.empty_like(q)
-            for first, start, n, table in batch.prefill:
-                rows = slice(first, first + n)
-                if start == 0:
-                    out[rows] = _prefill_attention(q[rows], k[rows], v[rows], None)
-                else:
-                    ctx = start + n
-                    keys = kv[:, 0].index_select(0, table).flatten(0, 1)[:ctx]
-                    values = kv[:, 1].index_select(0, table).flatten(0, 1)[:ctx]
-                    pos = torch.arange(ctx, device=q.device)
-                    mask = pos[None, :] <= (start + pos[:n])[:, None]
-                    out[rows] = _prefill_attention(q[rows], keys, values, mask)
-            if batch.decode_tables is not None:
-                assert batch.decode_mask is not None, "decode tables without a mask"
-                rows = slice(batch.decode_offset, None)
-                out[rows] = _decode_attention(q[rows], kv, batch.decode_tables, batch.decode_mask)
-            x = x + attn.o_proj(out.flatten(1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self._logits(x[batch.logit_rows])
+            self.attend(out, q, k, v, kv, prefill, batch)
+            x = self.layer_output(i, x, out)
+        return self.logits_of(x[batch.logit_rows])
+
+    # -- the pieces of one layer (forward_paged, and the piecewise graphs of torch_graphs) ----
+
+    def embed(self, token_ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Token embeddings and the rotary cos/sin of each position."""
+        cos, sin = self._rotary(positions)
+        return self.model.embed_tokens(token_ids), cos, sin
+
+    def attention_inputs(self, i: int, x: Tensor, cos: Tensor, sin: Tensor, slot_rows: Tensor,
+                         kv_rows: Tensor, block_size: int) -> tuple[Tensor, Tensor, Tensor]:
+        """Layer ``i`` up to attention: norm, Q/K/V with rotary positions, K/V written into
+        the cache (``slot_rows`` as in :class:`PagedBatch`). Returns q, k, v ``[T, heads, D]``."""
+        c = self.config
+        attn = self.model.layers[i].self_attn
+        h = self.model.layers[i].input_layernorm(x)
+        q = _rotate(attn.q_proj(h).view(-1, c.num_heads, c.head_dim), cos, sin)
+        k = _rotate(attn.k_proj(h).view(-1, c.num_kv_heads, c.head_dim), cos, sin)
+        v = attn.v_proj(h).view(-1, c.num_kv_heads, c.head_dim)
+        rows = slot_rows + i * 2 * block_size
+        kv_rows.index_copy_(0, rows, k.flatten(1))
+        kv_rows.index_copy_(0, rows + block_size, v.flatten(1))
+        return q, k, v
+
+    @staticmethod
+    def attend(out: Tensor, q: Tensor, k: Tensor, v: Tensor, kv: Tensor,
+               prefill: list[PrefillView], batch: PagedBatch) -> None:
+        """Attention of one layer into ``out``'s rows of real tokens: each prefill chunk over
+        its fresh K/V (from position 0) or its gathered context, the decode steps as one
+        padded batch. ``kv`` is the layer's blocks; rows past the batch's are left alone."""
+        for view in prefill:
+            rows = slice(view.first, view.first + view.new)
+            if view.table is None:
+                out[rows] = _prefill_attention(q[rows], k[rows], v[rows], None)
+            else:
+                keys = kv[:, 0].index_select(0, view.table).flatten(0, 1)[: view.context]
+                values = kv[:, 1].index_select(0, view.table).flatten(0, 1)[: view.context]
+                out[rows] = _prefill_attention(q[rows], keys, values, view.mask)
+        if batch.decode_tables is not None:
+            assert batch.decode_mask is not None, "decode tables without a mask"
+            n = batch.decode_tables.shape[0]
+            rows = slice(batch.decode_offset, batch.decode_offset + n)
+            out[rows] = _decode_attention(q[rows], kv, batch.decode_tables, batch.decode_mask)
+
+    def layer_output(self, i: int, x: Tensor, attention: Tensor) -> Tensor:
+        """Layer ``i`` after attention: output projection, residual, MLP, residual."""
+        layer = self.model.layers[i]
+        x = x + layer.self_attn.o_proj(attention.flatten(1))
+        return x + layer.mlp(layer.post_attention_layernorm(x))
 
     def forward_dense(self, token_ids: Tensor) -> Tensor:
         """Run one sequence from scratch, no cache: float32 logits ``[n, vocab_size]``."""
@@ -396,14 +456,16 @@ class Decoder(nn.Module):
             v = attn.v_proj(h).view(-1, c.num_kv_heads, c.head_dim)
             x = x + attn.o_proj(_prefill_attention(q, k, v, None).flatten(1))
             x = x + layer.mlp(layer.post_attention_layernorm(x))
-        return self._logits(x)
+        return self.logits_of(x)
 
-    # -- internals -------------------------------------------------------------------------
-
-    def _logits(self, x: Tensor) -> Tensor:
+    def logits_of(self, x: Tensor) -> Tensor:
+        """float32 logits of hidden states ``[n, hidden]``: the final norm, then the output
+        projection (the tied embedding when there is no ``lm_head``)."""
         h = self.model.norm(x)
         weight = self.model.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return F.linear(h, weight).float()
+
+    # -- internals -------------------------------------------------------------------------
 
     def _rotary(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]

@@ -32,6 +32,7 @@ from workers.torch_engine import (  # noqa: E402
     kv_blocks_for,
 )
 from workers.torch_graphs import MAX_SLOTS  # noqa: E402
+from workers.torch_piecewise import TOKEN_BUCKETS  # noqa: E402
 
 BS = 4
 POISON = 1e4  # finite: a masked-out position weighs zero, and 0 * 1e4 is still 0
@@ -215,6 +216,45 @@ def test_padded_decode_steps_match_the_dense_forward_and_touch_no_free_block(
     untouched = [b for b in range(cache.pool.num_blocks) if b not in d.blocks]
     assert untouched, "the test needs free blocks to watch"
     assert bool((ex.kv.device_blocks[untouched] == POISON).all())
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_padded_prefill_iterations_match_the_dense_forward_and_touch_no_free_block(
+    device: str,
+) -> None:
+    cache, plain = executor(device, num_blocks=64)
+    # On CUDA: per-layer graphs around eager attention. On the CPU: the same pieces, eagerly.
+    ex = TorchExecutor(plain.model, plain.kv, vocab_limit=plain.vocab_limit, cuda_graphs=True)
+    assert ex.piecewise is not None
+    d = Driver(cache, ex, budget=40)
+    shared = prompt(30, 26)
+    d.add("a", shared + prompt(31, 3), 4)  # fresh: a chunk from position 0
+    d.run()
+    ex.kv.device_blocks[: cache.pool.num_blocks].fill_(POISON)  # a's blocks too: b recomputes
+    # b and c arrive together: fresh 58-token chunks split by the 40-token budget (the second
+    # over a cached first), mixed with each other's decode steps; 1 to 40 tokens padded to
+    # the 16, 32 and 64 buckets.
+    d.add("b", prompt(32, 58), 5)
+    d.add("c", prompt(33, 21), 6)
+    d.run()
+    assert ex.piecewise.iterations >= 3
+    if device == "cuda":
+        # A bucket is captured on its first use and replayed from then on, that use included.
+        assert ex.piecewise.replayed == ex.piecewise.iterations and ex.piecewise.captured >= 2
+    for rid in ("b", "c"):
+        d.check(rid, device)
+    assert d.start_of("b") == 0 and any(c.start > 0 for c in d.chunks if c.request_id == "b")
+    untouched = [b for b in range(cache.pool.num_blocks) if b not in d.blocks]
+    assert untouched, "the test needs free blocks to watch"
+    assert bool((ex.kv.device_blocks[untouched] == POISON).all())
+
+
+def test_iterations_past_the_largest_token_bucket_run_unpadded() -> None:
+    _, plain = executor("cpu", num_blocks=64)
+    ex = TorchExecutor(plain.model, plain.kv, vocab_limit=plain.vocab_limit, cuda_graphs=True)
+    assert ex.piecewise is not None
+    assert ex.piecewise.fits(1) and ex.piecewise.fits(TOKEN_BUCKETS[-1])
+    assert not ex.piecewise.fits(TOKEN_BUCKETS[-1] + 1) and not ex.piecewise.fits(0)
 
 
 def test_decode_steps_too_large_to_pad_are_left_to_the_unpadded_forward() -> None:

@@ -1,0 +1,164 @@
+"""Iterations with prefill, run as CUDA graphs between the layers' attentions (piecewise).
+
+A whole-iteration graph (:mod:`workers.torch_graphs`) needs every shape fixed, which decode
+steps allow and prefill chunks do not: their count, lengths and cached contexts vary. Yet a
+short chunk is launch-bound exactly as a decode step is: 64 new tokens over a cached prefix
+took ~18 ms eagerly on the H200 for ~5 ms of kernels. Everything but attention depends only
+on the number of tokens, so the iteration is padded to a *token bucket*
+(:data:`TOKEN_BUCKETS`) and cut at each attention: ``layers + 1`` graphs per bucket, each
+``[previous layer's output projection, residual, MLP, residual; this layer's norm, Q/K/V,
+rotary, K/V write]``, with attention run eagerly between them on the real rows only (the
+prefill masks and tables built once per iteration, not per layer). vLLM's V1 engine cuts its
+graphs at attention the same way.
+
+Every piece reads and writes one bucket's static buffers (hidden state, q, k, v, attention
+output, rotary cos/sin), so the graphs replay in any order of buckets, one at a time. Padded
+tokens write their K/V into the scratch block (:attr:`workers.torch_kv.PagedKV.scratch_block`)
+and no real row reads them: attention skips padded rows, and every other piece works row by
+row. A bucket is captured on its first use, from padding alone, so capture never writes a
+real block. With ``capture=False`` the same pieces run eagerly: the CPU tests check them
+against the dense forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import Tensor
+
+from workers.torch_model import Decoder, PagedBatch, prefill_views
+
+__all__ = ["TOKEN_BUCKETS", "PiecewiseGraphs"]
+
+#: Padded token counts; an iteration with more tokens is compute-bound and runs unpadded.
+TOKEN_BUCKETS = (16, 32, 64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
+
+
+@dataclass(slots=True)
+class _Bucket:
+    tokens: int
+    inputs: Tensor  # [3T] long: token ids | positions | slot rows
+    x: Tensor  # [T, hidden]
+    cos: Tensor  # [T, 1, head_dim]
+    sin: Tensor
+    q: Tensor  # [T, heads, head_dim]
+    k: Tensor  # [T, kv_heads, head_dim]
+    v: Tensor
+    attention: Tensor  # [T, heads, head_dim]
+    graphs: list[torch.cuda.CUDAGraph] = field(default_factory=list)
+
+
+class PiecewiseGraphs:
+    """Iterations padded to a token bucket, run as per-layer graphs around eager attention.
+
+    Args:
+        model: the decoder.
+        kv_layers, kv_rows: the KV cache views the executor passes to ``forward_paged``.
+        scratch_block: a device block no request owns (padding writes it).
+        block_size: tokens per block.
+        capture: capture CUDA graphs (CUDA only); False runs the pieces eagerly.
+    """
+
+    def __init__(self, model: Decoder, kv_layers: list[Tensor], kv_rows: Tensor,
+                 scratch_block: int, block_size: int, *, capture: bool) -> None:
+        self.model = model
+        self.kv_layers, self.kv_rows = kv_layers, kv_rows
+        self.block_size = block_size
+        self.capture = capture
+        self.device = kv_rows.device
+        self._scratch_row = scratch_block * 2 * model.config.num_layers * block_size
+        self._buckets: dict[int, _Bucket] = {}
+        self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self.iterations = 0  # padded iterations run
+        self.captured = 0  # buckets captured as graphs
+        self.replayed = 0  # iterations replayed from graphs
+
+    @staticmethod
+    def fits(num_tokens: int) -> bool:
+        """Whether an iteration of this many tokens runs padded (else it runs unpadded)."""
+        return 0 < num_tokens <= TOKEN_BUCKETS[-1]
+
+    def logits(self, batch: PagedBatch) -> Tensor:
+        """float32 logits ``[len(batch.logit_rows), vocab]``, as ``forward_paged`` returns."""
+        n = len(batch.token_ids)
+        b = self._bucket(next(t for t in TOKEN_BUCKETS if t >= n))
+        t = b.tokens
+        b.inputs[:n].copy_(batch.token_ids)
+        b.inputs[t : t + n].copy_(batch.positions)
+        b.inputs[2 * t : 2 * t + n].copy_(batch.slot_rows)
+        b.inputs[2 * t + n :].fill_(self._scratch_row)
+        prefill = prefill_views(batch, self.device)
+        replay = bool(b.graphs)
+        for i, kv in enumerate(self.kv_layers):
+            self._run(b, i, replay)
+            self.model.attend(b.attention, b.q, b.k, b.v, kv, prefill, batch)
+        self._run(b, len(self.kv_layers), replay)
+        self.iterations += 1
+        self.replayed += replay
+        return self.model.logits_of(b.x[batch.logit_rows])
+
+    def _run(self, b: _Bucket, piece: int, replay: bool) -> None:
+        if replay:
+            b.graphs[piece].replay()
+        else:
+            self._piece(b, piece)
+
+    def _piece(self, b: _Bucket, i: int) -> None:
+        """Piece ``i``: layer ``i - 1`` after attention (or the embedding, for 0), then layer
+        ``i`` up to attention (none after the last layer)."""
+        m, t = self.model, b.tokens
+        if i == 0:
+            x, cos, sin = m.embed(b.inputs[:t], b.inputs[t : 2 * t])
+            b.x.copy_(x)
+            b.cos.copy_(cos)
+            b.sin.copy_(sin)
+        else:
+            b.x.copy_(m.layer_output(i - 1, b.x, b.attention))
+        if i < len(self.kv_layers):
+            q, k, v = m.attention_inputs(i, b.x, b.cos, b.sin, b.inputs[2 * t :], self.kv_rows,
+                                         self.block_size)
+            b.q.copy_(q)
+            b.k.copy_(k)
+            b.v.copy_(v)
+
+    def _bucket(self, tokens: int) -> _Bucket:
+        b = self._buckets.get(tokens)
+        if b is None:
+            c, m = self.model.config, self.model
+            kw = {"dtype": m.dtype, "device": self.device}
+            inputs = torch.zeros(3 * tokens, dtype=torch.long, device=self.device)
+            inputs[2 * tokens :] = self._scratch_row
+            b = self._buckets[tokens] = _Bucket(
+                tokens=tokens,
+                inputs=inputs,
+                x=torch.zeros(tokens, c.hidden_size, **kw),
+                cos=torch.zeros(tokens, 1, c.head_dim, **kw),
+                sin=torch.zeros(tokens, 1, c.head_dim, **kw),
+                q=torch.zeros(tokens, c.num_heads, c.head_dim, **kw),
+                k=torch.zeros(tokens, c.num_kv_heads, c.head_dim, **kw),
+                v=torch.zeros(tokens, c.num_kv_heads, c.head_dim, **kw),
+                attention=torch.zeros(tokens, c.num_heads, c.head_dim, **kw),
+            )
+            if self.capture:
+                self._capture(b)
+        return b
+
+    def _capture(self, b: _Bucket) -> None:
+        """Capture every piece of ``b`` while its inputs are padding (only the scratch block
+        is written, during the warm-up passes)."""
+        pieces = range(len(self.kv_layers) + 1)
+        compute = torch.cuda.current_stream(self.device)
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(compute)
+        with torch.cuda.stream(side):
+            for _ in range(2):  # kernel selection and allocator warm-up, outside the graphs
+                for i in pieces:
+                    self._piece(b, i)
+        compute.wait_stream(side)
+        for i in pieces:
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
+                self._piece(b, i)
+            b.graphs.append(graph)
+        self.captured += 1
