@@ -5,8 +5,10 @@ Run: ``python -m bench.gpu [--json] [--model llama-1b] [--device auto]``.
 Sections (``docs/gpu.md`` holds the figures and what they mean):
 
 - ``ttft``: one 8,192-token prompt computed cold; the same prompt with 8,128 tokens cached (its
-  first 254 blocks already in the request's block table) and 64 new; 64 new tokens alone. Each
-  is one executor pass, sampling included, median of ``--repeats``.
+  first 254 blocks already in the request's block table) and 64 new; 64 new tokens alone; the
+  cached pass mixed with 32 decode steps over 1,024-token contexts. Each is one executor pass,
+  sampling included, median of ``--repeats``; eager and (on CUDA) padded
+  into per-layer piecewise graphs (:mod:`workers.torch_piecewise`), in one run.
 - ``decode``: tokens/s of decode iterations at batch 1, 8 and 32 over 1,024-token prompts,
   eager and (on CUDA) replayed as CUDA graphs (:mod:`workers.torch_graphs`), in one run.
 - ``routing`` (the first attempt, kept for comparison; ``bench.gpu_routing`` is the routing
@@ -106,7 +108,9 @@ def _tokens(rng: random.Random, n: int) -> list[int]:
 
 
 def bench_ttft(args: argparse.Namespace, ex: TorchExecutor, cache: CacheManager) -> dict[str, Any]:
-    """Cold 8k prefill, 8k with 8,128 cached, and 64 new tokens alone (ms)."""
+    """Passes with prefill (ms): cold 8k, 64 new over 8,128 cached, 64 new alone, and that
+    cached pass mixed with 32 decode steps over 1,024-token contexts; each eager and (when the
+    executor has them) padded into piecewise graphs, side by side in this one run."""
     rng = random.Random(1)
     n, cached = 8192, 8128
     long = _tokens(rng, n)
@@ -114,17 +118,34 @@ def bench_ttft(args: argparse.Namespace, ex: TorchExecutor, cache: CacheManager)
     short = _tokens(rng, n - cached)
     b = cache.allocate("ttft-short", Prompt(short))
     assert a is not None and b is not None, "the cache is too small for the ttft bench"
+    steps = []
+    for i in range(32):
+        ctx = _tokens(rng, 1024)
+        alloc = cache.allocate(f"ttft-dec-{i}", Prompt(ctx))
+        assert alloc is not None, "the cache is too small for the ttft bench"
+        steps.append(DecodeStep(f"dec-{i}", tuple(alloc.block_ids), 1024, ctx[-1], 0,
+                                Prompt(tuple(ctx))))
     cold = _plan([_chunk("cold", a.block_ids, long, 0)])
     warm = _plan([_chunk("warm", a.block_ids, long, cached)])
     alone = _plan([_chunk("alone", b.block_ids, short, 0)])
-    out = {
-        "cold_8192_ms": _median_ms(lambda: ex.run(cold), args.repeats),
-        "cached_8128_new_64_ms": _median_ms(lambda: ex.run(warm), args.repeats),
-        "new_64_alone_ms": _median_ms(lambda: ex.run(alone), args.repeats),
-    }
+    mixed = _plan([_chunk("warm", a.block_ids, long, cached)], steps)
+    piecewise = ex.piecewise
+    out: dict[str, Any] = {}
+    for mode in ("eager", "piecewise") if piecewise is not None else ("eager",):
+        ex.piecewise = piecewise if mode == "piecewise" else None
+        suffix = "" if mode == "eager" else "_piecewise"
+        out |= {
+            f"cold_8192_ms{suffix}": _median_ms(lambda: ex.run(cold), args.repeats),
+            f"cached_8128_new_64_ms{suffix}": _median_ms(lambda: ex.run(warm), args.repeats),
+            f"new_64_alone_ms{suffix}": _median_ms(lambda: ex.run(alone), args.repeats),
+            f"cached_64_with_32_decodes_ms{suffix}": _median_ms(
+                lambda: ex.run(mixed), args.repeats
+            ),
+        }
+    ex.piecewise = piecewise
     if args.profile:
         _profile(ex, {"cold 8192": cold, "cached 8128 + 64": warm})
-    for rid in ("ttft-long", "ttft-short"):
+    for rid in ("ttft-long", "ttft-short", *(f"ttft-dec-{i}" for i in range(32))):
         cache.free(rid)
     out["cached_over_alone"] = out["cached_8128_new_64_ms"] / out["new_64_alone_ms"]
     out["cold_tokens_per_s"] = n / out["cold_8192_ms"] * 1e3
@@ -414,8 +435,16 @@ def _table(result: dict[str, Any]) -> str:
         lines.append(
             f"ttft cold 8192: {t['cold_8192_ms']:.1f} ms; 8128 cached + 64 new: "
             f"{t['cached_8128_new_64_ms']:.1f} ms; 64 alone: {t['new_64_alone_ms']:.1f}"
-            f" ms (ratio {t['cached_over_alone']:.2f})"
+            f" ms (ratio {t['cached_over_alone']:.2f}); that cached pass with 32 decodes: "
+            f"{t['cached_64_with_32_decodes_ms']:.1f} ms"
         )
+        if "new_64_alone_ms_piecewise" in t:
+            lines.append(
+                f"piecewise graphs: cold 8192: {t['cold_8192_ms_piecewise']:.1f} ms; 8128 "
+                f"cached + 64 new: {t['cached_8128_new_64_ms_piecewise']:.1f} ms; 64 alone: "
+                f"{t['new_64_alone_ms_piecewise']:.1f} ms; with 32 decodes: "
+                f"{t['cached_64_with_32_decodes_ms_piecewise']:.1f} ms"
+            )
     for d in result.get("decode", []):
         lines.append(
             f"decode ({d['mode']}) batch {d['batch']}: {d['step_ms']:.2f} ms/step, "
