@@ -2,8 +2,10 @@
 
 A whole-iteration graph (:mod:`workers.torch_graphs`) needs every shape fixed, which decode
 steps allow and prefill chunks do not: their count, lengths and cached contexts vary. Yet a
-short chunk is launch-bound exactly as a decode step is: 64 new tokens over a cached prefix
-took ~18 ms eagerly on the H200 for ~5 ms of kernels. Everything but attention depends only
+short chunk is launch-bound exactly as a decode step is: 64 new tokens took 10-18 ms eagerly
+on the H200 machines (the host's speed varies) and 3.2 ms replayed (``docs/gpu.md``), and one
+such chunk sent a whole mixed iteration, decodes included, down the eager path. Everything but
+attention depends only
 on the number of tokens, so the iteration is padded to a *token bucket*
 (:data:`TOKEN_BUCKETS`) and cut at each attention: ``layers + 1`` graphs per bucket, each
 ``[previous layer's output projection, residual, MLP, residual; this layer's norm, Q/K/V,
