@@ -81,7 +81,8 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     a("--kv-memory-gb", "--kv-memory", dest="kv_memory_gb", type=float,
       help="torch engine: GiB of KV cache (default: sized to fit)")
     a("--no-cuda-graphs", dest="cuda_graphs", action="store_false", default=None,
-      help="torch engine on CUDA: run decode steps eagerly, not as replayed CUDA graphs")
+      help="torch engine on CUDA: run every pass eagerly, not as replayed CUDA graphs "
+           "(whole decode passes; per-layer pieces of passes with prefill)")
     a("--log-level", help="debug, info, warning (default info)")
 
 
