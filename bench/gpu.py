@@ -8,7 +8,8 @@ Sections (``docs/gpu.md`` holds the figures and what they mean):
   first 254 blocks already in the request's block table) and 64 new; 64 new tokens alone; the
   cached pass mixed with 32 decode steps over 1,024-token contexts. Each is one executor pass,
   sampling included, median of ``--repeats``; eager and (on CUDA) padded
-  into per-layer piecewise graphs (:mod:`workers.torch_piecewise`), in one run.
+  into per-layer piecewise graphs (:mod:`workers.torch_piecewise`), in one run; and the first
+  piecewise pass of three token buckets (64, 128, 2,048), which captures that bucket's graphs.
 - ``decode``: tokens/s of decode iterations at batch 1, 8 and 32 over 1,024-token prompts,
   eager and (on CUDA) replayed as CUDA graphs (:mod:`workers.torch_graphs`), in one run.
 - ``routing`` (the first attempt, kept for comparison; ``bench.gpu_routing`` is the routing
@@ -131,6 +132,16 @@ def bench_ttft(args: argparse.Namespace, ex: TorchExecutor, cache: CacheManager)
     mixed = _plan([_chunk("warm", a.block_ids, long, cached)], steps)
     piecewise = ex.piecewise
     out: dict[str, Any] = {}
+    if piecewise is not None:
+        # First use of a bucket captures its graphs: what the first such pass costs, once.
+        first = _plan([_chunk("first", a.block_ids, long[:2000], 0)])
+        for name, plan in (("new_64", alone), ("cached_64_with_32_decodes", mixed),
+                           ("new_2000", first)):
+            _sync()
+            t = time.perf_counter()
+            ex.run(plan)
+            _sync()
+            out[f"{name}_first_use_ms_piecewise"] = (time.perf_counter() - t) * 1e3
     for mode in ("eager", "piecewise") if piecewise is not None else ("eager",):
         ex.piecewise = piecewise if mode == "piecewise" else None
         suffix = "" if mode == "eager" else "_piecewise"
@@ -443,7 +454,10 @@ def _table(result: dict[str, Any]) -> str:
                 f"piecewise graphs: cold 8192: {t['cold_8192_ms_piecewise']:.1f} ms; 8128 "
                 f"cached + 64 new: {t['cached_8128_new_64_ms_piecewise']:.1f} ms; 64 alone: "
                 f"{t['new_64_alone_ms_piecewise']:.1f} ms; with 32 decodes: "
-                f"{t['cached_64_with_32_decodes_ms_piecewise']:.1f} ms"
+                f"{t['cached_64_with_32_decodes_ms_piecewise']:.1f} ms; first use (capture): "
+                f"{t['new_64_first_use_ms_piecewise']:.0f} / "
+                f"{t['cached_64_with_32_decodes_first_use_ms_piecewise']:.0f} / "
+                f"{t['new_2000_first_use_ms_piecewise']:.0f} ms (buckets 64 / 128 / 2048)"
             )
     for d in result.get("decode", []):
         lines.append(

@@ -20,6 +20,7 @@ memory left after the weights (:data:`CUDA_KV_SHARE`), or :data:`CPU_KV_BYTES` o
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -48,6 +49,8 @@ __all__ = [
     "kv_blocks_for",
     "resolve_model",
 ]
+
+log = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'kvroute[torch]'"
 #: Share of the CUDA device's free memory, after weights and activation headroom, for KV.
@@ -202,8 +205,14 @@ def build_torch_executor(
         )
     except ValueError as exc:
         raise TorchEngineError(str(exc)) from None
-    return TorchExecutor(model, kv, vocab_limit=tokenizer.vocab_size,
-                         cuda_graphs=settings.cuda_graphs and device.type == "cuda")
+    executor = TorchExecutor(model, kv, vocab_limit=tokenizer.vocab_size,
+                             cuda_graphs=settings.cuda_graphs and device.type == "cuda")
+    if executor.piecewise is not None:
+        started = time.perf_counter()
+        n = executor.piecewise.capture_buckets(settings.max_num_batched_tokens)
+        log.info("captured the piecewise graphs of %d token buckets in %.1f s", n,
+                 time.perf_counter() - started)
+    return executor
 
 
 def _check_tokenizer(folder: Path, settings: WorkerSettings, tokenizer: Tokenizer) -> None:

@@ -5,9 +5,8 @@ steps allow and prefill chunks do not: their count, lengths and cached contexts 
 short chunk is launch-bound exactly as a decode step is: 64 new tokens took 10-18 ms eagerly
 on the H200 machines (the host's speed varies) and 3.2 ms replayed (``docs/gpu.md``), and one
 such chunk sent a whole mixed iteration, decodes included, down the eager path. Everything but
-attention depends only
-on the number of tokens, so the iteration is padded to a *token bucket*
-(:data:`TOKEN_BUCKETS`) and cut at each attention: ``layers + 1`` graphs per bucket, each
+attention depends only on the number of tokens, so the iteration is padded to a *token
+bucket* (:data:`TOKEN_BUCKETS`) and cut at each attention: ``layers + 1`` graphs per bucket, each
 ``[previous layer's output projection, residual, MLP, residual; this layer's norm, Q/K/V,
 rotary, K/V write]``, with attention run eagerly between them on the real rows only (the
 prefill masks and tables built once per iteration, not per layer). vLLM's V1 engine cuts its
@@ -17,9 +16,10 @@ Every piece reads and writes one bucket's static buffers (hidden state, q, k, v,
 output, rotary cos/sin), so the graphs replay in any order of buckets, one at a time. Padded
 tokens write their K/V into the scratch block (:attr:`workers.torch_kv.PagedKV.scratch_block`)
 and no real row reads them: attention skips padded rows, and every other piece works row by
-row. A bucket is captured on its first use, from padding alone, so capture never writes a
-real block. With ``capture=False`` the same pieces run eagerly: the CPU tests check them
-against the dense forward.
+row. A bucket is captured from padding alone, so capture never writes a real block: on its
+first use, or up front with :meth:`PiecewiseGraphs.capture_buckets` (what a worker does at
+start, as vLLM captures its graphs before serving). With ``capture=False`` the same pieces
+run eagerly: the CPU tests check them against the dense forward.
 """
 
 from __future__ import annotations
@@ -80,6 +80,23 @@ class PiecewiseGraphs:
     def fits(num_tokens: int) -> bool:
         """Whether an iteration of this many tokens runs padded (else it runs unpadded)."""
         return 0 < num_tokens <= TOKEN_BUCKETS[-1]
+
+    def capture_buckets(self, max_tokens: int) -> int:
+        """Capture, now, every bucket a pass of at most ``max_tokens`` tokens can use, so that
+        no request waits for a capture (a bucket takes ~0.1-1.4 s on the H200 machine).
+
+        Returns:
+            How many buckets were captured (0 without ``capture``).
+        """
+        if not self.capture:
+            return 0
+        before = self.captured
+        with torch.inference_mode():
+            for tokens in TOKEN_BUCKETS:
+                self._bucket(tokens)
+                if tokens >= max_tokens:
+                    break
+        return self.captured - before
 
     def logits(self, batch: PagedBatch) -> Tensor:
         """float32 logits ``[len(batch.logit_rows), vocab]``, as ``forward_paged`` returns."""

@@ -249,6 +249,23 @@ def test_padded_prefill_iterations_match_the_dense_forward_and_touch_no_free_blo
     assert bool((ex.kv.device_blocks[untouched] == POISON).all())
 
 
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_worker_captures_its_token_buckets_before_serving(device: str) -> None:
+    cache, ex = executor(device, num_blocks=64, max_num_batched_tokens=40)
+    if device == "cpu":  # graphs are a CUDA feature: a CPU worker runs every pass unpadded
+        assert ex.piecewise is None and ex.graphs is None
+        return
+    assert ex.piecewise is not None
+    assert ex.piecewise.captured == 3  # 16, 32 and 64 tokens: every bucket 40 tokens can use
+    d = Driver(cache, ex, budget=40)
+    d.add("a", prompt(40, 50), 3)
+    d.add("b", prompt(41, 7), 3)
+    d.run()
+    assert ex.piecewise.captured == 3 and ex.piecewise.replayed == ex.piecewise.iterations >= 2
+    for rid in ("a", "b"):
+        d.check(rid, device)
+
+
 def test_iterations_past_the_largest_token_bucket_run_unpadded() -> None:
     _, plain = executor("cpu", num_blocks=64)
     ex = TorchExecutor(plain.model, plain.kv, vocab_limit=plain.vocab_limit, cuda_graphs=True)
