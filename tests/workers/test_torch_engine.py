@@ -189,15 +189,29 @@ def test_blocks_freed_and_reused_do_not_leak_old_contents(device: str) -> None:
     d.check("e", device)
 
 
+def padded_executor(device: str) -> tuple[CacheManager, TorchExecutor]:
+    """An executor with graphs on, every device block poisoned. On CUDA the graphs are
+    captured and replayed; on the CPU the same padded forwards run eagerly."""
+    cache, plain = executor(device, num_blocks=64)
+    ex = TorchExecutor(plain.model, plain.kv, vocab_limit=plain.vocab_limit, cuda_graphs=True)
+    ex.kv.device_blocks[: cache.pool.num_blocks].fill_(POISON)
+    return cache, ex
+
+
+def assert_padding_wrote_no_free_block(cache: CacheManager, ex: TorchExecutor, d: Driver) -> None:
+    """Padding wrote only the scratch block: every block no request was given still holds
+    the poison."""
+    untouched = [b for b in range(cache.pool.num_blocks) if b not in d.blocks]
+    assert untouched, "the test needs free blocks to watch"
+    assert bool((ex.kv.device_blocks[untouched] == POISON).all())
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_padded_decode_steps_match_the_dense_forward_and_touch_no_free_block(
     device: str,
 ) -> None:
-    cache, plain = executor(device, num_blocks=64)
-    # On CUDA: captured graphs, replayed. On the CPU: the same padded forward, eagerly.
-    ex = TorchExecutor(plain.model, plain.kv, vocab_limit=plain.vocab_limit, cuda_graphs=True)
+    cache, ex = padded_executor(device)
     assert ex.graphs is not None
-    ex.kv.device_blocks[: cache.pool.num_blocks].fill_(POISON)
     d = Driver(cache, ex, budget=128)
     # Three requests decode together (a batch of 3 padded to 4) over tables of 2, 10 and 18
     # blocks (padded to 8, 16 and 32 wide as they grow), then one alone.
@@ -211,42 +225,33 @@ def test_padded_decode_steps_match_the_dense_forward_and_touch_no_free_block(
         assert ex.graphs.replayed == ex.graphs.steps and ex.graphs.captured >= 2
     for rid in ("r0", "r1", "r2", "r3"):
         d.check(rid, device)
-    # Padding wrote only the scratch block: every block no request was given still holds
-    # the poison.
-    untouched = [b for b in range(cache.pool.num_blocks) if b not in d.blocks]
-    assert untouched, "the test needs free blocks to watch"
-    assert bool((ex.kv.device_blocks[untouched] == POISON).all())
+    assert_padding_wrote_no_free_block(cache, ex, d)
 
 
 @pytest.mark.parametrize("device", DEVICES)
 def test_padded_prefill_iterations_match_the_dense_forward_and_touch_no_free_block(
     device: str,
 ) -> None:
-    cache, plain = executor(device, num_blocks=64)
-    # On CUDA: per-layer graphs around eager attention. On the CPU: the same pieces, eagerly.
-    ex = TorchExecutor(plain.model, plain.kv, vocab_limit=plain.vocab_limit, cuda_graphs=True)
+    cache, ex = padded_executor(device)
     assert ex.piecewise is not None
     d = Driver(cache, ex, budget=40)
-    shared = prompt(30, 26)
-    d.add("a", shared + prompt(31, 3), 4)  # fresh: a chunk from position 0
-    d.run()
-    ex.kv.device_blocks[: cache.pool.num_blocks].fill_(POISON)  # a's blocks too: b recomputes
-    # b and c arrive together: fresh 58-token chunks split by the 40-token budget (the second
-    # over a cached first), mixed with each other's decode steps; 1 to 40 tokens padded to
-    # the 16, 32 and 64 buckets.
+    # Under a 40-token budget: b's 40 tokens from position 0, then b's last 18 over its cached
+    # first chunk with c's 20, both padded to the 64 bucket (the second pass's two padded
+    # rows held b's tokens in the first: padding must not write them again).
     d.add("b", prompt(32, 58), 5)
-    d.add("c", prompt(33, 21), 6)
+    d.add("c", prompt(33, 20), 5)
     d.run()
-    assert ex.piecewise.iterations >= 3
+    # Then a mixed pass: e's last 15 tokens with g's first decode step (16 bucket).
+    d.add("g", prompt(34, 5), 6)
+    d.add("e", prompt(35, 50), 4)
+    d.run()
+    assert ex.piecewise.iterations == 4
     if device == "cuda":
-        # A bucket is captured on its first use and replayed from then on, that use included.
         assert ex.piecewise.replayed == ex.piecewise.iterations and ex.piecewise.captured >= 2
-    for rid in ("b", "c"):
+    for rid in ("b", "c", "e", "g"):
         d.check(rid, device)
     assert d.start_of("b") == 0 and any(c.start > 0 for c in d.chunks if c.request_id == "b")
-    untouched = [b for b in range(cache.pool.num_blocks) if b not in d.blocks]
-    assert untouched, "the test needs free blocks to watch"
-    assert bool((ex.kv.device_blocks[untouched] == POISON).all())
+    assert_padding_wrote_no_free_block(cache, ex, d)
 
 
 @pytest.mark.parametrize("device", DEVICES)
