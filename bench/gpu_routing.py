@@ -24,6 +24,11 @@ Reported per run, from the client side: TTFT p50/p90/p99, end-to-end p50/p99, pr
 failed requests, and each worker's share of the requests (``x-kvroute-worker`` is not seen by
 the streaming client, so shares come from each worker's ``/metrics``).
 
+With ``--repeats N`` every (load, policy) runs N times, each on a fresh cluster, the policies
+interleaved so that drift in the machine touches each alike; ``summary`` in the JSON (and the
+table's last lines) gives each pair's medians and its p50 range. One run decides little here:
+the same setting's TTFT p50 spread .599-.846 s over four runs on the H200 (``docs/gpu.md``).
+
 Requests longer than ``--max-model-len`` are left out of the window (and counted): the longest
 trace prompts (up to 191k tokens) would otherwise be refused by the router.
 """
@@ -34,6 +39,7 @@ import argparse
 import asyncio
 import json
 import os
+import statistics
 import sys
 import time
 import urllib.request
@@ -45,7 +51,7 @@ from bench.live import replay_live, summarize_live
 from bench.workloads import WorkloadRequest, load_trace, scale_rate
 from kvroute.up import Cluster
 
-__all__ = ["main", "run_policy", "window"]
+__all__ = ["main", "run_policy", "summarize_repeats", "window"]
 
 TRACE = "traces/mooncake_synthetic_trace.jsonl"
 
@@ -139,12 +145,38 @@ def _table(result: dict[str, Any]) -> str:
             f"{r['ttft_p90_s']:>7.3f} {r['ttft_p99_s']:>7.3f} {r['e2e_p50_s']:>8.2f} "
             f"{r['e2e_p99_s']:>7.2f} {r['prompt_tok_s']:>12.0f} {r['output_tok_s']:>9.0f} "
             f"{r['errors']:>4}  {[int(s) for s in r['worker_requests']]}")
-    for load in sorted({r["load"] for r in result["runs"]}):
-        runs = {r["policy"]: r for r in result["runs"] if r["load"] == load}
-        if "round_robin" in runs and "kv" in runs and runs["kv"]["ttft_p50_s"] > 0:
-            ratio = runs["round_robin"]["ttft_p50_s"] / runs["kv"]["ttft_p50_s"]
+    summary = result["summary"]
+    if any(m["runs"] > 1 for m in summary):
+        lines.append("medians over repeats (TTFT p50 range in brackets):")
+        for m in summary:
+            lines.append(
+                f"{m['load']:>5g} {m['policy']:>12} x{m['runs']}: hit {m['hit_rate']:.1%}, TTFT "
+                f"mean {m['ttft_mean_s']:.3f} p50 {m['ttft_p50_s']:.3f} [{m['ttft_p50_min_s']:.3f}"
+                f"-{m['ttft_p50_max_s']:.3f}] p99 {m['ttft_p99_s']:.3f}")
+    for load in sorted({m["load"] for m in summary}):
+        med = {m["policy"]: m for m in summary if m["load"] == load}
+        if "round_robin" in med and "kv" in med and med["kv"]["ttft_p50_s"] > 0:
+            ratio = med["round_robin"]["ttft_p50_s"] / med["kv"]["ttft_p50_s"]
             lines.append(f"load {load:g}: round-robin TTFT p50 / kv TTFT p50 = {ratio:.2f}")
     return "\n".join(lines)
+
+
+def summarize_repeats(runs: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per (load, policy), in first-run order: how many runs, the medians of hit rate and TTFT
+    mean / p50 / p99 over them, and the lowest and highest p50."""
+    groups: dict[tuple[float, str], list[dict[str, Any]]] = {}
+    for r in runs:
+        groups.setdefault((r["load"], r["policy"]), []).append(r)
+    out = []
+    for (load, policy), rows in groups.items():
+        p50s = [r["ttft_p50_s"] for r in rows]
+        out.append({
+            "load": load, "policy": policy, "runs": len(rows),
+            **{k: statistics.median(r[k] for r in rows)
+               for k in ("hit_rate", "ttft_mean_s", "ttft_p50_s", "ttft_p99_s")},
+            "ttft_p50_min_s": min(p50s), "ttft_p50_max_s": max(p50s),
+        })
+    return out
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -165,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     a("--loads", default="0.9", help="offered prompt tokens/s over --cold-rate, comma-separated")
     a("--cold-rate", type=float, default=150_000.0, help="the device's cold prefill tokens/s")
     a("--policies", default="round_robin,kv", help="router policies, comma-separated")
+    a("--repeats", type=int, default=1,
+      help="runs of each load and policy, each on a fresh cluster (default 1)")
     a("--concurrency", type=int, default=2048, help="requests in flight at most")
     a("--warmup-tokens", type=int, default=4096, help="warm-up prompt per worker")
     a("--ready-timeout", type=float, default=300.0, help="seconds for the cluster to start")
@@ -189,6 +223,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not requests or any(load <= 0 for load in loads):
         print("error: an empty window, or a load that is not positive", file=sys.stderr)
         return 2
+    if args.repeats < 1:
+        print(f"error: --repeats must be at least 1, got {args.repeats}", file=sys.stderr)
+        return 2
     prompt_tokens = sum(r.input_length for r in requests)
     span = requests[-1].arrival_s or 1.0
     result: dict[str, Any] = {
@@ -200,11 +237,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     for load in loads:
         scaled = scale_rate(requests, span / (prompt_tokens / (load * args.cold_rate)))
-        for policy in args.policies.split(","):
-            row = run_policy(args, policy, scaled, args.log_dir)
-            row.update(load=load, arrival_span_s=scaled[-1].arrival_s)
-            result["runs"].append(row)
-            print(f"# {json.dumps(row)}", flush=True)
+        for repeat in range(args.repeats):
+            for policy in args.policies.split(","):
+                row = run_policy(args, policy, scaled, args.log_dir)
+                row.update(load=load, arrival_span_s=scaled[-1].arrival_s, repeat=repeat)
+                result["runs"].append(row)
+                print(f"# {json.dumps(row)}", flush=True)
+    result["summary"] = summarize_repeats(result["runs"])
     print(_table(result), flush=True)
     if args.json_path:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.gpu_routing import window
+from bench.gpu_routing import summarize_repeats, window
 from bench.workloads import trace_block_tokens
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -45,6 +45,35 @@ def test_a_bad_trace_exits_2_with_the_reason(tmp_path: Path) -> None:
     assert "not a Mooncake trace line" in run.stderr
 
 
+def test_repeats_summarize_to_medians_and_a_p50_range_per_load_and_policy() -> None:
+    def row(load: float, policy: str, p50: float, hit: float) -> dict[str, float | str]:
+        return {"load": load, "policy": policy, "ttft_p50_s": p50, "ttft_mean_s": 2 * p50,
+                "ttft_p99_s": 10 * p50, "hit_rate": hit}
+
+    runs = [row(0.3, "round_robin", 4.0, 0.27), row(0.3, "kv", 0.30, 0.67),
+            row(0.3, "round_robin", 3.0, 0.28), row(0.3, "kv", 0.20, 0.68),
+            row(0.3, "kv", 0.25, 0.66), row(0.45, "kv", 0.9, 0.6)]
+    summary = {(m["load"], m["policy"]): m for m in summarize_repeats(runs)}
+    assert [(m["load"], m["policy"]) for m in summarize_repeats(runs)] == [
+        (0.3, "round_robin"), (0.3, "kv"), (0.45, "kv")]  # first-run order
+    kv = summary[(0.3, "kv")]
+    assert kv["runs"] == 3 and kv["ttft_p50_s"] == 0.25 and kv["hit_rate"] == 0.67
+    assert (kv["ttft_p50_min_s"], kv["ttft_p50_max_s"]) == (0.20, 0.30)
+    assert kv["ttft_mean_s"] == 0.5 and kv["ttft_p99_s"] == 2.5
+    rr = summary[(0.3, "round_robin")]
+    assert rr["runs"] == 2 and rr["ttft_p50_s"] == 3.5  # the median of two is their mean
+    assert summary[(0.45, "kv")]["runs"] == 1
+
+
+def test_zero_repeats_exit_2_before_starting_anything(tmp_path: Path) -> None:
+    trace = _trace(tmp_path / "t.jsonl", [(0, 100, 1, [1])])
+    run = subprocess.run([sys.executable, "-m", "bench.gpu_routing", "--trace", str(trace),
+                          "--repeats", "0"], cwd=ROOT, capture_output=True, text=True,
+                         timeout=60)
+    assert run.returncode == 2
+    assert "--repeats must be at least 1, got 0" in run.stderr
+
+
 def test_round_robin_and_kv_clusters_of_torch_workers_replay_the_trace(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     # Twelve requests whose prompts extend one another (hash ids [0], [0, 1], [0, 1, 2]).
@@ -68,3 +97,5 @@ def test_round_robin_and_kv_clusters_of_torch_workers_replay_the_trace(tmp_path:
     # holder, reuses more than round-robin, which alternates.
     assert runs["kv"]["hit_rate"] > runs["round_robin"]["hit_rate"]
     assert "round-robin TTFT p50 / kv TTFT p50" in run.stdout
+    assert [(m["policy"], m["runs"]) for m in result["summary"]] == [("round_robin", 1), ("kv", 1)]
+    assert all(r["repeat"] == 0 for r in result["runs"])
