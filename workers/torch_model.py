@@ -293,14 +293,32 @@ class _RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
+def _slices(weight: Tensor, bias: Tensor | None, sizes: tuple[int, ...]) -> list[nn.Linear]:
+    """Linear layers whose parameters are consecutive row slices of one ``weight`` (and
+    ``bias``): loading or initialising a slice by its own name fills the shared tensor, which
+    then serves all of them in one matrix multiply."""
+    layers, start = [], 0
+    for size in sizes:
+        layer = nn.Linear(weight.shape[1], size, bias=bias is not None, device="meta")
+        layer.weight = nn.Parameter(weight[start : start + size])
+        if bias is not None:
+            layer.bias = nn.Parameter(bias[start : start + size])
+        layers.append(layer)
+        start += size
+    return layers
+
+
 class _Attention(nn.Module):
     def __init__(self, c: ModelConfig, dtype: torch.dtype, device: torch.device) -> None:
         super().__init__()
         h, d = c.hidden_size, c.head_dim
         kw = {"dtype": dtype, "device": device}
-        self.q_proj = nn.Linear(h, c.num_heads * d, bias=c.attention_bias, **kw)
-        self.k_proj = nn.Linear(h, c.num_kv_heads * d, bias=c.attention_bias, **kw)
-        self.v_proj = nn.Linear(h, c.num_kv_heads * d, bias=c.attention_bias, **kw)
+        sizes = (c.num_heads * d, c.num_kv_heads * d, c.num_kv_heads * d)
+        # [q; k; v] in one tensor, one GEMM (attributes, not parameters: the Hugging Face
+        # names below are the parameters, views of these).
+        self.qkv_weight = torch.empty(sum(sizes), h, **kw)
+        self.qkv_bias = torch.empty(sum(sizes), **kw) if c.attention_bias else None
+        self.q_proj, self.k_proj, self.v_proj = _slices(self.qkv_weight, self.qkv_bias, sizes)
         self.o_proj = nn.Linear(c.num_heads * d, h, bias=False, **kw)
 
 
@@ -309,12 +327,14 @@ class _MLP(nn.Module):
         super().__init__()
         h, m = c.hidden_size, c.intermediate_size
         kw = {"dtype": dtype, "device": device}
-        self.gate_proj = nn.Linear(h, m, bias=False, **kw)
-        self.up_proj = nn.Linear(h, m, bias=False, **kw)
+        self.gate_up_weight = torch.empty(2 * m, h, **kw)  # [gate; up], as qkv_weight above
+        self.gate_proj, self.up_proj = _slices(self.gate_up_weight, None, (m, m))
         self.down_proj = nn.Linear(m, h, bias=False, **kw)
+        self.size = m
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = F.linear(x, self.gate_up_weight).split(self.size, dim=-1)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class _Layer(nn.Module):
@@ -409,9 +429,12 @@ class Decoder(nn.Module):
         c = self.config
         attn = self.model.layers[i].self_attn
         h = self.model.layers[i].input_layernorm(x)
-        q = _rotate(attn.q_proj(h).view(-1, c.num_heads, c.head_dim), cos, sin)
-        k = _rotate(attn.k_proj(h).view(-1, c.num_kv_heads, c.head_dim), cos, sin)
-        v = attn.v_proj(h).view(-1, c.num_kv_heads, c.head_dim)
+        # One GEMM for q, k and v, one rotary pass over q and k together.
+        qkv = F.linear(h, attn.qkv_weight, attn.qkv_bias)
+        heads = c.num_heads + c.num_kv_heads
+        qk = _rotate(qkv[:, : heads * c.head_dim].view(-1, heads, c.head_dim), cos, sin)
+        q, k = qk[:, : c.num_heads], qk[:, c.num_heads :]
+        v = qkv[:, heads * c.head_dim :].view(-1, c.num_kv_heads, c.head_dim)
         rows = slot_rows + i * 2 * block_size
         kv_rows.index_copy_(0, rows, k.flatten(1))
         kv_rows.index_copy_(0, rows + block_size, v.flatten(1))
@@ -444,7 +467,10 @@ class Decoder(nn.Module):
         return x + layer.mlp(layer.post_attention_layernorm(x))
 
     def forward_dense(self, token_ids: Tensor) -> Tensor:
-        """Run one sequence from scratch, no cache: float32 logits ``[n, vocab_size]``."""
+        """Run one sequence from scratch, no cache: float32 logits ``[n, vocab_size]``.
+
+        Every projection runs on its own (the paged forward fuses q/k/v and gate/up), so the
+        tests' comparison checks the fusion too."""
         c = self.config
         x = self.model.embed_tokens(token_ids)
         cos, sin = self._rotary(torch.arange(len(token_ids), device=token_ids.device))
@@ -455,7 +481,8 @@ class Decoder(nn.Module):
             k = _rotate(attn.k_proj(h).view(-1, c.num_kv_heads, c.head_dim), cos, sin)
             v = attn.v_proj(h).view(-1, c.num_kv_heads, c.head_dim)
             x = x + attn.o_proj(_prefill_attention(q, k, v, None).flatten(1))
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            mlp, h = layer.mlp, layer.post_attention_layernorm(x)
+            x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
         return self.logits_of(x)
 
     def logits_of(self, x: Tensor) -> Tensor:

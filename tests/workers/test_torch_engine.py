@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import struct
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +33,7 @@ from workers.torch_engine import (  # noqa: E402
     kv_blocks_for,
 )
 from workers.torch_graphs import MAX_SLOTS  # noqa: E402
+from workers.torch_model import CONFIGS, Decoder  # noqa: E402
 from workers.torch_piecewise import TOKEN_BUCKETS  # noqa: E402
 
 BS = 4
@@ -351,13 +353,15 @@ def _write_safetensors(path: Path, tensors: dict[str, Any]) -> None:
     path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(blobs))
 
 
-def test_loads_a_local_checkpoint_folder(tmp_path: Path) -> None:
-    _, random = executor("cpu", num_blocks=8)
-    c = random.model.config
+@pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: q/k/v biases
+def test_loads_a_local_checkpoint_folder(tmp_path: Path, model_type: str) -> None:
+    c = replace(CONFIGS["tiny"], attention_bias=model_type == "qwen2")
+    random = Decoder(c, torch.float32, torch.device("cpu"))
+    random.init_random(7)
     (tmp_path / "config.json").write_text(
         json.dumps(
             {
-                "model_type": "llama",
+                "model_type": model_type,
                 "vocab_size": c.vocab_size,
                 "hidden_size": c.hidden_size,
                 "num_hidden_layers": c.num_layers,
@@ -369,7 +373,8 @@ def test_loads_a_local_checkpoint_folder(tmp_path: Path) -> None:
             }
         )
     )
-    state = dict(random.model.named_parameters())
+    state = dict(random.named_parameters())
+    assert ("model.layers.0.self_attn.q_proj.bias" in state) == (model_type == "qwen2")
     names = sorted(state)
     _write_safetensors(
         tmp_path / "model-00001.safetensors", {n: state[n] for n in names[: len(names) // 2]}
@@ -377,13 +382,18 @@ def test_loads_a_local_checkpoint_folder(tmp_path: Path) -> None:
     _write_safetensors(
         tmp_path / "model-00002.safetensors", {n: state[n] for n in names[len(names) // 2 :]}
     )
-    cache = CacheManager(8, BS)
+    cache = CacheManager(16, BS)
     loaded = build_torch_executor(
         settings("cpu", torch_model=str(tmp_path)), ByteTokenizer(), cache
     )
     tokens = torch.tensor(prompt(12, 9))
     with torch.inference_mode():
-        assert torch.equal(loaded.model.forward_dense(tokens), random.model.forward_dense(tokens))
+        assert torch.equal(loaded.model.forward_dense(tokens), random.forward_dense(tokens))
+    # The paged forward's fused q/k/v and gate/up weights are the loaded ones too.
+    d = Driver(cache, loaded)
+    d.add("l", prompt(13, 9), 3)
+    d.run()
+    d.check("l", "cpu")
 
 
 def test_kv_memory_budget_sizes_the_cache() -> None:
