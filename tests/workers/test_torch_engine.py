@@ -33,7 +33,7 @@ from workers.torch_engine import (  # noqa: E402
     kv_blocks_for,
 )
 from workers.torch_graphs import MAX_SLOTS  # noqa: E402
-from workers.torch_model import CONFIGS, Decoder  # noqa: E402
+from workers.torch_model import CONFIGS, FUSE_MAX_TOKENS, Decoder  # noqa: E402
 from workers.torch_piecewise import TOKEN_BUCKETS  # noqa: E402
 
 BS = 4
@@ -271,6 +271,20 @@ def test_a_worker_captures_its_token_buckets_before_serving(device: str) -> None
     assert ex.piecewise.captured == 3 and ex.piecewise.replayed == ex.piecewise.iterations >= 2
     for rid in ("a", "b"):
         d.check(rid, device)
+
+
+def test_long_passes_use_the_projections_one_by_one_and_agree_with_the_dense_forward() -> None:
+    cache, ex = executor("cpu", num_blocks=512)
+    d = Driver(cache, ex, budget=FUSE_MAX_TOKENS + 100)
+    # One pass of 600 tokens (separate projections), then one of 60 new over them (fused).
+    shared = prompt(50, FUSE_MAX_TOKENS + 88)
+    d.add("long", shared, 2)
+    d.run()
+    d.add("short", shared + prompt(51, 60), 3)
+    d.run()
+    assert [c.num_new_tokens for c in d.chunks] == [FUSE_MAX_TOKENS + 88, 60 + 88 % BS]
+    d.check("long", "cpu")
+    d.check("short", "cpu")
 
 
 def test_iterations_past_the_largest_token_bucket_run_unpadded() -> None:
