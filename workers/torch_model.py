@@ -303,7 +303,8 @@ FUSE_MAX_TOKENS = 512
 def _slices(weight: Tensor, bias: Tensor | None, sizes: tuple[int, ...]) -> list[nn.Linear]:
     """Linear layers whose parameters are consecutive row slices of one ``weight`` (and
     ``bias``): loading or initialising a slice by its own name fills the shared tensor, which
-    then serves all of them in one matrix multiply."""
+    then serves all of them in one matrix multiply. The model is built where it runs, in its
+    dtype, and never moved or cast: ``.to()`` would copy the slices apart from the tensor."""
     layers, start = [], 0
     for size in sizes:
         layer = nn.Linear(weight.shape[1], size, bias=bias is not None, device="meta")
@@ -424,7 +425,7 @@ class Decoder(nn.Module):
             x = self.layer_output(i, x, out)
         return self.logits_of(x[batch.logit_rows])
 
-    # -- the pieces of one layer (forward_paged, and the piecewise graphs of torch_graphs) ----
+    # -- the pieces of one layer (forward_paged, and torch_piecewise's graphs) ------------
 
     def embed(self, token_ids: Tensor, positions: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Token embeddings and the rotary cos/sin of each position."""
