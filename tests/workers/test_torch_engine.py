@@ -33,7 +33,7 @@ from workers.torch_engine import (  # noqa: E402
     kv_blocks_for,
 )
 from workers.torch_graphs import MAX_SLOTS  # noqa: E402
-from workers.torch_model import CONFIGS, FUSE_MAX_TOKENS, Decoder  # noqa: E402
+from workers.torch_model import CONFIGS, FUSE_MAX_TOKENS, Decoder, _prefill_attention  # noqa: E402
 from workers.torch_piecewise import TOKEN_BUCKETS  # noqa: E402
 
 BS = 4
@@ -285,6 +285,27 @@ def test_long_passes_use_the_projections_one_by_one_and_agree_with_the_dense_for
     assert [c.num_new_tokens for c in d.chunks] == [FUSE_MAX_TOKENS + 88, 60 + 88 % BS]
     d.check("long", "cpu")
     d.check("short", "cpu")
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("new, context", [(6, 6), (3, 11), (1, 9)])
+def test_chunk_attention_lets_each_query_see_its_prefix_through_grouped_heads(
+    device: str, new: int, context: int
+) -> None:
+    """A chunk's attention (flash on CUDA, SDPA elsewhere) against a float32 reference written
+    out: query i of the last ``new`` positions sees the first ``context - new + i + 1``, and
+    each group of 4 query heads reads one KV head."""
+    g = torch.Generator().manual_seed(new * 100 + context)
+    shapes = ((new, 8), (context, 2), (context, 2))
+    q, k, v = (torch.randn(n, h, 16, generator=g) for n, h in shapes)
+    visible = torch.arange(context)[None, :] <= (context - new + torch.arange(new))[:, None]
+    scores = torch.einsum("nhd,chd->hnc", q, k.repeat_interleave(4, 1)) / 4.0  # sqrt(16)
+    weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
+    want = torch.einsum("hnc,chd->nhd", weights, v.repeat_interleave(4, 1))
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16
+    got = _prefill_attention(*(t.to(device, dtype) for t in (q, k, v))).float().cpu()
+    assert got.shape == want.shape
+    assert ((got - want).norm() / want.norm()).item() < TOLERANCE[device]
 
 
 def test_iterations_past_the_largest_token_bucket_run_unpadded() -> None:
