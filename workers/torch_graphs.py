@@ -23,7 +23,7 @@ size) are not padded: :meth:`DecodeGraphs.fits` says no and the executor runs th
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,12 +32,37 @@ from torch import Tensor
 from workers.executor import DecodeStep
 from workers.torch_model import Decoder, PagedBatch
 
-__all__ = ["BATCH_BUCKETS", "MAX_SLOTS", "MIN_WIDTH", "DecodeGraphs"]
+__all__ = ["BATCH_BUCKETS", "MAX_SLOTS", "MIN_WIDTH", "DecodeGraphs", "capture_graphs"]
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MIN_WIDTH = 8
 #: Gathered context positions per step at most (1M: 1 GiB of K per layer for the 1B model).
 MAX_SLOTS = 1 << 20
+
+
+def capture_graphs(
+    device: torch.device, pool: tuple[int, int], pieces: Sequence[Callable[[], object]]
+) -> list[tuple[torch.cuda.CUDAGraph, object]]:
+    """Capture each of ``pieces`` as one CUDA graph in the memory ``pool``; returns each graph
+    with what its piece returned during capture (static outputs the replays overwrite).
+
+    All pieces first run twice on a side stream, outside any graph, so that kernel selection
+    and the allocator's first allocations (which a graph must not record) happen before."""
+    compute = torch.cuda.current_stream(device)
+    side = torch.cuda.Stream(device)
+    side.wait_stream(compute)
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            for piece in pieces:
+                piece()
+    compute.wait_stream(side)
+    captured = []
+    for piece in pieces:
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+            out = piece()
+        captured.append((graph, out))
+    return captured
 
 
 def _round_up(n: int, buckets: Sequence[int]) -> int:
@@ -151,15 +176,8 @@ class DecodeGraphs:
         return self.model.forward_paged(batch, self.kv_layers, self.kv_rows)
 
     def _capture(self, shape: _Shape) -> None:
-        compute = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(compute)
-        with torch.cuda.stream(side):
-            for _ in range(2):  # kernel selection and allocator warm-up, outside the graph
-                self._forward(shape)
-        compute.wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-            shape.logits = self._forward(shape)
-        shape.graph = graph
+        assert self._pool is not None, "capture needs the graph pool"
+        [(shape.graph, logits)] = capture_graphs(self.device, self._pool,
+                                                 [lambda: self._forward(shape)])
+        shape.logits = logits  # type: ignore[assignment]
         self.captured += 1

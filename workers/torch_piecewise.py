@@ -9,7 +9,7 @@ attention depends only on the number of tokens, so the iteration is padded to a 
 bucket* (:data:`TOKEN_BUCKETS`) and cut at each attention: ``layers + 1`` graphs per bucket, each
 ``[previous layer's output projection, residual, MLP, residual; this layer's norm, Q/K/V,
 rotary, K/V write]``, with attention run eagerly between them on the real rows only (the
-prefill masks and tables built once per iteration, not per layer). vLLM's V1 engine cuts its
+prefill views built once per iteration, not per layer). vLLM's V1 engine cuts its
 graphs at attention the same way.
 
 Every piece reads and writes one bucket's static buffers (hidden state, q, k, v, attention
@@ -25,10 +25,12 @@ run eagerly: the CPU tests check them against the dense forward.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import partial
 
 import torch
 from torch import Tensor
 
+from workers.torch_graphs import capture_graphs
 from workers.torch_model import Decoder, PagedBatch, prefill_views
 
 __all__ = ["TOKEN_BUCKETS", "PiecewiseGraphs"]
@@ -107,7 +109,7 @@ class PiecewiseGraphs:
         b.inputs[t : t + n].copy_(batch.positions)
         b.inputs[2 * t : 2 * t + n].copy_(batch.slot_rows)
         b.inputs[2 * t + n :].fill_(self._scratch_row)
-        prefill = prefill_views(batch, self.device)
+        prefill = prefill_views(batch)
         replay = bool(b.graphs)
         for i, kv in enumerate(self.kv_layers):
             self._run(b, i, replay)
@@ -166,18 +168,7 @@ class PiecewiseGraphs:
     def _capture(self, b: _Bucket) -> None:
         """Capture every piece of ``b`` while its inputs are padding (only the scratch block
         is written, during the warm-up passes)."""
-        pieces = range(len(self.kv_layers) + 1)
-        compute = torch.cuda.current_stream(self.device)
-        side = torch.cuda.Stream(self.device)
-        side.wait_stream(compute)
-        with torch.cuda.stream(side):
-            for _ in range(2):  # kernel selection and allocator warm-up, outside the graphs
-                for i in pieces:
-                    self._piece(b, i)
-        compute.wait_stream(side)
-        for i in pieces:
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=self._pool, capture_error_mode="thread_local"):
-                self._piece(b, i)
-            b.graphs.append(graph)
+        assert self._pool is not None, "capture needs the graph pool"
+        pieces = [partial(self._piece, b, i) for i in range(len(self.kv_layers) + 1)]
+        b.graphs = [graph for graph, _ in capture_graphs(self.device, self._pool, pieces)]
         self.captured += 1
