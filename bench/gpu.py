@@ -10,6 +10,10 @@ Sections (``docs/gpu.md`` holds the figures and what they mean):
   sampling included, median of ``--repeats``; eager and (on CUDA) padded
   into per-layer piecewise graphs (:mod:`workers.torch_piecewise`), in one run; and the first
   piecewise pass of three token buckets (64, 128, 2,048), which captures that bucket's graphs.
+- ``attention``: one layer's attention for one prefill chunk of n new tokens over c cached,
+  its K/V gathered from a block table first, as :meth:`Decoder.attend` runs it between the
+  piecewise graphs (ms, median of ``--repeats``, host time per call included): 64 over 8,128,
+  2,048 over 8,192 and 30,720, 8,192 over 8,192 and 24,576.
 - ``decode``: tokens/s of decode iterations at batch 1, 8 and 32 over 1,024-token prompts,
   eager and (on CUDA) replayed as CUDA graphs (:mod:`workers.torch_graphs`), in one run.
 - ``routing`` (the first attempt, kept for comparison; ``bench.gpu_routing`` is the routing
@@ -164,6 +168,40 @@ def bench_ttft(args: argparse.Namespace, ex: TorchExecutor, cache: CacheManager)
             out["cached_8128_new_64_ms_piecewise"] / out["new_64_alone_ms_piecewise"]
         )
     out["cold_tokens_per_s"] = n / out["cold_8192_ms"] * 1e3
+    return out
+
+
+#: (new, cached) tokens of the attention section's chunks.
+ATTENTION_SHAPES = ((64, 8128), (2048, 8192), (2048, 30720), (8192, 8192), (8192, 24576))
+
+
+def bench_attention(args: argparse.Namespace, ex: TorchExecutor) -> list[dict[str, Any]]:
+    """One layer's chunk attention by shape, gather included (ms)."""
+    import torch
+
+    from workers.torch_model import PagedBatch, prefill_views
+
+    c, kv = ex.model.config, ex.kv.layers()[0]
+    gen = torch.Generator(device="cpu").manual_seed(3)
+    out = []
+    for new, cached in ATTENTION_SHAPES:
+        blocks = -(-(new + cached) // BS)
+        if blocks > ex.kv.num_blocks:
+            continue
+        table = torch.randperm(ex.kv.num_blocks, generator=gen)[:blocks].to(kv.device)
+        batch = PagedBatch(token_ids=torch.empty(0), positions=torch.empty(0),
+                           slot_rows=torch.empty(0), prefill=((0, cached, new, table),),
+                           decode_offset=new, decode_tables=None, decode_mask=None,
+                           logit_rows=torch.empty(0))
+        views = prefill_views(batch)
+        q = torch.randn(new, c.num_heads, c.head_dim, generator=gen).to(kv)
+        k = torch.empty(new, c.num_kv_heads, c.head_dim).to(kv)  # read only from position 0
+        attention = torch.empty_like(q)
+
+        def attend() -> None:
+            ex.model.attend(attention, q, k, k, kv, views, batch)  # noqa: B023
+
+        out.append({"new": new, "cached": cached, "ms": _median_ms(attend, args.repeats)})
     return out
 
 
@@ -392,6 +430,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         result["ttft"] = bench_ttft(args, ex, cache)
         cold_rate = result["ttft"]["cold_tokens_per_s"]
         _log(args, "ttft", result["ttft"])
+    if "attention" in sections:
+        result["attention"] = bench_attention(args, ex)
+        _log(args, "attention", result["attention"])
     if "decode" in sections:
         # Eager and CUDA-graph decode side by side, in this one run (CUDA only has graphs).
         graphs = ex.graphs
@@ -464,6 +505,9 @@ def _table(result: dict[str, Any]) -> str:
                 f"{t['cached_64_with_32_decodes_first_use_ms_piecewise']:.0f} / "
                 f"{t['new_2000_first_use_ms_piecewise']:.0f} ms (buckets 64 / 128 / 2048)"
             )
+    for a in result.get("attention", []):
+        lines.append(f"attention, one layer: {a['new']} new over {a['cached']} cached: "
+                     f"{a['ms']:.3f} ms")
     for d in result.get("decode", []):
         lines.append(
             f"decode ({d['mode']}) batch {d['batch']}: {d['step_ms']:.2f} ms/step, "
