@@ -82,7 +82,8 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
       help="torch engine: GiB of KV cache (default: sized to fit)")
     a("--no-cuda-graphs", dest="cuda_graphs", action="store_false", default=None,
       help="torch engine on CUDA: run every pass eagerly, not as replayed CUDA graphs "
-           "(whole decode passes; per-layer pieces of passes with prefill)")
+           "(whole decode passes; per-layer pieces of passes with prefill), and skip their "
+           "capture at start (seconds, and a few GiB of graph memory)")
     a("--log-level", help="debug, info, warning (default info)")
 
 

@@ -212,6 +212,11 @@ def build_torch_executor(
         n = executor.piecewise.capture_buckets(settings.max_num_batched_tokens)
         log.info("captured the piecewise graphs of %d token buckets in %.1f s", n,
                  time.perf_counter() - started)
+    if executor.graphs is not None:
+        started = time.perf_counter()
+        n = executor.graphs.capture_shapes(settings.max_num_seqs, settings.max_model_len)
+        log.info("captured the decode graphs of %d shapes in %.1f s", n,
+                 time.perf_counter() - started)
     return executor
 
 

@@ -12,8 +12,9 @@ Padding never touches a real block: padded rows write their K/V into the scratch
 table entries point there, and each attends to one position of it (a row with no visible
 position would be NaN). Real rows' table padding also points at the scratch block, masked out.
 
-On CUDA each shape is captured on its first use (a few forwards' time, once) into one memory
-pool shared by every shape (they replay one at a time; the logits are cloned before the next
+On CUDA a worker captures every shape it can use while it starts (:meth:`DecodeGraphs.
+capture_shapes`; a shape missed there is captured on its first use), into one memory pool
+shared by every shape (they replay one at a time; the logits are cloned before the next
 replay). With ``capture=False`` the same padded forward runs eagerly: the CPU tests check it
 against the unpadded forward, and with it the padding rules the graphs rely on.
 
@@ -32,7 +33,8 @@ from torch import Tensor
 from workers.executor import DecodeStep
 from workers.torch_model import Decoder, PagedBatch
 
-__all__ = ["BATCH_BUCKETS", "MAX_SLOTS", "MIN_WIDTH", "DecodeGraphs", "capture_graphs"]
+__all__ = ["BATCH_BUCKETS", "MAX_SLOTS", "MIN_WIDTH", "DecodeGraphs", "capture_graphs",
+           "decode_shapes"]
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MIN_WIDTH = 8
@@ -63,6 +65,21 @@ def capture_graphs(
             out = piece()
         captured.append((graph, out))
     return captured
+
+
+def decode_shapes(max_batch: int, max_context: int, block_size: int) -> list[tuple[int, int]]:
+    """Every (batch, width) shape that decode steps of at most ``max_batch`` requests over
+    contexts of at most ``max_context`` tokens can be padded to (what a worker captures at
+    start), smallest first; shapes :meth:`DecodeGraphs.fits` refuses are left out."""
+    top_batch = _round_up(min(max_batch, BATCH_BUCKETS[-1]), BATCH_BUCKETS)
+    top_width = _width(-(-max_context // block_size))
+    shapes = []
+    for batch in BATCH_BUCKETS[: BATCH_BUCKETS.index(top_batch) + 1]:
+        width = MIN_WIDTH
+        while width <= top_width and batch * width * block_size <= MAX_SLOTS:
+            shapes.append((batch, width))
+            width *= 2
+    return shapes
 
 
 def _round_up(n: int, buckets: Sequence[int]) -> int:
@@ -105,6 +122,7 @@ class DecodeGraphs:
         self._shapes: dict[tuple[int, int], _Shape] = {}
         self._rows = torch.arange(BATCH_BUCKETS[-1], device=self.device)
         self._pool = torch.cuda.graph_pool_handle() if capture else None
+        self._outputs: dict[int, Tensor] = {}  # batch -> logits buffer of its shapes
         self.steps = 0  # padded steps run
         self.captured = 0  # shapes captured as graphs
         self.replayed = 0  # steps replayed from a graph
@@ -115,6 +133,21 @@ class DecodeGraphs:
             return False
         blocks = max(-(-s.context_len // self.block_size) for s in steps)
         return _round_up(len(steps), BATCH_BUCKETS) * _width(blocks) * self.block_size <= MAX_SLOTS
+
+    def capture_shapes(self, max_batch: int, max_context: int) -> int:
+        """Capture, now, every shape of :func:`decode_shapes` (``max_batch`` requests, contexts
+        of ``max_context`` tokens), so that no decode step waits for a capture.
+
+        Returns:
+            How many shapes were captured (0 without ``capture``).
+        """
+        if not self.capture:
+            return 0
+        before = self.captured
+        with torch.inference_mode():
+            for batch, width in decode_shapes(max_batch, max_context, self.block_size):
+                self._shape(batch, width)
+        return self.captured - before
 
     def logits(self, steps: Sequence[DecodeStep]) -> Tensor:
         """float32 logits ``[len(steps), vocab]`` of one decode step per request (a copy)."""
@@ -176,8 +209,17 @@ class DecodeGraphs:
         return self.model.forward_paged(batch, self.kv_layers, self.kv_rows)
 
     def _capture(self, shape: _Shape) -> None:
+        """Capture ``shape``'s forward, its logits copied into the one output buffer of its
+        batch size: allocated outside the graphs, so shapes of one batch share it (each
+        replay's logits are cloned before the next replay) instead of each keeping its own
+        (~0.6 GB over every shape with a 32k vocabulary)."""
         assert self._pool is not None, "capture needs the graph pool"
-        [(shape.graph, logits)] = capture_graphs(self.device, self._pool,
-                                                 [lambda: self._forward(shape)])
-        shape.logits = logits  # type: ignore[assignment]
+        out = self._outputs.get(shape.batch)
+        if out is None:
+            vocab = self.model.config.vocab_size
+            out = self._outputs[shape.batch] = torch.empty(
+                shape.batch, vocab, dtype=torch.float32, device=self.device)
+        [(shape.graph, _)] = capture_graphs(self.device, self._pool,
+                                            [lambda: out.copy_(self._forward(shape))])
+        shape.logits = out
         self.captured += 1

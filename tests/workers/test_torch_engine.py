@@ -8,6 +8,7 @@ GPU, marked ``gpu``). Block size 4 keeps prompts short while crossing many block
 from __future__ import annotations
 
 import json
+import random
 import struct
 import sys
 from dataclasses import replace
@@ -32,7 +33,7 @@ from workers.torch_engine import (  # noqa: E402
     build_torch_executor,
     kv_blocks_for,
 )
-from workers.torch_graphs import MAX_SLOTS  # noqa: E402
+from workers.torch_graphs import BATCH_BUCKETS, MAX_SLOTS, MIN_WIDTH, decode_shapes  # noqa: E402
 from workers.torch_model import CONFIGS, FUSE_MAX_TOKENS, Decoder, _prefill_attention  # noqa: E402
 from workers.torch_piecewise import TOKEN_BUCKETS  # noqa: E402
 
@@ -257,18 +258,23 @@ def test_padded_prefill_iterations_match_the_dense_forward_and_touch_no_free_blo
 
 
 @pytest.mark.parametrize("device", DEVICES)
-def test_a_worker_captures_its_token_buckets_before_serving(device: str) -> None:
-    cache, ex = executor(device, num_blocks=64, max_num_batched_tokens=40)
+def test_a_worker_captures_its_token_buckets_and_decode_shapes_before_serving(
+    device: str,
+) -> None:
+    cache, ex = executor(device, num_blocks=64, max_num_batched_tokens=40, max_num_seqs=4,
+                         max_model_len=64)
     if device == "cpu":  # graphs are a CUDA feature: a CPU worker runs every pass unpadded
         assert ex.piecewise is None and ex.graphs is None
         return
-    assert ex.piecewise is not None
+    assert ex.piecewise is not None and ex.graphs is not None
     assert ex.piecewise.captured == 3  # 16, 32 and 64 tokens: every bucket 40 tokens can use
+    assert ex.graphs.captured == 6  # batches 1, 2, 4 x widths 8, 16 blocks (64 tokens)
     d = Driver(cache, ex, budget=40)
     d.add("a", prompt(40, 50), 3)
     d.add("b", prompt(41, 7), 3)
     d.run()
     assert ex.piecewise.captured == 3 and ex.piecewise.replayed == ex.piecewise.iterations >= 2
+    assert ex.graphs.captured == 6 and ex.graphs.replayed == ex.graphs.steps >= 1
     for rid in ("a", "b"):
         d.check(rid, device)
 
@@ -314,6 +320,30 @@ def test_iterations_past_the_largest_token_bucket_run_unpadded() -> None:
     assert ex.piecewise is not None
     assert ex.piecewise.fits(1) and ex.piecewise.fits(TOKEN_BUCKETS[-1])
     assert not ex.piecewise.fits(TOKEN_BUCKETS[-1] + 1) and not ex.piecewise.fits(0)
+
+
+def test_the_decode_shapes_captured_at_start_cover_every_step_set_the_graphs_take() -> None:
+    _, plain = executor("cpu", num_blocks=64)
+    ex = TorchExecutor(plain.model, plain.kv, vocab_limit=plain.vocab_limit, cuda_graphs=True)
+    assert ex.graphs is not None
+    max_batch, max_context = 40, 3000
+    shapes = set(decode_shapes(max_batch, max_context, BS))
+    rng = random.Random(0)
+    taken = 0
+    for _ in range(300):
+        contexts = [rng.randint(1, max_context) for _ in range(rng.randint(1, max_batch))]
+        steps = [DecodeStep(f"s{i}", (0,), c, 5, 0, Prompt((5,))) for i, c in enumerate(contexts)]
+        if ex.graphs.fits(steps):
+            taken += 1
+            batch = next(b for b in BATCH_BUCKETS if b >= len(steps))
+            width = max(MIN_WIDTH, 1 << (-(-max(contexts) // BS) - 1).bit_length())
+            assert (batch, width) in shapes
+    assert taken == 300
+    assert max(b for b, _ in shapes) == 64 and max(w for _, w in shapes) == 1024
+    # A long context allows widths whose large batches would gather too much: left out.
+    wide = decode_shapes(256, 65536, BS)
+    assert (1, 16384) in wide and (64, 16384) not in wide
+    assert all(b * w * BS <= MAX_SLOTS for b, w in wide)
 
 
 def test_decode_steps_too_large_to_pad_are_left_to_the_unpadded_forward() -> None:
