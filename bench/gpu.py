@@ -195,7 +195,7 @@ def bench_attention(args: argparse.Namespace, ex: TorchExecutor) -> list[dict[st
                            logit_rows=torch.empty(0))
         views = prefill_views(batch)
         q = torch.randn(new, c.num_heads, c.head_dim, generator=gen).to(kv)
-        k = torch.empty(new, c.num_kv_heads, c.head_dim).to(kv)  # read only from position 0
+        k = torch.empty(new, c.num_kv_heads, c.head_dim).to(kv)  # unread: K/V come from blocks
         attention = torch.empty_like(q)
 
         def attend() -> None:

@@ -535,9 +535,9 @@ def _prefill_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
 
     The causal mask is aligned to the bottom right and query heads share KV heads
     (``enable_gqa``), both inside the kernel: on CUDA that is flash attention, which splits a
-    long context across thread blocks (``flash_fwd_splitkv``). The explicit mask and K/V
-    repeated to every query head that this replaced took a cached 8k chunk's pass from 3.0
-    to 6.1 ms (``docs/gpu.md``)."""
+    long context across thread blocks (``flash_fwd_splitkv``). With an explicit mask and K/V
+    repeated to every query head instead, the piecewise pass of 64 new tokens over 8,128
+    cached took 5.8-6.1 ms against 3.0-3.6 (``docs/gpu.md``)."""
     mask = causal_lower_right(q.shape[0], k.shape[0])
     # Batched 4-D inputs: the fused (flash, memory-efficient) kernels refuse 3-D ones, and the
     # math fallback materialises the whole [heads, n, ctx] score matrix.
