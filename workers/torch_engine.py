@@ -46,6 +46,7 @@ __all__ = [
     "TorchEngineError",
     "TorchExecutor",
     "build_torch_executor",
+    "capture_at_start",
     "kv_blocks_for",
     "resolve_model",
 ]
@@ -207,17 +208,36 @@ def build_torch_executor(
         raise TorchEngineError(str(exc)) from None
     executor = TorchExecutor(model, kv, vocab_limit=tokenizer.vocab_size,
                              cuda_graphs=settings.cuda_graphs and device.type == "cuda")
-    if executor.piecewise is not None:
-        started = time.perf_counter()
-        n = executor.piecewise.capture_buckets(settings.max_num_batched_tokens)
-        log.info("captured the piecewise graphs of %d token buckets in %.1f s", n,
-                 time.perf_counter() - started)
-    if executor.graphs is not None:
-        started = time.perf_counter()
-        n = executor.graphs.capture_shapes(settings.max_num_seqs, settings.max_model_len)
-        log.info("captured the decode graphs of %d shapes in %.1f s", n,
-                 time.perf_counter() - started)
+    capture_at_start(executor, settings)
     return executor
+
+
+def capture_at_start(executor: TorchExecutor, settings: WorkerSettings) -> None:
+    """Capture every CUDA graph the executor can use with these settings, before it serves:
+    the piecewise token buckets, then the decode shapes (a worker's start; logged).
+
+    Raises:
+        TorchEngineError: CUDA ran out of memory while capturing.
+    """
+    torch = _torch()
+    try:
+        if executor.piecewise is not None:
+            started = time.perf_counter()
+            n = executor.piecewise.capture_buckets(settings.max_num_batched_tokens)
+            log.info("captured the piecewise graphs of %d token buckets in %.1f s", n,
+                     time.perf_counter() - started)
+        if executor.graphs is not None:
+            started = time.perf_counter()
+            n = executor.graphs.capture_shapes(settings.max_num_seqs, settings.max_model_len)
+            log.info("captured the decode graphs of %d shapes in %.1f s", n,
+                     time.perf_counter() - started)
+    except torch.cuda.OutOfMemoryError:
+        kv = executor.kv.num_blocks * executor.kv.block_bytes / 2**30
+        raise TorchEngineError(
+            f"CUDA ran out of memory capturing the CUDA graphs beside {kv:.1f} GiB of KV "
+            f"cache: lower --kv-memory-gb, or --max-num-seqs / --max-model-len, or pass "
+            f"--no-cuda-graphs"
+        ) from None
 
 
 def _check_tokenizer(folder: Path, settings: WorkerSettings, tokenizer: Tokenizer) -> None:

@@ -31,6 +31,7 @@ from workers.torch_engine import (  # noqa: E402
     TorchEngineError,
     TorchExecutor,
     build_torch_executor,
+    capture_at_start,
     kv_blocks_for,
 )
 from workers.torch_graphs import BATCH_BUCKETS, MAX_SLOTS, MIN_WIDTH, decode_shapes  # noqa: E402
@@ -464,6 +465,22 @@ def test_loads_a_local_checkpoint_folder(tmp_path: Path, model_type: str) -> Non
 def test_kv_memory_budget_sizes_the_cache() -> None:
     # tiny: 2 layers x K,V x 4 positions x 2 KV heads x 16 dims x 4 bytes = 2 KiB a block.
     assert kv_blocks_for(settings("cpu", kv_memory_gb=1 / 1024)) == 512
+
+
+def test_running_out_of_cuda_memory_while_capturing_says_what_to_lower(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    _, plain = executor("cpu", num_blocks=64)
+    ex = TorchExecutor(plain.model, plain.kv, vocab_limit=plain.vocab_limit, cuda_graphs=True)
+    assert ex.graphs is not None
+
+    def out_of_memory(*_: object) -> int:
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
+
+    capture_at_start(ex, settings("cpu"))  # nothing to capture without CUDA: no error
+    monkeypatch.setattr(ex.graphs, "capture_shapes", out_of_memory)
+    with pytest.raises(TorchEngineError, match=r"KV cache: lower --kv-memory-gb.*--no-cuda-graphs"):
+        capture_at_start(ex, settings("cpu"))
 
 
 def test_clear_errors_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
