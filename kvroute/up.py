@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -23,17 +24,52 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 
 __all__ = ["Cluster", "free_port", "run_up"]
 
 _PR_SET_PDEATHSIG = 1
 
 
+#: Where :func:`free_port` draws from: up to the kernel's ephemeral range (below).
+PORTS_FROM = 20000
+_handed_out: set[int] = set()
+_rng = random.Random()
+
+
 def free_port() -> int:
-    """A TCP port free on 127.0.0.1 right now."""
+    """A TCP port free on 127.0.0.1 now, that no outgoing connection can take before the
+    caller binds it, and that this process has not handed out before.
+
+    Binding port 0 gives a port from the kernel's ephemeral range, which every outgoing
+    connection draws its local port from: between that pick and a child process's bind, one
+    of them could take it (seen as a worker's ``EADDRINUSE`` in the end-to-end tests). So the
+    port comes from ``[PORTS_FROM, start of the ephemeral range)``, where no outgoing
+    connection goes, and the port-0 way is left for when that span is full or missing.
+    """
+    low = _ephemeral_start()
+    for _ in range(200 if low - PORTS_FROM >= 1000 else 0):
+        port = _rng.randrange(PORTS_FROM, low)
+        if port in _handed_out:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        _handed_out.add(port)
+        return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _ephemeral_start() -> int:
+    """The first port of the kernel's ephemeral range (Linux; 32768, its default, elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def _die_with_parent() -> None:

@@ -1,0 +1,65 @@
+"""``free_port``: ports below the kernel's ephemeral range, never one in use, never one twice
+(a port from the ephemeral range can be taken by an outgoing connection before a child binds
+it)."""
+
+from __future__ import annotations
+
+import socket
+from collections.abc import Iterator
+
+import pytest
+
+from kvroute import up
+
+
+class Scripted:
+    """Stands in for the module's RNG: returns the given ports in order."""
+
+    def __init__(self, ports: list[int]) -> None:
+        self._ports: Iterator[int] = iter(ports)
+
+    def randrange(self, start: int, stop: int) -> int:
+        port = next(self._ports)
+        assert start <= port < stop
+        return port
+
+
+def _unused_port_in_span(*besides: int) -> int:
+    for port in range(up.PORTS_FROM, up._ephemeral_start()):
+        if port in up._handed_out or port in besides:
+            continue
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise AssertionError("no free port below the ephemeral range")
+
+
+def test_ports_come_from_below_the_ephemeral_range_and_never_repeat() -> None:
+    ports = [up.free_port() for _ in range(50)]
+    assert len(set(ports)) == 50
+    assert all(up.PORTS_FROM <= p < up._ephemeral_start() for p in ports)
+    with socket.socket() as s:  # free: a server can bind it
+        s.bind(("127.0.0.1", ports[-1]))
+
+
+def test_a_port_in_use_or_handed_out_before_is_skipped(monkeypatch: pytest.MonkeyPatch) -> None:
+    seen = up.free_port()
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", _unused_port_in_span(seen)))
+        busy.listen()
+        in_use = busy.getsockname()[1]
+        spare = _unused_port_in_span(seen, in_use)
+        monkeypatch.setattr(up, "_rng", Scripted([in_use, seen, spare]))
+        assert up.free_port() == spare
+
+
+def test_with_no_span_below_the_ephemeral_range_the_kernel_picks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    low = up._ephemeral_start()
+    monkeypatch.setattr(up, "_ephemeral_start", lambda: up.PORTS_FROM + 10)
+    monkeypatch.setattr(up, "_rng", Scripted([]))  # never drawn from
+    assert up.free_port() >= low
