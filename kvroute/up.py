@@ -50,18 +50,22 @@ def free_port() -> int:
     low = _ephemeral_start()
     for _ in range(200 if low - PORTS_FROM >= 1000 else 0):
         port = _rng.randrange(PORTS_FROM, low)
-        if port in _handed_out:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        _handed_out.add(port)
-        return port
+        if port not in _handed_out and _bindable(port):
+            _handed_out.add(port)
+            return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _bindable(port: int) -> bool:
+    """Whether a TCP socket can bind ``port`` on 127.0.0.1 right now."""
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
 
 
 def _ephemeral_start() -> int:

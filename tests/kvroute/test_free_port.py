@@ -26,14 +26,8 @@ class Scripted:
 
 def _unused_port_in_span(*besides: int) -> int:
     for port in range(up.PORTS_FROM, up._ephemeral_start()):
-        if port in up._handed_out or port in besides:
-            continue
-        with socket.socket() as s:
-            try:
-                s.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return port
+        if port not in up._handed_out and port not in besides and up._bindable(port):
+            return port
     raise AssertionError("no free port below the ephemeral range")
 
 
