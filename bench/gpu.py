@@ -14,6 +14,9 @@ Sections (``docs/gpu.md`` holds the figures and what they mean):
   its K/V gathered from a block table first, as :meth:`Decoder.attend` runs it between the
   piecewise graphs (ms, median of ``--repeats``, host time per call included): 64 over 8,128,
   2,048 over 8,192 and 30,720, 8,192 over 8,192 and 24,576.
+- ``decode_context``: decode attention of all layers by batch and context, gathered (as the
+  engine runs it) and over K/V already in place (what a paged kernel can reach), and each
+  one's cost per token of context: what the simulated engine's decode cost stands for.
 - ``decode``: tokens/s of decode iterations at batch 1, 8 and 32 over 1,024-token prompts,
   eager and (on CUDA) replayed as CUDA graphs (:mod:`workers.torch_graphs`), in one run.
 - ``routing`` (the first attempt, kept for comparison; ``bench.gpu_routing`` is the routing
@@ -203,6 +206,87 @@ def bench_attention(args: argparse.Namespace, ex: TorchExecutor) -> list[dict[st
 
         out.append({"new": new, "cached": cached, "ms": _median_ms(attend, args.repeats)})
     return out
+
+
+#: (batch, context) shapes of the decode-context section.
+DECODE_CONTEXT_SHAPES = ((8, 4096), (32, 4096), (64, 4096), (64, 8192), (128, 4096),
+                         (128, 8192), (256, 4096))
+
+
+def bench_decode_context(args: argparse.Namespace, ex: TorchExecutor) -> dict[str, Any]:
+    """Decode attention of every layer by (batch, context), two ways (ms, median of
+    ``--repeats``, host time included): ``gathered``, as the engine runs it (each step's blocks
+    gathered from a random block table, then masked attention; :meth:`Decoder.attend`), and
+    ``in_place``, attention over K/V already contiguous per sequence (flash attention, query
+    heads folded by KV head as the engine folds them), the best a kernel that reads paged K/V
+    in place can do. Also the least-squares cost per token of context (ns, all layers): the
+    figure a simulated engine's ``decode_per_context_ms`` stands for. Shapes the device has
+    no memory for are left out."""
+    import torch
+
+    torch.manual_seed(5)  # values drawn on the device: a CPU draw of 16 GB takes a minute
+    rows, skipped = [], []
+    for batch, context in DECODE_CONTEXT_SHAPES:
+        try:
+            rows.append(_decode_attention_ms(args, ex, batch, context))
+        except torch.cuda.OutOfMemoryError:
+            skipped.append([batch, context])
+        if ex.kv.device.type == "cuda":
+            torch.cuda.empty_cache()
+    return {"layers": ex.model.config.num_layers, "shapes": rows, "out_of_memory": skipped,
+            "gathered_ns_per_token": per_token_ns(rows, "gathered_ms"),
+            "in_place_ns_per_token": per_token_ns(rows, "in_place_ms")}
+
+
+def _decode_attention_ms(args: argparse.Namespace, ex: TorchExecutor, batch: int,
+                         context: int) -> dict[str, Any]:
+    import torch
+    import torch.nn.functional as F
+
+    from workers.torch_model import PagedBatch
+
+    c, device = ex.model.config, ex.kv.device
+    on = {"device": device, "dtype": ex.kv.layers()[0].dtype}
+    hkv, group, d = c.num_kv_heads, c.num_heads // c.num_kv_heads, c.head_dim
+    width = -(-context // BS)
+    pool = max(4096, 2 * batch * width)  # blocks the tables draw from: more than the L2 holds
+    kv = torch.randn(pool, 2, BS, hkv, d, **on)
+    tables = torch.randint(0, pool, (batch, width), device=device)
+    step = PagedBatch(token_ids=torch.empty(0), positions=torch.empty(0),
+                      slot_rows=torch.empty(0), prefill=(), decode_offset=0,
+                      decode_tables=tables,
+                      decode_mask=torch.ones(batch, width * BS, dtype=torch.bool, device=device),
+                      logit_rows=torch.empty(0))
+    q = torch.randn(batch, c.num_heads, d, **on)
+    out = torch.empty_like(q)
+    # One contiguous K/V per layer, so that no layer reads what another left in the L2.
+    keys = torch.randn(c.num_layers, batch, hkv, context, d, **on)
+    values = torch.randn_like(keys)
+    folded = q.view(batch, hkv, group, d)
+
+    def gathered() -> None:
+        for _ in range(c.num_layers):
+            ex.model.attend(out, q, q, q, kv, [], step)
+
+    def in_place() -> None:
+        for layer in range(c.num_layers):
+            F.scaled_dot_product_attention(folded, keys[layer], values[layer])
+
+    return {"batch": batch, "context": context,
+            "gathered_ms": _median_ms(gathered, args.repeats),
+            "in_place_ms": _median_ms(in_place, args.repeats)}
+
+
+def per_token_ns(rows: Sequence[dict[str, Any]], key: str) -> float | None:
+    """Slope of ``key`` (ms) over batch x context (tokens), least squares, in ns per token;
+    None with fewer than two distinct sizes."""
+    import numpy as np
+
+    x = np.array([r["batch"] * r["context"] for r in rows], dtype=float)
+    if len(set(x)) < 2:
+        return None
+    slope, _ = np.polyfit(x, np.array([r[key] for r in rows], dtype=float), 1)
+    return float(slope * 1e6)
 
 
 def _profile(ex: TorchExecutor, plans: dict[str, IterationPlan]) -> None:
@@ -433,6 +517,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "attention" in sections:
         result["attention"] = bench_attention(args, ex)
         _log(args, "attention", result["attention"])
+    if "decode_context" in sections:
+        result["decode_context"] = bench_decode_context(args, ex)
+        _log(args, "decode_context", result["decode_context"])
     if "decode" in sections:
         # Eager and CUDA-graph decode side by side, in this one run (CUDA only has graphs).
         graphs = ex.graphs
@@ -508,6 +595,14 @@ def _table(result: dict[str, Any]) -> str:
     for a in result.get("attention", []):
         lines.append(f"attention, one layer: {a['new']} new over {a['cached']} cached: "
                      f"{a['ms']:.3f} ms")
+    dc = result.get("decode_context")
+    if dc:
+        for r in dc["shapes"]:
+            lines.append(f"decode attention, {dc['layers']} layers, batch {r['batch']} x "
+                         f"{r['context']}: gathered {r['gathered_ms']:.2f} ms, in place "
+                         f"{r['in_place_ms']:.2f} ms")
+        lines.append(f"per token of context: gathered {dc['gathered_ns_per_token']:.1f} ns, "
+                     f"in place {dc['in_place_ns_per_token']:.1f} ns")
     for d in result.get("decode", []):
         lines.append(
             f"decode ({d['mode']}) batch {d['batch']}: {d['step_ms']:.2f} ms/step, "

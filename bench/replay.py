@@ -56,6 +56,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
       help="tokens per KV block on workers and index (default 32; trace ids are 512 tokens)")
     a("--max-num-batched-tokens", type=positive_int, default=8192,
       help="engine tokens per iteration (default 8192)")
+    a("--timing", choices=["calibrated", "paged"], default="calibrated",
+      help="the simulated engine's cost model: fitted to shared/calibration (default), or "
+           "that with decode attention priced as a paged kernel measured on the H200 "
+           "(workers.timing.H200_LLAMA_1B_PAGED)")
     a("--seed", type=int, default=0, help="seed of generators and policies (default 0)")
     a("--json", dest="json_path", metavar="OUT", help="write the results as JSON here")
     a("--plot-dir", metavar="DIR", help="write PNG plots here")
@@ -124,6 +128,7 @@ def run_bench(args: argparse.Namespace) -> int:
     from bench.policies import make_policies
     from bench.report import per_worker, per_worker_table, plot, summarize, table, write_json
     from bench.sim import SimConfig, simulate
+    from workers.timing import TIMING_MODELS
 
     try:
         requests, name = _workload(args)
@@ -136,7 +141,8 @@ def run_bench(args: argparse.Namespace) -> int:
         configs = [SimConfig(workers=args.workers, capacity_tokens=args.capacity_tokens,
                              block_size=args.block_size, event_lag_s=lag / 1e3,
                              event_path=args.event_path,
-                             max_num_batched_tokens=args.max_num_batched_tokens)
+                             max_num_batched_tokens=args.max_num_batched_tokens,
+                             timing=TIMING_MODELS[args.timing])
                    for lag in lags]
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)

@@ -49,13 +49,14 @@ dims * 2 bytes), at ``host_to_device_gb_per_s`` (50 GB/s, PCIe 5 / C2C-class pin
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
-__all__ = ["H200_LLAMA_1B", "TimingModel", "fit_timing", "fit_timing_points", "kv_bytes_per_token"]
+__all__ = ["H200_LLAMA_1B", "H200_LLAMA_1B_PAGED", "TIMING_MODELS", "TimingModel", "fit_timing",
+           "fit_timing_points", "kv_bytes_per_token"]
 
 
 def kv_bytes_per_token(layers: int, kv_heads: int, head_dim: int, dtype_bytes: int = 2) -> int:
@@ -157,6 +158,21 @@ H200_LLAMA_1B = TimingModel(
     decode_per_seq_ms=0.0,  # fitted negative, so dropped (module docstring)
     decode_per_context_ms=8.028789094953694e-05,
 )
+
+
+#: :data:`H200_LLAMA_1B` with decode attention priced as a kernel that reads paged K/V in place
+#: prices it: 8.94e-6 ms (8.94 ns) per token of context, all 16 layers, where the calibration
+#: gives 80.3 ns. The calibration's decode steps concatenated each sequence's K/V anew every
+#: step (its README calls its decode figures upper bounds); ``python -m bench.gpu --sections
+#: decode_context`` on the H200 measured flash attention over K/V already in place at 8.9 ns a
+#: token (batch 8-256, contexts 4-8k: 3.4 TB/s of the 4.8 HBM peak), and the torch engine's
+#: own gather-then-attend at 31.8 (``docs/gpu.md``). Every other coefficient is the
+#: calibration's.
+H200_LLAMA_1B_PAGED = replace(H200_LLAMA_1B, decode_per_context_ms=8.94e-6)
+
+#: Timing models by name, for ``--timing`` flags.
+TIMING_MODELS: dict[str, TimingModel] = {"calibrated": H200_LLAMA_1B,
+                                         "paged": H200_LLAMA_1B_PAGED}
 
 
 def fit_timing(path: str | Path) -> TimingModel:

@@ -23,3 +23,24 @@ def test_attention_section_times_each_shape_that_fits_the_cache(
     rows = gpu.bench_attention(args, ex)
     assert [(r["new"], r["cached"]) for r in rows] == [fits]
     assert rows[0]["ms"] > 0
+
+
+def test_decode_context_section_times_both_ways_and_fits_a_cost_per_token(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    args = argparse.Namespace(model="tiny", device="cpu", repeats=2)
+    ex = gpu._executor(args, CacheManager(64, gpu.BS))
+    shapes = ((2, 64), (4, 256))
+    monkeypatch.setattr(gpu, "DECODE_CONTEXT_SHAPES", shapes)
+    out = gpu.bench_decode_context(args, ex)
+    assert [(r["batch"], r["context"]) for r in out["shapes"]] == list(shapes)
+    assert all(r["gathered_ms"] > 0 and r["in_place_ms"] > 0 for r in out["shapes"])
+    assert out["layers"] == ex.model.config.num_layers
+    assert isinstance(out["gathered_ns_per_token"], float)
+
+
+def test_per_token_cost_is_the_slope_over_batch_times_context() -> None:
+    rows = [{"batch": 1, "context": 1000, "ms": 1.0}, {"batch": 2, "context": 1000, "ms": 1.5},
+            {"batch": 4, "context": 1000, "ms": 2.5}]
+    assert gpu.per_token_ns(rows, "ms") == pytest.approx(500.0)  # 0.5 ms per 1,000 tokens
+    assert gpu.per_token_ns(rows[:1], "ms") is None

@@ -79,3 +79,26 @@ def test_per_worker_with_live_is_refused(tmp_path: Path,
     assert main(["--trace", str(tiny_trace(tmp_path / "t.jsonl")), "--per-worker",
                  "--live", "http://127.0.0.1:9", "--no-progress"]) == 2
     assert "--per-worker" in capsys.readouterr().err
+
+
+def test_paged_timing_runs_the_same_workload_with_cheaper_decode(tmp_path: Path) -> None:
+    trace = tiny_trace(tmp_path / "t.jsonl")
+    e2e = {}
+    for timing in ("calibrated", "paged"):
+        out = tmp_path / f"{timing}.json"
+        assert main(["--trace", str(trace), "--workers", "2", "--capacity-tokens", "20000",
+                     "--policies", "kvroute", "--timing", timing, "--json", str(out),
+                     "--no-progress"]) == 0
+        doc = json.loads(out.read_text())
+        assert doc["settings"]["timing"] == timing
+        (row,) = doc["runs"][0]["rows"]
+        e2e[timing] = row["e2e_mean_s"]
+    assert 0 < e2e["paged"] < e2e["calibrated"]
+
+
+def test_unknown_timing_model_is_a_usage_error(tmp_path: Path,
+                                               capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--trace", str(tiny_trace(tmp_path / "t.jsonl")), "--timing", "fast"])
+    assert exc.value.code == 2
+    assert "--timing" in capsys.readouterr().err

@@ -8,7 +8,13 @@ from pathlib import Path
 
 import pytest
 
-from workers.timing import H200_LLAMA_1B, TimingModel, fit_timing, kv_bytes_per_token
+from workers.timing import (
+    H200_LLAMA_1B,
+    TIMING_MODELS,
+    TimingModel,
+    fit_timing,
+    kv_bytes_per_token,
+)
 
 # Points whose measurements contradict their neighbours (module docstring): a cost that grows
 # with work cannot pass within 25% of them, so they get a wider bound.
@@ -141,3 +147,14 @@ def test_fit_recovers_exact_coefficients(tmp_path: Path) -> None:
     fitted = fit_timing(path)
     for f in dataclasses.fields(TimingModel):
         assert getattr(fitted, f.name) == pytest.approx(getattr(truth, f.name), rel=1e-6), f.name
+
+
+def test_paged_model_differs_from_the_calibration_only_in_decode_context() -> None:
+    paged, calibrated = TIMING_MODELS["paged"], TIMING_MODELS["calibrated"]
+    assert calibrated is H200_LLAMA_1B
+    assert dataclasses.replace(paged, decode_per_context_ms=calibrated.decode_per_context_ms) \
+        == calibrated
+    # 64 sequences over 4k contexts: the calibration's 30 ms step, about 7 ms when paged.
+    contexts = [4096] * 64
+    assert calibrated.decode_ms(contexts) > 3 * paged.decode_ms(contexts)
+    assert paged.decode_ms(contexts) > paged.decode_ms([1024] * 64)
