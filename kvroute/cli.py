@@ -109,6 +109,12 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
     a("--admission-weight", type=float,
       help="price of waiting for a sequence slot on a full worker, in prefill blocks "
       "while another has one free (default 1; 0 turns it off)")
+    a("--affinity-weight", type=float,
+      help="multiplies the overlap weight for a request one worker clearly leads on (a "
+      "continuing session): 4 suits engines with paged decode attention (vLLM, TensorRT-LLM); "
+      "default 1, no change")
+    a("--affinity-lead-blocks", type=int,
+      help="blocks the best-matched worker must lead every other by (default 4)")
     a("--pressure-window", type=float,
       help="seconds of cache removals the eviction pressure counts (default 10)")
     a("--predict-ttl", type=float, help="seconds a routed prefix counts resident (default 10)")

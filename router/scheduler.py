@@ -6,8 +6,12 @@ The rule (``shared/DESIGN.md``), per candidate worker w, for a request of B full
     prefill(w)  = (B - matched(w)) + queued(pending_prefill_blocks(w))
     queued(p)   = queue_weight * min(p, cap) + max(p - cap, 0)
     cap         = queue_cap_blocks + min over candidates of pending_prefill_blocks
-    cost(w)     = overlap_weight * prefill(w) + decode_blocks(w)
-                  + overlap_weight * admission_weight * admission(w)
+    cost(w)     = overlap_weight' * prefill(w) + decode_blocks(w)
+                  + overlap_weight' * admission_weight * admission(w)
+    overlap_weight' = overlap_weight * affinity_weight   if one candidate's matched blocks
+                      lead every other's by affinity_lead_blocks or more (a continuing
+                      session: only its worker caches the conversation)
+                    = overlap_weight                     otherwise
     admission(w) = max(kv_excess(w), seq_excess(w) * kv_held(w) / active_requests(w))
     kv_excess(w)  = max(0, kv_held(w) + B - kv_shared(w) - kv_capacity_blocks(w))
                                                             (0 if the capacity is unknown)
@@ -26,6 +30,16 @@ The rule (``shared/DESIGN.md``), per candidate worker w, for a request of B full
   than a block to prefill, and at Dynamo's 1.0 the router moved requests off workers with long
   decodes and recomputed their long prefixes elsewhere (multi-turn hit rate 76% -> 89%, p50
   TTFT .28 -> .13 s at 32). ``--overlap-weight 1`` gives Dynamo's rule.
+- ``affinity_weight`` (default 1: no change) prices leaving the one worker that caches a
+  request's conversation. ``overlap_weight`` 32 sets a block of decode context at 1/32 of a
+  block to prefill, which is what the calibrated timing's decode costs (80.3 ns a token of
+  context, K/V concatenated every step). An engine whose decode attention reads paged K/V in
+  place (vLLM, TensorRT-LLM, SGLang) pays 8.9 ns a token on the same H200 (``docs/gpu.md``),
+  so there the decode load that moved a session saved far less than the recompute cost.
+  Raising ``overlap_weight`` itself for such engines also piles new sessions onto the workers
+  holding their system prompt (the decode term is what spreads them), so the factor applies
+  only where one worker clearly leads; ``docs/benchmarks.md`` ("The decode price, measured")
+  has the runs: 4 suits paged engines, 1 the calibrated timing.
 - ``queue_weight`` (default 0.5) scales the prefill already queued on a worker against the
   request's own uncached blocks: below 1 it prefers waiting behind a queue to recomputing a
   prefix elsewhere, since a recompute costs the whole cluster work (and duplicates the prefix,
@@ -70,6 +84,7 @@ answers 503 before asking); a request with no full block (B = 0) is decided on l
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import random
 from collections.abc import Sequence
@@ -92,6 +107,10 @@ class SchedulerConfig:
     #: Weight of the admission term (blocks that must finish before this request is admitted,
     #: in prefill blocks); 0 (default) leaves it out: today's rule exactly.
     admission_weight: float = 0.0
+    #: Multiplies ``overlap_weight`` for a request whose best-matched candidate holds at
+    #: least ``affinity_lead_blocks`` more of it than every other; 1 (default) = no change.
+    affinity_weight: float = 1.0
+    affinity_lead_blocks: int = 4
 
     def __post_init__(self) -> None:
         if self.overlap_weight < 0:
@@ -102,6 +121,11 @@ class SchedulerConfig:
             raise ValueError(f"queue_cap_blocks must be >= 0, got {self.queue_cap_blocks}")
         if not self.admission_weight >= 0:  # also rejects NaN
             raise ValueError(f"admission_weight must be >= 0, got {self.admission_weight}")
+        if not self.affinity_weight > 0:  # also rejects NaN
+            raise ValueError(f"affinity_weight must be > 0, got {self.affinity_weight}")
+        if self.affinity_lead_blocks < 1:
+            raise ValueError(
+                f"affinity_lead_blocks must be >= 1, got {self.affinity_lead_blocks}")
         if not 0.0 <= self.host_credit <= 1.0:
             raise ValueError(f"host_credit must be in [0, 1], got {self.host_credit}")
         if self.temperature < 0:
@@ -233,6 +257,10 @@ def choose(request_blocks: int, candidates: Sequence[Candidate], config: Schedul
                 else:
                     full = True
         free = free and full
+    if config.affinity_weight != 1.0 and _led(request_blocks, candidates,
+                                              config.affinity_lead_blocks):
+        config = dataclasses.replace(
+            config, overlap_weight=config.overlap_weight * config.affinity_weight)
     shortest = 0.0
     if config.queue_cap_blocks != math.inf:
         shortest = min(c.pending_prefill_blocks for c in candidates)
@@ -246,6 +274,20 @@ def choose(request_blocks: int, candidates: Sequence[Candidate], config: Schedul
                 if c.cost == best.cost and c.active_requests == best.active_requests]
         worker = tied[0] if len(tied) == 1 else rng.choice(tied)
     return Decision(worker, tuple(costs))
+
+
+def _led(request_blocks: int, candidates: Sequence[Candidate], lead: int) -> bool:
+    """Whether one candidate matches at least ``lead`` more of the request than every other."""
+    if len(candidates) < 2:
+        return False
+    first = second = 0
+    for c in candidates:
+        m = min(c.matched_blocks, request_blocks)
+        if m > first:
+            first, second = m, first
+        elif m > second:
+            second = m
+    return first - second >= lead
 
 
 def _sample(costs: Sequence[WorkerCost], temperature: float, rng: random.Random) -> int:

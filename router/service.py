@@ -87,7 +87,9 @@ class RouterService:
             settings.overlap_weight, settings.host_credit, settings.temperature,
             queue_weight_for(0.0, self.pressure_rule, warming=True) if fixed is None else fixed,
             cap,
-            settings.admission_weight)
+            settings.admission_weight,
+            settings.affinity_weight,
+            settings.affinity_lead_blocks)
         self.rng = random.Random(settings.seed)
         self.registry = Registry(settings, self.index, self.load, self.tokenizer.identity,
                                  self.forget, http, on_events=self._observe)

@@ -39,6 +39,8 @@ class RouterSettings:
     queue_weight: float | None = None
     queue_cap_blocks: float | None = None
     admission_weight: float = 1.0
+    affinity_weight: float = 1.0
+    affinity_lead_blocks: int = 4
     pressure_window: float = 10.0
     host_credit: float = 0.75
     temperature: float = 0.0
@@ -66,6 +68,8 @@ class RouterSettings:
              "queue_cap_blocks must be >= 0"),
             (self.pressure_window > 0, "pressure_window must be positive"),
             (self.admission_weight >= 0, "admission_weight must be >= 0"),
+            (self.affinity_weight > 0, "affinity_weight must be > 0 (1 = no change)"),
+            (self.affinity_lead_blocks >= 1, "affinity_lead_blocks must be >= 1"),
             (0 <= self.host_credit <= 1, "host_credit must be in [0, 1]"),
             (self.temperature >= 0, "temperature must be >= 0"),
             (self.policy in POLICIES,

@@ -10,6 +10,7 @@ from collections.abc import Callable
 
 from bench.policies.base import ClusterView, Policy, RouteRequest, WorkerMetrics
 from bench.policies.dynamo import Dynamo
+from bench.policies.kvroute_affinity import KvrouteAffinity
 from bench.policies.kvroute_load_variants import LOAD_VARIANTS
 from bench.policies.kvroute_policy import KvroutePolicy, KvrouteUntuned
 from bench.policies.kvroute_pressure import (
@@ -70,6 +71,7 @@ VARIANTS: dict[str, Callable[[], Policy]] = {
     "kvroute_pressure_balanced": KvroutePressureBalanced,
     **ADMIT_VARIANTS,
     **LOAD_VARIANTS,
+    "kvroute_affinity4": KvrouteAffinity,
 }
 
 

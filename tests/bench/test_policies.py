@@ -177,8 +177,42 @@ def test_kvroute_decides_with_the_routers_default_settings() -> None:
     d, p = RouterSettings(), POLICIES["kvroute"]()
     assert d.queue_weight is None and p.rule is ROUTER_PRESSURE_RULE  # auto
     assert (p.config.overlap_weight, p.config.host_credit, p.config.admission_weight,
-            p.config.queue_cap_blocks, p.predict_ttl, p.window_s) == (
+            p.config.queue_cap_blocks, p.predict_ttl, p.window_s, p.config.affinity_weight,
+            p.config.affinity_lead_blocks) == (
         d.overlap_weight, d.host_credit, d.admission_weight, AUTO_QUEUE_CAP_BLOCKS,
-        d.predict_ttl, d.pressure_window)
+        d.predict_ttl, d.pressure_window, d.affinity_weight, d.affinity_lead_blocks)
     fixed = POLICIES["kvroute_fixed"]()  # --queue-weight 0.5: no cap
     assert (fixed.config.queue_weight, fixed.config.queue_cap_blocks) == (0.5, float("inf"))
+
+
+def _decoding_on_worker_0(policy: str) -> tuple[FakeCluster, KvroutePolicy]:
+    cluster = FakeCluster()
+    (p,) = make_policies(policy)
+    assert isinstance(p, KvroutePolicy)
+    p.start(cluster)
+    p._load.routed("decoding", 0, 0.0, 300)  # worker 0 decodes 300 blocks of context
+    p.first_token("decoding", 0.0)
+    return cluster, p
+
+
+@pytest.mark.parametrize(("policy", "expected"), [("kvroute", 1), ("kvroute_affinity4", 0)])
+def test_affinity_keeps_a_continuing_session_on_its_worker(policy: str, expected: int) -> None:
+    cluster, p = _decoding_on_worker_0(policy)
+    req = rr("turn", PROMPT)
+    # Worker 0 holds all 10 blocks, worker 1 the first 5 (the system prompt): a lead of 5.
+    # kvroute: 0 + 300 on worker 0 against 32 x 5 = 160 on 1, so it moves; with the weight
+    # x 4, 640 > 300 and it stays.
+    cluster.index.store_hashes(0, req.hashes)
+    cluster.index.store_hashes(1, req.hashes[:5])
+    assert p.route(req, 0.0) == expected
+
+
+@pytest.mark.parametrize("policy", ["kvroute", "kvroute_affinity4"])
+def test_affinity_prices_a_request_without_a_clear_lead_as_kvroute(policy: str) -> None:
+    cluster, p = _decoding_on_worker_0(policy)
+    req = rr("new", PROMPT)
+    # Worker 0 holds 8 blocks, worker 1 5: a lead of 3, under the variant's 4. At weight 32,
+    # 32 x 2 + 300 = 364 against 160, worker 1; the weight x 4 would pick 0 (556 < 640).
+    cluster.index.store_hashes(0, req.hashes[:8])
+    cluster.index.store_hashes(1, req.hashes[:5])
+    assert p.route(req, 0.0) == 1

@@ -207,3 +207,44 @@ def test_when_every_worker_is_full_the_slot_term_is_dropped_and_the_prefix_decid
 def test_a_bad_admission_weight_is_refused(value: float) -> None:
     with pytest.raises(ValueError, match="admission_weight"):
         SchedulerConfig(admission_weight=value)
+
+
+# --- the affinity factor (affinity_weight != 1) ----------------------------------------------
+
+# A continuing session: worker 0 caches all 10 blocks but decodes 300; worker 1 holds the
+# first 5 (the shared system prompt). At weight 32: 300 against 32 * 5 = 160, so it moves.
+SESSION = [Candidate(0, matched_blocks=10, device_matched_blocks=10, decode_blocks=300),
+           Candidate(1, matched_blocks=5, device_matched_blocks=5)]
+
+
+@pytest.mark.parametrize("name, config, candidates, expected", [
+    ("factor 1 is today's rule: the session moves", SchedulerConfig(), SESSION, 1),
+    # 32 * 4 * 5 = 640 > 300: it stays
+    ("factor 4 keeps the session on its worker", SchedulerConfig(affinity_weight=4.0),
+     SESSION, 0),
+    ("a lead under affinity_lead_blocks is priced as today",
+     SchedulerConfig(affinity_weight=4.0, affinity_lead_blocks=6), SESSION, 1),
+    # worker 0 leads by 3 (8 against 5): 32 * 2 + 300 = 364 > 160 unscaled; scaled 556 < 640
+    ("no clear lead (a new session over a shared prompt): priced as today",
+     SchedulerConfig(affinity_weight=4.0),
+     [Candidate(0, matched_blocks=8, device_matched_blocks=8, decode_blocks=300),
+      Candidate(1, matched_blocks=5, device_matched_blocks=5)], 1),
+    # matches count only up to the request's blocks: 40 against 5 is a lead of 5, not 35
+    ("matches past the request are capped before the lead is measured",
+     SchedulerConfig(affinity_weight=4.0, affinity_lead_blocks=6),
+     [Candidate(0, matched_blocks=40, device_matched_blocks=40, decode_blocks=300),
+      Candidate(1, matched_blocks=5, device_matched_blocks=5)], 1),
+])
+def test_affinity_scales_the_overlap_weight_only_for_a_clear_lead(
+        name: str, config: SchedulerConfig, candidates: list[Candidate], expected: int) -> None:
+    assert choose(10, candidates, config, random.Random(0)).worker == expected, name
+
+
+def test_one_candidate_has_no_lead_and_bad_affinity_settings_are_refused() -> None:
+    alone = [Candidate(0, matched_blocks=10, device_matched_blocks=10)]
+    d = choose(10, alone, SchedulerConfig(affinity_weight=4.0), random.Random(0))
+    assert d.chosen.cost == 0.0
+    with pytest.raises(ValueError, match="affinity_weight"):
+        SchedulerConfig(affinity_weight=0.0)
+    with pytest.raises(ValueError, match="affinity_lead_blocks"):
+        SchedulerConfig(affinity_lead_blocks=0)

@@ -45,6 +45,10 @@ def test_json_config_files_work_too(tmp_path: Path) -> None:
     ({"queue_weight": "heavy"}, {}, "queue_weight from flag: 'heavy' is not a valid float"),
     ({"queue_weight": "-1"}, {}, "queue_weight must be >= 0"),
     ({"pressure_window": 0.0}, {}, "pressure_window must be positive"),
+    ({"affinity_weight": 0.0}, {}, "affinity_weight must be > 0"),
+    ({}, {"KVROUTE_AFFINITY_WEIGHT": "nan"}, "affinity_weight must be > 0"),
+    ({}, {"KVROUTE_AFFINITY_LEAD_BLOCKS": "2.5"}, "affinity_lead_blocks from environment"),
+    ({"affinity_lead_blocks": 0}, {}, "affinity_lead_blocks must be >= 1"),
 ])
 def test_bad_router_settings_are_refused_with_the_reason(flags: dict, env: dict,
                                                          fragment: str) -> None:
@@ -109,6 +113,7 @@ def test_torch_engine_model_names_the_weights_unless_torch_model_does() -> None:
 @pytest.mark.parametrize("args, fragment", [
     (["router", "--port", "x"], "invalid int value"),
     (["router", "--host-credit", "2"], "host_credit must be in [0, 1]"),
+    (["router", "--affinity-weight", "-4"], "affinity_weight must be > 0"),
     (["worker", "--engine", "tpu"], "invalid choice"),
     (["worker", "--num-blocks", "0"], "num_blocks must be positive"),
     (["events", "tail", "--connect", "tcp://127.0.0.1:1", "--count", "0"], "must be >= 1"),
@@ -118,3 +123,19 @@ def test_bad_cli_flags_exit_2_with_the_reason(args: list[str], fragment: str) ->
                             text=True, timeout=60, check=False)
     assert result.returncode == 2
     assert fragment in result.stderr
+
+
+async def test_the_router_schedules_with_its_affinity_settings(tmp_path: Path) -> None:
+    import httpx
+
+    from router.service import RouterService
+
+    config = tmp_path / "r.toml"
+    config.write_text("[router]\naffinity_weight = 4\naffinity_lead_blocks = 6\n")
+    settings = load_settings({}, env={}, config_file=str(config))
+    async with httpx.AsyncClient() as http:
+        scheduler = RouterService(settings, http).scheduler
+    assert (scheduler.affinity_weight, scheduler.affinity_lead_blocks) == (4.0, 6)
+    async with httpx.AsyncClient() as http:
+        default = RouterService(RouterSettings(), http).scheduler
+    assert (default.affinity_weight, default.affinity_lead_blocks) == (1.0, 4)
