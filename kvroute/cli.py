@@ -63,6 +63,8 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     a("--max-num-seqs", type=int, help="running requests at most (default 256)")
     a("--max-model-len", type=int, help="prompt + output tokens at most (default 65536)")
     a("--speedup", type=float, help="sim engine: divide modelled time by this (default 1)")
+    a("--timing", help="sim engine's cost model: calibrated (default, shared/calibration) or "
+      "paged (decode attention priced as a paged kernel measured on an H200)")
     a("--mm-tokens-per-image", type=int, help="placeholder positions per image (default 16)")
     a("--lora", dest="loras", action="append", help="serve a LoRA adapter by this name")
     a("--admin-token", help="bearer token for reset, snapshot and fault injection")

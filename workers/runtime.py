@@ -19,7 +19,7 @@ from workers.executor import Executor, SimExecutor
 from workers.image_hints import ImageHints
 from workers.publisher import EventPublisher
 from workers.settings import WorkerSettings
-from workers.timing import H200_LLAMA_1B
+from workers.timing import TIMING_MODELS
 
 __all__ = ["WorkerRuntime"]
 
@@ -75,7 +75,8 @@ class WorkerRuntime:
             from workers.torch_engine import build_torch_executor
 
             return build_torch_executor(s, self.tokenizer, self.cache)
-        return SimExecutor(H200_LLAMA_1B, speedup=s.speedup, vocab=sim_vocab(self.tokenizer),
+        return SimExecutor(TIMING_MODELS[s.timing], speedup=s.speedup,
+                           vocab=sim_vocab(self.tokenizer),
                            block_size=s.block_size)
 
     async def start(self) -> None:

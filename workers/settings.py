@@ -41,6 +41,7 @@ class WorkerSettings:
     max_num_seqs: int = 256
     max_model_len: int = 65536
     speedup: float = 1.0
+    timing: str = "calibrated"
     mm_tokens_per_image: int = 16
     images: bool = True
     prefix_caching: bool = True
@@ -73,6 +74,9 @@ class WorkerSettings:
                 raise WorkerSettingsError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.speedup <= 0:
             raise WorkerSettingsError(f"speedup must be positive, got {self.speedup}")
+        if self.timing not in ("calibrated", "paged"):
+            raise WorkerSettingsError(
+                f"timing must be 'calibrated' or 'paged', got {self.timing!r}")
         if self.engine not in ("sim", "torch"):
             raise WorkerSettingsError(f"engine must be 'sim' or 'torch', got {self.engine!r}")
         if self.max_num_batched_tokens < self.block_size:

@@ -86,6 +86,7 @@ def test_defaults_bind_loopback() -> None:
     ({}, {"KVROUTE_WORKER_SPEEDUP": "fast"}, "speedup from environment"),
     ({}, {"KVROUTE_WORKER_IMAGES": "maybe"}, "images from environment"),
     ({"engine": "tpu"}, {}, "engine must be"),
+    ({}, {"KVROUTE_WORKER_TIMING": "fast"}, "timing must be 'calibrated' or 'paged'"),
     ({"max_num_batched_tokens": 8}, {}, "at least block_size"),
 ])
 def test_bad_worker_settings_are_refused(flags: dict, env: dict, fragment: str) -> None:
@@ -139,3 +140,13 @@ async def test_the_router_schedules_with_its_affinity_settings(tmp_path: Path) -
     async with httpx.AsyncClient() as http:
         default = RouterService(RouterSettings(), http).scheduler
     assert (default.affinity_weight, default.affinity_lead_blocks) == (1.0, 4)
+
+
+@pytest.mark.parametrize("timing", ["calibrated", "paged"])
+def test_a_sim_worker_prices_its_iterations_with_the_timing_named(timing: str) -> None:
+    from workers.runtime import WorkerRuntime
+    from workers.timing import TIMING_MODELS
+
+    settings = load_worker_settings({"timing": timing}, env={"KVROUTE_WORKER_EVENTS_PORT": "none"})
+    assert settings.events_port is None  # no publisher: nothing to bind or close
+    assert WorkerRuntime(settings).executor.timing is TIMING_MODELS[timing]
