@@ -15,8 +15,9 @@ Sections (``docs/gpu.md`` holds the figures and what they mean):
   piecewise graphs (ms, median of ``--repeats``, host time per call included): 64 over 8,128,
   2,048 over 8,192 and 30,720, 8,192 over 8,192 and 24,576.
 - ``decode_context``: decode attention of all layers by batch and context, gathered (as the
-  engine runs it) and over K/V already in place (what a paged kernel can reach), and each
-  one's cost per token of context: what the simulated engine's decode cost stands for.
+  engine runs it), over K/V already contiguous (what a paged kernel can reach) and, on CUDA,
+  through a paged kernel (flex attention over 32-token pages), and each one's cost per token
+  of context: what the simulated engine's decode cost stands for.
 - ``decode``: tokens/s of decode iterations at batch 1, 8 and 32 over 1,024-token prompts,
   eager and (on CUDA) replayed as CUDA graphs (:mod:`workers.torch_graphs`), in one run.
 - ``routing`` (the first attempt, kept for comparison; ``bench.gpu_routing`` is the routing
@@ -219,7 +220,8 @@ def bench_decode_context(args: argparse.Namespace, ex: TorchExecutor) -> dict[st
     gathered from a random block table, then masked attention; :meth:`Decoder.attend`), and
     ``in_place``, attention over K/V already contiguous per sequence (flash attention, query
     heads folded by KV head as the engine folds them), the best a kernel that reads paged K/V
-    in place can do. Also the least-squares cost per token of context (ns, all layers): the
+    in place can do; and on CUDA ``paged``, a real paged kernel (:func:`_paged_attention_ms`).
+    Also the least-squares cost per token of context (ns, all layers): the
     figure a simulated engine's ``decode_per_context_ms`` stands for. Shapes the device has
     no memory for are left out."""
     import torch
@@ -228,14 +230,19 @@ def bench_decode_context(args: argparse.Namespace, ex: TorchExecutor) -> dict[st
     rows, skipped = [], []
     for batch, context in DECODE_CONTEXT_SHAPES:
         try:
-            rows.append(_decode_attention_ms(args, ex, batch, context))
+            row = _decode_attention_ms(args, ex, batch, context)
+            if ex.kv.device.type == "cuda":
+                row["paged_ms"] = _paged_attention_ms(args, ex, batch, context)
+            rows.append(row)
         except torch.cuda.OutOfMemoryError:
             skipped.append([batch, context])
         if ex.kv.device.type == "cuda":
             torch.cuda.empty_cache()
+    paged = [r for r in rows if "paged_ms" in r]
     return {"layers": ex.model.config.num_layers, "shapes": rows, "out_of_memory": skipped,
             "gathered_ns_per_token": per_token_ns(rows, "gathered_ms"),
-            "in_place_ns_per_token": per_token_ns(rows, "in_place_ms")}
+            "in_place_ns_per_token": per_token_ns(rows, "in_place_ms"),
+            "paged_ns_per_token": per_token_ns(paged, "paged_ms")}
 
 
 def _decode_attention_ms(args: argparse.Namespace, ex: TorchExecutor, batch: int,
@@ -275,6 +282,38 @@ def _decode_attention_ms(args: argparse.Namespace, ex: TorchExecutor, batch: int
     return {"batch": batch, "context": context,
             "gathered_ms": _median_ms(gathered, args.repeats),
             "in_place_ms": _median_ms(in_place, args.repeats)}
+
+
+def _paged_attention_ms(args: argparse.Namespace, ex: TorchExecutor, batch: int,
+                        context: int) -> float:
+    """Decode attention of every layer through a kernel that reads paged K/V in place: flex
+    attention (compiled to its decoding kernel) over a pool of ``BS``-token pages, each step's
+    pages named by a random page table (CUDA only; ms, median of ``--repeats``)."""
+    import torch
+    from torch.nn.attention.flex_attention import BlockMask, flex_attention
+
+    c, device = ex.model.config, ex.kv.device
+    on = {"device": device, "dtype": ex.kv.layers()[0].dtype}
+    pages = -(-context // BS)
+    pool = batch * pages + 64
+    keys = [torch.randn(1, c.num_kv_heads, pool * BS, c.head_dim, **on)
+            for _ in range(c.num_layers)]
+    values = [torch.randn_like(keys[0]) for _ in range(c.num_layers)]
+    table = torch.randperm(pool, device=device)[: batch * pages].view(batch, pages)
+    # kv_indices must span the pool's pages (the first kv_num_blocks of each row count).
+    indices = torch.zeros(batch, 1, 1, pool, dtype=torch.int32, device=device)
+    indices[:, 0, 0, :pages] = table
+    mask = BlockMask.from_kv_blocks(
+        torch.full((batch, 1, 1), pages, dtype=torch.int32, device=device), indices,
+        BLOCK_SIZE=(128, BS), seq_lengths=(1, pool * BS), compute_q_blocks=False)
+    q = torch.randn(batch, c.num_heads, 1, c.head_dim, **on)
+    attend = torch.compile(flex_attention, dynamic=False)
+
+    def paged() -> None:
+        for layer in range(c.num_layers):
+            attend(q, keys[layer], values[layer], block_mask=mask, enable_gqa=True)
+
+    return _median_ms(paged, args.repeats)
 
 
 def per_token_ns(rows: Sequence[dict[str, Any]], key: str) -> float | None:
@@ -601,8 +640,10 @@ def _table(result: dict[str, Any]) -> str:
             lines.append(f"decode attention, {dc['layers']} layers, batch {r['batch']} x "
                          f"{r['context']}: gathered {r['gathered_ms']:.2f} ms, in place "
                          f"{r['in_place_ms']:.2f} ms")
+        paged = dc.get("paged_ns_per_token")
         lines.append(f"per token of context: gathered {dc['gathered_ns_per_token']:.1f} ns, "
-                     f"in place {dc['in_place_ns_per_token']:.1f} ns")
+                     f"in place {dc['in_place_ns_per_token']:.1f} ns"
+                     + (f", paged {paged:.1f} ns" if paged is not None else ""))
     for d in result.get("decode", []):
         lines.append(
             f"decode ({d['mode']}) batch {d['batch']}: {d['step_ms']:.2f} ms/step, "

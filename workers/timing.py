@@ -165,9 +165,10 @@ H200_LLAMA_1B = TimingModel(
 #: gives 80.3 ns. The calibration's decode steps concatenated each sequence's K/V anew every
 #: step (its README calls its decode figures upper bounds); ``python -m bench.gpu --sections
 #: decode_context`` on the H200 measured flash attention over K/V already in place at 8.9 ns a
-#: token (batch 8-256, contexts 4-8k: 3.4 TB/s of the 4.8 HBM peak), and the torch engine's
-#: own gather-then-attend at 31.8 (``docs/gpu.md``). Every other coefficient is the
-#: calibration's.
+#: token (batch 8-256, contexts 4-8k: 3.4-3.6 TB/s of the 4.8 HBM peak), a paged kernel (flex
+#: attention over 32-token pages) at 7.3 plus ~2 ms a step at small batches, and the torch
+#: engine's own gather-then-attend at 31.2-31.8 (``docs/gpu.md``). Every other coefficient is
+#: the calibration's.
 H200_LLAMA_1B_PAGED = replace(H200_LLAMA_1B, decode_per_context_ms=8.94e-6)
 
 #: Timing models by name, for ``--timing`` flags.

@@ -37,6 +37,8 @@ def test_decode_context_section_times_both_ways_and_fits_a_cost_per_token(
     assert all(r["gathered_ms"] > 0 and r["in_place_ms"] > 0 for r in out["shapes"])
     assert out["layers"] == ex.model.config.num_layers
     assert isinstance(out["gathered_ns_per_token"], float)
+    # The paged kernel (flex attention's decoding kernel) is timed on CUDA only.
+    assert out["paged_ns_per_token"] is None and "paged_ms" not in out["shapes"][0]
 
 
 def test_per_token_cost_is_the_slope_over_batch_times_context() -> None:
