@@ -113,8 +113,8 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
       "while another has one free (default 1; 0 turns it off)")
     a("--affinity-weight", type=float,
       help="multiplies the overlap weight for a request one worker clearly leads on (a "
-      "continuing session): 4 suits engines with paged decode attention (vLLM, TensorRT-LLM); "
-      "default 1, no change")
+      "continuing session, or a prefix only one worker holds): 4 suits engines with paged "
+      "decode attention (vLLM, TensorRT-LLM); default 1, no change")
     a("--affinity-lead-blocks", type=int,
       help="blocks the best-matched worker must lead every other by (default 4)")
     a("--pressure-window", type=float,

@@ -10,7 +10,8 @@ The rule (``shared/DESIGN.md``), per candidate worker w, for a request of B full
                   + overlap_weight' * admission_weight * admission(w)
     overlap_weight' = overlap_weight * affinity_weight   if one candidate's matched blocks
                       lead every other's by affinity_lead_blocks or more (a continuing
-                      session: only its worker caches the conversation)
+                      session, whose conversation only its worker caches, or a prefix
+                      only one worker holds)
                     = overlap_weight                     otherwise
     admission(w) = max(kv_excess(w), seq_excess(w) * kv_held(w) / active_requests(w))
     kv_excess(w)  = max(0, kv_held(w) + B - kv_shared(w) - kv_capacity_blocks(w))

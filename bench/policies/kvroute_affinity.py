@@ -16,7 +16,8 @@ hold their system prompt, and ``agentic`` then loses its balance (load imbalance
 
 So the router's ``--affinity-weight`` (:mod:`router.scheduler`) raises the weight only for a
 request one worker holds clearly more of than any other (a lead of ``--affinity-lead-blocks``,
-4: a continuing session, whose conversation only that worker caches); a request whose best
+4: a continuing session, whose conversation only that worker caches, or a prefix only one
+worker holds); a request whose best
 prefix several workers share (a new session over a shared system prompt) is priced as
 ``kvroute`` prices it. This variant is the router's default with ``--affinity-weight 4``.
 Results in ``docs/benchmarks.md`` ("The decode price, measured").
