@@ -177,6 +177,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
             "chosen": route.worker.url, "chosen_id": route.decision.worker,
             "prompt_tokens": len(route.prompt.token_ids), "request_blocks": len(route.hashes),
             "decision_us": round(route.decision_seconds * 1e6, 1),
+            "overlap_weight": route.decision.overlap_weight,
             "workers": [{"id": c.worker, "url": route.entries[c.worker].url,
                          "matched_blocks": c.matched_blocks,
                          "device_matched_blocks": c.device_matched_blocks,

@@ -172,10 +172,13 @@ class WorkerCost:
 
 @dataclass(frozen=True, slots=True)
 class Decision:
-    """The chosen worker and every candidate's cost terms, cheapest first."""
+    """The chosen worker and every candidate's cost terms, cheapest first, and the overlap
+    weight they were priced at (the configured one, times ``affinity_weight`` for a led
+    request)."""
 
     worker: int
     costs: tuple[WorkerCost, ...]
+    overlap_weight: float = 0.0
 
     @property
     def chosen(self) -> WorkerCost:
@@ -274,7 +277,7 @@ def choose(request_blocks: int, candidates: Sequence[Candidate], config: Schedul
         tied = [c.worker for c in costs
                 if c.cost == best.cost and c.active_requests == best.active_requests]
         worker = tied[0] if len(tied) == 1 else rng.choice(tied)
-    return Decision(worker, tuple(costs))
+    return Decision(worker, tuple(costs), config.overlap_weight)
 
 
 def _led(request_blocks: int, candidates: Sequence[Candidate], lead: int) -> bool:

@@ -189,7 +189,7 @@ class RouterService:
             worker = entries[next(self._turns) % len(entries)].id
         else:
             worker = self.rng.choice(entries).id
-        return Decision(worker, decision.costs)
+        return Decision(worker, decision.costs, decision.overlap_weight)
 
     def _candidates(self, entries: list[WorkerEntry], hashes: list[int], now: float
                     ) -> list[Candidate]:

@@ -217,27 +217,29 @@ SESSION = [Candidate(0, matched_blocks=10, device_matched_blocks=10, decode_bloc
            Candidate(1, matched_blocks=5, device_matched_blocks=5)]
 
 
-@pytest.mark.parametrize("name, config, candidates, expected", [
-    ("factor 1 is today's rule: the session moves", SchedulerConfig(), SESSION, 1),
+@pytest.mark.parametrize("name, config, candidates, expected, weight", [
+    ("factor 1 is today's rule: the session moves", SchedulerConfig(), SESSION, 1, 32.0),
     # 32 * 4 * 5 = 640 > 300: it stays
     ("factor 4 keeps the session on its worker", SchedulerConfig(affinity_weight=4.0),
-     SESSION, 0),
+     SESSION, 0, 128.0),
     ("a lead under affinity_lead_blocks is priced as today",
-     SchedulerConfig(affinity_weight=4.0, affinity_lead_blocks=6), SESSION, 1),
+     SchedulerConfig(affinity_weight=4.0, affinity_lead_blocks=6), SESSION, 1, 32.0),
     # worker 0 leads by 3 (8 against 5): 32 * 2 + 300 = 364 > 160 unscaled; scaled 556 < 640
     ("no clear lead (a new session over a shared prompt): priced as today",
      SchedulerConfig(affinity_weight=4.0),
      [Candidate(0, matched_blocks=8, device_matched_blocks=8, decode_blocks=300),
-      Candidate(1, matched_blocks=5, device_matched_blocks=5)], 1),
+      Candidate(1, matched_blocks=5, device_matched_blocks=5)], 1, 32.0),
     # matches count only up to the request's blocks: 40 against 5 is a lead of 5, not 35
     ("matches past the request are capped before the lead is measured",
      SchedulerConfig(affinity_weight=4.0, affinity_lead_blocks=6),
      [Candidate(0, matched_blocks=40, device_matched_blocks=40, decode_blocks=300),
-      Candidate(1, matched_blocks=5, device_matched_blocks=5)], 1),
+      Candidate(1, matched_blocks=5, device_matched_blocks=5)], 1, 32.0),
 ])
 def test_affinity_scales_the_overlap_weight_only_for_a_clear_lead(
-        name: str, config: SchedulerConfig, candidates: list[Candidate], expected: int) -> None:
-    assert choose(10, candidates, config, random.Random(0)).worker == expected, name
+        name: str, config: SchedulerConfig, candidates: list[Candidate], expected: int,
+        weight: float) -> None:
+    decision = choose(10, candidates, config, random.Random(0))
+    assert (decision.worker, decision.overlap_weight) == (expected, weight), name
 
 
 def test_one_candidate_has_no_lead_and_bad_affinity_settings_are_refused() -> None:
