@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvroute.argtypes import positive_float, positive_int
+from workers.timing import TIMING_MODELS
 
 __all__ = ["DEFAULT_TRACE", "add_bench_parser", "build_parser", "main", "run_bench"]
 
@@ -56,7 +57,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
       help="tokens per KV block on workers and index (default 32; trace ids are 512 tokens)")
     a("--max-num-batched-tokens", type=positive_int, default=8192,
       help="engine tokens per iteration (default 8192)")
-    a("--timing", choices=["calibrated", "paged"], default="calibrated",
+    a("--timing", choices=list(TIMING_MODELS), default="calibrated",
       help="the simulated engine's cost model: fitted to shared/calibration (default), or "
            "that with decode attention priced as a paged kernel measured on the H200 "
            "(workers.timing.H200_LLAMA_1B_PAGED)")
@@ -128,7 +129,6 @@ def run_bench(args: argparse.Namespace) -> int:
     from bench.policies import make_policies
     from bench.report import per_worker, per_worker_table, plot, summarize, table, write_json
     from bench.sim import SimConfig, simulate
-    from workers.timing import TIMING_MODELS
 
     try:
         requests, name = _workload(args)

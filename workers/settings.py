@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from workers.timing import TIMING_MODELS
+
 __all__ = ["WorkerSettings", "WorkerSettingsError", "load_worker_settings"]
 
 ENV_PREFIX = "KVROUTE_WORKER_"
@@ -74,9 +76,9 @@ class WorkerSettings:
                 raise WorkerSettingsError(f"{name} must be >= 0, got {getattr(self, name)}")
         if self.speedup <= 0:
             raise WorkerSettingsError(f"speedup must be positive, got {self.speedup}")
-        if self.timing not in ("calibrated", "paged"):
+        if self.timing not in TIMING_MODELS:
             raise WorkerSettingsError(
-                f"timing must be 'calibrated' or 'paged', got {self.timing!r}")
+                f"timing must be {' or '.join(map(repr, TIMING_MODELS))}, got {self.timing!r}")
         if self.engine not in ("sim", "torch"):
             raise WorkerSettingsError(f"engine must be 'sim' or 'torch', got {self.engine!r}")
         if self.max_num_batched_tokens < self.block_size:

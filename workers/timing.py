@@ -53,8 +53,6 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 __all__ = ["H200_LLAMA_1B", "H200_LLAMA_1B_PAGED", "TIMING_MODELS", "TimingModel", "fit_timing",
            "fit_timing_points", "kv_bytes_per_token"]
 
@@ -235,6 +233,8 @@ def fit_timing_points(calibration: Any) -> TimingModel:
 
 def _fit_nonnegative(rows: list[list[float]], ms: list[float], what: str) -> list[float]:
     """Least squares on relative error, dropping negative coefficients until none is left."""
+    import numpy as np  # only fitting needs it: settings read TIMING_MODELS at start-up
+
     x = np.asarray(rows, dtype=np.float64)
     y = np.asarray(ms, dtype=np.float64)
     if len(y) < x.shape[1] or np.any(y <= 0):
