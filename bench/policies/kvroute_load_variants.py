@@ -190,6 +190,36 @@ class KvrouteExternality20(KvrouteExternality):
     horizon_s = 20.0
 
 
+class KvrouteLanes(KvrouteAuto):
+    """Variant of ``kvroute``: deliberate light and heavy lanes. The first ``5/8`` of the
+    workers (rounded down) are balanced to ``light_share`` of the mean decode load and the rest
+    take what is left: each worker's decode term is divided by its share, so the scheduler
+    equalises ``decode_blocks / share``. llm-d's lower ``multi_turn`` median comes from a skew
+    like this one, formed by accident; this variant forms it on purpose, to measure what the
+    median costs in the tail."""
+
+    name = "kvroute_lanes70"
+    light_share = 0.7
+
+    def start(self, cluster: ClusterView) -> None:
+        super().start(cluster)
+        n = cluster.num_workers
+        light = n * 5 // 8
+        heavy = (n - self.light_share * light) / (n - light) if n > light else 1.0
+        self._shares = [self.light_share] * light + [heavy] * (n - light)
+
+    def candidates(self, hashes: list[int], now: float) -> list[Candidate]:
+        return [dataclasses.replace(c, decode_blocks=c.decode_blocks / self._shares[c.worker])
+                for c in super().candidates(hashes, now)]
+
+
+class KvrouteLanes80(KvrouteLanes):
+    """Variant: as ``kvroute_lanes70`` with the light lanes at 0.8 of the mean."""
+
+    name = "kvroute_lanes80"
+    light_share = 0.8
+
+
 #: name -> class, for :data:`bench.policies.VARIANTS`.
 LOAD_VARIANTS: dict[str, Callable[[], Policy]] = {
     "kvroute_waiting": KvrouteWaiting,
@@ -205,4 +235,6 @@ LOAD_VARIANTS: dict[str, Callable[[], Policy]] = {
     "kvroute_iter": KvrouteIterations,
     "kvroute_ext15": KvrouteExternality,
     "kvroute_ext20": KvrouteExternality20,
+    "kvroute_lanes70": KvrouteLanes,
+    "kvroute_lanes80": KvrouteLanes80,
 }

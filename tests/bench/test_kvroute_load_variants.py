@@ -47,6 +47,25 @@ def test_the_externality_variant_prices_a_workers_recent_arrivals() -> None:
     assert policy.candidates(request.hashes, 10.5)[first].decode_blocks == plain[first]
 
 
+def test_the_lanes_variant_divides_each_workers_decode_load_by_its_share() -> None:
+    policy = started(LOAD_VARIANTS["kvroute_lanes70"]())
+    n = FakeCluster().num_workers
+    light = n * 5 // 8
+    assert 0 < light < n
+    shares = [0.7] * light + [(n - 0.7 * light) / (n - light)] * (n - light)
+    assert sum(shares) == pytest.approx(n)  # the mean load is unchanged
+    request = RouteRequest("a", tuple(range(10, 170)), (), BS)  # 40 blocks
+    for worker in (0, n - 1):  # one light lane, one heavy
+        policy._load.routed(f"r{worker}", worker, 40, 40)
+        policy._load.first_token(f"r{worker}")
+    decode = {c.worker: c.decode_blocks for c in policy.candidates(request.hashes, 0.0)}
+    assert decode[0] == pytest.approx(40 / 0.7)
+    assert decode[n - 1] == pytest.approx(40 / shares[-1])
+    assert all(decode[w] == 0.0 for w in range(1, n - 1))
+    # equal loads: the heavy lane is the cheaper place for more decode
+    assert policy.route(request, 0.0) == n - 1
+
+
 def test_weights_and_cap_of_the_plain_variants() -> None:
     assert [LOAD_VARIANTS[f"kvroute_ow{n}"]().config.overlap_weight for n in (8, 16, 64)] == [
         8.0, 16.0, 64.0]
