@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvroute.argtypes import positive_float, positive_int
-from workers.timing import TIMING_MODELS
+from workers.timing import DEFAULT_TIMING, TIMING_MODELS
 
 __all__ = ["DEFAULT_TRACE", "add_bench_parser", "build_parser", "main", "run_bench"]
 
@@ -57,10 +57,15 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
       help="tokens per KV block on workers and index (default 32; trace ids are 512 tokens)")
     a("--max-num-batched-tokens", type=positive_int, default=8192,
       help="engine tokens per iteration (default 8192)")
-    a("--timing", choices=list(TIMING_MODELS), default="calibrated",
-      help="the simulated engine's cost model: fitted to shared/calibration (default), or "
-           "that with decode attention priced as a paged kernel measured on the H200 "
-           "(workers.timing.H200_LLAMA_1B_PAGED)")
+    a("--timing", choices=list(TIMING_MODELS), default=DEFAULT_TIMING,
+      help=f"the simulated engine's cost model (default {DEFAULT_TIMING}): paged is "
+           "shared/calibration's fit with decode attention priced as a paged kernel measured "
+           "on the H200 (workers.timing.H200_LLAMA_1B_PAGED); calibrated is the fit as it is, "
+           "whose decode concatenated K/V every step (9x dearer a token of context)")
+    a("--affinity-weight", type=positive_float, default=None,
+      help="the affinity factor of every kvroute policy, variants included (default: each "
+           "policy's own; kvroute's is the router's, 4); --timing calibrated "
+           "--affinity-weight 1 reproduces the figures measured before both defaults changed")
     a("--seed", type=int, default=0, help="seed of generators and policies (default 0)")
     a("--json", dest="json_path", metavar="OUT", help="write the results as JSON here")
     a("--plot-dir", metavar="DIR", help="write PNG plots here")
@@ -119,6 +124,18 @@ def _progress(total: int, desc: str, enabled: bool) -> Any:
     return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, unit="req")
 
 
+def _policies(args: argparse.Namespace) -> list[Any]:
+    """Fresh policies for ``--policies``, with ``--affinity-weight`` applied to kvroute's."""
+    from bench.policies import KvroutePolicy, make_policies
+
+    policies = make_policies(args.policies)
+    if args.affinity_weight is not None:
+        for p in policies:
+            if isinstance(p, KvroutePolicy):
+                p.config = dataclasses.replace(p.config, affinity_weight=args.affinity_weight)
+    return policies
+
+
 def run_bench(args: argparse.Namespace) -> int:
     """Run the benchmark the parsed arguments describe; return the exit status.
 
@@ -172,7 +189,7 @@ def run_bench(args: argparse.Namespace) -> int:
     }
     for config in configs:
         results, rows = [], []
-        for policy in make_policies(args.policies):
+        for policy in _policies(args):
             bar = _progress(len(requests), f"{policy.name} lag {config.event_lag_s * 1e3:g} ms",
                             show)
             try:

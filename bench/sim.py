@@ -39,7 +39,7 @@ from workers.block_keys import Prompt
 from workers.cache_manager import CacheManager
 from workers.event_sink import EventSink
 from workers.executor import IterationPlan, SimExecutor
-from workers.timing import H200_LLAMA_1B, TimingModel
+from workers.timing import H200_LLAMA_1B_PAGED, TimingModel
 
 __all__ = ["EVENT_PATHS", "RequestRecord", "SimConfig", "SimResult", "simulate"]
 
@@ -73,7 +73,7 @@ class SimConfig:
     event_lag_s: float = 0.0
     event_path: str = "wire"
     max_pending_stored: int = 4096
-    timing: TimingModel = H200_LLAMA_1B
+    timing: TimingModel = H200_LLAMA_1B_PAGED
 
     def __post_init__(self) -> None:
         if self.workers < 1:

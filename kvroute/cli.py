@@ -63,8 +63,9 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     a("--max-num-seqs", type=int, help="running requests at most (default 256)")
     a("--max-model-len", type=int, help="prompt + output tokens at most (default 65536)")
     a("--speedup", type=float, help="sim engine: divide modelled time by this (default 1)")
-    a("--timing", help="sim engine's cost model: calibrated (default, shared/calibration) or "
-      "paged (decode attention priced as a paged kernel measured on an H200)")
+    a("--timing", help="sim engine's cost model: paged (default: shared/calibration with "
+      "decode attention priced as a paged kernel measured on an H200) or calibrated (the "
+      "calibration as fitted)")
     a("--mm-tokens-per-image", type=int, help="placeholder positions per image (default 16)")
     a("--lora", dest="loras", action="append", help="serve a LoRA adapter by this name")
     a("--admin-token", help="bearer token for reset, snapshot and fault injection")
@@ -113,8 +114,8 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
       "while another has one free (default 1; 0 turns it off)")
     a("--affinity-weight", type=float,
       help="multiplies the overlap weight for a request one worker clearly leads on (a "
-      "continuing session, or a prefix only one worker holds): 4 suits engines with paged "
-      "decode attention (vLLM, TensorRT-LLM); default 1, no change")
+      "continuing session, or a prefix only one worker holds); default 4, for engines with "
+      "paged decode attention (vLLM, TensorRT-LLM, SGLang); 1 turns it off")
     a("--affinity-lead-blocks", type=int,
       help="blocks the best-matched worker must lead every other by (default 4)")
     a("--pressure-window", type=float,

@@ -31,7 +31,8 @@ The rule (``shared/DESIGN.md``), per candidate worker w, for a request of B full
   than a block to prefill, and at Dynamo's 1.0 the router moved requests off workers with long
   decodes and recomputed their long prefixes elsewhere (multi-turn hit rate 76% -> 89%, p50
   TTFT .28 -> .13 s at 32). ``--overlap-weight 1`` gives Dynamo's rule.
-- ``affinity_weight`` (default 1: no change) prices leaving the one worker that caches a
+- ``affinity_weight`` (1 here: no change; the router passes its ``--affinity-weight``, default
+  4) prices leaving the one worker that caches a
   request's conversation. ``overlap_weight`` 32 sets a block of decode context at 1/32 of a
   block to prefill, which is what the calibrated timing's decode costs (80.3 ns a token of
   context, K/V concatenated every step). An engine whose decode attention reads paged K/V in

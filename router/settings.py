@@ -39,7 +39,7 @@ class RouterSettings:
     queue_weight: float | None = None
     queue_cap_blocks: float | None = None
     admission_weight: float = 1.0
-    affinity_weight: float = 1.0
+    affinity_weight: float = 4.0
     affinity_lead_blocks: int = 4
     pressure_window: float = 10.0
     host_credit: float = 0.75

@@ -31,7 +31,7 @@ from typing import Protocol
 from indexer.tokenizer import BYTE_OFFSET
 from workers.block_keys import Prompt
 from workers.block_pool import BlockCopy
-from workers.timing import H200_LLAMA_1B, TimingModel
+from workers.timing import H200_LLAMA_1B_PAGED, TimingModel
 
 __all__ = [
     "BYTE_TEXT_VOCAB",
@@ -182,7 +182,7 @@ class SimExecutor:
 
     def __init__(
         self,
-        timing: TimingModel = H200_LLAMA_1B,
+        timing: TimingModel = H200_LLAMA_1B_PAGED,
         *,
         speedup: float = 1.0,
         vocab: range = BYTE_TEXT_VOCAB,

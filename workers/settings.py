@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from workers.timing import TIMING_MODELS
+from workers.timing import DEFAULT_TIMING, TIMING_MODELS
 
 __all__ = ["WorkerSettings", "WorkerSettingsError", "load_worker_settings"]
 
@@ -43,7 +43,7 @@ class WorkerSettings:
     max_num_seqs: int = 256
     max_model_len: int = 65536
     speedup: float = 1.0
-    timing: str = "calibrated"
+    timing: str = DEFAULT_TIMING
     mm_tokens_per_image: int = 16
     images: bool = True
     prefix_caching: bool = True

@@ -10,7 +10,7 @@ from collections.abc import Callable
 
 from bench.policies.base import ClusterView, Policy, RouteRequest, WorkerMetrics
 from bench.policies.dynamo import Dynamo
-from bench.policies.kvroute_affinity import KvrouteAffinity
+from bench.policies.kvroute_affinity import KvrouteAffinity, KvrouteAffinity1
 from bench.policies.kvroute_load_variants import LOAD_VARIANTS
 from bench.policies.kvroute_policy import KvroutePolicy, KvrouteUntuned
 from bench.policies.kvroute_pressure import (
@@ -72,6 +72,7 @@ VARIANTS: dict[str, Callable[[], Policy]] = {
     **ADMIT_VARIANTS,
     **LOAD_VARIANTS,
     "kvroute_affinity4": KvrouteAffinity,
+    "kvroute_affinity1": KvrouteAffinity1,
 }
 
 

@@ -1,5 +1,6 @@
-"""``kvroute_affinity4``: ``kvroute`` that prices leaving a session's worker for an engine whose
-decode attention reads paged K/V in place.
+"""``kvroute_affinity4`` and ``kvroute_affinity1``: ``kvroute`` with the affinity factor set, for an
+engine whose decode attention reads paged K/V in place (4, the router's default since the
+eighth session) or one that concatenates K/V every step (1, the default before).
 
 ``kvroute``'s overlap weight (32) says a prefill block costs about as much as 32 blocks of
 decode context on the worker; that ratio came from the calibrated timing, whose decode
@@ -19,8 +20,11 @@ request one worker holds clearly more of than any other (a lead of ``--affinity-
 4: a continuing session, whose conversation only that worker caches, or a prefix only one
 worker holds); a request whose best
 prefix several workers share (a new session over a shared system prompt) is priced as
-``kvroute`` prices it. This variant is the router's default with ``--affinity-weight 4``.
-Results in ``docs/benchmarks.md`` ("The decode price, measured").
+without it. 4 met more of the issue's targets on the paged timing (44 of 56 session runs,
+against 28 at 1) and fewer on the calibrated one (16 of 28, against 20), so when the
+benchmark's default engine became the paged one, 4 became the router's default and
+``kvroute_affinity4`` equals ``kvroute``; ``kvroute_affinity1`` keeps the old default. Results
+in ``docs/benchmarks.md`` ("The decode price, measured" and "The default engine").
 """
 
 from __future__ import annotations
@@ -29,7 +33,7 @@ import dataclasses
 
 from bench.policies.kvroute_pressure import KvrouteAuto
 
-__all__ = ["KvrouteAffinity"]
+__all__ = ["KvrouteAffinity", "KvrouteAffinity1"]
 
 
 class KvrouteAffinity(KvrouteAuto):
@@ -46,3 +50,13 @@ class KvrouteAffinity(KvrouteAuto):
         super().__init__()
         self.config = dataclasses.replace(self.config, affinity_weight=factor,
                                           affinity_lead_blocks=lead_blocks)
+
+
+class KvrouteAffinity1(KvrouteAffinity):
+    """``kvroute`` with ``--affinity-weight 1`` (no factor: the router's default before the
+    eighth session, and the better setting on the calibrated timing)."""
+
+    name = "kvroute_affinity1"
+
+    def __init__(self) -> None:
+        super().__init__(factor=1.0)

@@ -19,7 +19,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from bench.policies.base import ClusterView, RouteRequest
-from bench.policies.kvroute_policy import KvroutePolicy
+from bench.policies.kvroute_policy import KvroutePolicy, router_scheduler_config
 from indexer.events import Event
 from router.pressure import (
     ROUTER_PRESSURE_RULE,
@@ -28,7 +28,6 @@ from router.pressure import (
     queue_weight_for,
 )
 from router.scheduler import Candidate, SchedulerConfig
-from router.settings import RouterSettings
 
 __all__ = ["KvroutePressure"]
 
@@ -51,7 +50,7 @@ class KvroutePressure(KvroutePolicy):
     def __init__(self, config: SchedulerConfig | None = None, predict_ttl: float | None = None,
                  rule: PressureRule | None = None, queue_cap_blocks: float = 3000.0,
                  window_s: float = 10.0) -> None:
-        base = config or SchedulerConfig(admission_weight=RouterSettings().admission_weight)
+        base = config or router_scheduler_config()
         super().__init__(dataclasses.replace(base, queue_cap_blocks=queue_cap_blocks),
                          predict_ttl)
         self.rule = rule or PressureRule()
@@ -161,7 +160,7 @@ class KvroutePressureAdmit(KvroutePressure):
     def __init__(self, admission_weight: float = 1.0, kv: bool = True, max_running: int = 256,
                  distinct: bool = False, capacity: str = "peak",
                  rule: PressureRule | None = None, queue_cap_blocks: float = 3000.0) -> None:
-        super().__init__(SchedulerConfig(admission_weight=admission_weight), rule=rule,
+        super().__init__(router_scheduler_config(admission_weight=admission_weight), rule=rule,
                          queue_cap_blocks=queue_cap_blocks)
         if capacity not in ("peak", "model_info"):
             raise ValueError(f"capacity must be 'peak' or 'model_info', got {capacity!r}")

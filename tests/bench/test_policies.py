@@ -195,19 +195,20 @@ def _decoding_on_worker_0(policy: str) -> tuple[FakeCluster, KvroutePolicy]:
     return cluster, p
 
 
-@pytest.mark.parametrize(("policy", "expected"), [("kvroute", 1), ("kvroute_affinity4", 0)])
+@pytest.mark.parametrize(("policy", "expected"), [
+    ("kvroute_affinity1", 1), ("kvroute_affinity4", 0), ("kvroute", 0)])
 def test_affinity_keeps_a_continuing_session_on_its_worker(policy: str, expected: int) -> None:
     cluster, p = _decoding_on_worker_0(policy)
     req = rr("turn", PROMPT)
     # Worker 0 holds all 10 blocks, worker 1 the first 5 (the system prompt): a lead of 5.
-    # kvroute: 0 + 300 on worker 0 against 32 x 5 = 160 on 1, so it moves; with the weight
-    # x 4, 640 > 300 and it stays.
+    # Factor 1: 0 + 300 on worker 0 against 32 x 5 = 160 on 1, so it moves; with the weight
+    # x 4 (kvroute's default), 640 > 300 and it stays.
     cluster.index.store_hashes(0, req.hashes)
     cluster.index.store_hashes(1, req.hashes[:5])
     assert p.route(req, 0.0) == expected
 
 
-@pytest.mark.parametrize("policy", ["kvroute", "kvroute_affinity4"])
+@pytest.mark.parametrize("policy", ["kvroute", "kvroute_affinity1"])
 def test_affinity_prices_a_request_without_a_clear_lead_as_kvroute(policy: str) -> None:
     cluster, p = _decoding_on_worker_0(policy)
     req = rr("new", PROMPT)

@@ -81,19 +81,41 @@ def test_per_worker_with_live_is_refused(tmp_path: Path,
     assert "--per-worker" in capsys.readouterr().err
 
 
-def test_paged_timing_runs_the_same_workload_with_cheaper_decode(tmp_path: Path) -> None:
+def test_paged_timing_is_the_default_and_decodes_cheaper(tmp_path: Path) -> None:
     trace = tiny_trace(tmp_path / "t.jsonl")
     e2e = {}
-    for timing in ("calibrated", "paged"):
+    for timing in ("calibrated", "paged", None):
         out = tmp_path / f"{timing}.json"
+        flag = [] if timing is None else ["--timing", timing]
         assert main(["--trace", str(trace), "--workers", "2", "--capacity-tokens", "20000",
-                     "--policies", "kvroute", "--timing", timing, "--json", str(out),
-                     "--no-progress"]) == 0
+                     "--policies", "kvroute", *flag, "--json", str(out), "--no-progress"]) == 0
         doc = json.loads(out.read_text())
-        assert doc["settings"]["timing"] == timing
+        assert doc["settings"]["timing"] == (timing or "paged")
         (row,) = doc["runs"][0]["rows"]
         e2e[timing] = row["e2e_mean_s"]
     assert 0 < e2e["paged"] < e2e["calibrated"]
+    assert e2e[None] == e2e["paged"]
+
+
+def test_affinity_weight_flag_sets_every_kvroute_policys_factor() -> None:
+    from bench.replay import _policies, build_parser
+
+    names = ["--policies", "kvroute,kvroute_affinity4,kvroute_affinity1,round_robin"]
+    default = _policies(build_parser().parse_args(names))
+    assert [getattr(p, "config", None) and p.config.affinity_weight for p in default] == [
+        4.0, 4.0, 1.0, None]
+    forced = _policies(build_parser().parse_args([*names, "--affinity-weight", "1"]))
+    assert [getattr(p, "config", None) and p.config.affinity_weight for p in forced] == [
+        1.0, 1.0, 1.0, None]
+
+
+@pytest.mark.parametrize("value", ["0", "-1", "nan", "four"])
+def test_bad_affinity_weight_is_a_usage_error(value: str,
+                                              capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--affinity-weight", value, "--no-progress"])
+    assert exc.value.code == 2
+    assert "--affinity-weight" in capsys.readouterr().err
 
 
 def test_unknown_timing_model_is_a_usage_error(tmp_path: Path,

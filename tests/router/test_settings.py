@@ -132,14 +132,14 @@ async def test_the_router_schedules_with_its_affinity_settings(tmp_path: Path) -
     from router.service import RouterService
 
     config = tmp_path / "r.toml"
-    config.write_text("[router]\naffinity_weight = 4\naffinity_lead_blocks = 6\n")
+    config.write_text("[router]\naffinity_weight = 2\naffinity_lead_blocks = 6\n")
     settings = load_settings({}, env={}, config_file=str(config))
     async with httpx.AsyncClient() as http:
         scheduler = RouterService(settings, http).scheduler
-    assert (scheduler.affinity_weight, scheduler.affinity_lead_blocks) == (4.0, 6)
+    assert (scheduler.affinity_weight, scheduler.affinity_lead_blocks) == (2.0, 6)
     async with httpx.AsyncClient() as http:
         default = RouterService(RouterSettings(), http).scheduler
-    assert (default.affinity_weight, default.affinity_lead_blocks) == (1.0, 4)
+    assert (default.affinity_weight, default.affinity_lead_blocks) == (4.0, 4)
 
 
 @pytest.mark.parametrize("timing", ["calibrated", "paged"])
