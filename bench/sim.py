@@ -1,16 +1,16 @@
 """A discrete-event simulation of a routed cluster, in virtual time: no sockets, no sleeping.
 
-Each of N workers is the real worker core: a :class:`~workers.cache_manager.CacheManager` and
-a :class:`~workers.batcher.Batcher`, whose every iteration lasts what
-:meth:`~workers.executor.SimExecutor.modeled_seconds` says (the H200 calibration). After each
-iteration the worker's cache facts go through the real :class:`~workers.event_sink.EventSink`;
-for policies that read the index (:attr:`~bench.policies.base.Policy.needs_index`) the batch
-is delivered to the real :class:`~indexer.index.PrefixIndex` ``event_lag_s`` later, either
-over the wire (``encode_batch`` -> bytes -> ``decode_batch`` -> ``apply_batch``, the default)
-or directly (the sink's structs converted to normalised events in process; same index
-content, no msgpack). The policy decides at each arrival, and hears each request's first
-token and end when they happen, and each applied batch's normalised events
-(:meth:`~bench.policies.base.Policy.index_events`).
+Each of N workers is the real worker core: a :class:`~workers.cache_manager.CacheManager` and a
+:class:`~workers.batcher.Batcher`, whose every iteration lasts what
+:meth:`~workers.executor.SimExecutor.modeled_seconds` says (``SimConfig.timing``: by default
+:mod:`workers.timing`'s default model). After each iteration the worker's cache facts go through
+the real :class:`~workers.event_sink.EventSink`; for policies that read the index
+(:attr:`~bench.policies.base.Policy.needs_index`) the batch is delivered to the real
+:class:`~indexer.index.PrefixIndex` ``event_lag_s`` later, either over the wire
+(``encode_batch`` -> bytes -> ``decode_batch`` -> ``apply_batch``, the default) or directly (the
+sink's structs converted to normalised events in process; same index content, no msgpack). The
+policy decides at each arrival, and hears each request's first token and end when they happen,
+and each applied batch's normalised events (:meth:`~bench.policies.base.Policy.index_events`).
 
 Events at one instant are processed in this order: event deliveries, then iteration ends,
 then arrivals; among equals, first scheduled first. The run is deterministic for a seed.
@@ -39,7 +39,7 @@ from workers.block_keys import Prompt
 from workers.cache_manager import CacheManager
 from workers.event_sink import EventSink
 from workers.executor import IterationPlan, SimExecutor
-from workers.timing import H200_LLAMA_1B_PAGED, TimingModel
+from workers.timing import DEFAULT_TIMING, TIMING_MODELS, TimingModel
 
 __all__ = ["EVENT_PATHS", "RequestRecord", "SimConfig", "SimResult", "simulate"]
 
@@ -73,7 +73,7 @@ class SimConfig:
     event_lag_s: float = 0.0
     event_path: str = "wire"
     max_pending_stored: int = 4096
-    timing: TimingModel = H200_LLAMA_1B_PAGED
+    timing: TimingModel = TIMING_MODELS[DEFAULT_TIMING]
 
     def __post_init__(self) -> None:
         if self.workers < 1:

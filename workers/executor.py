@@ -13,10 +13,10 @@ simulated executor here and the CUDA one:
 3. Sample one token from the last position of every chunk that ``samples`` and of every
    decode step.
 
-:class:`SimExecutor` does no arithmetic: it sleeps for what the pass would take on the
-calibrated GPU (:mod:`workers.timing`), divided by a speedup, and returns tokens that depend
-only on the prompt and the output position, so a request gets the same output on any worker,
-after any preemption, in any process.
+:class:`SimExecutor` does no arithmetic: it sleeps for what the pass would take on the H200 as
+:mod:`workers.timing` models it (its default model unless told), divided by a speedup, and
+returns tokens that depend only on the prompt and the output position, so a request gets the
+same output on any worker, after any preemption, in any process.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ from typing import Protocol
 from indexer.tokenizer import BYTE_OFFSET
 from workers.block_keys import Prompt
 from workers.block_pool import BlockCopy
-from workers.timing import H200_LLAMA_1B_PAGED, TimingModel
+from workers.timing import DEFAULT_TIMING, TIMING_MODELS, TimingModel
 
 __all__ = [
     "BYTE_TEXT_VOCAB",
@@ -182,7 +182,7 @@ class SimExecutor:
 
     def __init__(
         self,
-        timing: TimingModel = H200_LLAMA_1B_PAGED,
+        timing: TimingModel = TIMING_MODELS[DEFAULT_TIMING],
         *,
         speedup: float = 1.0,
         vocab: range = BYTE_TEXT_VOCAB,
