@@ -8,7 +8,8 @@ what it sees into :data:`Notice` values handed, in order, to one callback:
 - ``GapDetected``: a live seq jumped; a replay from the last seq + 1 is asked for. Live batches
   arriving meanwhile are held back and merged after the replay; duplicates are dropped.
 - ``HistoryLost``: replay could not cover a gap (its first batch was above the seq asked for,
-  it timed out, or there is no replay endpoint). The caller must resynchronise that worker.
+  it timed out, or there is no replay endpoint), or a catch-up replay asked for at start timed
+  out. The caller must resynchronise that worker.
 - ``Restarted``: the seq went backwards outside a replay: a new engine instance. The caller
   clears what it knew; the subscriber then expects seq 0 again.
 - ``MalformedInput``: a frame or payload that could not be used; counted and skipped.
@@ -16,7 +17,11 @@ what it sees into :data:`Notice` values handed, in order, to one callback:
 Loss at the end of a burst shows no gap until the next batch arrives, which may be long on an
 idle engine. So when the live stream has been quiet for ``probe_interval`` seconds, the
 subscriber asks for a replay from its last seq + 1 (a probe): an empty answer costs one round
-trip, and batches the socket dropped arrive as a normal replay.
+trip, and batches the socket dropped arrive as a normal replay. A probe that goes unanswered
+(a replay port that is wrong, firewalled or hung) is counted, not reported: nothing is known
+lost, and a ``HistoryLost`` would have the router drop that worker's index at every quiet
+spell. A live batch that continues the stream ends a probe at once, since it proves nothing
+was lost before it.
 
 The subscriber never dies of input: every frame goes through one ``try`` that counts and skips.
 :meth:`EventSubscriber.stop` cancels the task and closes both sockets.
@@ -91,6 +96,7 @@ class SubscriberStats:
         "gaps",
         "history_lost",
         "malformed",
+        "probe_timeouts",
         "probes",
         "replayed",
         "replays",
@@ -149,6 +155,7 @@ class EventSubscriber:
         self._task: asyncio.Task[None] | None = None
         self._last: int | None = None
         self._replay_from: int | None = None  # seq asked for, while a replay is in flight
+        self._probing = False  # the replay in flight is a probe
         self._replay_deadline = 0.0
         self._held: dict[int, bytes] = {}  # live batches held back during a replay
         self.stats = SubscriberStats()
@@ -258,8 +265,12 @@ class EventSubscriber:
             return
         seq, payload = unpack_seq(frames[1]), frames[2]
         if self._replay_from is not None:
-            self._held[seq] = payload
-            return
+            if self._probing and not self._held and self._last is not None \
+                    and seq == self._last + 1:
+                self._end_replay()  # the stream goes on where it was: nothing was lost
+            else:
+                self._held[seq] = payload
+                return
         last = self._last
         if last is None or seq == last + 1:
             self._deliver(seq, payload, replayed=False)
@@ -291,6 +302,7 @@ class EventSubscriber:
         if not probe:
             self.stats.replays += 1
         self._replay_from = start
+        self._probing = probe
         self._replay_deadline = time.monotonic() + self._replay_timeout
         await self._dealer.send_multipart((b"", pack_seq(start)))
 
@@ -302,7 +314,7 @@ class EventSubscriber:
             return
         seq_frame, payload = frames[-2], frames[-1]
         if seq_frame == REPLAY_END_SEQ:
-            self._replay_from = None
+            self._end_replay()
             await self._merge_held()
             return
         seq = unpack_seq(seq_frame)
@@ -315,11 +327,20 @@ class EventSubscriber:
         self.stats.replayed += 1
         self._deliver(seq, payload, replayed=True)
 
+    def _end_replay(self) -> None:
+        self._replay_from = None
+        self._probing = False
+
     async def _give_up_replay(self, reason: str) -> None:
         expected = (self._last + 1) if self._last is not None else 0
-        self._replay_from = None
+        probing = self._probing
+        self._end_replay()
         resumed = min(self._held) if self._held else None
-        if resumed is None or resumed > expected:
+        if probing and (resumed is None or resumed == expected):
+            # A probe's question went unanswered and no batch says anything is missing.
+            self.stats.probe_timeouts += 1
+            self._quiet_since = time.monotonic()  # the next probe after another quiet spell
+        elif resumed is None or resumed > expected:
             self._lost(expected, resumed, reason)
             self._last = None if resumed is None else resumed - 1
         await self._merge_held()

@@ -3,6 +3,9 @@ history loss, restarts, garbage."""
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -250,3 +253,85 @@ async def test_stop_leaves_no_task_behind(publisher: EventPublisher, notice_log:
     await sub.stop()
     await sub.stop()  # twice is fine
     assert {t.get_name() for t in asyncio.all_tasks()} == before
+
+
+@contextlib.asynccontextmanager
+async def silent_replay(log: Any, **kwargs: Any) -> AsyncIterator[
+        tuple[EventPublisher, EventSubscriber]]:
+    """A live publisher, a replay endpoint that takes requests and never answers (a replay port
+    that is wrong, firewalled or hung), and a subscriber of both; all closed on the way out,
+    pass or fail."""
+    pub = EventPublisher(ANY_PORT, None)
+    await pub.start()
+    ctx = zmq.asyncio.Context()
+    silent = ctx.socket(zmq.ROUTER)
+    silent.setsockopt(zmq.LINGER, 0)
+    silent.bind(ANY_PORT)
+    sub = EventSubscriber(pub.endpoint, log,
+                          replay_endpoint=silent.getsockopt_string(zmq.LAST_ENDPOINT), **kwargs)
+    try:
+        await sub.start()
+        yield pub, sub
+    finally:
+        await sub.stop()
+        await pub.close()
+        silent.close()
+        ctx.term()
+
+
+async def _until(predicate: Any, timeout: float, what: str) -> None:
+    """Poll ``predicate`` every 20 ms, for ``timeout`` seconds at most."""
+    for _ in range(int(timeout / 0.02)):
+        if predicate():
+            return
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+async def test_an_unanswered_probe_is_not_history_lost(notice_log: Any) -> None:
+    # A probe checks for trailing loss on a quiet stream. If the replay endpoint never
+    # answers, nothing is known to be lost: reporting history lost would make the router
+    # drop or re-fetch that worker's index entries at every quiet spell.
+    log = notice_log()
+    async with silent_replay(log, probe_interval=0.05, replay_timeout=0.1) as (pub, sub):
+        await publish_until_seen(pub, log, lambda: bool(log.of(Delivered)))
+        await _until(lambda: sub.stats.probe_timeouts >= 2, 5.0, "two unanswered probes")
+        assert not log.of(HistoryLost)
+        last = sub.last_seq
+        assert last is not None
+        await pub.publish(batch(500))  # the stream goes on where it was
+        await log.wait_for(lambda _: delivered_seqs(log)[-1] == last + 1, what="the next batch")
+    assert not log.of(HistoryLost) and not log.of(GapDetected)
+    assert sub.stats.probes >= sub.stats.probe_timeouts >= 2
+
+
+async def test_an_unanswered_replay_of_a_gap_is_history_lost(notice_log: Any) -> None:
+    log = notice_log()
+    async with silent_replay(log, probe_interval=None, replay_timeout=0.2) as (pub, _sub):
+        await publish_until_seen(pub, log, lambda: bool(log.of(Delivered)))
+        first_dropped = pub.next_seq
+        pub.drop_next(3)
+        for i in range(5):
+            await pub.publish(batch(300 + i))
+        await log.wait_for(lambda _: bool(log.of(HistoryLost)), what="history lost")
+        await log.wait_for(lambda _: delivered_seqs(log)[-1] == first_dropped + 4,
+                           what="the held batches")
+    (lost,) = log.of(HistoryLost)
+    assert (lost.first_missing, lost.resumed_at, lost.reason) == (
+        first_dropped, first_dropped + 3, "replay timed out")
+    assert delivered_seqs(log)[-2:] == [first_dropped + 3, first_dropped + 4]
+
+
+async def test_a_batch_that_continues_the_stream_ends_a_probe_at_once(notice_log: Any) -> None:
+    # While a probe waits for its answer, live batches are held back; one that continues the
+    # stream proves nothing was lost, so it is delivered without waiting out the probe.
+    log = notice_log()
+    async with silent_replay(log, probe_interval=0.05, replay_timeout=30.0) as (pub, sub):
+        await publish_until_seen(pub, log, lambda: bool(log.of(Delivered)))
+        last = sub.last_seq
+        assert last is not None
+        await _until(lambda: sub.stats.probes >= 1, 5.0, "a probe in flight")
+        await pub.publish(batch(600))
+        await log.wait_for(lambda _: delivered_seqs(log)[-1] == last + 1, timeout=2.0,
+                           what="the batch, well before the 30 s replay timeout")
+    assert not log.of(HistoryLost) and sub.stats.probe_timeouts == 0
