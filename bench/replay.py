@@ -65,7 +65,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     a("--affinity-weight", type=positive_float, default=None,
       help="the affinity factor of every kvroute policy, variants included (default: each "
            "policy's own; kvroute's is the router's, 4); --timing calibrated "
-           "--affinity-weight 1 reproduces the figures measured before both defaults changed")
+           "--affinity-weight 1 reproduces the figures measured before the eighth session")
+    a("--affinity-lead-blocks", type=positive_int, default=None,
+      help="the affinity lead of every kvroute policy, variants included (default: each "
+           "policy's own; kvroute's is the router's, 8)")
     a("--seed", type=int, default=0, help="seed of generators and policies (default 0)")
     a("--json", dest="json_path", metavar="OUT", help="write the results as JSON here")
     a("--plot-dir", metavar="DIR", help="write PNG plots here")
@@ -125,14 +128,17 @@ def _progress(total: int, desc: str, enabled: bool) -> Any:
 
 
 def _policies(args: argparse.Namespace) -> list[Any]:
-    """Fresh policies for ``--policies``, with ``--affinity-weight`` applied to kvroute's."""
+    """Fresh policies for ``--policies``, with ``--affinity-weight`` and
+    ``--affinity-lead-blocks`` applied to kvroute's."""
     from bench.policies import KvroutePolicy, make_policies
 
+    changes = {k: v for k, v in (("affinity_weight", args.affinity_weight),
+                                 ("affinity_lead_blocks", args.affinity_lead_blocks))
+               if v is not None}
     policies = make_policies(args.policies)
-    if args.affinity_weight is not None:
-        for p in policies:
-            if isinstance(p, KvroutePolicy):
-                p.config = dataclasses.replace(p.config, affinity_weight=args.affinity_weight)
+    for p in policies:
+        if changes and isinstance(p, KvroutePolicy):
+            p.config = dataclasses.replace(p.config, **changes)
     return policies
 
 

@@ -117,7 +117,7 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
       "continuing session, or a prefix only one worker holds); default 4, for engines with "
       "paged decode attention (vLLM, TensorRT-LLM, SGLang); 1 turns it off")
     a("--affinity-lead-blocks", type=int,
-      help="blocks the best-matched worker must lead every other by (default 4)")
+      help="blocks the best-matched worker must lead every other by (default 8)")
     a("--pressure-window", type=float,
       help="seconds of cache removals the eviction pressure counts (default 10)")
     a("--predict-ttl", type=float, help="seconds a routed prefix counts resident (default 10)")

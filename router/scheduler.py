@@ -32,7 +32,7 @@ The rule (``shared/DESIGN.md``), per candidate worker w, for a request of B full
   decodes and recomputed their long prefixes elsewhere (multi-turn hit rate 76% -> 89%, p50
   TTFT .28 -> .13 s at 32). ``--overlap-weight 1`` gives Dynamo's rule.
 - ``affinity_weight`` (1 here: no change; the router passes its ``--affinity-weight``, default
-  4) prices leaving the one worker that caches a
+  4, and its ``--affinity-lead-blocks``, default 8) prices leaving the one worker that caches a
   request's conversation. ``overlap_weight`` 32 sets a block of decode context at 1/32 of a
   block to prefill, which is what the calibrated timing's decode costs (80.3 ns a token of
   context, K/V concatenated every step). An engine whose decode attention reads paged K/V in
@@ -41,7 +41,8 @@ The rule (``shared/DESIGN.md``), per candidate worker w, for a request of B full
   Raising ``overlap_weight`` itself for such engines also piles new sessions onto the workers
   holding their system prompt (the decode term is what spreads them), so the factor applies
   only where one worker clearly leads; ``docs/benchmarks.md`` ("The decode price, measured")
-  has the runs: 4 suits paged engines, 1 the calibrated timing.
+  and "The default engine" have the runs: 4 suits paged engines, 1 the calibrated timing; a
+  lead of 8 met four more runs than 4 and broke none.
 - ``queue_weight`` (default 0.5) scales the prefill already queued on a worker against the
   request's own uncached blocks: below 1 it prefers waiting behind a queue to recomputing a
   prefix elsewhere, since a recompute costs the whole cluster work (and duplicates the prefix,

@@ -40,7 +40,7 @@ class RouterSettings:
     queue_cap_blocks: float | None = None
     admission_weight: float = 1.0
     affinity_weight: float = 4.0
-    affinity_lead_blocks: int = 4
+    affinity_lead_blocks: int = 8
     pressure_window: float = 10.0
     host_credit: float = 0.75
     temperature: float = 0.0

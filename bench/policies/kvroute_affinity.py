@@ -1,6 +1,7 @@
 """``kvroute_affinity4`` and ``kvroute_affinity1``: ``kvroute`` with the affinity factor set, for an
-engine whose decode attention reads paged K/V in place (4, the router's default since the
-eighth session) or one that concatenates K/V every step (1, the default before).
+engine whose decode attention reads paged K/V in place (4, at a lead of 4 blocks, as the seventh
+session measured it; the router's default since the eighth session is 4 at a lead of 8) or one
+that concatenates K/V every step (1, the default before).
 
 ``kvroute``'s overlap weight (32) says a prefill block costs about as much as 32 blocks of
 decode context on the worker; that ratio came from the calibrated timing, whose decode
@@ -22,9 +23,10 @@ worker holds); a request whose best
 prefix several workers share (a new session over a shared system prompt) is priced as
 without it. 4 met more of the issue's targets on the paged timing (44 of 56 session runs,
 against 28 at 1) and fewer on the calibrated one (16 of 28, against 20), so when the
-benchmark's default engine became the paged one, 4 became the router's default and
-``kvroute_affinity4`` equals ``kvroute``; ``kvroute_affinity1`` keeps the old default. Results
-in ``docs/benchmarks.md`` ("The decode price, measured" and "The default engine").
+benchmark's default engine became the paged one, 4 became the router's default, with a lead
+of 8 blocks, which met four more runs and broke none (``docs/benchmarks.md``, "The default
+engine"); ``kvroute_affinity1`` keeps the old default. Results in ``docs/benchmarks.md`` ("The
+decode price, measured" and "The default engine").
 """
 
 from __future__ import annotations

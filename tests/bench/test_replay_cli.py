@@ -107,15 +107,23 @@ def test_affinity_weight_flag_sets_every_kvroute_policys_factor() -> None:
     forced = _policies(build_parser().parse_args([*names, "--affinity-weight", "1"]))
     assert [getattr(p, "config", None) and p.config.affinity_weight for p in forced] == [
         1.0, 1.0, 1.0, None]
+    leads = [p.config.affinity_lead_blocks for p in default[:3]]
+    assert leads == [8, 4, 4]  # kvroute's is the router's; the variants' as measured
+    forced = _policies(build_parser().parse_args([*names, "--affinity-lead-blocks", "2"]))
+    assert [p.config.affinity_lead_blocks for p in forced[:3]] == [2, 2, 2]
+    assert [p.config.affinity_weight for p in forced[:3]] == [4.0, 4.0, 1.0]
 
 
-@pytest.mark.parametrize("value", ["0", "-1", "nan", "four"])
-def test_bad_affinity_weight_is_a_usage_error(value: str,
-                                              capsys: pytest.CaptureFixture[str]) -> None:
+@pytest.mark.parametrize(("flag", "value"), [
+    ("--affinity-weight", "0"), ("--affinity-weight", "-1"), ("--affinity-weight", "nan"),
+    ("--affinity-weight", "four"), ("--affinity-lead-blocks", "0"),
+    ("--affinity-lead-blocks", "2.5")])
+def test_bad_affinity_settings_are_usage_errors(flag: str, value: str,
+                                                capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as exc:
-        main(["--affinity-weight", value, "--no-progress"])
+        main([flag, value, "--no-progress"])
     assert exc.value.code == 2
-    assert "--affinity-weight" in capsys.readouterr().err
+    assert flag in capsys.readouterr().err
 
 
 def test_unknown_timing_model_is_a_usage_error(tmp_path: Path,

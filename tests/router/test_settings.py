@@ -139,7 +139,7 @@ async def test_the_router_schedules_with_its_affinity_settings(tmp_path: Path) -
     assert (scheduler.affinity_weight, scheduler.affinity_lead_blocks) == (2.0, 6)
     async with httpx.AsyncClient() as http:
         default = RouterService(RouterSettings(), http).scheduler
-    assert (default.affinity_weight, default.affinity_lead_blocks) == (4.0, 4)
+    assert (default.affinity_weight, default.affinity_lead_blocks) == (4.0, 8)
 
 
 @pytest.mark.parametrize("timing", ["calibrated", "paged"])
