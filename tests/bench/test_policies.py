@@ -195,30 +195,20 @@ def _decoding_on_worker_0(policy: str) -> tuple[FakeCluster, KvroutePolicy]:
     return cluster, p
 
 
-@pytest.mark.parametrize(("policy", "expected"), [
-    ("kvroute_affinity1", 1), ("kvroute_affinity4", 0), ("kvroute", 0)])
-def test_affinity_keeps_a_continuing_session_on_its_worker(policy: str, expected: int) -> None:
+@pytest.mark.parametrize(("policy", "held_by_1", "expected"), [
+    # lead 8 (worker 1 holds the first 2 blocks): at kvroute's lead and over the variants' 4
+    ("kvroute_affinity1", 2, 1), ("kvroute_affinity4", 2, 0), ("kvroute", 2, 0),
+    # lead 5: under kvroute's 8, over kvroute_affinity4's 4
+    ("kvroute_affinity1", 5, 1), ("kvroute", 5, 1), ("kvroute_affinity4", 5, 0)])
+def test_affinity_keeps_a_continuing_session_on_its_worker_from_its_lead(
+        policy: str, held_by_1: int, expected: int) -> None:
     cluster, p = _decoding_on_worker_0(policy)
     req = rr("turn", PROMPT)
-    # Worker 0 holds all 10 blocks, worker 1 the first 2 (the system prompt): a lead of 8, at
-    # kvroute's lead (8) and over the variants' (4). Factor 1: 0 + 300 on worker 0 against
-    # 32 x 8 = 256 on 1, so it moves; with the weight x 4 (kvroute's default), 1024 > 300 and
-    # it stays.
+    # Worker 0 holds all 10 blocks and decodes 300; leaving it costs 32 x (10 - held_by_1)
+    # at weight 32 (256 or 160: it moves) and 4 x that with the factor applied (1024 or 640:
+    # it stays).
     cluster.index.store_hashes(0, req.hashes)
-    cluster.index.store_hashes(1, req.hashes[:2])
-    assert p.route(req, 0.0) == expected
-
-
-@pytest.mark.parametrize(("policy", "expected"), [
-    ("kvroute_affinity1", 1), ("kvroute", 1), ("kvroute_affinity4", 0)])
-def test_kvroute_applies_the_factor_from_a_lead_of_8(policy: str, expected: int) -> None:
-    cluster, p = _decoding_on_worker_0(policy)
-    req = rr("turn", PROMPT)
-    # Worker 0 holds all 10 blocks, worker 1 the first 5: a lead of 5, under kvroute's 8 and
-    # over kvroute_affinity4's 4. At weight 32, 300 on worker 0 against 32 x 5 = 160 on 1:
-    # it moves; at 128 (the factor applied), 640 > 300 and it stays.
-    cluster.index.store_hashes(0, req.hashes)
-    cluster.index.store_hashes(1, req.hashes[:5])
+    cluster.index.store_hashes(1, req.hashes[:held_by_1])
     assert p.route(req, 0.0) == expected
 
 
