@@ -33,7 +33,7 @@ from router.pressure import (
 from router.prompt_path import HashingTerms, request_hashes
 from router.registry import Registry, WorkerEntry
 from router.residency import PredictedResidency
-from router.scheduler import Candidate, Decision, SchedulerConfig, choose
+from router.scheduler import Candidate, Decision, choose
 from router.settings import RouterSettings
 
 __all__ = ["Route", "RouterService"]
@@ -83,13 +83,10 @@ class RouterService:
         fixed, cap = settings.queue_weight, settings.queue_cap_blocks
         if cap is None:  # the rule's cap under auto; none with a fixed weight
             cap = AUTO_QUEUE_CAP_BLOCKS if fixed is None else math.inf
-        self.scheduler = SchedulerConfig(
-            settings.overlap_weight, settings.host_credit, settings.temperature,
-            queue_weight_for(0.0, self.pressure_rule, warming=True) if fixed is None else fixed,
-            cap,
-            settings.admission_weight,
-            settings.affinity_weight,
-            settings.affinity_lead_blocks)
+        self.scheduler = settings.scheduler_config(
+            queue_weight=queue_weight_for(0.0, self.pressure_rule, warming=True)
+            if fixed is None else fixed,
+            queue_cap_blocks=cap)
         self.rng = random.Random(settings.seed)
         self.registry = Registry(settings, self.index, self.load, self.tokenizer.identity,
                                  self.forget, http, on_events=self._observe)

@@ -15,6 +15,8 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from router.scheduler import SchedulerConfig
+
 __all__ = ["POLICIES", "RouterSettings", "SettingsError", "load_settings"]
 
 #: ``kv``: prefix hits weighed against load (the point of kvroute). ``round_robin`` and
@@ -87,6 +89,16 @@ class RouterSettings:
         for url in self.workers:
             if not url.startswith(("http://", "https://")):
                 raise SettingsError(f"worker {url!r} is not an http(s) URL")
+
+    def scheduler_config(self, **changes: float) -> SchedulerConfig:
+        """The scheduler settings these settings give (the queue weight and cap are the
+        scheduler's defaults unless ``changes`` set them: the service derives them from
+        ``queue_weight`` and ``queue_cap_blocks``, which may be ``auto``)."""
+        fields_ = {"overlap_weight": self.overlap_weight, "host_credit": self.host_credit,
+                   "temperature": self.temperature, "admission_weight": self.admission_weight,
+                   "affinity_weight": self.affinity_weight,
+                   "affinity_lead_blocks": self.affinity_lead_blocks, **changes}
+        return SchedulerConfig(**fields_)  # type: ignore[arg-type]
 
 
 _TYPES = {f.name: f.type for f in fields(RouterSettings)}

@@ -29,16 +29,6 @@ from router.residency import PredictedResidency
 from router.scheduler import Candidate, SchedulerConfig, choose
 from router.settings import RouterSettings
 
-
-def router_scheduler_config(**changes: float) -> SchedulerConfig:
-    """The scheduler settings the router starts with (:class:`router.settings.RouterSettings`'
-    defaults where they differ from :class:`SchedulerConfig`'s), with ``changes`` applied."""
-    d = RouterSettings()
-    fields = {"admission_weight": d.admission_weight, "affinity_weight": d.affinity_weight,
-              "affinity_lead_blocks": d.affinity_lead_blocks, **changes}
-    return SchedulerConfig(**fields)  # type: ignore[arg-type]
-
-
 #: The settings before tuning: Dynamo's weights, predictions live 2 s.
 UNTUNED = {"config": SchedulerConfig(overlap_weight=1.0, queue_weight=1.0), "predict_ttl": 2.0}
 
@@ -57,7 +47,7 @@ class KvroutePolicy(Policy):
 
     def __init__(self, config: SchedulerConfig | None = None,
                  predict_ttl: float | None = None) -> None:
-        self.config = config or router_scheduler_config()
+        self.config = config or RouterSettings().scheduler_config()
         self.predict_ttl = RouterSettings().predict_ttl if predict_ttl is None else predict_ttl
 
     def start(self, cluster: ClusterView) -> None:

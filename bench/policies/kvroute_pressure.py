@@ -19,7 +19,7 @@ import dataclasses
 from collections.abc import Sequence
 
 from bench.policies.base import ClusterView, RouteRequest
-from bench.policies.kvroute_policy import KvroutePolicy, router_scheduler_config
+from bench.policies.kvroute_policy import KvroutePolicy
 from indexer.events import Event
 from router.pressure import (
     ROUTER_PRESSURE_RULE,
@@ -28,6 +28,7 @@ from router.pressure import (
     queue_weight_for,
 )
 from router.scheduler import Candidate, SchedulerConfig
+from router.settings import RouterSettings
 
 __all__ = ["KvroutePressure"]
 
@@ -50,7 +51,7 @@ class KvroutePressure(KvroutePolicy):
     def __init__(self, config: SchedulerConfig | None = None, predict_ttl: float | None = None,
                  rule: PressureRule | None = None, queue_cap_blocks: float = 3000.0,
                  window_s: float = 10.0) -> None:
-        base = config or router_scheduler_config()
+        base = config or RouterSettings().scheduler_config()
         super().__init__(dataclasses.replace(base, queue_cap_blocks=queue_cap_blocks),
                          predict_ttl)
         self.rule = rule or PressureRule()
@@ -160,8 +161,8 @@ class KvroutePressureAdmit(KvroutePressure):
     def __init__(self, admission_weight: float = 1.0, kv: bool = True, max_running: int = 256,
                  distinct: bool = False, capacity: str = "peak",
                  rule: PressureRule | None = None, queue_cap_blocks: float = 3000.0) -> None:
-        super().__init__(router_scheduler_config(admission_weight=admission_weight), rule=rule,
-                         queue_cap_blocks=queue_cap_blocks)
+        super().__init__(RouterSettings().scheduler_config(admission_weight=admission_weight),
+                         rule=rule, queue_cap_blocks=queue_cap_blocks)
         if capacity not in ("peak", "model_info"):
             raise ValueError(f"capacity must be 'peak' or 'model_info', got {capacity!r}")
         self.kv = kv
