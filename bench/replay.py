@@ -9,6 +9,13 @@ lags of 0, 10 ms, 100 ms and 1 s. ``--live URL`` replays against a running route
 (:mod:`bench.live`). ``--per-worker`` adds each policy's per-worker table (requests, TTFT,
 decode context: where a skewed median comes from) to the terminal and the JSON.
 
+Every run with ``kvroute`` and a peer policy in it also gets the issue's targets checked
+(:mod:`bench.targets`): a line under its table and ``targets`` in its JSON. ``--seeds 0-9``
+repeats the whole run at each seed (generators draw a new workload per seed; the trace is the
+same, the policies' and engines' randomness is not) and ends with the tally over all runs;
+``--jobs N`` runs the simulations in N processes (each one's figures are the same as in one
+process: a simulation is seeded and in virtual time).
+
 Settings are read here once and passed down frozen.
 """
 
@@ -22,7 +29,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvroute.argtypes import positive_float, positive_int
+from kvroute.argtypes import positive_float, positive_int, seed_list
 from workers.timing import DEFAULT_TIMING, TIMING_MODELS
 
 __all__ = ["DEFAULT_TRACE", "add_bench_parser", "build_parser", "main", "run_bench"]
@@ -69,7 +76,14 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     a("--affinity-lead-blocks", type=positive_int, default=None,
       help="the affinity lead of every kvroute policy, variants included (default: each "
            "policy's own; kvroute's is the router's, 8)")
-    a("--seed", type=int, default=0, help="seed of generators and policies (default 0)")
+    seeds = p.add_mutually_exclusive_group()
+    seeds.add_argument("--seed", type=int, default=0,
+                       help="seed of generators and policies (default 0)")
+    seeds.add_argument("--seeds", type=seed_list, default=None, metavar="SEEDS",
+                       help="run once per seed (0-9, 0,3,5 or 0-4,9) and tally the targets "
+                            "over all runs")
+    a("--jobs", type=positive_int, default=1,
+      help="simulations run in this many processes at once (default 1)")
     a("--json", dest="json_path", metavar="OUT", help="write the results as JSON here")
     a("--plot-dir", metavar="DIR", help="write PNG plots here")
     a("--sensitivity", action="store_true",
@@ -105,7 +119,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
     return replay
 
 
-def _workload(args: argparse.Namespace) -> tuple[list[Any], str]:
+def _workload(args: argparse.Namespace, seed: int) -> tuple[list[Any], str]:
     from bench.workloads import GeneratorConfig, generate, load_trace, scale_rate
 
     if args.generator == "trace":
@@ -114,7 +128,7 @@ def _workload(args: argparse.Namespace) -> tuple[list[Any], str]:
         name = path.name
     else:
         config = GeneratorConfig(requests=args.requests or 2000, rate=args.rate)
-        requests = generate(args.generator, config, seed=args.seed)
+        requests = generate(args.generator, config, seed=seed)
         name = args.generator
     return scale_rate(requests, args.rate_scale), name
 
@@ -127,19 +141,54 @@ def _progress(total: int, desc: str, enabled: bool) -> Any:
     return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, unit="req")
 
 
-def _policies(args: argparse.Namespace) -> list[Any]:
-    """Fresh policies for ``--policies``, with ``--affinity-weight`` and
+def _policies(args: argparse.Namespace, names: str | None = None) -> list[Any]:
+    """Fresh policies for ``names`` (default ``--policies``), with ``--affinity-weight`` and
     ``--affinity-lead-blocks`` applied to kvroute's."""
     from bench.policies import KvroutePolicy, make_policies
 
     changes = {k: v for k, v in (("affinity_weight", args.affinity_weight),
                                  ("affinity_lead_blocks", args.affinity_lead_blocks))
                if v is not None}
-    policies = make_policies(args.policies)
+    policies = make_policies(args.policies if names is None else names)
     for p in policies:
         if changes and isinstance(p, KvroutePolicy):
             p.config = dataclasses.replace(p.config, **changes)
     return policies
+
+
+def _sim_config(args: argparse.Namespace, lag_ms: float) -> Any:
+    from bench.sim import SimConfig
+
+    return SimConfig(workers=args.workers, capacity_tokens=args.capacity_tokens,
+                     block_size=args.block_size, event_lag_s=lag_ms / 1e3,
+                     event_path=args.event_path,
+                     max_num_batched_tokens=args.max_num_batched_tokens,
+                     timing=TIMING_MODELS[args.timing])
+
+
+def _simulate_one(args: argparse.Namespace, seed: int, lag_ms: float, policy_name: str,
+                  bounds: Any, bar: Any = None, requests: list[Any] | None = None
+                  ) -> tuple[dict[str, Any], list[float]]:
+    """Simulate one policy on one seed's workload at one lag; return its row and TTFTs.
+
+    The same code runs in this process and in ``--jobs`` worker processes (which build the
+    workload themselves when ``requests`` is not given), so both give the same figures."""
+    from bench.report import per_worker, summarize
+    from bench.sim import simulate
+
+    if requests is None:
+        requests, _ = _workload(args, seed)
+    (policy,) = _policies(args, policy_name)
+    res = simulate(requests, policy, _sim_config(args, lag_ms), seed=seed, progress=bar)
+    row = summarize(res, bounds)
+    if args.per_worker:
+        row["per_worker"] = per_worker(res)
+    return row, [r.ttft_s for r in res.records]
+
+
+def _job(spec: tuple[argparse.Namespace, int, float, str, Any]
+         ) -> tuple[dict[str, Any], list[float]]:
+    return _simulate_one(*spec)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -150,81 +199,131 @@ def run_bench(args: argparse.Namespace) -> int:
     """
     from bench.bounds import compute_bounds
     from bench.policies import make_policies
-    from bench.report import per_worker, per_worker_table, plot, summarize, table, write_json
-    from bench.sim import SimConfig, simulate
+    from bench.report import per_worker_table, plot, table, write_json
+    from bench.targets import describe, summary_line, tally, verdict
 
+    seeds = args.seeds if args.seeds is not None else [args.seed]
     try:
-        requests, name = _workload(args)
         if args.live and args.per_worker:
             raise ValueError("--per-worker reports the simulation's workers; a --live run "
                              "sees only the router")
+        if args.live and (len(seeds) > 1 or args.jobs > 1):
+            raise ValueError("--seeds and --jobs are for simulations; a --live run replays "
+                             "one workload against one router")
         if not args.live:
-            make_policies(args.policies)  # fail fast on a bad name
+            names = [p.name for p in make_policies(args.policies)]  # fail fast on a bad name
         lags = SENSITIVITY_LAGS_MS if args.sensitivity else (args.event_lag_ms,)
-        configs = [SimConfig(workers=args.workers, capacity_tokens=args.capacity_tokens,
-                             block_size=args.block_size, event_lag_s=lag / 1e3,
-                             event_path=args.event_path,
-                             max_num_batched_tokens=args.max_num_batched_tokens,
-                             timing=TIMING_MODELS[args.timing])
-                   for lag in lags]
+        for lag in lags:
+            _sim_config(args, lag)  # a bad setting fails here, before any simulation
+        workloads = [_workload(args, seed) for seed in seeds]
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    if not requests:
+    if not workloads[0][0]:
         print("error: the workload has no requests", file=sys.stderr)
         return 2
     show = not args.no_progress
-    started = time.perf_counter()
-    bounds = compute_bounds(requests, args.block_size, args.workers, configs[0].num_blocks)
-    bounds_s = time.perf_counter() - started
-    print(f"workload {name}: {len(requests)} requests over "
-          f"{requests[-1].arrival_s - requests[0].arrival_s:.1f} s, "
-          f"{bounds.prompt_tokens:,} prompt tokens; bounds: unlimited {bounds.unlimited:.1%}, "
-          f"pooled LRU ({args.workers} x {args.capacity_tokens:,} tokens) "
-          f"{bounds.pooled_lru:.1%} [{bounds_s:.1f} s]", file=sys.stderr)
+    num_blocks = _sim_config(args, lags[0]).num_blocks
+    all_bounds = []
+    for seed, (requests, name) in zip(seeds, workloads, strict=True):
+        started = time.perf_counter()
+        bounds = compute_bounds(requests, args.block_size, args.workers, num_blocks)
+        all_bounds.append(bounds)
+        print(f"workload {name}{f' seed {seed}' if len(seeds) > 1 else ''}: {len(requests)} "
+              f"requests over {requests[-1].arrival_s - requests[0].arrival_s:.1f} s, "
+              f"{bounds.prompt_tokens:,} prompt tokens; bounds: unlimited "
+              f"{bounds.unlimited:.1%}, pooled LRU ({args.workers} x {args.capacity_tokens:,} "
+              f"tokens) {bounds.pooled_lru:.1%} [{time.perf_counter() - started:.1f} s]",
+              file=sys.stderr)
     if args.live:
         from bench.live import run_live
 
-        return run_live(args, requests, name, bounds)
+        return run_live(args, workloads[0][0], workloads[0][1], all_bounds[0])
+    name = workloads[0][1]
     document: dict[str, Any] = {
         "workload": name,
         "settings": {k: v for k, v in vars(args).items() if not callable(v)},
-        "requests": len(requests),
-        "bounds": dataclasses.asdict(bounds),
+        "requests": len(workloads[0][0]),
+        "bounds": dataclasses.asdict(all_bounds[0]),
         "runs": [],
     }
-    for config in configs:
-        results, rows = [], []
-        for policy in _policies(args):
-            bar = _progress(len(requests), f"{policy.name} lag {config.event_lag_s * 1e3:g} ms",
-                            show)
-            try:
-                res = simulate(requests, policy, config, seed=args.seed, progress=bar)
-            finally:
-                if bar is not None:
-                    bar.close()
-            results.append(res)
-            rows.append(summarize(res, bounds))
-            if args.per_worker:
-                rows[-1]["per_worker"] = per_worker(res)
-        title = (f"{name}, {args.workers} workers x {args.capacity_tokens:,} tokens, rate x"
-                 f"{args.rate_scale:g}, event lag {config.event_lag_s * 1e3:g} ms, "
-                 f"block {args.block_size}")
-        print(table(rows, title))
-        print()
-        for row in rows if args.per_worker else ():
-            print(per_worker_table(row["per_worker"], f"{row['policy']}, per worker"))
+    specs = [(seed, i, lag, policy) for i, seed in enumerate(seeds) for lag in lags
+             for policy in names]
+    outcomes = _run_specs(args, specs, workloads, all_bounds, show)
+    verdicts = []
+    for i, seed in enumerate(seeds):
+        for lag in lags:
+            rows = [outcomes[(seed, lag, policy)][0] for policy in names]
+            title = (f"{name}, {args.workers} workers x {args.capacity_tokens:,} tokens, rate x"
+                     f"{args.rate_scale:g}, event lag {lag:g} ms, block {args.block_size}"
+                     f"{f', seed {seed}' if len(seeds) > 1 else ''}")
+            print(table(rows, title))
+            target = verdict(rows)
+            verdicts.append(target)
+            if target is not None:
+                print(describe(target))
             print()
-        run = {"event_lag_ms": config.event_lag_s * 1e3, "rows": rows, "plots": []}
-        if args.plot_dir:
-            tag = f"_lag{config.event_lag_s * 1e3:g}ms" if args.sensitivity else ""
-            ttfts = {res.policy: [r.ttft_s for r in res.records] for res in results}
-            run["plots"] = [str(p) for p in plot(args.plot_dir, ttfts, rows, bounds, tag)]
-        document["runs"].append(run)
+            for row in rows if args.per_worker else ():
+                print(per_worker_table(row["per_worker"], f"{row['policy']}, per worker"))
+                print()
+            run = {"seed": seed, "event_lag_ms": lag, "rows": rows, "plots": [],
+                   "bounds": dataclasses.asdict(all_bounds[i]), "targets": target}
+            if args.plot_dir:
+                tag = f"_lag{lag:g}ms" if args.sensitivity else ""
+                tag += f"_seed{seed}" if len(seeds) > 1 else ""
+                ttfts = {row["policy"]: outcomes[(seed, lag, row["policy"])][1]
+                         for row in rows}
+                run["plots"] = [str(p) for p in plot(args.plot_dir, ttfts, rows,
+                                                     all_bounds[i], tag)]
+            document["runs"].append(run)
+    if len(verdicts) > 1 and any(v is not None for v in verdicts):
+        counts = tally(verdicts)
+        document["targets"] = counts
+        print(summary_line(counts))
     if args.json_path:
         write_json(args.json_path, document)
         print(f"wrote {args.json_path}", file=sys.stderr)
     return 0
+
+
+def _run_specs(args: argparse.Namespace, specs: list[tuple[int, int, float, str]],
+               workloads: list[tuple[list[Any], str]], all_bounds: list[Any], show: bool
+               ) -> dict[tuple[int, float, str], tuple[dict[str, Any], list[float]]]:
+    """Simulate every (seed, lag, policy): in this process with a progress bar per
+    simulation, or with ``--jobs`` > 1 in that many processes with one bar over all."""
+    out: dict[tuple[int, float, str], tuple[dict[str, Any], list[float]]] = {}
+    if args.jobs == 1 or len(specs) == 1:
+        for seed, i, lag, policy in specs:
+            requests = workloads[i][0]
+            bar = _progress(len(requests), f"{policy} lag {lag:g} ms"
+                            f"{f' seed {seed}' if args.seeds else ''}", show)
+            try:
+                out[(seed, lag, policy)] = _simulate_one(args, seed, lag, policy,
+                                                         all_bounds[i], bar, requests)
+            finally:
+                if bar is not None:
+                    bar.close()
+        return out
+    from concurrent.futures import ProcessPoolExecutor, as_completed
+
+    bar = None
+    if show:
+        from tqdm import tqdm
+
+        bar = tqdm(total=len(specs), desc=f"simulations, {args.jobs} at once", file=sys.stderr,
+                   leave=False, unit="sim")
+    try:
+        with ProcessPoolExecutor(min(args.jobs, len(specs))) as pool:
+            futures = {pool.submit(_job, (args, seed, lag, policy, all_bounds[i])):
+                       (seed, lag, policy) for seed, i, lag, policy in specs}
+            for future in as_completed(futures):
+                out[futures[future]] = future.result()
+                if bar is not None:
+                    bar.update()
+    finally:
+        if bar is not None:
+            bar.close()
+    return out
 
 
 def main(argv: Sequence[str] | None = None) -> int:

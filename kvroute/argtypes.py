@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["non_negative_int", "positive_float", "positive_int"]
+__all__ = ["non_negative_int", "positive_float", "positive_int", "seed_list"]
 
 
 def non_negative_int(text: str) -> int:
@@ -29,3 +29,23 @@ def positive_float(text: str) -> float:
     if not value > 0:
         raise argparse.ArgumentTypeError(f"must be > 0, got {value}")
     return value
+
+
+def seed_list(text: str) -> list[int]:
+    """Seeds as ``A-B`` (inclusive), ``A,B,C``, or a mix (``0-4,9``): ints >= 0, no repeats."""
+    seeds: list[int] = []
+    for part in text.split(","):
+        part = part.strip()
+        low, dash, high = part.partition("-")
+        try:
+            first = int(low)
+            last = int(high) if dash else first
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected seeds like 0-9 or 0,3,5, got {text!r}") from None
+        if first < 0 or last < first:
+            raise argparse.ArgumentTypeError(f"bad seed range {part!r} in {text!r}")
+        seeds.extend(range(first, last + 1))
+    if len(set(seeds)) != len(seeds):
+        raise argparse.ArgumentTypeError(f"a seed is named twice in {text!r}")
+    return seeds

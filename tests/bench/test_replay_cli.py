@@ -132,3 +132,52 @@ def test_unknown_timing_model_is_a_usage_error(tmp_path: Path,
         main(["--trace", str(tiny_trace(tmp_path / "t.jsonl")), "--timing", "fast"])
     assert exc.value.code == 2
     assert "--timing" in capsys.readouterr().err
+
+
+def test_seeds_run_each_seed_with_a_verdict_and_tally(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out, serial = tmp_path / "out.json", tmp_path / "serial.json"
+    common = ["--generator", "system_prompt", "--requests", "60", "--workers", "2",
+              "--policies", "kvroute,kvroute_fixed,round_robin", "--seeds", "0-1,3",
+              "--no-progress"]
+    assert main([*common, "--jobs", "2", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert main([*common, "--json", str(serial)]) == 0
+    doc, one = json.loads(out.read_text()), json.loads(serial.read_text())
+    assert [r["seed"] for r in doc["runs"]] == [0, 1, 3]
+    # each seed draws its own workload, so its own bounds
+    assert len({r["bounds"]["prompt_tokens"] for r in doc["runs"]}) == 3
+    for run, ref in zip(doc["runs"], one["runs"], strict=True):
+        assert run["targets"]["policy"] == "kvroute"
+        assert run["targets"]["p50"]["peer"] == "round_robin"  # kvroute_fixed is ours
+        # processes give the same simulation as one process
+        for a, b in zip(run["rows"], ref["rows"], strict=True):
+            assert a["ttft_p99_s"] == b["ttft_p99_s"] and a["hit_rate"] == b["hit_rate"]
+    met = sum(r["targets"]["met"] for r in doc["runs"])
+    assert doc["targets"]["runs"] == 3 and doc["targets"]["met"] == met
+    assert printed.count("targets: kvroute") == 3
+    assert f"targets over 3 runs: kvroute meets every target in {met};" in printed
+
+
+@pytest.mark.parametrize("value", ["2-1", "a", "0,0", "-1", "1-x"])
+def test_bad_seeds_are_usage_errors(value: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["--seeds", value, "--no-progress"])
+    assert exc.value.code == 2
+    assert "--seeds" in capsys.readouterr().err
+
+
+def test_seed_and_seeds_together_or_jobs_zero_are_usage_errors(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    for argv in (["--seed", "1", "--seeds", "0-2"], ["--jobs", "0"]):
+        with pytest.raises(SystemExit) as exc:
+            main([*argv, "--no-progress"])
+        assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert "not allowed with argument" in err and "--jobs" in err
+
+
+def test_seeds_with_live_is_refused(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--trace", str(tiny_trace(tmp_path / "t.jsonl")), "--seeds", "0-1",
+                 "--live", "http://127.0.0.1:9", "--no-progress"]) == 2
+    assert "--seeds and --jobs are for simulations" in capsys.readouterr().err
