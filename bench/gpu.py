@@ -18,6 +18,12 @@ Sections (``docs/gpu.md`` holds the figures and what they mean):
   engine runs it), over K/V already contiguous (what a paged kernel can reach) and, on CUDA,
   through a paged kernel (flex attention over 32-token pages), and each one's cost per token
   of context: what the simulated engine's decode cost stands for.
+- ``prefill_context``: prefill attention of all layers for n new tokens over c cached, K/V
+  contiguous (flash attention, bottom-right causal, query heads sharing KV heads: what a kernel
+  reading paged K/V in place can reach), by (n, c); and the least-squares cost of a cached
+  token and of a new x cached token pair (the extra time over the same n with nothing cached):
+  what the simulated engine's ``prefill_per_cached_ms`` and ``prefill_per_token_cached_ms``
+  stand for, set beside the calibration's fit.
 - ``decode``: tokens/s of decode iterations at batch 1, 8 and 32 over 1,024-token prompts,
   eager and (on CUDA) replayed as CUDA graphs (:mod:`workers.torch_graphs`), in one run.
 - ``routing`` (the first attempt, kept for comparison; ``bench.gpu_routing`` is the routing
@@ -243,6 +249,75 @@ def bench_decode_context(args: argparse.Namespace, ex: TorchExecutor) -> dict[st
             "gathered_ns_per_token": per_token_ns(rows, "gathered_ms"),
             "in_place_ns_per_token": per_token_ns(rows, "in_place_ms"),
             "paged_ns_per_token": per_token_ns(paged, "paged_ms")}
+
+
+#: (new, cached) shapes of the prefill-context section; each n also runs with nothing cached.
+PREFILL_CONTEXT_SHAPES = ((64, 0), (64, 2048), (64, 8192), (64, 32768), (512, 0), (512, 2048),
+                          (512, 8192), (512, 32768), (2048, 0), (2048, 8192), (2048, 32768))
+
+
+def bench_prefill_context(args: argparse.Namespace, ex: TorchExecutor) -> dict[str, Any]:
+    """Prefill attention of every layer by (new, cached), K/V contiguous per layer (ms, median
+    of ``--repeats``, host time included), as :func:`workers.torch_model._prefill_attention`
+    computes a chunk; then :func:`cached_costs` of the rows, beside the calibration's fit
+    (:data:`workers.timing.H200_LLAMA_1B`). Shapes the device has no memory for are left
+    out."""
+    import torch
+
+    from workers.timing import H200_LLAMA_1B
+
+    torch.manual_seed(7)
+    rows, skipped = [], []
+    for new, cached in PREFILL_CONTEXT_SHAPES:
+        try:
+            rows.append({"new": new, "cached": cached,
+                         "ms": _prefill_context_ms(args, ex, new, cached)})
+        except torch.cuda.OutOfMemoryError:
+            skipped.append([new, cached])
+        if ex.kv.device.type == "cuda":
+            torch.cuda.empty_cache()
+    fit = cached_costs(rows)
+    return {"layers": ex.model.config.num_layers, "shapes": rows, "out_of_memory": skipped,
+            "per_cached_ms": fit and fit[0], "per_token_cached_ms": fit and fit[1],
+            "calibration_per_cached_ms": H200_LLAMA_1B.prefill_per_cached_ms,
+            "calibration_per_token_cached_ms": H200_LLAMA_1B.prefill_per_token_cached_ms}
+
+
+def _prefill_context_ms(args: argparse.Namespace, ex: TorchExecutor, new: int,
+                        cached: int) -> float:
+    import torch
+
+    from workers.torch_model import _prefill_attention
+
+    c = ex.model.config
+    on = {"device": ex.kv.device, "dtype": ex.kv.layers()[0].dtype}
+    q = torch.randn(new, c.num_heads, c.head_dim, **on)
+    # One K/V per layer, so that no layer reads what another left in the L2.
+    keys = [torch.randn(cached + new, c.num_kv_heads, c.head_dim, **on)
+            for _ in range(c.num_layers)]
+    values = [torch.randn_like(k) for k in keys]
+
+    def attend() -> None:
+        for k, v in zip(keys, values, strict=True):
+            _prefill_attention(q, k, v)
+
+    return _median_ms(attend, args.repeats)
+
+
+def cached_costs(rows: Sequence[dict[str, Any]]) -> tuple[float, float] | None:
+    """Least squares of the time a cache adds, ``ms(n, c) - ms(n, 0) = a * c + b * n * c``,
+    over the rows with c > 0 whose n also ran with nothing cached: ``(a, b)`` in ms per cached
+    token and per new x cached token pair; None with fewer than two such rows."""
+    import numpy as np
+
+    alone = {r["new"]: r["ms"] for r in rows if r["cached"] == 0}
+    extra = [(r["cached"], r["new"] * r["cached"], r["ms"] - alone[r["new"]])
+             for r in rows if r["cached"] > 0 and r["new"] in alone]
+    if len(extra) < 2:
+        return None
+    x = np.array([[c, nc] for c, nc, _ in extra], dtype=float)
+    (a, b), *_ = np.linalg.lstsq(x, np.array([e for *_, e in extra], dtype=float), rcond=None)
+    return float(a), float(b)
 
 
 def _decode_attention_ms(args: argparse.Namespace, ex: TorchExecutor, batch: int,
@@ -559,6 +634,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "decode_context" in sections:
         result["decode_context"] = bench_decode_context(args, ex)
         _log(args, "decode_context", result["decode_context"])
+    if "prefill_context" in sections:
+        result["prefill_context"] = bench_prefill_context(args, ex)
+        _log(args, "prefill_context", result["prefill_context"])
     if "decode" in sections:
         # Eager and CUDA-graph decode side by side, in this one run (CUDA only has graphs).
         graphs = ex.graphs
@@ -644,6 +722,17 @@ def _table(result: dict[str, Any]) -> str:
         lines.append(f"per token of context: gathered {dc['gathered_ns_per_token']:.1f} ns, "
                      f"in place {dc['in_place_ns_per_token']:.1f} ns"
                      + (f", paged {paged:.1f} ns" if paged is not None else ""))
+    pc = result.get("prefill_context")
+    if pc:
+        for r in pc["shapes"]:
+            lines.append(f"prefill attention, {pc['layers']} layers, {r['new']} new over "
+                         f"{r['cached']} cached: {r['ms']:.3f} ms")
+        if pc["per_cached_ms"] is not None:
+            lines.append(
+                f"a cached token adds {pc['per_cached_ms'] * 1e6:.1f} ns, a new x cached pair "
+                f"{pc['per_token_cached_ms'] * 1e9:.1f} ps (calibration's fit: "
+                f"{pc['calibration_per_cached_ms'] * 1e6:.1f} ns, "
+                f"{pc['calibration_per_token_cached_ms'] * 1e9:.1f} ps)")
     for d in result.get("decode", []):
         lines.append(
             f"decode ({d['mode']}) batch {d['batch']}: {d['step_ms']:.2f} ms/step, "

@@ -46,3 +46,28 @@ def test_per_token_cost_is_the_slope_over_batch_times_context() -> None:
             {"batch": 4, "context": 1000, "ms": 2.5}]
     assert gpu.per_token_ns(rows, "ms") == pytest.approx(500.0)  # 0.5 ms per 1,000 tokens
     assert gpu.per_token_ns(rows[:1], "ms") is None
+
+
+def test_prefill_context_section_times_each_shape_and_fits_the_cached_costs(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    args = argparse.Namespace(model="tiny", device="cpu", repeats=2)
+    ex = gpu._executor(args, CacheManager(64, gpu.BS))
+    shapes = ((8, 0), (8, 64), (8, 256), (32, 0), (32, 256))
+    monkeypatch.setattr(gpu, "PREFILL_CONTEXT_SHAPES", shapes)
+    out = gpu.bench_prefill_context(args, ex)
+    assert [(r["new"], r["cached"]) for r in out["shapes"]] == list(shapes)
+    assert all(r["ms"] > 0 for r in out["shapes"])
+    assert isinstance(out["per_cached_ms"], float)
+    assert isinstance(out["per_token_cached_ms"], float)
+    assert out["calibration_per_cached_ms"] > 0
+
+
+def test_cached_costs_fit_the_time_a_cache_adds() -> None:
+    # ms(n, c) = 1 + n / 1000 + 2e-4 * c + 1e-7 * n * c, exactly
+    rows = [{"new": n, "cached": c, "ms": 1 + n / 1000 + 2e-4 * c + 1e-7 * n * c}
+            for n in (64, 512) for c in (0, 1024, 8192)]
+    a, b = gpu.cached_costs(rows)  # type: ignore[misc]
+    assert a == pytest.approx(2e-4) and b == pytest.approx(1e-7)
+    # without the n's cache-free row, nothing to subtract
+    assert gpu.cached_costs([r for r in rows if r["new"] == 64 and r["cached"]]) is None
