@@ -53,7 +53,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-__all__ = ["DEFAULT_TIMING", "H200_LLAMA_1B", "H200_LLAMA_1B_PAGED", "TIMING_MODELS", "TimingModel",
+__all__ = ["DEFAULT_TIMING", "H200_LLAMA_1B", "H200_LLAMA_1B_MEASURED", "H200_LLAMA_1B_PAGED",
+           "TIMING_MODELS", "TimingModel",
            "fit_timing", "fit_timing_points", "kv_bytes_per_token"]
 
 
@@ -169,9 +170,22 @@ H200_LLAMA_1B = TimingModel(
 #: the calibration's.
 H200_LLAMA_1B_PAGED = replace(H200_LLAMA_1B, decode_per_context_ms=8.94e-6)
 
+#: :data:`H200_LLAMA_1B_PAGED` with prefill over a cached prefix priced as flash attention over
+#: K/V in place prices it too. ``python -m bench.gpu --sections prefill_context`` on the H200
+#: (all 16 layers, 64-2,048 new tokens over 2k-32k cached, ``docs/gpu.md``) measured the time
+#: a cache adds at 4.43e-7 ms a new x cached token pair, against the calibration's 4.89e-7,
+#: and no cost a cached token on its own above the noise (fitted -9.5e-6 ms), against the
+#: calibration's 2.37e-4 (1.9 ms for 8k cached tokens; its cached prefills ran a masked
+#: attention that was not flash). Here a cached token costs 8.94e-6 ms, one read of its K/V,
+#: as a token of decode context does. Not the default: the benchmark's rates and results
+#: were found on ``paged`` (``docs/benchmarks.md``, "Ninth session").
+H200_LLAMA_1B_MEASURED = replace(H200_LLAMA_1B_PAGED, prefill_per_token_cached_ms=4.43e-7,
+                                 prefill_per_cached_ms=8.94e-6)
+
 #: Timing models by name, for ``--timing`` flags.
 TIMING_MODELS: dict[str, TimingModel] = {"calibrated": H200_LLAMA_1B,
-                                         "paged": H200_LLAMA_1B_PAGED}
+                                         "paged": H200_LLAMA_1B_PAGED,
+                                         "measured": H200_LLAMA_1B_MEASURED}
 
 #: The simulated engine's default: ``paged``, because the engines a router fronts (vLLM,
 #: TensorRT-LLM, SGLang) decode with paged attention kernels, which the H200 measured at 9x less

@@ -142,7 +142,7 @@ async def test_the_router_schedules_with_its_affinity_settings(tmp_path: Path) -
     assert (default.affinity_weight, default.affinity_lead_blocks) == (4.0, 8)
 
 
-@pytest.mark.parametrize("timing", ["calibrated", "paged"])
+@pytest.mark.parametrize("timing", ["calibrated", "paged", "measured"])
 def test_a_sim_worker_prices_its_iterations_with_the_timing_named(timing: str) -> None:
     from workers.runtime import WorkerRuntime
     from workers.timing import TIMING_MODELS

@@ -158,3 +158,15 @@ def test_paged_model_differs_from_the_calibration_only_in_decode_context() -> No
     contexts = [4096] * 64
     assert calibrated.decode_ms(contexts) > 3 * paged.decode_ms(contexts)
     assert paged.decode_ms(contexts) > paged.decode_ms([1024] * 64)
+
+
+def test_measured_model_differs_from_paged_only_in_prefill_over_a_cache() -> None:
+    measured, paged = TIMING_MODELS["measured"], TIMING_MODELS["paged"]
+    assert dataclasses.replace(
+        measured, prefill_per_cached_ms=paged.prefill_per_cached_ms,
+        prefill_per_token_cached_ms=paged.prefill_per_token_cached_ms) == paged
+    assert measured.prefill_ms(512) == paged.prefill_ms(512)  # nothing cached: the same
+    # 64 new over 8k cached: the calibration's 1.9 ms a read of the cache costs is gone
+    assert paged.prefill_ms(64, 8192) - measured.prefill_ms(64, 8192) > 1.5
+    assert measured.prefill_ms(64, 8192) > measured.prefill_ms(64)  # a cache still costs
+    assert measured.decode_ms([4096] * 64) == paged.decode_ms([4096] * 64)
