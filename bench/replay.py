@@ -65,12 +65,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     a("--max-num-batched-tokens", type=positive_int, default=8192,
       help="engine tokens per iteration (default 8192)")
     a("--timing", choices=list(TIMING_MODELS), default=DEFAULT_TIMING,
-      help=f"the simulated engine's cost model (default {DEFAULT_TIMING}): paged is "
-           "shared/calibration's fit with decode attention priced as a paged kernel measured "
-           "on the H200 (workers.timing.H200_LLAMA_1B_PAGED); calibrated is the fit as it is, "
-           "whose decode concatenated K/V every step (9x dearer a token of context); measured "
-           "is paged with prefill over a cached prefix priced as flash attention measured "
-           "on the H200 (workers.timing.H200_LLAMA_1B_MEASURED)")
+      help=f"the simulated engine's cost model (default {DEFAULT_TIMING}): measured is "
+           "shared/calibration's fit with attention over cached K/V (decode, and prefill over "
+           "a cached prefix) priced as kernels measured on the H200 "
+           "(workers.timing.H200_LLAMA_1B_MEASURED); paged prices only decode so (the eighth "
+           "session's default); calibrated is the fit as it is, whose decode concatenated K/V "
+           "every step (9x dearer a token of context)")
     a("--affinity-weight", type=positive_float, default=None,
       help="the affinity factor of every kvroute policy, variants included (default: each "
            "policy's own; kvroute's is the router's, 4); --timing calibrated "

@@ -177,8 +177,7 @@ H200_LLAMA_1B_PAGED = replace(H200_LLAMA_1B, decode_per_context_ms=8.94e-6)
 #: and no cost a cached token on its own above the noise (fitted -9.5e-6 ms), against the
 #: calibration's 2.37e-4 (1.9 ms for 8k cached tokens; its cached prefills ran a masked
 #: attention that was not flash). Here a cached token costs 8.94e-6 ms, one read of its K/V,
-#: as a token of decode context does. Not the default: the benchmark's rates and results
-#: were found on ``paged`` (``docs/benchmarks.md``, "Ninth session").
+#: as a token of decode context does. The default since the ninth session.
 H200_LLAMA_1B_MEASURED = replace(H200_LLAMA_1B_PAGED, prefill_per_token_cached_ms=4.43e-7,
                                  prefill_per_cached_ms=8.94e-6)
 
@@ -187,11 +186,13 @@ TIMING_MODELS: dict[str, TimingModel] = {"calibrated": H200_LLAMA_1B,
                                          "paged": H200_LLAMA_1B_PAGED,
                                          "measured": H200_LLAMA_1B_MEASURED}
 
-#: The simulated engine's default: ``paged``, because the engines a router fronts (vLLM,
-#: TensorRT-LLM, SGLang) decode with paged attention kernels, which the H200 measured at 9x less
-#: a token of context than the calibration's concatenating decode. ``calibrated`` stays
-#: selectable and reproduces every figure measured before the default changed.
-DEFAULT_TIMING = "paged"
+#: The simulated engine's default: ``measured``, because the engines a router fronts (vLLM,
+#: TensorRT-LLM, SGLang) attend over cached K/V with paged or flash kernels, which the H200
+#: measured at 9x less a token of decode context than the calibration's concatenating decode
+#: (``paged``, the default in the eighth session) and at about 1/25 of its price for a cached
+#: token of a prefill. ``paged`` and ``calibrated`` stay selectable and reproduce every figure
+#: measured while they were the default.
+DEFAULT_TIMING = "measured"
 
 
 def fit_timing(path: str | Path) -> TimingModel:

@@ -81,20 +81,23 @@ def test_per_worker_with_live_is_refused(tmp_path: Path,
     assert "--per-worker" in capsys.readouterr().err
 
 
-def test_paged_timing_is_the_default_and_decodes_cheaper(tmp_path: Path) -> None:
-    trace = tiny_trace(tmp_path / "t.jsonl")
-    e2e = {}
-    for timing in ("calibrated", "paged", None):
+def test_measured_timing_is_the_default_and_prices_cached_attention_cheaper(
+        tmp_path: Path) -> None:
+    trace = tiny_trace(tmp_path / "t.jsonl")  # prompts share their first 512 tokens
+    e2e, ttft = {}, {}
+    for timing in ("calibrated", "paged", "measured", None):
         out = tmp_path / f"{timing}.json"
         flag = [] if timing is None else ["--timing", timing]
         assert main(["--trace", str(trace), "--workers", "2", "--capacity-tokens", "20000",
                      "--policies", "kvroute", *flag, "--json", str(out), "--no-progress"]) == 0
         doc = json.loads(out.read_text())
-        assert doc["settings"]["timing"] == (timing or "paged")
+        assert doc["settings"]["timing"] == (timing or "measured")
         (row,) = doc["runs"][0]["rows"]
-        e2e[timing] = row["e2e_mean_s"]
-    assert 0 < e2e["paged"] < e2e["calibrated"]
-    assert e2e[None] == e2e["paged"]
+        assert row["hit_rate"] > 0  # cached prefills happened
+        e2e[timing], ttft[timing] = row["e2e_mean_s"], row["ttft_mean_s"]
+    assert 0 < e2e["paged"] < e2e["calibrated"]  # decode over a context: paged is cheaper
+    assert 0 < ttft["measured"] < ttft["paged"]  # prefill over a cached prefix: cheaper still
+    assert (e2e[None], ttft[None]) == (e2e["measured"], ttft["measured"])
 
 
 def test_affinity_weight_flag_sets_every_kvroute_policys_factor() -> None:
