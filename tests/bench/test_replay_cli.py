@@ -184,3 +184,16 @@ def test_seeds_with_live_is_refused(tmp_path: Path, capsys: pytest.CaptureFixtur
     assert main(["--trace", str(tiny_trace(tmp_path / "t.jsonl")), "--seeds", "0-1",
                  "--live", "http://127.0.0.1:9", "--no-progress"]) == 2
     assert "--seeds and --jobs are for simulations" in capsys.readouterr().err
+
+
+def test_seeds_over_the_trace_load_it_once_and_vary_only_the_randomness(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "out.json"
+    assert main(["--trace", str(tiny_trace(tmp_path / "t.jsonl")), "--workers", "2",
+                 "--capacity-tokens", "20000", "--policies", "random,kvroute", "--seeds", "0-2",
+                 "--json", str(out), "--no-progress"]) == 0
+    assert capsys.readouterr().err.count("workload t.jsonl") == 1  # one load, one bounds
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["seed"] for r in runs] == [0, 1, 2]
+    assert len({json.dumps(r["bounds"]) for r in runs}) == 1
+    assert len({r["rows"][0]["ttft_mean_s"] for r in runs}) > 1  # random's picks follow the seed
