@@ -19,7 +19,11 @@ The coefficients are fitted (:func:`fit_timing`) to ``shared/calibration/h200_ll
 (a 1.1B Llama-shaped model on one H200) by least squares on relative error, so every point
 weighs alike whatever its size, with every coefficient kept non-negative (a negative one is
 dropped and the rest refitted: a cost never falls as work grows). The fitted values are
-embedded as :data:`H200_LLAMA_1B`, so the model needs no file at run time.
+embedded as :data:`H200_LLAMA_1B`, so the model needs no file at run time. The calibration
+read cached K/V through kernels a serving engine does not use (concatenated every decode step,
+masked non-flash attention for a cached prefix), so :data:`H200_LLAMA_1B_PAGED` replaces ``g``
+and :data:`H200_LLAMA_1B_MEASURED` (the default, :data:`DEFAULT_TIMING`) also ``e`` and ``d``
+with what the H200 measured kernels that read K/V in place to cost (``docs/gpu.md``).
 
 Fit quality (prediction error against each measurement, in %):
 
