@@ -188,11 +188,6 @@ def _simulate_one(args: argparse.Namespace, seed: int, lag_ms: float, policy_nam
     return row, [r.ttft_s for r in res.records]
 
 
-def _job(spec: tuple[argparse.Namespace, int, float, str, Any]
-         ) -> tuple[dict[str, Any], list[float]]:
-    return _simulate_one(*spec)
-
-
 def run_bench(args: argparse.Namespace) -> int:
     """Run the benchmark the parsed arguments describe; return the exit status.
 
@@ -322,7 +317,7 @@ def _run_specs(args: argparse.Namespace, specs: list[tuple[int, int, float, str]
                    leave=False, unit="sim")
     try:
         with ProcessPoolExecutor(min(args.jobs, len(specs))) as pool:
-            futures = {pool.submit(_job, (args, seed, lag, policy, all_bounds[i])):
+            futures = {pool.submit(_simulate_one, args, seed, lag, policy, all_bounds[i]):
                        (seed, lag, policy) for seed, i, lag, policy in specs}
             for future in as_completed(futures):
                 out[futures[future]] = future.result()
