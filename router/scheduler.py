@@ -78,6 +78,24 @@ The rule (``shared/DESIGN.md``), per candidate worker w, for a request of B full
   by many in-flight requests is counted once per request (about 5x the distinct blocks on the
   generators) and the KV half then fires on phantom KV.
 
+Sessions (:mod:`router.sessions`; the caller passes them, the router by default):
+
+- ``home``: the worker a continuing session lives on (its previous request went there). The
+  request goes there, whatever the costs, unless that worker's pending prefill exceeds the
+  shortest queue among the candidates by more than ``session_queue_blocks``: then the costs
+  decide, as for any request.
+- ``sessions(w)``: the live sessions homed on a candidate. A request not kept home pays
+  ``overlap_weight * session_weight * continue_rate * (sessions(w) - min sessions)`` more on
+  each candidate (the configured overlap weight, not the affinity factor's), where
+  ``continue_rate`` is the share of sessions that continued rather than ended. A chat or
+  agent placed on a worker brings its later turns there, so the sessions a worker was given
+  are load the decode and queue terms do not see yet.
+- Why: without them, continuing turns left their worker whenever its queue was longer, each
+  recomputing its conversation elsewhere, and new chats went where decode was lightest, so
+  later turns piled up and left again; the extra prefill slowed every worker's iterations.
+  Measured (``docs/benchmarks.md``, "Sessions"): the 4-worker ``multi_turn`` runs, whose
+  medians went to SGLang's stickier rule, now meet every target, with lower tails.
+
 Choice: temperature 0 picks the minimum cost; ties go to fewer active requests, then at random
 (seeded by the caller, so tests are exact). Temperature T > 0 samples from
 ``softmax(-normalised_cost / T)`` with costs min-max normalised to [0, 1] across candidates, so
@@ -114,6 +132,12 @@ class SchedulerConfig:
     #: least ``affinity_lead_blocks`` more of it than every other; 1 (default) = no change.
     affinity_weight: float = 1.0
     affinity_lead_blocks: int = 4
+    #: Price of a live session on a candidate, in prefill blocks (times the caller's
+    #: ``continue_rate``), for a request not kept on its session's worker; 0 (default) = none.
+    session_weight: float = 0.0
+    #: A continuing session stays home unless its worker's pending prefill exceeds the
+    #: shortest queue's by more than this many blocks (only when the caller passes ``home``).
+    session_queue_blocks: float = 128.0
 
     def __post_init__(self) -> None:
         if self.overlap_weight < 0:
@@ -129,6 +153,11 @@ class SchedulerConfig:
         if self.affinity_lead_blocks < 1:
             raise ValueError(
                 f"affinity_lead_blocks must be >= 1, got {self.affinity_lead_blocks}")
+        if not self.session_weight >= 0:  # also rejects NaN
+            raise ValueError(f"session_weight must be >= 0, got {self.session_weight}")
+        if not self.session_queue_blocks >= 0:
+            raise ValueError(
+                f"session_queue_blocks must be >= 0, got {self.session_queue_blocks}")
         if not 0.0 <= self.host_credit <= 1.0:
             raise ValueError(f"host_credit must be in [0, 1], got {self.host_credit}")
         if self.temperature < 0:
@@ -155,6 +184,8 @@ class Candidate:
     kv_capacity_blocks: float = 0.0
     #: The most requests the worker runs at once (``max_num_seqs``); 0 = unknown.
     max_running: int = 0
+    #: Live sessions homed here (:class:`router.sessions.SessionTracker`).
+    sessions: float = 0.0
 
 
 @dataclass(slots=True)
@@ -170,6 +201,7 @@ class WorkerCost:
     active_requests: int
     cost: float
     admission_blocks: float = 0.0
+    sessions: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -211,7 +243,8 @@ def cost_of(candidate: Candidate, request_blocks: int, config: SchedulerConfig,
         admission = admission_blocks(candidate, request_blocks, slot_free_elsewhere)
         cost += config.overlap_weight * config.admission_weight * admission
     return WorkerCost(candidate.worker, matched, device, credited, prefill,
-                      candidate.decode_blocks, candidate.active_requests, cost, admission)
+                      candidate.decode_blocks, candidate.active_requests, cost, admission,
+                      candidate.sessions)
 
 
 def admission_blocks(candidate: Candidate, request_blocks: int,
@@ -234,7 +267,8 @@ def admission_blocks(candidate: Candidate, request_blocks: int,
 
 
 def choose(request_blocks: int, candidates: Sequence[Candidate], config: SchedulerConfig,
-           rng: random.Random) -> Decision:
+           rng: random.Random, home: int | None = None, continue_rate: float = 1.0
+           ) -> Decision:
     """Pick the worker for a request of ``request_blocks`` full blocks.
 
     Args:
@@ -242,6 +276,8 @@ def choose(request_blocks: int, candidates: Sequence[Candidate], config: Schedul
         candidates: the workers that may serve it, with matches and load.
         config: the scheduler settings.
         rng: the source of randomness for ties and temperature sampling.
+        home: the worker the request's session lives on, if it continues one.
+        continue_rate: the share of sessions that continue (weighs the session term).
 
     Returns:
         The decision, with every candidate's cost terms.
@@ -263,15 +299,29 @@ def choose(request_blocks: int, candidates: Sequence[Candidate], config: Schedul
                 else:
                     full = True
         free = free and full
+    base_weight = config.overlap_weight
     if config.affinity_weight != 1.0 and _led(request_blocks, candidates,
                                               config.affinity_lead_blocks):
         config = dataclasses.replace(
             config, overlap_weight=config.overlap_weight * config.affinity_weight)
     shortest = 0.0
-    if config.queue_cap_blocks != math.inf:
+    if config.queue_cap_blocks != math.inf or home is not None:
         shortest = min(c.pending_prefill_blocks for c in candidates)
-    costs = sorted((cost_of(c, request_blocks, config, free, shortest) for c in candidates),
-                   key=lambda c: (c.cost, c.active_requests, c.worker))
+    stay = None
+    if home is not None:
+        stay = next((c for c in candidates if c.worker == home), None)
+        if stay is not None and stay.pending_prefill_blocks - shortest > \
+                config.session_queue_blocks:
+            stay = None
+    costs = [cost_of(c, request_blocks, config, free, shortest) for c in candidates]
+    if config.session_weight > 0 and stay is None:
+        fewest = min(c.sessions for c in candidates)
+        price = base_weight * (config.session_weight * continue_rate)
+        for wc in costs:
+            wc.cost += price * (wc.sessions - fewest)
+    costs.sort(key=lambda c: (c.cost, c.active_requests, c.worker))
+    if stay is not None:
+        return Decision(stay.worker, tuple(costs), config.overlap_weight)
     if config.temperature > 0 and len(costs) > 1:
         worker = _sample(costs, config.temperature, rng)
     else:

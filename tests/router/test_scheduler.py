@@ -250,3 +250,68 @@ def test_one_candidate_has_no_lead_and_bad_affinity_settings_are_refused() -> No
         SchedulerConfig(affinity_weight=0.0)
     with pytest.raises(ValueError, match="affinity_lead_blocks"):
         SchedulerConfig(affinity_lead_blocks=0)
+
+
+# Sessions: worker 1 holds none of a 10-block prompt but is idle; worker 0 holds it all and
+# has 100 blocks queued. At weight 1 leaving costs 10 blocks against 100 queued: by cost, 1.
+BUSY_HOME = [Candidate(0, matched_blocks=10, device_matched_blocks=10,
+                       pending_prefill_blocks=100.0),
+             Candidate(1)]
+
+
+@pytest.mark.parametrize("name, queue_blocks, home, expected", [
+    ("a continuation stays home while its queue is within the limit", 128.0, 0, 0),
+    ("and leaves by cost when the queue is past it", 64.0, 0, 1),
+    ("a home that is not a candidate leaves the choice to the costs", 128.0, 5, 1),
+    ("without a home the costs decide", 128.0, None, 1),
+])
+def test_a_continuing_session_stays_home_unless_its_queue_runs_away(
+        name: str, queue_blocks: float, home: int | None, expected: int) -> None:
+    config = SchedulerConfig(overlap_weight=1.0, queue_weight=1.0,
+                             session_queue_blocks=queue_blocks)
+    decision = choose(10, BUSY_HOME, config, random.Random(0), home=home)
+    assert decision.worker == expected, name
+    assert sorted(c.worker for c in decision.costs) == [0, 1]  # every candidate still priced
+
+
+def test_the_queue_limit_counts_from_the_shortest_queue() -> None:
+    both_busy = [Candidate(0, matched_blocks=10, device_matched_blocks=10,
+                           pending_prefill_blocks=150.0),
+                 Candidate(1, pending_prefill_blocks=100.0)]
+    config = SchedulerConfig(overlap_weight=1.0, queue_weight=1.0, session_queue_blocks=64.0)
+    assert choose(10, both_busy, config, random.Random(0), home=0).worker == 0  # 50 past
+
+
+@pytest.mark.parametrize("rate, expected", [(1.0, 1), (0.25, 1), (0.02, 0), (0.0, 0)])
+def test_sessions_already_on_a_worker_count_against_it(rate: float, expected: int) -> None:
+    # Worker 0 holds 2 blocks of the prompt (32 x 8 = 256 against 32 x 10 = 320) and 3 more
+    # sessions, each 32 x 16 x rate: 1536 at rate 1, 384 at 0.25 (both leave), 30.7 at 0.02
+    # (stays), and nothing where no session ever continued.
+    candidates = [Candidate(0, matched_blocks=2, device_matched_blocks=2, sessions=3),
+                  Candidate(1, sessions=0)]
+    config = SchedulerConfig(session_weight=16.0)
+    decision = choose(10, candidates, config, random.Random(0), continue_rate=rate)
+    assert decision.worker == expected
+    assert {c.worker: c.sessions for c in decision.costs} == {0: 3, 1: 0}
+    assert decision.chosen.cost == (256.0 + 32 * 16 * rate * 3 if expected == 0 else 320.0)
+
+
+def test_the_session_term_uses_the_configured_weight_not_the_affinity_factor() -> None:
+    # A clear lead (10 blocks) raises the overlap weight to 128; the session term stays at
+    # 32 x 16 per session: leaving costs 128 x 10 = 1280, staying 32 x 16 x 3 = 1536 more.
+    candidates = [Candidate(0, matched_blocks=10, device_matched_blocks=10, sessions=3),
+                  Candidate(1)]
+    config = SchedulerConfig(session_weight=16.0, affinity_weight=4.0)
+    decision = choose(10, candidates, config, random.Random(0))
+    assert decision.overlap_weight == 128.0 and decision.worker == 1
+    costs = {c.worker: c.cost for c in decision.costs}
+    assert costs == {0: 32.0 * 16 * 3, 1: 128.0 * 10}
+
+
+@pytest.mark.parametrize("kwargs, fragment", [
+    ({"session_weight": -1.0}, "session_weight"), ({"session_weight": float("nan")},
+                                                   "session_weight"),
+    ({"session_queue_blocks": -1.0}, "session_queue_blocks")])
+def test_bad_session_settings_are_refused(kwargs: dict[str, float], fragment: str) -> None:
+    with pytest.raises(ValueError, match=fragment):
+        SchedulerConfig(**kwargs)  # type: ignore[arg-type]
