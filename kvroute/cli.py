@@ -118,6 +118,12 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
       "paged decode attention (vLLM, TensorRT-LLM, SGLang); 1 turns it off")
     a("--affinity-lead-blocks", type=int,
       help="blocks the best-matched worker must lead every other by (default 8)")
+    a("--session-weight", type=float,
+      help="price of a live chat or agent session already on a worker, in prefill blocks, "
+      "for a request that does not continue one (default 16; 0 turns it off)")
+    a("--session-queue-blocks",
+      help="a continuing session stays on its worker unless that worker's queued prefill is "
+      "this many blocks past the shortest queue (default 128; off: no stay)")
     a("--pressure-window", type=float,
       help="seconds of cache removals the eviction pressure counts (default 10)")
     a("--predict-ttl", type=float, help="seconds a routed prefix counts resident (default 10)")

@@ -103,6 +103,17 @@ class _StateCollector:
                                    "The queue weight a routing decision now uses")
         weight.add_metric([], service.queue_weight(now))
         yield weight
+        if service.sessions is not None:
+            live = GaugeMetricFamily("kvroute_sessions",
+                                     "Live chat or agent sessions homed on the worker",
+                                     labels=["worker"])
+            for e in entries:
+                live.add_metric([e.url], service.sessions.live(e.id))
+            yield live
+            rate = GaugeMetricFamily("kvroute_session_continue_rate",
+                                     "Share of requests whose session continued")
+            rate.add_metric([], service.sessions.continue_rate)
+            yield rate
         lag = GaugeMetricFamily("kvroute_event_lag_seconds",
                                 "Now minus the timestamp of the worker's latest event batch",
                                 labels=["worker"])

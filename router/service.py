@@ -34,6 +34,7 @@ from router.prompt_path import HashingTerms, request_hashes
 from router.registry import Registry, WorkerEntry
 from router.residency import PredictedResidency
 from router.scheduler import Candidate, Decision, choose
+from router.sessions import Continuation, SessionTracker
 from router.settings import RouterSettings
 
 __all__ = ["Route", "RouterService"]
@@ -50,6 +51,8 @@ class Route:
     entries: dict[int, WorkerEntry]
     decided_at: float
     decision_seconds: float
+    #: The session this request continues (consumed when it is first dispatched).
+    continued: Continuation | None = None
 
     @property
     def worker(self) -> WorkerEntry:
@@ -88,6 +91,7 @@ class RouterService:
             if fixed is None else fixed,
             queue_cap_blocks=cap)
         self.rng = random.Random(settings.seed)
+        self.sessions = SessionTracker() if settings.sessions else None
         self.registry = Registry(settings, self.index, self.load, self.tokenizer.identity,
                                  self.forget, http, on_events=self._observe)
         self.counters: dict[str, float] = {}
@@ -102,6 +106,8 @@ class RouterService:
         removed one leaves the pressure entirely."""
         self.predicted.forget(worker)
         self.approximate.forget(worker)
+        if self.sessions is not None:
+            self.sessions.forget(worker)
         if self.registry.get(worker) is None:
             self.pressure.forget(worker)
         else:
@@ -171,13 +177,21 @@ class RouterService:
         weight = self.queue_weight(now)
         if weight != self.scheduler.queue_weight:
             self.scheduler = dataclasses.replace(self.scheduler, queue_weight=weight)
+        sessions = self.sessions
+        continued = home = None
+        rate = 0.0
+        if sessions is not None:
+            continued = sessions.continuation(hashes, now)
+            rate = sessions.continue_rate
+            if continued is not None and self.settings.session_queue_blocks is not None:
+                home = continued.worker
         decision = choose(len(hashes), self._candidates(entries, hashes, now), self.scheduler,
-                          self.rng)
+                          self.rng, home=home, continue_rate=rate)
         if self.settings.policy != "kv":
             decision = self._baseline(decision, entries)
         request_id = f"{self._id_prefix}-{next(self._ids)}"
         return Route(request_id, prompt, hashes, decision, {e.id: e for e in entries}, now,
-                     time.perf_counter() - started)
+                     time.perf_counter() - started, continued)
 
     def _baseline(self, decision: Decision, entries: list[WorkerEntry]) -> Decision:
         # Cache-blind baselines: the costs stay (for /debug/route and fallbacks), the choice
@@ -192,6 +206,7 @@ class RouterService:
                     ) -> list[Candidate]:
         matches = self.index.match(hashes) if hashes else {}
         admission = self.scheduler.admission_weight > 0
+        sessions = self.sessions
         out = []
         for e in entries:
             matched, device = matches.get(e.id, (0, 0))
@@ -199,9 +214,10 @@ class RouterService:
             extended = residency.extend(e.id, hashes, matched, now)
             device += extended - matched
             load = self.load.load(e.id)
+            live = sessions.live(e.id) if sessions is not None else 0
             if not admission:
                 out.append(Candidate(e.id, extended, device, load.pending_prefill_blocks,
-                                     load.decode_blocks, load.active_requests))
+                                     load.decode_blocks, load.active_requests, sessions=live))
                 continue
             # The admission term's slot half (router.scheduler): blocks in flight per request
             # from the books, the engine's sequence limit from /model_info. Its KV half stays
@@ -212,17 +228,22 @@ class RouterService:
                     if 0 < limit <= load.active_requests else 0.0)  # read only when full
             out.append(Candidate(e.id, extended, device, load.pending_prefill_blocks,
                                  load.decode_blocks, load.active_requests, held, 0.0, 0.0,
-                                 limit))
+                                 limit, live))
         return out
 
     def dispatched(self, route: Route, worker: WorkerEntry) -> None:
-        """Book a request as sent to ``worker``: load, and predicted residency."""
+        """Book a request as sent to ``worker``: load, predicted residency, and its session
+        (now living on ``worker``; a fallback moves it again, without counting it twice)."""
         cost = next(c for c in route.decision.costs if c.worker == worker.id)
         blocks = len(route.hashes)
         self.load.routed(route.request_id, worker.id, blocks - cost.credited_blocks,
                          max(blocks, 1))
         residency = self.approximate if worker.approximate else self.predicted
-        residency.predict(worker.id, route.hashes, time.monotonic())
+        now = time.monotonic()
+        residency.predict(worker.id, route.hashes, now)
+        if self.sessions is not None:
+            self.sessions.routed(route.hashes, worker.id, now, route.continued)
+            route.continued = None
 
     def undispatched(self, route: Route) -> None:
         """The send failed before the worker took the request: release its booking."""

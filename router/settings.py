@@ -43,6 +43,8 @@ class RouterSettings:
     admission_weight: float = 1.0
     affinity_weight: float = 4.0
     affinity_lead_blocks: int = 8
+    session_weight: float = 16.0
+    session_queue_blocks: float | None = 128.0
     pressure_window: float = 10.0
     host_credit: float = 0.75
     temperature: float = 0.0
@@ -72,6 +74,9 @@ class RouterSettings:
             (self.admission_weight >= 0, "admission_weight must be >= 0"),
             (self.affinity_weight > 0, "affinity_weight must be > 0 (1 = no change)"),
             (self.affinity_lead_blocks >= 1, "affinity_lead_blocks must be >= 1"),
+            (self.session_weight >= 0, "session_weight must be >= 0 (0 = no session term)"),
+            (self.session_queue_blocks is None or self.session_queue_blocks >= 0,
+             "session_queue_blocks must be >= 0 (or off: continuations are not kept home)"),
             (0 <= self.host_credit <= 1, "host_credit must be in [0, 1]"),
             (self.temperature >= 0, "temperature must be >= 0"),
             (self.policy in POLICIES,
@@ -90,6 +95,11 @@ class RouterSettings:
             if not url.startswith(("http://", "https://")):
                 raise SettingsError(f"worker {url!r} is not an http(s) URL")
 
+    @property
+    def sessions(self) -> bool:
+        """Whether the router tracks sessions (either session setting is on)."""
+        return self.session_weight > 0 or self.session_queue_blocks is not None
+
     def scheduler_config(self, **changes: float) -> SchedulerConfig:
         """The scheduler settings these settings give (the queue weight and cap are the
         scheduler's defaults unless ``changes`` set them: the service derives them from
@@ -97,7 +107,10 @@ class RouterSettings:
         fields_ = {"overlap_weight": self.overlap_weight, "host_credit": self.host_credit,
                    "temperature": self.temperature, "admission_weight": self.admission_weight,
                    "affinity_weight": self.affinity_weight,
-                   "affinity_lead_blocks": self.affinity_lead_blocks, **changes}
+                   "affinity_lead_blocks": self.affinity_lead_blocks,
+                   "session_weight": self.session_weight, **changes}
+        if self.session_queue_blocks is not None:
+            fields_.setdefault("session_queue_blocks", self.session_queue_blocks)
         return SchedulerConfig(**fields_)  # type: ignore[arg-type]
 
 
@@ -115,7 +128,7 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
             return None
         if kind in ("int", "int | None"):
             return int(value)
-        if kind == "float | None" and str(value).strip().lower() in ("auto", "none", ""):
+        if kind == "float | None" and str(value).strip().lower() in ("auto", "none", "off", ""):
             return None
         if kind in ("float", "float | None"):
             return float(value)

@@ -260,3 +260,26 @@ async def test_a_holder_at_its_sequence_limit_sends_the_next_request_elsewhere(
         assert chosen[:2] == [holder] * 2 and holder not in chosen[2:]
     else:  # no admission term: the prefix keeps them all on the holder
         assert chosen == [holder] * 4
+
+
+@pytest.mark.parametrize("sessions", [True, False])
+async def test_a_chat_turn_is_seen_as_its_sessions_continuation(sessions: bool) -> None:
+    off = {} if sessions else {"session_weight": 0.0, "session_queue_blocks": None}
+    async with (
+        ScriptedWorker() as a,
+        ScriptedWorker() as b,
+        router_for(a, b, ready=2, **off) as client,
+    ):
+        first = await client.post("/v1/completions", json={**BODY, "prompt": "p" * 400})
+        turn = {**BODY, "prompt": "p" * 400 + " and then " + "q" * 100}
+        debug = (await client.post("/debug/route", json=turn)).json()
+        fresh = (await client.post("/debug/route", json={**BODY, "prompt": "z" * 400})).json()
+        metrics = (await client.get("/metrics")).text
+    home = int(first.headers["x-kvroute-worker-id"])
+    if sessions:
+        assert debug["continues_session_on"] == home and debug["chosen_id"] == home
+        assert {w["id"]: w["sessions"] for w in debug["workers"]} == {home: 1, 1 - home: 0}
+        assert f'kvroute_sessions{{worker="{first.headers["x-kvroute-worker"]}"}} 1.0' in metrics
+    else:
+        assert debug["continues_session_on"] is None and "kvroute_sessions" not in metrics
+    assert fresh["continues_session_on"] is None

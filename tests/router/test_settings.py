@@ -27,6 +27,18 @@ def test_queue_weight_is_auto_unless_a_number_is_given() -> None:
     assert load_settings({"queue_weight": "0.25"}, env={}).queue_weight == 0.25
 
 
+def test_sessions_are_on_by_default_and_each_half_turns_off() -> None:
+    s = load_settings({}, env={})
+    assert (s.session_weight, s.session_queue_blocks, s.sessions) == (16.0, 128.0, True)
+    assert s.scheduler_config().session_weight == 16.0
+    assert s.scheduler_config().session_queue_blocks == 128.0
+    off = load_settings({"session_weight": 0.0, "session_queue_blocks": "off"}, env={})
+    assert (off.session_queue_blocks, off.sessions) == (None, False)
+    assert off.scheduler_config().session_weight == 0.0
+    stay_only = load_settings({"session_weight": 0.0}, env={})
+    assert stay_only.sessions
+
+
 def test_json_config_files_work_too(tmp_path: Path) -> None:
     config = tmp_path / "router.json"
     config.write_text('{"overlap_weight": 2.5, "temperature": 0.1}')
@@ -49,6 +61,10 @@ def test_json_config_files_work_too(tmp_path: Path) -> None:
     ({}, {"KVROUTE_AFFINITY_WEIGHT": "nan"}, "affinity_weight must be > 0"),
     ({}, {"KVROUTE_AFFINITY_LEAD_BLOCKS": "2.5"}, "affinity_lead_blocks from environment"),
     ({"affinity_lead_blocks": 0}, {}, "affinity_lead_blocks must be >= 1"),
+    ({"session_weight": -1.0}, {}, "session_weight must be >= 0"),
+    ({}, {"KVROUTE_SESSION_WEIGHT": "lots"}, "session_weight from environment"),
+    ({"session_queue_blocks": "-5"}, {}, "session_queue_blocks must be >= 0"),
+    ({"session_queue_blocks": "never"}, {}, "session_queue_blocks from flag: 'never'"),
 ])
 def test_bad_router_settings_are_refused_with_the_reason(flags: dict, env: dict,
                                                          fragment: str) -> None:
