@@ -16,6 +16,7 @@ from bench.policies.kvroute_policy import KvroutePolicy, KvrouteUntuned
 from bench.policies.kvroute_pressure import (
     ADMIT_VARIANTS,
     KvrouteAuto,
+    KvrouteNoSessions,
     KvroutePressure,
     KvroutePressureBalanced,
     KvroutePressureCap1500,
@@ -73,6 +74,7 @@ VARIANTS: dict[str, Callable[[], Policy]] = {
     **LOAD_VARIANTS,
     "kvroute_affinity4": KvrouteAffinity,
     "kvroute_affinity1": KvrouteAffinity1,
+    "kvroute_nosessions": KvrouteNoSessions,
 }
 
 

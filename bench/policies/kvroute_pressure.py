@@ -275,3 +275,15 @@ class KvrouteAuto(KvroutePressure):
 
     def __init__(self) -> None:
         super().__init__(rule=ROUTER_PRESSURE_RULE)
+
+
+class KvrouteNoSessions(KvroutePressure):
+    """``kvroute`` without sessions (``--session-weight 0 --session-queue-blocks off``): the
+    router's default until the tenth session, for the figures measured before it."""
+
+    name = "kvroute_nosessions"
+
+    def __init__(self) -> None:
+        super().__init__(dataclasses.replace(RouterSettings().scheduler_config(),
+                                             session_weight=0.0),
+                         rule=ROUTER_PRESSURE_RULE)

@@ -3,11 +3,17 @@ eviction pressure; with no eviction it is ``kvroute`` with queue weight 0.25."""
 
 from __future__ import annotations
 
+import dataclasses
+
 from bench.policies import KvroutePolicy, KvroutePressure
 from bench.sim import SimConfig, simulate
 from bench.workloads import GeneratorConfig, WorkloadRequest, generate
 from router.pressure import PressureRule
 from router.scheduler import SchedulerConfig
+from router.settings import RouterSettings
+
+#: The router's scheduler settings without sessions: what the pressure tests were written on.
+NO_SESSIONS = dataclasses.replace(RouterSettings().scheduler_config(), session_weight=0.0)
 
 
 def workload() -> list[WorkloadRequest]:
@@ -21,7 +27,7 @@ def fingerprint(result) -> list[tuple]:
 
 
 def test_a_small_cache_under_churn_raises_the_pressure_and_lowers_the_weight() -> None:
-    policy = KvroutePressure()
+    policy = KvroutePressure(NO_SESSIONS)  # sessions stick, and churn this cache less
     simulate(workload(), policy, SimConfig(workers=2, capacity_tokens=4_000), seed=3)
     samples = policy.pressure_samples
     assert len(samples) == 60 and samples[0] == 0.0
@@ -35,13 +41,16 @@ def test_without_eviction_it_decides_as_kvroute_at_the_low_pressure_weight() -> 
     policy = KvroutePressure()
     ours = simulate(reqs, policy, big, seed=3)
     assert max(policy.pressure_samples) == 0.0
-    ref = simulate(reqs, KvroutePolicy(SchedulerConfig(queue_weight=0.25,
-                                                       queue_cap_blocks=3000.0)), big, seed=3)
+    ref = simulate(reqs, KvroutePolicy(dataclasses.replace(
+        RouterSettings().scheduler_config(), queue_weight=0.25, queue_cap_blocks=3000.0)),
+        big, seed=3)
     assert fingerprint(ours) == fingerprint(ref)
-    # ... and the rule's weights do move the decisions once they differ.
-    other = simulate(reqs, KvroutePressure(rule=PressureRule(low_pressure_weight=4.0)), big,
-                     seed=3)
-    assert fingerprint(other) != fingerprint(ours)
+    # ... and the rule's weights do move the decisions once they differ (without sessions:
+    # with them, this light load's continuations all stay home whatever the queue weight).
+    base = simulate(reqs, KvroutePressure(NO_SESSIONS), big, seed=3)
+    other = simulate(reqs, KvroutePressure(NO_SESSIONS, rule=PressureRule(low_pressure_weight=4.0)),
+                     big, seed=3)
+    assert fingerprint(other) != fingerprint(base)
 
 
 def test_variants_run_by_name_but_not_in_all() -> None:
@@ -57,7 +66,8 @@ def test_the_admission_variant_without_known_limits_is_rule_k_exactly() -> None:
 
     reqs = workload()
     config = SimConfig(workers=2, capacity_tokens=4_000)
-    k = simulate(reqs, KvroutePressure(SchedulerConfig()), config, seed=3)  # no admission term
+    k = simulate(reqs, KvroutePressure(dataclasses.replace(
+        RouterSettings().scheduler_config(), admission_weight=0.0)), config, seed=3)
     blind = simulate(reqs, KvroutePressureAdmit(kv=False, max_running=0), config, seed=3)
     assert fingerprint(blind) == fingerprint(k)
 

@@ -221,3 +221,22 @@ def test_affinity_prices_a_request_without_a_clear_lead_as_kvroute(policy: str) 
     cluster.index.store_hashes(0, req.hashes[:8])
     cluster.index.store_hashes(1, req.hashes[:5])
     assert p.route(req, 0.0) == 1
+
+
+@pytest.mark.parametrize(("policy", "stays"), [("kvroute", True), ("kvroute_nosessions", False)])
+def test_kvroute_keeps_a_continuing_session_home_until_its_queue_runs_away(
+        policy: str, stays: bool) -> None:
+    cluster = FakeCluster()
+    (p,) = make_policies(policy)
+    p.start(cluster)
+    home = p.route(rr("turn1", PROMPT), 0.0)
+    p.first_token("turn1", 0.1)
+    p.finished("turn1", 0.2)
+    p._load.routed("long-decode", home, 0.0, 3000)  # 3,000 blocks decoding at home
+    p.first_token("long-decode", 0.3)
+    # Leaving costs 4 x 32 x 10 = 1,280; staying 3,000 of decode: by cost, the turn leaves.
+    turn2 = PROMPT + tuple(range(60, 68))
+    assert (p.route(rr("turn2", turn2), 1.0) == home) is stays
+    if stays:  # 200 blocks queued at home, past the 128 allowed: the next turn leaves
+        p._load.routed("queued", home, 200.0, 200)
+        assert p.route(rr("turn3", turn2 + tuple(range(70, 78))), 2.0) != home

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.policies import POLICIES
+from bench.policies import POLICIES, make_policies
 from bench.sim import SimConfig, simulate
 from bench.workloads import GeneratorConfig, WorkloadRequest, generate
 
@@ -58,3 +58,29 @@ def test_event_lag_delays_what_the_index_knows() -> None:
                       SimConfig(workers=2, capacity_tokens=40_000, event_lag_s=5.0), seed=5)
     prompt = simulate(reqs, POLICIES["dynamo"](), CONFIG, seed=5)
     assert fingerprint(lagged) != fingerprint(prompt)
+
+
+def _moved_turns(reqs: list[WorkloadRequest], name: str) -> tuple[int, int, object]:
+    (policy,) = make_policies(name)
+    res = simulate(reqs, policy, SimConfig(workers=2, capacity_tokens=200_000), seed=5)
+    last: dict[object, int] = {}
+    moved = turns = 0
+    for rec, req in zip(res.records, reqs, strict=True):
+        if req.session in last:
+            turns += 1
+            moved += last[req.session] != rec.worker
+        last[req.session] = rec.worker
+    return moved, turns, policy
+
+
+def test_sessions_keep_continuing_turns_on_their_worker_under_load() -> None:
+    # Two workers, chats arriving faster than they drain: without sessions the router moves
+    # some turns off their busy worker (recomputing the conversation elsewhere).
+    reqs = generate("multi_turn", GeneratorConfig(
+        requests=400, rate=40.0, system_prompts=4, system_tokens=(1024, 2048),
+        user_tokens=(128, 512), output_tokens=(64, 256), turn_gap_s=0.3), seed=1)
+    moved, turns, policy = _moved_turns(reqs, "kvroute")
+    moved_before, _, _ = _moved_turns(reqs, "kvroute_nosessions")
+    assert turns > 300 and moved_before > 0
+    assert moved < moved_before
+    assert policy._sessions is not None and policy._sessions.continue_rate > 0.5
