@@ -106,12 +106,15 @@ class SessionTracker:
         """Expire old heads, then return the session ``hashes`` continues: the longest live
         head among its blocks before the last (the last is its own), or None."""
         self._expire(now)
+        if len(hashes) < 2:
+            return None
         heads = self._heads
-        for i in range(len(hashes) - 2, -1, -1):
-            head = heads.get(hashes[i])
-            if head is not None:
-                return Continuation(hashes[i], head[0], head[1])
-        return None
+        # The scan runs in C (filter over a builtin): a new chat's whole prompt is scanned.
+        key = next(filter(heads.__contains__, reversed(hashes[:-1])), None)
+        if key is None:
+            return None
+        worker, routed_at = heads[key]
+        return Continuation(key, worker, routed_at)
 
     def routed(self, hashes: Sequence[int], worker: int, now: float,
                continued: Continuation | None = None) -> None:
