@@ -128,7 +128,11 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
             return None
         if kind in ("int", "int | None"):
             return int(value)
-        if kind == "float | None" and str(value).strip().lower() in ("auto", "none", "off", ""):
+        word = str(value).strip().lower()
+        if name == "session_queue_blocks" and word in ("off", "none", ""):
+            return None
+        if kind == "float | None" and name != "session_queue_blocks" and word in (
+                "auto", "none", ""):
             return None
         if kind in ("float", "float | None"):
             return float(value)

@@ -65,6 +65,8 @@ def test_json_config_files_work_too(tmp_path: Path) -> None:
     ({}, {"KVROUTE_SESSION_WEIGHT": "lots"}, "session_weight from environment"),
     ({"session_queue_blocks": "-5"}, {}, "session_queue_blocks must be >= 0"),
     ({"session_queue_blocks": "never"}, {}, "session_queue_blocks from flag: 'never'"),
+    ({"session_queue_blocks": "auto"}, {}, "session_queue_blocks from flag: 'auto'"),
+    ({"queue_weight": "off"}, {}, "queue_weight from flag: 'off'"),
 ])
 def test_bad_router_settings_are_refused_with_the_reason(flags: dict, env: dict,
                                                          fragment: str) -> None:
