@@ -83,7 +83,10 @@ Sessions (:mod:`router.sessions`; the caller passes them, the router by default)
 - ``home``: the worker a continuing session lives on (its previous request went there). The
   request goes there, whatever the costs, unless that worker's pending prefill exceeds the
   shortest queue among the candidates by more than ``session_queue_blocks``: then the costs
-  decide, as for any request.
+  decide, as for any request. This departs from ``shared/DESIGN.md``'s "pick the minimum"
+  on purpose: every way of pricing the move (affinity factors, hysteresis, backlog gates)
+  left the median to SGLang's stickier rule. Every candidate is still priced, for
+  ``/debug/route`` and the order of fallbacks.
 - ``sessions(w)``: the live sessions homed on a candidate. A request not kept home pays
   ``overlap_weight * session_weight * continue_rate * (sessions(w) - min sessions)`` more on
   each candidate (the configured overlap weight, not the affinity factor's), where
