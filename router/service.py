@@ -181,7 +181,7 @@ class RouterService:
         continued = home = None
         rate = 0.0
         if sessions is not None:
-            continued = sessions.continuation(hashes, now)
+            continued = sessions.continuation(hashes, now, len(prompt.token_ids))
             rate = sessions.continue_rate
             if continued is not None and self.settings.session_queue_blocks is not None:
                 home = continued.worker
@@ -242,7 +242,8 @@ class RouterService:
         now = time.monotonic()
         residency.predict(worker.id, route.hashes, now)
         if self.sessions is not None:
-            self.sessions.routed(route.hashes, worker.id, now, route.continued)
+            self.sessions.routed(route.hashes, worker.id, now, route.continued,
+                                 len(route.prompt.token_ids))
             route.continued = None
 
     def undispatched(self, route: Route) -> None:

@@ -4,9 +4,11 @@ passed in.
 A chat turn, or an agent's next step, sends the whole conversation so far: the previous
 request's prompt, its reply, and something new. So the previous prompt's last full block is
 among the new prompt's blocks (block hashes chain, so equal blocks mean equal prefixes). The
-tracker keeps each routed request's last full block as a *head*, with the worker it went to;
-a later request that holds a live head *continues* that session, and its own last block
-becomes the session's head, wherever it is routed.
+tracker keeps each routed request's last full block as a *head*, with the worker it went to
+and the prompt's length; a later request that holds a live head before its own last block,
+or as its last block with more tokens after it (a follow-up too short to fill a block),
+*continues* that session, and its own last block becomes the session's head, wherever it is
+routed. The same prompt again (a retry) continues nothing.
 
 What the router does with it (:mod:`router.scheduler`):
 
@@ -70,7 +72,7 @@ class SessionTracker:
         self.max_heads = max_heads
         self.gap_smoothing = gap_smoothing
         self.rate_window = rate_window
-        self._heads: dict[int, tuple[int, float]] = {}
+        self._heads: dict[int, tuple[int, float, int]] = {}  # key -> worker, routed_at, tokens
         self._order: deque[tuple[float, int]] = deque()  # (routed_at, key), oldest first
         self._live: dict[int, int] = {}
         self._gap: float | None = None
@@ -102,24 +104,30 @@ class SessionTracker:
     def __len__(self) -> int:
         return len(self._heads)
 
-    def continuation(self, hashes: Sequence[int], now: float) -> Continuation | None:
-        """Expire old heads, then return the session ``hashes`` continues: the longest live
-        head among its blocks before the last (the last is its own), or None."""
+    def continuation(self, hashes: Sequence[int], now: float, tokens: int = 0
+                     ) -> Continuation | None:
+        """Expire old heads, then return the session a prompt of ``hashes`` (``tokens`` long)
+        continues: the longest live head among its blocks (its last block only when the
+        prompt is longer than that head's), or None."""
         self._expire(now)
-        if len(hashes) < 2:
+        if not hashes:
             return None
         heads = self._heads
+        head = heads.get(hashes[-1])
+        if head is not None and tokens > head[2]:
+            return Continuation(hashes[-1], head[0], head[1])
         # The scan runs in C (filter over a builtin): a new chat's whole prompt is scanned.
         key = next(filter(heads.__contains__, reversed(hashes[:-1])), None)
         if key is None:
             return None
-        worker, routed_at = heads[key]
+        worker, routed_at, _ = heads[key]
         return Continuation(key, worker, routed_at)
 
     def routed(self, hashes: Sequence[int], worker: int, now: float,
-               continued: Continuation | None = None) -> None:
-        """Record a request of ``hashes`` sent to ``worker``: the head it continued (from
-        :meth:`continuation`) is consumed, and its last block becomes a head on ``worker``."""
+               continued: Continuation | None = None, tokens: int = 0) -> None:
+        """Record a request of ``hashes`` (``tokens`` long) sent to ``worker``: the head it
+        continued (from :meth:`continuation`) is consumed, and its last block becomes a head on
+        ``worker``."""
         if continued is not None:
             head = self._heads.get(continued.key)
             if head is not None and head[1] == continued.routed_at:
@@ -135,7 +143,7 @@ class SessionTracker:
         old = self._heads.get(key)
         if old is not None:  # the same prompt again: one head, now here
             self._live[old[0]] -= 1
-        self._heads[key] = (worker, now)
+        self._heads[key] = (worker, now, tokens)
         self._live[worker] = self._live.get(worker, 0) + 1
         self._order.append((now, key))
         while len(self._heads) > self.max_heads:
@@ -144,7 +152,7 @@ class SessionTracker:
     def forget(self, worker: int) -> None:
         """Drop every head on ``worker`` (removed, or its cache cleared): its sessions'
         next requests are new ones."""
-        keys = [k for k, (w, _) in self._heads.items() if w == worker]
+        keys = [k for k, head in self._heads.items() if head[0] == worker]
         for k in keys:
             del self._heads[k]
         self._live.pop(worker, None)

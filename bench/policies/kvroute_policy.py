@@ -93,7 +93,8 @@ class KvroutePolicy(Policy):
     def route(self, request: RouteRequest, now: float) -> int:
         hashes = request.hashes
         sessions = self._sessions
-        continued = sessions.continuation(hashes, now) if sessions is not None else None
+        tokens = len(request.token_ids)
+        continued = sessions.continuation(hashes, now, tokens) if sessions is not None else None
         decision = choose(len(hashes), self.candidates(hashes, now), self.config,
                           self.cluster.rng, home=continued.worker if continued else None,
                           continue_rate=sessions.continue_rate if sessions is not None else 0.0)
@@ -103,7 +104,7 @@ class KvroutePolicy(Policy):
                           max(blocks, 1))
         self._predicted.predict(decision.worker, hashes, now)
         if sessions is not None:
-            sessions.routed(hashes, decision.worker, now, continued)
+            sessions.routed(hashes, decision.worker, now, continued, tokens)
         return decision.worker
 
     def first_token(self, request_id: str, now: float) -> None:

@@ -21,6 +21,14 @@ def test_a_request_holding_an_earlier_prompt_continues_its_session() -> None:
     assert s.continuation(TURN1, 1.0) is None  # the same prompt again is not a continuation
 
 
+def test_a_follow_up_too_short_to_fill_a_block_continues_but_a_retry_does_not() -> None:
+    s = SessionTracker()
+    s.routed(TURN1, worker=1, now=0.0, tokens=100)  # 3 full blocks and a partial one
+    short = s.continuation(TURN1, 1.0, tokens=120)  # "ok": the same full blocks, more text
+    assert short is not None and (short.worker, short.key) == (1, 13)
+    assert s.continuation(TURN1, 1.0, tokens=100) is None  # the same prompt again
+
+
 def test_the_longest_live_head_wins() -> None:
     s = SessionTracker()
     s.routed(TURN1, worker=0, now=0.0)
