@@ -80,3 +80,27 @@ def test_queue_weight_auto_follows_eviction_pressure_a_fixed_one_does_not(cluste
         assert fixed.complete(f"{i:04d} " + "distinct prompt text " * 47).status_code == 200
     wait_for(lambda: _gauge(fixed, "kvroute_eviction_pressure") > 0, 10, "removals seen")
     assert _gauge(fixed, "kvroute_queue_weight") == 0.5  # fixed: the pressure does not move it
+
+
+def test_a_chat_stays_with_its_session_and_the_router_counts_it(cluster: Any) -> None:
+    router, _ = cluster(workers=2)
+    turn = SYSTEM + "Question one?"
+    first = router.complete(turn)
+    assert first.status_code == 200
+    holder = first.headers["x-kvroute-worker"]
+    for follow in (" Answer one. Question two?", " Answer two. Question three?"):
+        turn += follow  # each turn sends the conversation so far
+        again = router.complete(turn)
+        assert again.status_code == 200 and again.headers["x-kvroute-worker"] == holder
+    assert _gauge(router, "kvroute_session_continue_rate") == 1.0
+    assert _gauge(router, f'kvroute_sessions{{worker="{holder}"}}') == 1.0
+    body = {"model": "kvroute-sim", "prompt": turn + " Question four?", "max_tokens": 2}
+    debug = router.client.post("/debug/route", json=body).json()
+    assert debug["continues_session_on"] == next(
+        w["id"] for w in router.workers() if w["url"] == holder)
+    # Both halves off (through the environment): no session is tracked or shown.
+    off, _ = cluster(workers=1, router_settings={"session_weight": 0,
+                                                 "session_queue_blocks": "off"})
+    assert off.complete(turn).status_code == 200
+    assert off.client.post("/debug/route", json=body).json()["continues_session_on"] is None
+    assert "kvroute_sessions" not in off.client.get("/metrics").text
