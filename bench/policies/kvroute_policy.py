@@ -9,9 +9,9 @@ resident for ``predict_ttl`` seconds, until the worker's events confirm them), t
 request is booked (uncached blocks as pending prefill, prompt blocks as decode after the first
 token) and its blocks predicted resident on the chosen worker. Sessions as the router keeps
 them (:class:`router.sessions.SessionTracker`): a request continuing a session stays on its
-worker unless that worker's queue is far the longest, and the others pay for the sessions
-each worker already holds (``SchedulerConfig.session_weight``; 0 leaves sessions out, as in
-``kvroute_untuned`` and ``kvroute_nosessions``).
+worker unless that worker's queue runs ``session_queue_blocks`` past the shortest, and the
+others pay for the sessions each worker already holds (``SchedulerConfig.session_weight``; 0
+leaves sessions out, as in ``kvroute_untuned`` and ``kvroute_nosessions``).
 
 The benchmark runs it twice: ``kvroute_fixed`` with the router's other defaults (overlap
 weight 32, predictions live 10 s, the admission term: tuned on this benchmark, see
