@@ -115,6 +115,9 @@ class RouterSettings:
 
 
 _TYPES = {f.name: f.type for f in fields(RouterSettings)}
+#: The words an optional number takes for "none": ``auto`` where the router then derives it
+#: (the default), ``off`` where none means the feature is off.
+_NONE_WORDS = {"session_queue_blocks": ("off", "none", "")}
 
 
 def _coerce(name: str, value: Any, origin: str) -> Any:
@@ -128,11 +131,8 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
             return None
         if kind in ("int", "int | None"):
             return int(value)
-        word = str(value).strip().lower()
-        if name == "session_queue_blocks" and word in ("off", "none", ""):
-            return None
-        if kind == "float | None" and name != "session_queue_blocks" and word in (
-                "auto", "none", ""):
+        if kind == "float | None" and str(value).strip().lower() in _NONE_WORDS.get(
+                name, ("auto", "none", "")):
             return None
         if kind in ("float", "float | None"):
             return float(value)
