@@ -22,7 +22,8 @@ What the router does with it (:mod:`router.scheduler`):
 A head not continued within ``expiry_gaps`` times the mean gap between a session's requests
 (routing to routing; ``initial_expiry_s`` until a gap has been seen; never under
 ``min_expiry_s``, so back-to-back requests do not end every session at once) has ended: it is
-dropped and counted as not continued. ``max_heads`` bounds memory (the oldest heads go first).
+dropped and counted as not continued. ``max_heads`` bounds memory (the oldest heads go first;
+about 240 bytes a head, so 63 MB at the default bound of 262,144 live heads).
 ``docs/benchmarks.md`` ("Sessions") has the measurements that set the defaults.
 """
 
@@ -59,7 +60,7 @@ class SessionTracker:
     """
 
     def __init__(self, expiry_gaps: float = 8.0, initial_expiry_s: float = 10.0,
-                 min_expiry_s: float = 1.0, max_heads: int = 1 << 20,
+                 min_expiry_s: float = 1.0, max_heads: int = 1 << 18,
                  gap_smoothing: float = 0.05, rate_window: int = 1 << 16) -> None:
         if not expiry_gaps > 0 or not initial_expiry_s > 0 or not min_expiry_s >= 0:
             raise ValueError("expiry_gaps and initial_expiry_s must be positive, "
