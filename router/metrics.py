@@ -110,8 +110,9 @@ class _StateCollector:
             for e in entries:
                 live.add_metric([e.url], service.sessions.live(e.id))
             yield live
-            rate = GaugeMetricFamily("kvroute_session_continue_rate",
-                                     "Share of requests whose session continued")
+            rate = GaugeMetricFamily(
+                "kvroute_session_continue_rate",
+                "Share of routed requests a next turn followed (rather than expired)")
             rate.add_metric([], service.sessions.continue_rate)
             yield rate
         lag = GaugeMetricFamily("kvroute_event_lag_seconds",
