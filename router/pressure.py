@@ -171,18 +171,23 @@ class PressureRule:
             (:meth:`EvictionPressure.warming`: no eviction yet and under ``warmup_fill`` full);
             None (default): the pressure decides from the start.
         warmup_fill: the fill that ends the warm-up (default 0.5).
+        warmup_cached_only: while the caches warm up, discount a queue only up to the blocks
+            the request finds cached on that worker
+            (:attr:`router.scheduler.SchedulerConfig.queue_discount_cached_only`; default
+            False). Needs ``warmup_weight``.
 
     Raises:
-        ValueError: ``low > high``, ``idle_below`` outside ``(0, low]``, or a negative value.
+        ValueError: ``low > high``, ``idle_below`` outside ``(0, low]``, a negative value, or
+            ``warmup_cached_only`` without ``warmup_weight``.
     """
 
     __slots__ = ("high", "high_pressure_weight", "idle_below", "idle_weight", "low",
-                 "low_pressure_weight", "warmup_fill", "warmup_weight")
+                 "low_pressure_weight", "warmup_cached_only", "warmup_fill", "warmup_weight")
 
     def __init__(self, low: float = 0.3, high: float = 0.7, low_pressure_weight: float = 0.25,
                  high_pressure_weight: float = 0.10, idle_weight: float | None = None,
                  idle_below: float = 0.1, warmup_weight: float | None = None,
-                 warmup_fill: float = 0.5) -> None:
+                 warmup_fill: float = 0.5, warmup_cached_only: bool = False) -> None:
         if min(low, high, low_pressure_weight, high_pressure_weight) < 0:
             raise ValueError("pressure bounds and weights must be >= 0")
         if low > high:
@@ -199,13 +204,17 @@ class PressureRule:
         self.idle_below = idle_below
         self.warmup_weight = warmup_weight
         self.warmup_fill = warmup_fill
+        if warmup_cached_only and warmup_weight is None:
+            raise ValueError("warmup_cached_only needs a warmup_weight (a warm-up to apply in)")
+        self.warmup_cached_only = warmup_cached_only
 
     def __repr__(self) -> str:
         return (f"PressureRule(low={self.low}, high={self.high}, "
                 f"low_pressure_weight={self.low_pressure_weight}, "
                 f"high_pressure_weight={self.high_pressure_weight}, "
                 f"idle_weight={self.idle_weight}, idle_below={self.idle_below}, "
-                f"warmup_weight={self.warmup_weight}, warmup_fill={self.warmup_fill})")
+                f"warmup_weight={self.warmup_weight}, warmup_fill={self.warmup_fill}, "
+                f"warmup_cached_only={self.warmup_cached_only})")
 
 
 def queue_weight_for(pressure: float, rule: PressureRule | None = None, *,
@@ -235,8 +244,10 @@ def queue_weight_for(pressure: float, rule: PressureRule | None = None, *,
 _DEFAULT_RULE = PressureRule()
 
 #: The router's rule under ``--queue-weight auto``: today's 0.5 while the caches warm up (no
-#: eviction yet, under half full), then rule K, 0.25 at pressure <= 0.3 down to 0.10 at >= 0.7
-#: (``docs/benchmarks.md``, "an eviction-pressure queue weight": the bench's ``kvroute_auto``).
-ROUTER_PRESSURE_RULE = PressureRule(warmup_weight=0.5, warmup_fill=0.5)
+#: eviction yet, under half full), discounting a queue only up to the request's cached blocks
+#: there, then rule K, 0.25 at pressure <= 0.3 down to 0.10 at >= 0.7 (``docs/benchmarks.md``,
+#: "an eviction-pressure queue weight" and "The queue discount while the caches warm up").
+ROUTER_PRESSURE_RULE = PressureRule(warmup_weight=0.5, warmup_fill=0.5,
+                                    warmup_cached_only=True)
 #: Pending-prefill blocks per worker discounted at the queue weight under ``auto``.
 AUTO_QUEUE_CAP_BLOCKS = 3000.0

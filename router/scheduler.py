@@ -4,7 +4,9 @@ The rule (``shared/DESIGN.md``), per candidate worker w, for a request of B full
 
     matched(w)  = device_matched(w) + host_credit * (matched_any_tier(w) - device_matched(w))
     prefill(w)  = (B - matched(w)) + queued(pending_prefill_blocks(w))
-    queued(p)   = queue_weight * min(p, cap) + max(p - cap, 0)
+    queued(p)   = queue_weight * d + (p - d)
+    d           = min(p, cap), the queue's discounted part; with queue_discount_cached_only,
+                  at most matched(w) + continue_rate * (min(p, cap) - matched(w))
     cap         = queue_cap_blocks + min over candidates of pending_prefill_blocks
     cost(w)     = overlap_weight' * prefill(w) + decode_blocks(w)
                   + overlap_weight' * admission_weight * admission(w)
@@ -56,6 +58,20 @@ The rule (``shared/DESIGN.md``), per candidate worker w, for a request of B full
   Measured (``docs/benchmarks.md``): counted from zero, the cap cost the overloaded 4-worker
   ``agentic`` runs 1-3 points of hit rate and up to 13% of TTFT p99 (``multi_turn`` there
   moved by under a point, its p99 either way); no trace or 8-worker run changed.
+- ``queue_discount_cached_only`` (off here; the router turns it on while the caches warm up
+  under ``--queue-weight auto``, :data:`router.pressure.ROUTER_PRESSURE_RULE`) limits that
+  discount to what waiting saves: a request that waits behind a queue instead of recomputing
+  elsewhere saves the cluster the blocks it finds cached there, and no more. A request no
+  worker holds anything of (a new system prompt) used to weigh every queue at half, so it
+  could land behind a long queue on the worker its hot neighbours stick to, and they then
+  waited behind its prefill: most of the ``system_prompt`` tail. Only while the caches warm
+  up (no eviction yet, under half full): once they evict, a recompute's duplicate evicts
+  blocks others were about to hit, and capping the discount then cost the trace 3-6 points
+  of hit rate (under 95% of the pooled bound in three of four cells). Where sessions continue
+  the uncached rest of the queue keeps ``continue_rate`` of the discount: capped outright, the
+  session workloads' TTFT p99 rose 2-3% (measured, not explained: their new sessions then
+  left the workers holding their system prompt more often). ``docs/benchmarks.md``,
+  "The queue discount while the caches warm up", has the runs.
 - ``admission_weight`` (0 here by default: no term; the router passes 1) prices what the request
   would wait for *before* it is admitted, which the prefill terms do not see: a request whose
   prompt is mostly cached adds few pending-prefill blocks, yet it cannot start until the
@@ -128,6 +144,10 @@ class SchedulerConfig:
     #: Only the first ``queue_cap_blocks`` of a worker's pending prefill are weighted at
     #: ``queue_weight``; blocks beyond count at 1.0 (Dynamo's weight). Unbounded by default.
     queue_cap_blocks: float = math.inf
+    #: Discount at most the blocks the request finds cached on the worker (plus
+    #: ``continue_rate`` of the rest); False (default) discounts the whole queue up to the cap.
+    #: The router sets it while the caches warm up under ``--queue-weight auto``.
+    queue_discount_cached_only: bool = False
     #: Weight of the admission term (blocks that must finish before this request is admitted,
     #: in prefill blocks); 0 (default) leaves it out: today's rule exactly.
     admission_weight: float = 0.0
@@ -224,19 +244,20 @@ class Decision:
 
 
 def cost_of(candidate: Candidate, request_blocks: int, config: SchedulerConfig,
-            slot_free_elsewhere: bool = True, shortest_queue: float = 0.0) -> WorkerCost:
+            slot_free_elsewhere: bool = True, shortest_queue: float = 0.0,
+            continue_rate: float = 1.0) -> WorkerCost:
     """Return the cost terms of one candidate for a request of ``request_blocks`` blocks
     (``slot_free_elsewhere``: as :func:`admission_blocks`; ``shortest_queue``: the least
-    pending prefill among the candidates, where the queue cap counts from)."""
+    pending prefill among the candidates, where the queue cap counts from;
+    ``continue_rate``: as :func:`choose`, for ``queue_discount_cached_only``)."""
     matched = min(candidate.matched_blocks, request_blocks)
     device = min(candidate.device_matched_blocks, matched)
     credited = device + config.host_credit * (matched - device)
     pending = candidate.pending_prefill_blocks
-    cap = config.queue_cap_blocks + shortest_queue
-    if pending > cap:
-        queued = config.queue_weight * cap + (pending - cap)
-    else:
-        queued = config.queue_weight * pending
+    discounted = min(pending, config.queue_cap_blocks + shortest_queue)
+    if config.queue_discount_cached_only and discounted > credited:
+        discounted = credited + continue_rate * (discounted - credited)
+    queued = config.queue_weight * discounted + (pending - discounted)
     prefill = (request_blocks - credited) + queued
     cost = config.overlap_weight * prefill + candidate.decode_blocks
     admission = 0.0
@@ -316,7 +337,8 @@ def choose(request_blocks: int, candidates: Sequence[Candidate], config: Schedul
         if stay is not None and stay.pending_prefill_blocks - shortest > \
                 config.session_queue_blocks:
             stay = None
-    costs = [cost_of(c, request_blocks, config, free, shortest) for c in candidates]
+    costs = [cost_of(c, request_blocks, config, free, shortest, continue_rate)
+             for c in candidates]
     if config.session_weight > 0 and stay is None:
         fewest = min(c.sessions for c in candidates)
         price = base_weight * (config.session_weight * continue_rate)

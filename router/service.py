@@ -118,13 +118,20 @@ class RouterService:
 
     def queue_weight(self, now: float) -> float:
         """The queue weight a decision at ``now`` uses (fixed, or by eviction pressure)."""
+        return self.queue_terms(now)[0]
+
+    def queue_terms(self, now: float) -> tuple[float, bool]:
+        """The queue weight a decision at ``now`` uses, and whether its discount stops at the
+        request's cached blocks (under ``auto``, while the caches warm up; the scheduler's
+        ``queue_discount_cached_only``)."""
         if self.settings.queue_weight is not None:
-            return self.settings.queue_weight
+            return self.settings.queue_weight, False
         rule, warming = self.pressure_rule, False
         if rule.warmup_weight is not None:
             capacity = sum(e.info.num_blocks for e in self.registry.entries() if e.info)
             warming = self.pressure.warming(capacity, rule.warmup_fill)
-        return queue_weight_for(self.pressure.pressure(now), rule, warming=warming)
+        return (queue_weight_for(self.pressure.pressure(now), rule, warming=warming),
+                warming and rule.warmup_cached_only)
 
     def models(self) -> list[str]:
         """Models served by healthy workers."""
@@ -174,9 +181,11 @@ class RouterService:
             raise ApiError(400, f"the prompt's token ids are invalid: {exc}", param="prompt"
                            ) from None
         now = time.monotonic()
-        weight = self.queue_weight(now)
-        if weight != self.scheduler.queue_weight:
-            self.scheduler = dataclasses.replace(self.scheduler, queue_weight=weight)
+        weight, cached_only = self.queue_terms(now)
+        if (weight, cached_only) != (self.scheduler.queue_weight,
+                                     self.scheduler.queue_discount_cached_only):
+            self.scheduler = dataclasses.replace(self.scheduler, queue_weight=weight,
+                                                 queue_discount_cached_only=cached_only)
         sessions = self.sessions
         continued = home = None
         rate = 0.0

@@ -23,6 +23,7 @@ from bench.policies.kvroute_pressure import (
     KvroutePressureHalf,
     KvroutePressureIdle,
     KvroutePressureSmooth,
+    KvrouteWholeQueue,
 )
 from bench.policies.least_loaded import LeastLoaded
 from bench.policies.llmd_precise import LlmdPrecise
@@ -75,6 +76,7 @@ VARIANTS: dict[str, Callable[[], Policy]] = {
     "kvroute_affinity4": KvrouteAffinity,
     "kvroute_affinity1": KvrouteAffinity1,
     "kvroute_nosessions": KvrouteNoSessions,
+    "kvroute_wholequeue": KvrouteWholeQueue,
 }
 
 

@@ -185,6 +185,24 @@ def test_kvroute_decides_with_the_routers_default_settings() -> None:
     assert (fixed.config.queue_weight, fixed.config.queue_cap_blocks) == (0.5, float("inf"))
 
 
+@pytest.mark.parametrize(("policy", "expected"), [("kvroute", 1), ("kvroute_wholequeue", 0)])
+def test_kvroute_discounts_only_cached_blocks_while_caches_warm_up(policy: str,
+                                                                   expected: int) -> None:
+    # A prompt nobody holds; worker 0 has 20 blocks of prefill queued, worker 1 decodes 500.
+    # Whole queue at 0.5: 32 * (10 + 10) = 640 < 32 * 10 + 500 = 820, so worker 0. Cached
+    # blocks only (none): 32 * 30 = 960 > 820, so worker 1.
+    cluster = FakeCluster()
+    (p,) = make_policies(policy)
+    assert isinstance(p, KvroutePolicy)
+    p.start(cluster)
+    p._load.routed("queued", 0, 20.0, 20)
+    p._load.routed("decoding", 1, 0.0, 500)
+    p.first_token("decoding", 0.0)
+    assert p.route(rr("cold", PROMPT), 0.0) == expected
+    assert p.config.queue_weight == 0.5  # both are warming up
+    assert p.config.queue_discount_cached_only is (policy == "kvroute")
+
+
 def _decoding_on_worker_0(policy: str) -> tuple[FakeCluster, KvroutePolicy]:
     cluster = FakeCluster()
     (p,) = make_policies(policy)
