@@ -105,7 +105,8 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
     a("--tokenizer", help="must be the workers' tokenizer (default: byte-level)")
     a("--overlap-weight", type=float, help="prefill vs decode weight (default 32; 1 = Dynamo)")
     a("--queue-weight", help="queued prefill vs own prefill: auto (default: 0.5 while caches "
-      "warm up, then by eviction pressure from 0.25 down to 0.1), or a fixed number")
+      "warm up, on at most the blocks the request finds cached there, then by eviction "
+      "pressure from 0.25 down to 0.1), or a fixed number")
     a("--queue-cap-blocks", type=float,
       help="queued prefill blocks per worker past the shortest queue counted at the queue "
       "weight, the rest at 1 (default: 3000 under auto, no cap otherwise)")
