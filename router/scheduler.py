@@ -64,14 +64,15 @@ The rule (``shared/DESIGN.md``), per candidate worker w, for a request of B full
   elsewhere saves the cluster the blocks it finds cached there, and no more. A request no
   worker holds anything of (a new system prompt) used to weigh every queue at half, so it
   could land behind a long queue on the worker its hot neighbours stick to, and they then
-  waited behind its prefill: most of the ``system_prompt`` tail. Only while the caches warm
-  up (no eviction yet, under half full): once they evict, a recompute's duplicate evicts
-  blocks others were about to hit, and capping the discount then cost the trace 3-6 points
-  of hit rate (under 95% of the pooled bound in three of four cells). Where sessions continue
-  the uncached rest of the queue keeps ``continue_rate`` of the discount: capped outright, the
-  session workloads' TTFT p99 rose 2-3% (measured, not explained: their new sessions then
-  left the workers holding their system prompt more often). ``docs/benchmarks.md``,
-  "The queue discount while the caches warm up", has the runs.
+  waited behind its prefill: a good part of the ``system_prompt`` tail. Only while the
+  caches warm up (no eviction yet, under half full): once they evict, a recompute's duplicate
+  evicts blocks others were about to hit, and capping the discount then cost the trace 1.6-2.1
+  points of hit rate (91-95% of the pooled bound in three of four cells, against 96-102%).
+  Where sessions continue the uncached rest of the queue keeps ``continue_rate`` of the
+  discount: capped outright, the session workloads' TTFT p99 rose 2-3% (measured, not
+  explained: their new sessions then left the workers holding their system prompt more
+  often). ``docs/benchmarks.md``, "The queue discount while the caches warm up", has the
+  runs.
 - ``admission_weight`` (0 here by default: no term; the router passes 1) prices what the request
   would wait for *before* it is admitted, which the prefill terms do not see: a request whose
   prompt is mostly cached adds few pending-prefill blocks, yet it cannot start until the
