@@ -43,7 +43,7 @@ from collections.abc import Iterable
 from indexer.events import Cleared, Event, Removed, Stored, Tier, tier_of
 
 __all__ = ["AUTO_QUEUE_CAP_BLOCKS", "ROUTER_PRESSURE_RULE", "EvictionPressure", "PressureRule",
-           "queue_weight_for"]
+           "queue_terms_for", "queue_weight_for"]
 
 
 class EvictionPressure:
@@ -239,6 +239,16 @@ def queue_weight_for(pressure: float, rule: PressureRule | None = None, *,
         return r.high_pressure_weight
     frac = (pressure - r.low) / (r.high - r.low)
     return r.low_pressure_weight + frac * (r.high_pressure_weight - r.low_pressure_weight)
+
+
+def queue_terms_for(pressure: float, rule: PressureRule | None = None, *,
+                    warming: bool = False) -> tuple[float, bool]:
+    """Return the queue weight (:func:`queue_weight_for`) and whether its discount stops at
+    the request's cached blocks (``rule.warmup_cached_only``, while ``warming``): the two
+    scheduler settings the rule sets for a decision."""
+    r = rule or _DEFAULT_RULE
+    return (queue_weight_for(pressure, r, warming=warming),
+            warming and r.warmup_cached_only)
 
 
 _DEFAULT_RULE = PressureRule()

@@ -28,6 +28,7 @@ from router.pressure import (
     AUTO_QUEUE_CAP_BLOCKS,
     ROUTER_PRESSURE_RULE,
     EvictionPressure,
+    queue_terms_for,
     queue_weight_for,
 )
 from router.prompt_path import HashingTerms, request_hashes
@@ -130,8 +131,7 @@ class RouterService:
         if rule.warmup_weight is not None:
             capacity = sum(e.info.num_blocks for e in self.registry.entries() if e.info)
             warming = self.pressure.warming(capacity, rule.warmup_fill)
-        return (queue_weight_for(self.pressure.pressure(now), rule, warming=warming),
-                warming and rule.warmup_cached_only)
+        return queue_terms_for(self.pressure.pressure(now), rule, warming=warming)
 
     def models(self) -> list[str]:
         """Models served by healthy workers."""

@@ -25,6 +25,7 @@ from router.pressure import (
     ROUTER_PRESSURE_RULE,
     EvictionPressure,
     PressureRule,
+    queue_terms_for,
     queue_weight_for,
 )
 from router.scheduler import Candidate, SchedulerConfig
@@ -70,8 +71,7 @@ class KvroutePressure(KvroutePolicy):
         self.pressure_samples.append(pressure)
         warming = self.rule.warmup_weight is not None and self._pressure.warming(
             self.cluster.capacity_blocks * self.cluster.num_workers, self.rule.warmup_fill)
-        weight = queue_weight_for(pressure, self.rule, warming=warming)
-        cached_only = warming and self.rule.warmup_cached_only
+        weight, cached_only = queue_terms_for(pressure, self.rule, warming=warming)
         if (weight, cached_only) != (self.config.queue_weight,
                                      self.config.queue_discount_cached_only):
             self.config = dataclasses.replace(self.config, queue_weight=weight,

@@ -8,7 +8,7 @@ import random
 
 import pytest
 
-from router.pressure import ROUTER_PRESSURE_RULE, PressureRule
+from router.pressure import ROUTER_PRESSURE_RULE, PressureRule, queue_terms_for
 from router.scheduler import Candidate, SchedulerConfig, choose, cost_of
 
 WHOLE = SchedulerConfig(overlap_weight=1.0, queue_weight=0.5)
@@ -67,3 +67,9 @@ def test_the_router_rule_turns_it_on_only_with_a_warm_up() -> None:
     assert "warmup_cached_only=True" in repr(ROUTER_PRESSURE_RULE)
     with pytest.raises(ValueError, match="warmup_cached_only needs a warmup_weight"):
         PressureRule(warmup_cached_only=True)
+
+
+def test_the_rule_sets_both_terms_for_a_decision() -> None:
+    assert queue_terms_for(0.9, ROUTER_PRESSURE_RULE, warming=True) == (0.5, True)
+    assert queue_terms_for(0.9, ROUTER_PRESSURE_RULE) == (pytest.approx(0.10), False)
+    assert queue_terms_for(0.0, warming=True) == (0.25, False)  # no warm-up in the default
