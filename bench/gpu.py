@@ -8,7 +8,7 @@ Sections (``docs/gpu.md`` holds the figures and what they mean):
   first 254 blocks already in the request's block table) and 64 new; 64 new tokens alone; the
   cached pass mixed with 32 decode steps over 1,024-token contexts. Each is one executor pass,
   sampling included, median of ``--repeats``; eager and (on CUDA) padded
-  into per-layer piecewise graphs (:mod:`workers.torch_piecewise`), in one run; and the first
+  into per-layer piecewise graphs (:mod:`workers.torch.piecewise`), in one run; and the first
   piecewise pass of three token buckets (64, 128, 2,048), which captures that bucket's graphs.
 - ``attention``: one layer's attention for one prefill chunk of n new tokens over c cached,
   its K/V gathered from a block table first, as :meth:`Decoder.attend` runs it between the
@@ -25,7 +25,7 @@ Sections (``docs/gpu.md`` holds the figures and what they mean):
   what the simulated engine's ``prefill_per_cached_ms`` and ``prefill_per_token_cached_ms``
   stand for, set beside the calibration's fit.
 - ``decode``: tokens/s of decode iterations at batch 1, 8 and 32 over 1,024-token prompts,
-  eager and (on CUDA) replayed as CUDA graphs (:mod:`workers.torch_graphs`), in one run.
+  eager and (on CUDA) replayed as CUDA graphs (:mod:`workers.torch.graphs`), in one run.
 - ``routing`` (the first attempt, kept for comparison; ``bench.gpu_routing`` is the routing
   benchmark: one worker process per engine behind the real router): ``--workers`` engines
   (own cache manager, batcher and KV blocks, one shared set
@@ -44,7 +44,6 @@ import argparse
 import asyncio
 import gc
 import json
-import os
 import random
 import statistics
 import time
@@ -52,25 +51,25 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, cast
 
+from bench.workloads import DEFAULT_TRACE
 from indexer.decode import decode_batch
 from indexer.index import PrefixIndex, block_hashes, scope_seed
 from indexer.tokenizer import ByteTokenizer
 from indexer.wire import KVEventBatch, encode_batch
 from router.residency import PredictedResidency
 from router.scheduler import Candidate, SchedulerConfig, choose
-from workers.batcher import Batcher, EngineRequest
-from workers.block_keys import Prompt
-from workers.cache_manager import CacheManager
-from workers.engine import Engine, RequestHandle
-from workers.event_sink import EventSink
-from workers.executor import DecodeStep, IterationPlan, PrefillChunk
-from workers.publisher import EventPublisher
+from workers.cache.block_keys import Prompt
+from workers.cache.cache_manager import CacheManager
+from workers.cache.event_sink import EventSink
+from workers.cache.publisher import EventPublisher
+from workers.engine.batcher import Batcher, EngineRequest
+from workers.engine.executor import DecodeStep, IterationPlan, PrefillChunk
+from workers.engine.loop import Engine, RequestHandle
 from workers.settings import WorkerSettings
-from workers.torch_engine import TorchExecutor, build_torch_executor
-from workers.torch_kv import PagedKV
+from workers.torch.engine import TorchExecutor, build_torch_executor
+from workers.torch.kv import PagedKV
 
 BS = 32
-TRACE = "traces/mooncake_synthetic_trace.jsonl"
 TOKENS_PER_HASH = 64  # the trace's 512-token blocks, scaled by 1/8
 
 
@@ -189,7 +188,7 @@ def bench_attention(args: argparse.Namespace, ex: TorchExecutor) -> list[dict[st
     """One layer's chunk attention by shape, gather included (ms)."""
     import torch
 
-    from workers.torch_model import PagedBatch, prefill_views
+    from workers.torch.model import PagedBatch, prefill_views
 
     c, kv = ex.model.config, ex.kv.layers()[0]
     gen = torch.Generator(device="cpu").manual_seed(3)
@@ -258,13 +257,13 @@ PREFILL_CONTEXT_SHAPES = ((64, 0), (64, 2048), (64, 8192), (64, 32768), (512, 0)
 
 def bench_prefill_context(args: argparse.Namespace, ex: TorchExecutor) -> dict[str, Any]:
     """Prefill attention of every layer by (new, cached), K/V contiguous per layer (ms, median
-    of ``--repeats``, host time included), as :func:`workers.torch_model._prefill_attention`
+    of ``--repeats``, host time included), as :func:`workers.torch.model._prefill_attention`
     computes a chunk; then :func:`cached_costs` of the rows, beside the calibration's fit
-    (:data:`workers.timing.H200_LLAMA_1B`). Shapes the device has no memory for are left
+    (:data:`workers.engine.timing.H200_LLAMA_1B`). Shapes the device has no memory for are left
     out."""
     import torch
 
-    from workers.timing import H200_LLAMA_1B
+    from workers.engine.timing import H200_LLAMA_1B
 
     torch.manual_seed(7)
     rows, skipped = [], []
@@ -287,7 +286,7 @@ def _prefill_context_ms(args: argparse.Namespace, ex: TorchExecutor, new: int,
                         cached: int) -> float:
     import torch
 
-    from workers.torch_model import _prefill_attention
+    from workers.torch.model import _prefill_attention
 
     c = ex.model.config
     on = {"device": ex.kv.device, "dtype": ex.kv.layers()[0].dtype}
@@ -325,7 +324,7 @@ def _decode_attention_ms(args: argparse.Namespace, ex: TorchExecutor, batch: int
     import torch
     import torch.nn.functional as F
 
-    from workers.torch_model import PagedBatch
+    from workers.torch.model import PagedBatch
 
     c, device = ex.model.config, ex.kv.device
     on = {"device": device, "dtype": ex.kv.layers()[0].dtype}
@@ -605,7 +604,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "--trace",
         type=Path,
         default=None,
-        help="the Mooncake synthetic trace (default: $KVROUTE_SHARED or ../shared)",
+        help="the Mooncake synthetic trace (default: bench/data)",
     )
     parser.add_argument("--first", type=int, default=3200, help="first trace request")
     parser.add_argument("--count", type=int, default=793, help="trace requests replayed")
@@ -650,17 +649,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "routing" in sections:
         del ex
         gc.collect()
-        from workers.torch_engine import resolve_device, resolve_model
-        from workers.torch_model import Decoder
+        from workers.torch.engine import resolve_device, resolve_model
+        from workers.torch.model import Decoder
 
         config, _ = resolve_model(args.model)
         device = resolve_device(args.device)
         model = Decoder(config, torch.bfloat16 if device.type == "cuda" else torch.float32, device)
         model.init_random(0)
-        shared = Path(
-            os.environ.get("KVROUTE_SHARED", Path(__file__).parent.parent.parent / "shared")
-        )
-        rows = load_trace(args.trace or shared / TRACE, args.first, args.count)
+        rows = load_trace(args.trace or DEFAULT_TRACE, args.first, args.count)
         prompt_tokens = sum(len(trace_prompt(r)) for r in rows)
         rate = cold_rate or args.cold_rate
         result["routing"] = {

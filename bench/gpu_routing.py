@@ -38,7 +38,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import sys
 import time
@@ -48,12 +47,11 @@ from pathlib import Path
 from typing import Any
 
 from bench.live import replay_live, summarize_live
-from bench.workloads import WorkloadRequest, load_trace, scale_rate
+from bench.workloads import DEFAULT_TRACE, WorkloadRequest, load_trace, scale_rate
 from kvroute.up import Cluster
 
 __all__ = ["main", "run_policy", "summarize_repeats", "window"]
 
-TRACE = "traces/mooncake_synthetic_trace.jsonl"
 
 
 def window(path: Path, first: int, count: int, max_len: int,
@@ -188,7 +186,7 @@ def build_parser() -> argparse.ArgumentParser:
     a("--device", default="auto", help="cuda, cpu or auto")
     a("--kv-memory-gb", type=float, default=None, help="KV GiB per worker (default: sized)")
     a("--trace", type=Path, default=None,
-      help="Mooncake trace (default: $KVROUTE_SHARED or ../shared)/" + TRACE)
+      help="Mooncake trace (default: bench/data)")
     a("--first", type=int, default=0, help="first trace request (default 0)")
     a("--count", type=int, default=600, help="trace requests (default 600)")
     a("--max-model-len", type=int, default=65536, help="longer requests are left out")
@@ -211,8 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    shared = Path(os.environ.get("KVROUTE_SHARED", Path(__file__).parent.parent.parent / "shared"))
-    path = args.trace or shared / TRACE
+    path = args.trace or DEFAULT_TRACE
     try:
         requests, skipped = window(path, args.first, args.count, args.max_model_len,
                                    args.output_scale)

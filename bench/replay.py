@@ -30,19 +30,17 @@ from pathlib import Path
 from typing import Any
 
 from kvroute.argtypes import positive_float, positive_int, seed_list
-from workers.timing import DEFAULT_TIMING, TIMING_MODELS
+from workers.engine.timing import DEFAULT_TIMING, TIMING_MODELS
 
-__all__ = ["DEFAULT_TRACE", "add_bench_parser", "build_parser", "main", "run_bench"]
+__all__ = ["add_bench_parser", "build_parser", "main", "run_bench"]
 
 #: The default trace, relative to the repository root.
-DEFAULT_TRACE = Path("..") / "shared" / "traces" / "mooncake_synthetic_trace.jsonl"
 SENSITIVITY_LAGS_MS = (0.0, 10.0, 100.0, 1000.0)
-_REPO = Path(__file__).resolve().parent.parent
 
 
 def _add_arguments(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
-    a("--trace", help=f"Mooncake JSONL trace (default {DEFAULT_TRACE}, from the repo root)")
+    a("--trace", help="Mooncake JSONL trace (default: the Mooncake trace in bench/data)")
     a("--generator", default="trace",
       choices=["trace", "system_prompt", "multi_turn", "agentic", "images"],
       help="workload: the trace, or a generator (default trace)")
@@ -66,10 +64,10 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
       help="engine tokens per iteration (default 8192)")
     a("--timing", choices=list(TIMING_MODELS), default=DEFAULT_TIMING,
       help=f"the simulated engine's cost model (default {DEFAULT_TIMING}): measured is "
-           "shared/calibration's fit with attention over cached K/V (decode, and prefill over "
-           "a cached prefix) priced as kernels measured on the H200 "
-           "(workers.timing.H200_LLAMA_1B_MEASURED); paged prices only decode so (the eighth "
-           "session's default); calibrated is the fit as it is, whose decode concatenated K/V "
+           "bench/data's H200 calibration fit with attention over cached K/V (decode, and "
+           "prefill over a cached prefix) priced as kernels measured on the H200 "
+           "(workers.engine.timing.H200_LLAMA_1B_MEASURED); paged prices only decode so; "
+           "calibrated is the fit as it is, whose decode concatenated K/V "
            "every step (9x dearer a token of context)")
     a("--affinity-weight", type=positive_float, default=None,
       help="the affinity factor of every kvroute policy, variants included (default: each "
@@ -122,10 +120,10 @@ def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.Argumen
 
 
 def _workload(args: argparse.Namespace, seed: int) -> tuple[list[Any], str]:
-    from bench.workloads import GeneratorConfig, generate, load_trace, scale_rate
+    from bench.workloads import DEFAULT_TRACE, GeneratorConfig, generate, load_trace, scale_rate
 
     if args.generator == "trace":
-        path = Path(args.trace) if args.trace else _REPO / DEFAULT_TRACE
+        path = Path(args.trace) if args.trace else DEFAULT_TRACE
         requests = load_trace(path, limit=args.requests)
         name = path.name
     else:

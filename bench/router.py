@@ -67,7 +67,7 @@ from indexer.index import block_hashes, scope_seed
 from kvroute.up import free_port
 from router.service import RouterService
 from router.settings import RouterSettings
-from router.workers import WorkerInfo
+from router.worker_table import WorkerInfo
 
 BLOCK = 32
 WORKERS = 8

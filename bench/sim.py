@@ -1,10 +1,11 @@
 """A discrete-event simulation of a routed cluster, in virtual time: no sockets, no sleeping.
 
-Each of N workers is the real worker core: a :class:`~workers.cache_manager.CacheManager` and a
-:class:`~workers.batcher.Batcher`, whose every iteration lasts what
-:meth:`~workers.executor.SimExecutor.modeled_seconds` says (``SimConfig.timing``: by default
-:mod:`workers.timing`'s default model). After each iteration the worker's cache facts go through
-the real :class:`~workers.event_sink.EventSink`; for policies that read the index
+Each of N workers is the real worker core: a
+:class:`~workers.cache.cache_manager.CacheManager` and a :class:`~workers.engine.batcher.Batcher`,
+whose every iteration lasts what :meth:`~workers.engine.executor.SimExecutor.modeled_seconds`
+says (``SimConfig.timing``: by default :mod:`workers.engine.timing`'s default model).
+After each iteration the worker's cache facts go through the real
+:class:`~workers.cache.event_sink.EventSink`; for policies that read the index
 (:attr:`~bench.policies.base.Policy.needs_index`) the batch is delivered to the real
 :class:`~indexer.index.PrefixIndex` ``event_lag_s`` later, either over the wire
 (``encode_batch`` -> bytes -> ``decode_batch`` -> ``apply_batch``, the default) or directly (the
@@ -34,12 +35,12 @@ from indexer.decode import DecodeStats, decode_batch
 from indexer.events import Cleared, MmItem, Removed, Stored
 from indexer.index import PrefixIndex
 from indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode_batch
-from workers.batcher import Batcher, EngineRequest
-from workers.block_keys import Prompt
-from workers.cache_manager import CacheManager
-from workers.event_sink import EventSink
-from workers.executor import IterationPlan, SimExecutor
-from workers.timing import DEFAULT_TIMING, TIMING_MODELS, TimingModel
+from workers.cache.block_keys import Prompt
+from workers.cache.cache_manager import CacheManager
+from workers.cache.event_sink import EventSink
+from workers.engine.batcher import Batcher, EngineRequest
+from workers.engine.executor import IterationPlan, SimExecutor
+from workers.engine.timing import DEFAULT_TIMING, TIMING_MODELS, TimingModel
 
 __all__ = ["EVENT_PATHS", "RequestRecord", "SimConfig", "SimResult", "simulate"]
 
@@ -137,7 +138,7 @@ class SimResult:
         decode_context_s: per worker, the decode context (tokens a decode step attends over,
             summed over the iteration's sequences) times the iteration's seconds, summed;
             over ``busy_s`` it is the context an iteration carried on average, which sets
-            how long an iteration takes (``workers.timing``).
+            how long an iteration takes (``workers.engine.timing``).
     """
 
     policy: str

@@ -21,9 +21,9 @@ from typing import Any
 from bench.figures import percentile, print_figures
 from bench.http_load import latency, spawn, stop, throughput
 from kvroute.up import free_port
-from workers.block_keys import Prompt
-from workers.cache_manager import CacheManager
-from workers.event_sink import EventSink
+from workers.cache.block_keys import Prompt
+from workers.cache.cache_manager import CacheManager
+from workers.cache.event_sink import EventSink
 
 BLOCK = 32
 

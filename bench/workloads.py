@@ -57,6 +57,8 @@ __all__ = [
 
 #: Tokens per hash id in Mooncake traces.
 TRACE_BLOCK = 512
+# The Mooncake synthetic trace, kept in the package (bench/data/README.md says where from).
+DEFAULT_TRACE = Path(__file__).resolve().parent / "data" / "mooncake_synthetic_trace.jsonl"
 #: Token ids are ``BYTE_OFFSET + byte``: 256 ids in ``[4, 260)``.
 VOCAB_LOW = BYTE_OFFSET
 

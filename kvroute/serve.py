@@ -16,7 +16,7 @@ def serve(args: argparse.Namespace) -> int:
     flags = {k: v for k, v in vars(args).items() if k not in _OWN}
     try:
         if args.command == "worker":
-            from workers.api import create_app as create_worker
+            from workers.http.api import create_app as create_worker
             from workers.settings import load_worker_settings
 
             worker = load_worker_settings(flags)

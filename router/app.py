@@ -32,7 +32,7 @@ from router.proxy import Proxy, ProxyTimeouts, UpstreamAnswer, UpstreamUnavailab
 from router.registry import WorkerEntry, WorkerUnreachable
 from router.service import Route, RouterService
 from router.settings import RouterSettings
-from router.workers import IncompatibleWorker
+from router.worker_table import IncompatibleWorker
 
 __all__ = ["create_app"]
 

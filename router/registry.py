@@ -30,7 +30,7 @@ from indexer.events import Event
 from router.feed import EventFeed, IndexLike
 from router.load import LoadTracker, ReportedLoad
 from router.settings import RouterSettings
-from router.workers import IncompatibleWorker, WorkerInfo, WorkerState, parse_model_info
+from router.worker_table import IncompatibleWorker, WorkerInfo, WorkerState, parse_model_info
 
 __all__ = ["Registry", "WorkerEntry", "WorkerUnreachable"]
 

@@ -1,11 +1,10 @@
-"""Fixtures shared by every test package: where ``shared/`` lives, golden vectors, waiting."""
+"""Fixtures shared by every test package: golden vectors, benchmark data, waiting."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
 import json
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -16,27 +15,18 @@ import pytest
 REPO = Path(__file__).resolve().parent.parent
 
 
-def shared_dir() -> Path:
-    """``shared/`` beside the checkout (``$KVROUTE_SHARED`` overrides)."""
-    return Path(os.environ.get("KVROUTE_SHARED", REPO.parent / "shared"))
+DATA = REPO / "tests" / "data"
+BENCH_DATA = REPO / "bench" / "data"
 
 
 @pytest.fixture(scope="session")
-def shared() -> Path:
-    path = shared_dir()
-    if not path.is_dir():
-        pytest.fail(f"shared/ not found at {path}; set KVROUTE_SHARED")
-    return path
+def golden_payloads() -> list[dict[str, Any]]:
+    return json.loads((DATA / "wire" / "payloads.json").read_text())
 
 
 @pytest.fixture(scope="session")
-def golden_payloads(shared: Path) -> list[dict[str, Any]]:
-    return json.loads((shared / "wire" / "payloads.json").read_text())
-
-
-@pytest.fixture(scope="session")
-def golden_frames(shared: Path) -> dict[str, Any]:
-    return json.loads((shared / "wire" / "frames.json").read_text())
+def golden_frames() -> dict[str, Any]:
+    return json.loads((DATA / "wire" / "frames.json").read_text())
 
 
 class NoticeLog:

@@ -10,16 +10,16 @@ import uuid
 from typing import Any
 
 from indexer.tokenizer import BYTE_OFFSET, ByteTokenizer, Tokenizer, load_tokenizer
-from workers.batcher import Batcher, EngineRequest
-from workers.block_keys import Prompt
-from workers.cache_manager import CacheManager
-from workers.engine import Engine, RequestHandle
-from workers.event_sink import EventSink
-from workers.executor import Executor, SimExecutor
-from workers.image_hints import ImageHints
-from workers.publisher import EventPublisher
+from workers.cache.block_keys import Prompt
+from workers.cache.cache_manager import CacheManager
+from workers.cache.event_sink import EventSink
+from workers.cache.image_hints import ImageHints
+from workers.cache.publisher import EventPublisher
+from workers.engine.batcher import Batcher, EngineRequest
+from workers.engine.executor import Executor, SimExecutor
+from workers.engine.loop import Engine, RequestHandle
+from workers.engine.timing import TIMING_MODELS
 from workers.settings import WorkerSettings
-from workers.timing import TIMING_MODELS
 
 __all__ = ["WorkerRuntime"]
 
@@ -45,7 +45,7 @@ class WorkerRuntime:
         self._loras = {name: i + 1 for i, name in enumerate(settings.loras)}
         num_blocks = settings.num_blocks
         if settings.engine == "torch":  # the KV cache is sized from its memory budget
-            from workers.torch_engine import kv_blocks_for
+            from workers.torch.engine import kv_blocks_for
 
             num_blocks = kv_blocks_for(settings)
         self.cache = CacheManager(num_blocks, settings.block_size, settings.host_blocks)
@@ -72,7 +72,7 @@ class WorkerRuntime:
     def _executor(self) -> Executor:
         s = self.settings
         if s.engine == "torch":
-            from workers.torch_engine import build_torch_executor
+            from workers.torch.engine import build_torch_executor
 
             return build_torch_executor(s, self.tokenizer, self.cache)
         return SimExecutor(TIMING_MODELS[s.timing], speedup=s.speedup,

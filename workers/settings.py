@@ -11,7 +11,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from workers.timing import DEFAULT_TIMING, TIMING_MODELS
+from workers.engine.timing import DEFAULT_TIMING, TIMING_MODELS
 
 __all__ = ["WorkerSettings", "WorkerSettingsError", "load_worker_settings"]
 

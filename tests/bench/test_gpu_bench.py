@@ -10,7 +10,7 @@ import pytest
 pytest.importorskip("torch")
 
 from bench import gpu
-from workers.cache_manager import CacheManager
+from workers.cache.cache_manager import CacheManager
 
 
 def test_attention_section_times_each_shape_that_fits_the_cache(

@@ -1,4 +1,4 @@
-"""Every golden payload in shared/wire decodes to its meaning; our encoder round-trips it."""
+"""Every golden payload in tests/data/wire decodes to its meaning; our encoder round-trips it."""
 
 from __future__ import annotations
 

@@ -7,7 +7,7 @@ import json
 import sys
 
 from indexer.wire import BlockRemoved, BlockStored, KVEventBatch
-from workers.publisher import EventPublisher
+from workers.cache.publisher import EventPublisher
 
 
 async def run_tail(*args: str, timeout: float = 20.0) -> tuple[int, list[str], str]:

@@ -177,7 +177,7 @@ async def test_a_removed_worker_leaves_the_routers_pressure_a_restarted_one_keep
 
     from router.service import RouterService
     from router.settings import RouterSettings
-    from router.workers import WorkerInfo
+    from router.worker_table import WorkerInfo
 
     async with httpx.AsyncClient() as http:
         service = RouterService(RouterSettings(), http)

@@ -162,8 +162,8 @@ async def test_the_router_schedules_with_its_affinity_settings(tmp_path: Path) -
 
 @pytest.mark.parametrize("timing", ["calibrated", "paged", "measured"])
 def test_a_sim_worker_prices_its_iterations_with_the_timing_named(timing: str) -> None:
+    from workers.engine.timing import TIMING_MODELS
     from workers.runtime import WorkerRuntime
-    from workers.timing import TIMING_MODELS
 
     settings = load_worker_settings({"timing": timing}, env={"KVROUTE_WORKER_EVENTS_PORT": "none"})
     assert settings.events_port is None  # no publisher: nothing to bind or close

@@ -21,7 +21,7 @@ from router.subscriber import (
     MalformedInput,
     Restarted,
 )
-from workers.publisher import EventPublisher
+from workers.cache.publisher import EventPublisher
 
 ANY_PORT = "tcp://127.0.0.1:*"
 

@@ -15,7 +15,7 @@ import pytest
 from indexer.decode import decode_batch
 from indexer.events import Cleared, Stored
 from router.subscriber import Delivered, EventSubscriber
-from workers.api import create_app
+from workers.http.api import create_app
 from workers.settings import WorkerSettings
 
 PNG = "data:image/png;base64," + base64.b64encode(b"\x89PNG" + bytes(range(200))).decode()

@@ -8,12 +8,12 @@ from collections.abc import Callable
 
 import pytest
 
-from workers.batcher import Batcher, EngineRequest, Output
-from workers.block_keys import ImageSpan, Prompt, RequestBlocks, image_digest
-from workers.block_pool import BlockCopy, BlocksRemoved, BlocksStored
-from workers.cache_manager import CacheManager
-from workers.executor import BlockTransfer, IterationPlan, SimExecutor
-from workers.timing import H200_LLAMA_1B
+from workers.cache.block_keys import ImageSpan, Prompt, RequestBlocks, image_digest
+from workers.cache.block_pool import BlockCopy, BlocksRemoved, BlocksStored
+from workers.cache.cache_manager import CacheManager
+from workers.engine.batcher import Batcher, EngineRequest, Output
+from workers.engine.executor import BlockTransfer, IterationPlan, SimExecutor
+from workers.engine.timing import H200_LLAMA_1B
 
 Sampler = Callable[[str, int], int]
 

@@ -6,7 +6,7 @@ import hashlib
 
 import pytest
 
-from workers.block_keys import (
+from workers.cache.block_keys import (
     U64_MAX,
     ImageSegment,
     ImageSpan,

@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from workers.block_keys import ImageSpan, Prompt, RequestBlocks, Scope, image_digest
-from workers.block_pool import BlockCopy, BlocksRemoved, BlocksStored, CacheCleared
-from workers.cache_manager import Allocation, CacheManager, Growth
+from workers.cache.block_keys import ImageSpan, Prompt, RequestBlocks, Scope, image_digest
+from workers.cache.block_pool import BlockCopy, BlocksRemoved, BlocksStored, CacheCleared
+from workers.cache.cache_manager import Allocation, CacheManager, Growth
 
 
 def chain(tokens: list[int], block_size: int, scope: Scope | None = None) -> list[bytes]:

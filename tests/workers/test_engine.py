@@ -12,13 +12,13 @@ import pytest
 
 from indexer.events import Cleared, Stored
 from router.subscriber import Delivered, EventSubscriber
-from workers.batcher import Batcher, EngineRequest, Output
-from workers.block_keys import Prompt, RequestBlocks, wire_hash
-from workers.cache_manager import CacheManager
-from workers.engine import Engine, RequestFailed, RequestHandle
-from workers.event_sink import EventSink
-from workers.executor import IterationPlan, SimExecutor
-from workers.publisher import EventPublisher
+from workers.cache.block_keys import Prompt, RequestBlocks, wire_hash
+from workers.cache.cache_manager import CacheManager
+from workers.cache.event_sink import EventSink
+from workers.cache.publisher import EventPublisher
+from workers.engine.batcher import Batcher, EngineRequest, Output
+from workers.engine.executor import IterationPlan, SimExecutor
+from workers.engine.loop import Engine, RequestFailed, RequestHandle
 
 ANY_PORT = "tcp://127.0.0.1:*"
 PROMPT = list(range(40, 50))  # 10 tokens: two full blocks of 4 and a partial one

@@ -8,7 +8,7 @@ import pytest
 
 from indexer.decode import decode_batch
 from indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, MmKey, encode_batch
-from workers.block_keys import (
+from workers.cache.block_keys import (
     ImageSpan,
     KeyedBlock,
     Prompt,
@@ -18,10 +18,10 @@ from workers.block_keys import (
     salt_tag,
     wire_hash,
 )
-from workers.block_pool import BlocksRemoved, BlocksStored, CacheCleared
-from workers.cache_manager import CacheManager
-from workers.event_sink import DROP_CAP, DROP_ORPHAN, EventSink
-from workers.image_hints import ImageHints
+from workers.cache.block_pool import BlocksRemoved, BlocksStored, CacheCleared
+from workers.cache.cache_manager import CacheManager
+from workers.cache.event_sink import DROP_CAP, DROP_ORPHAN, EventSink
+from workers.cache.image_hints import ImageHints
 
 
 def keyed(prompt: Prompt, block_size: int = 2) -> list[KeyedBlock]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from workers.image_hints import MAX_UUID_BYTES, ImageHints
+from workers.cache.image_hints import MAX_UUID_BYTES, ImageHints
 
 A, B, C = "a" * 64, "b" * 64, "c" * 64
 

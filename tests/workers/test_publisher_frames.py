@@ -11,7 +11,7 @@ import zmq.asyncio
 from indexer.decode import decode_batch
 from indexer.events import Removed
 from indexer.wire import REPLAY_END_SEQ, BlockRemoved, KVEventBatch, pack_seq, unpack_seq
-from workers.publisher import EventPublisher, shift_port
+from workers.cache.publisher import EventPublisher, shift_port
 
 
 def test_golden_live_frames_parse(golden_frames: dict[str, Any]) -> None:

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from workers.timing import (
+from workers.engine.timing import (
     H200_LLAMA_1B,
     TIMING_MODELS,
     TimingModel,
@@ -22,11 +22,8 @@ NOISY = {("prefill", 512, 0), ("prefill", 512, 1024), ("prefill", 64, 4096), ("p
 
 
 @pytest.fixture(scope="module")
-def calibration_file(shared: Path) -> Path:
-    path = shared / "calibration" / "h200_llama1b_random.json"
-    if not path.is_file():
-        pytest.skip(f"no calibration file at {path}")
-    return path
+def calibration_file() -> Path:
+    return Path(__file__).resolve().parents[2] / "bench" / "data" / "h200_llama1b_random.json"
 
 
 def test_embedded_coefficients_match_a_refit(calibration_file: Path) -> None:

@@ -20,23 +20,23 @@ import pytest
 torch = pytest.importorskip("torch")
 
 from indexer.tokenizer import ByteTokenizer  # noqa: E402
-from workers.batcher import Batcher, EngineRequest  # noqa: E402
-from workers.block_keys import Prompt  # noqa: E402
-from workers.cache_manager import CacheManager  # noqa: E402
-from workers.engine import Engine  # noqa: E402
-from workers.event_sink import EventSink  # noqa: E402
-from workers.executor import DecodeStep  # noqa: E402
+from workers.cache.block_keys import Prompt  # noqa: E402
+from workers.cache.cache_manager import CacheManager  # noqa: E402
+from workers.cache.event_sink import EventSink  # noqa: E402
+from workers.engine.batcher import Batcher, EngineRequest  # noqa: E402
+from workers.engine.executor import DecodeStep  # noqa: E402
+from workers.engine.loop import Engine  # noqa: E402
 from workers.settings import WorkerSettings  # noqa: E402
-from workers.torch_engine import (  # noqa: E402
+from workers.torch.engine import (  # noqa: E402
     TorchEngineError,
     TorchExecutor,
     build_torch_executor,
     capture_at_start,
     kv_blocks_for,
 )
-from workers.torch_graphs import BATCH_BUCKETS, MAX_SLOTS, MIN_WIDTH, decode_shapes  # noqa: E402
-from workers.torch_model import CONFIGS, FUSE_MAX_TOKENS, Decoder, _prefill_attention  # noqa: E402
-from workers.torch_piecewise import TOKEN_BUCKETS  # noqa: E402
+from workers.torch.graphs import BATCH_BUCKETS, MAX_SLOTS, MIN_WIDTH, decode_shapes  # noqa: E402
+from workers.torch.model import CONFIGS, FUSE_MAX_TOKENS, Decoder, _prefill_attention  # noqa: E402
+from workers.torch.piecewise import TOKEN_BUCKETS  # noqa: E402
 
 BS = 4
 POISON = 1e4  # finite: a masked-out position weighs zero, and 0 * 1e4 is still 0

@@ -9,9 +9,9 @@ One task loops over iterations::
     await publisher.publish(batch)        # the router learns of new blocks ...
     deliver outputs to request handles    # ... before the client sees the tokens
 
-Everything that decides lives in the pure cores (:mod:`workers.batcher`,
-:mod:`workers.cache_manager`, :mod:`workers.event_sink`); this module only awaits, reads the
-clock and hands values between them. It is what the worker's HTTP layer calls:
+Everything that decides lives in the pure cores (:mod:`workers.engine.batcher`,
+:mod:`workers.cache.cache_manager`, :mod:`workers.cache.event_sink`); this module only awaits,
+reads the clock and hands values between them. It is what the worker's HTTP layer calls:
 :meth:`Engine.submit` returns a :class:`RequestHandle` to iterate over, :meth:`Engine.load` and
 :meth:`Engine.stats` report, :meth:`Engine.snapshot` and :meth:`Engine.reset_prefix_cache`
 serve the event stream's side channels.
@@ -30,11 +30,11 @@ import time
 from collections.abc import Callable
 
 from indexer.wire import Event, KVEventBatch
-from workers.batcher import Batcher, EngineRequest, Output
-from workers.cache_manager import CacheManager
-from workers.event_sink import EventSink
-from workers.executor import Executor, IterationPlan
-from workers.publisher import EventPublisher
+from workers.cache.cache_manager import CacheManager
+from workers.cache.event_sink import EventSink
+from workers.cache.publisher import EventPublisher
+from workers.engine.batcher import Batcher, EngineRequest, Output
+from workers.engine.executor import Executor, IterationPlan
 
 __all__ = ["Engine", "RequestFailed", "RequestHandle"]
 
@@ -125,7 +125,7 @@ class Engine:
     Args:
         cache: the cache manager (the one ``batcher`` drives).
         batcher: the scheduler.
-        executor: computes iterations (:class:`~workers.executor.SimExecutor` or a GPU one).
+        executor: computes iterations (:class:`~workers.engine.executor.SimExecutor` or a GPU one).
         sink: turns cache facts into event batches.
         publisher: sends the batches; ``None`` publishes nothing. The caller starts and closes
             it: the engine only publishes.
@@ -268,7 +268,7 @@ class Engine:
 
     def stats(self) -> dict[str, int | float]:
         """Return every counter, flat: the batcher's as named in
-        :class:`~workers.batcher.BatcherStats`, then ``cache_*``, ``events_*`` and
+        :class:`~workers.engine.batcher.BatcherStats`, then ``cache_*``, ``events_*`` and
         ``publisher_*``."""
         out: dict[str, int | float] = dict(dataclasses.asdict(self.batcher.stats()))
         out["busy_seconds"] = self._busy_seconds

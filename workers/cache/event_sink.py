@@ -10,7 +10,7 @@ re-state that view for a router that lost track (:meth:`EventSink.snapshot_event
 
 Wire shape (``shared/WIRE.md``, "What kvroute workers publish"): block hash = first 8 bytes of
 the engine key; image positions carry the digest; ``mm_keys`` lists the images of each block,
-with the routing hint when :class:`~workers.image_hints.ImageHints` has one; a chain's first
+with the routing hint when :class:`~workers.cache.image_hints.ImageHints` has one; a chain's first
 block carries the scope in ``extra_keys`` (LoRA name, then the salt's tag, never the raw salt).
 """
 
@@ -28,9 +28,9 @@ from indexer.wire import (
     KVEventBatch,
     MmKey,
 )
-from workers.block_keys import BlockKey, KeyedBlock, wire_hash
-from workers.block_pool import BlocksRemoved, BlocksStored, CacheCleared, CacheEvent
-from workers.image_hints import ImageHints
+from workers.cache.block_keys import BlockKey, KeyedBlock, wire_hash
+from workers.cache.block_pool import BlocksRemoved, BlocksStored, CacheCleared, CacheEvent
+from workers.cache.image_hints import ImageHints
 
 __all__ = ["DROP_CAP", "DROP_ORPHAN", "EventSink", "SinkStats"]
 

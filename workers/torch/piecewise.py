@@ -1,6 +1,6 @@
 """Iterations with prefill, run as CUDA graphs between the layers' attentions (piecewise).
 
-A whole-iteration graph (:mod:`workers.torch_graphs`) needs every shape fixed, which decode
+A whole-iteration graph (:mod:`workers.torch.graphs`) needs every shape fixed, which decode
 steps allow and prefill chunks do not: their count, lengths and cached contexts vary. Yet a
 short chunk is launch-bound exactly as a decode step is: 64 new tokens took 10-18 ms eagerly
 on the H200 machines (the host's speed varies) and 3.2 ms replayed (``docs/gpu.md``), and one
@@ -14,7 +14,7 @@ graphs at attention the same way.
 
 Every piece reads and writes one bucket's static buffers (hidden state, q, k, v, attention
 output, rotary cos/sin), so the graphs replay in any order of buckets, one at a time. Padded
-tokens write their K/V into the scratch block (:attr:`workers.torch_kv.PagedKV.scratch_block`)
+tokens write their K/V into the scratch block (:attr:`workers.torch.kv.PagedKV.scratch_block`)
 and no real row reads them: attention skips padded rows, and every other piece works row by
 row. A bucket is captured from padding alone, so capture never writes a real block: on its
 first use, or up front with :meth:`PiecewiseGraphs.capture_buckets` (what a worker does at
@@ -30,8 +30,8 @@ from functools import partial
 import torch
 from torch import Tensor
 
-from workers.torch_graphs import capture_graphs
-from workers.torch_model import Decoder, PagedBatch, prefill_views
+from workers.torch.graphs import capture_graphs
+from workers.torch.model import Decoder, PagedBatch, prefill_views
 
 __all__ = ["TOKEN_BUCKETS", "PiecewiseGraphs"]
 

@@ -2,7 +2,7 @@
 
 A worker publishes an image's UUID next to its digest (``mm_keys[...].uuid``) so that a router
 can match a later request that names the image by UUID without sending its bytes. The UUID is a
-hint only: the worker's reuse decision stays on content digests (:mod:`workers.block_keys`).
+hint only: the worker's reuse decision stays on content digests (:mod:`workers.cache.block_keys`).
 
 Rules (``trtllm_image_routing`` version 1, ``shared/WIRE.md``):
     1. At most ``capacity`` digests are remembered; the least recently used is forgotten first.

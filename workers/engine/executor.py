@@ -1,8 +1,8 @@
 """What an executor computes each iteration, and the simulated executor.
 
-An executor runs one :class:`IterationPlan` from :class:`~workers.batcher.Batcher` (one forward
-pass) and returns a sampled token for every request that samples. The contract, shared by the
-simulated executor here and the CUDA one:
+An executor runs one :class:`IterationPlan` from :class:`~workers.engine.batcher.Batcher` (one
+forward pass) and returns a sampled token for every request that samples. The contract, shared
+by the simulated executor here and the CUDA one:
 
 1. Perform the plan's :attr:`~IterationPlan.transfers` in order, each offload list before its
    onboard list, before computing anything. Block ids index the KV tensors directly: device
@@ -14,7 +14,7 @@ simulated executor here and the CUDA one:
    decode step.
 
 :class:`SimExecutor` does no arithmetic: it sleeps for what the pass would take on the H200 as
-:mod:`workers.timing` models it (its default model unless told), divided by a speedup, and
+:mod:`workers.engine.timing` models it (its default model unless told), divided by a speedup, and
 returns tokens that depend only on the prompt and the output position, so a request gets the
 same output on any worker, after any preemption, in any process.
 """
@@ -29,9 +29,9 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from indexer.tokenizer import BYTE_OFFSET
-from workers.block_keys import Prompt
-from workers.block_pool import BlockCopy
-from workers.timing import DEFAULT_TIMING, TIMING_MODELS, TimingModel
+from workers.cache.block_keys import Prompt
+from workers.cache.block_pool import BlockCopy
+from workers.engine.timing import DEFAULT_TIMING, TIMING_MODELS, TimingModel
 
 __all__ = [
     "BYTE_TEXT_VOCAB",

@@ -33,11 +33,11 @@ from indexer.openai_api import (
 )
 from indexer.prompts import build_prompt
 from indexer.wire import encode_batch
-from workers.block_keys import Prompt, Scope
-from workers.engine import RequestFailed
-from workers.image_fetch import fetch_remote_images
-from workers.metrics import WorkerMetrics
-from workers.openai_format import Completion, sse
+from workers.cache.block_keys import Prompt, Scope
+from workers.engine.loop import RequestFailed
+from workers.http.image_fetch import fetch_remote_images
+from workers.http.metrics import WorkerMetrics
+from workers.http.openai_format import Completion, sse
 from workers.runtime import WorkerRuntime
 from workers.settings import WorkerSettings
 

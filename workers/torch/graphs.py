@@ -8,7 +8,7 @@ power of two (at least :data:`MIN_WIDTH` blocks), and its inputs copied into tha
 static tensor ``[tokens B | positions B | slot rows B | context lengths B | tables B x W]``.
 
 Padding never touches a real block: padded rows write their K/V into the scratch block
-(:attr:`workers.torch_kv.PagedKV.scratch_block`, one block past the cache manager's), their
+(:attr:`workers.torch.kv.PagedKV.scratch_block`, one block past the cache manager's), their
 table entries point there, and each attends to one position of it (a row with no visible
 position would be NaN). Real rows' table padding also points at the scratch block, masked out.
 
@@ -30,8 +30,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from workers.executor import DecodeStep
-from workers.torch_model import Decoder, PagedBatch
+from workers.engine.executor import DecodeStep
+from workers.torch.model import Decoder, PagedBatch
 
 __all__ = ["BATCH_BUCKETS", "MAX_SLOTS", "MIN_WIDTH", "DecodeGraphs", "capture_graphs",
            "decode_shapes"]

@@ -1,6 +1,6 @@
 """The torch engine's KV storage: device blocks, the host tier in pinned memory, the copies.
 
-Block ids are the cache manager's (:class:`~workers.block_pool.BlockPool`): device block ``b``
+Block ids are the cache manager's (:class:`~workers.cache.block_pool.BlockPool`): device block ``b``
 is ``device_blocks[b]``, host block ``h`` is ``host_blocks[h]``. One allocation per tier, block
 major: ``[num_blocks, num_layers, 2 (K, V), block_size, kv_heads, head_dim]``. Each layer sees
 the view ``device_blocks[:, layer]`` (``[num_blocks, 2, block_size, kv_heads, head_dim]``),
@@ -18,7 +18,7 @@ Ordering on CUDA (plain synchronous copies on the CPU):
    onboarded block, or overwrites an offloaded one, before its copy completed.
 
 One device block past the cache manager's, :attr:`PagedKV.scratch_block`, belongs to no
-request: padded decode rows (:mod:`workers.torch_graphs`) write and read it.
+request: padded decode rows (:mod:`workers.torch.graphs`) write and read it.
 
 Both tiers start zeroed, not uninitialised: attention multiplies padded and masked-out
 positions by a zero weight, and zero times a NaN bit pattern left in fresh memory is NaN.
@@ -31,8 +31,8 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import Tensor
 
-from workers.block_pool import BlockCopy
-from workers.executor import BlockTransfer
+from workers.cache.block_pool import BlockCopy
+from workers.engine.executor import BlockTransfer
 
 __all__ = ["PagedKV", "bytes_per_block"]
 

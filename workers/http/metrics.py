@@ -9,7 +9,7 @@ from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
-    from workers.openai_format import Completion
+    from workers.http.openai_format import Completion
     from workers.runtime import WorkerRuntime
 
 __all__ = ["WorkerMetrics"]

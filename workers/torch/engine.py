@@ -2,9 +2,9 @@
 its KV cache in the cache manager's blocks.
 
 :func:`build_torch_executor` assembles it from the worker settings; :class:`TorchExecutor`
-implements the executor contract (:mod:`workers.executor`): perform the plan's block copies,
+implements the executor contract (:mod:`workers.engine.executor`): perform the plan's block copies,
 compute every prefill chunk and decode step in one forward pass over a flat token batch
-(:class:`~workers.torch_model.PagedBatch`), and sample greedily (argmax over the tokenizer's
+(:class:`~workers.torch.model.PagedBatch`), and sample greedily (argmax over the tokenizer's
 ids) from each sampling position. The router cannot tell it from the simulated engine except by
 speed: the events, the API and the cache decisions are the cache manager's, shared by both.
 
@@ -27,17 +27,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from indexer.tokenizer import Tokenizer, load_tokenizer
-from workers.cache_manager import CacheManager
-from workers.executor import IterationPlan
+from workers.cache.cache_manager import CacheManager
+from workers.engine.executor import IterationPlan
 from workers.settings import WorkerSettings
 
 if TYPE_CHECKING:
     import torch
 
-    from workers.torch_graphs import DecodeGraphs
-    from workers.torch_kv import PagedKV
-    from workers.torch_model import Decoder, ModelConfig, PagedBatch
-    from workers.torch_piecewise import PiecewiseGraphs
+    from workers.torch.graphs import DecodeGraphs
+    from workers.torch.kv import PagedKV
+    from workers.torch.model import Decoder, ModelConfig, PagedBatch
+    from workers.torch.piecewise import PiecewiseGraphs
 
 __all__ = [
     "CPU_KV_BYTES",
@@ -100,7 +100,7 @@ def resolve_model(name: str) -> tuple[ModelConfig, Path | None]:
         TorchEngineError: neither a known name nor a folder with ``config.json``.
     """
     _torch()
-    from workers.torch_model import CONFIGS, config_from_folder
+    from workers.torch.model import CONFIGS, config_from_folder
 
     if name in CONFIGS:
         return CONFIGS[name], None
@@ -130,7 +130,7 @@ def kv_blocks_for(settings: WorkerSettings) -> int:
     Raises:
         TorchEngineError: bad model or device, or a budget under one block.
     """
-    from workers.torch_kv import bytes_per_block
+    from workers.torch.kv import bytes_per_block
 
     config, _ = resolve_model(settings.torch_model)
     device = resolve_device(settings.device)
@@ -168,8 +168,8 @@ def build_torch_executor(
             the model, or too little memory.
     """
     torch = _torch()
-    from workers.torch_kv import PagedKV
-    from workers.torch_model import Decoder, load_checkpoint
+    from workers.torch.kv import PagedKV
+    from workers.torch.model import Decoder, load_checkpoint
 
     config, folder = resolve_model(settings.torch_model)
     device = resolve_device(settings.device)
@@ -255,15 +255,15 @@ def _check_tokenizer(folder: Path, settings: WorkerSettings, tokenizer: Tokenize
 
 
 class TorchExecutor:
-    """Runs iterations on a :class:`~workers.torch_model.Decoder` over a :class:`PagedKV`.
+    """Runs iterations on a :class:`~workers.torch.model.Decoder` over a :class:`PagedKV`.
 
     Args:
         model: the decoder.
         kv: its KV storage; block ids are the cache manager's.
         vocab_limit: sample only ids below this (the tokenizer's vocabulary), default all.
         cuda_graphs: run decode-only iterations padded to fixed shapes
-            (:mod:`workers.torch_graphs`), and the others of at most 2,048 tokens padded to a
-            token bucket in per-layer pieces (:mod:`workers.torch_piecewise`): replayed CUDA
+            (:mod:`workers.torch.graphs`), and the others of at most 2,048 tokens padded to a
+            token bucket in per-layer pieces (:mod:`workers.torch.piecewise`): replayed CUDA
             graphs on CUDA, the padded forwards eagerly on the CPU (what the tests use to
             check the padding).
 
@@ -285,8 +285,8 @@ class TorchExecutor:
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
         if cuda_graphs:
-            from workers.torch_graphs import DecodeGraphs
-            from workers.torch_piecewise import PiecewiseGraphs
+            from workers.torch.graphs import DecodeGraphs
+            from workers.torch.piecewise import PiecewiseGraphs
 
             capture = kv.device.type == "cuda"
             self.graphs = DecodeGraphs(model, self._layers, self._rows, kv.scratch_block,
@@ -336,7 +336,7 @@ class TorchExecutor:
 
     def _batch(self, plan: IterationPlan) -> tuple[PagedBatch, list[str]]:
         torch = _torch()
-        from workers.torch_model import PagedBatch
+        from workers.torch.model import PagedBatch
 
         bs, vocab = self.block_size, self.model.config.vocab_size
         layers = self.model.config.num_layers

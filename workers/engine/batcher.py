@@ -1,7 +1,7 @@
 """Continuous batching by iteration: which requests compute which tokens in the next forward pass.
 
 The batcher is the engine's scheduler. It owns the request queue and drives the
-:class:`~workers.cache_manager.CacheManager`; it does no I/O and reads no clock. Once per
+:class:`~workers.cache.cache_manager.CacheManager`; it does no I/O and reads no clock. Once per
 iteration the engine calls :meth:`Batcher.schedule`, hands the :class:`IterationPlan` to an
 executor (simulated or real), and gives the sampled tokens back to :meth:`Batcher.complete`.
 
@@ -30,10 +30,10 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from workers.block_keys import U64_MAX, Prompt
-from workers.block_pool import BlockCopy
-from workers.cache_manager import CacheManager
-from workers.executor import BlockTransfer, DecodeStep, IterationPlan, PrefillChunk
+from workers.cache.block_keys import U64_MAX, Prompt
+from workers.cache.block_pool import BlockCopy
+from workers.cache.cache_manager import CacheManager
+from workers.engine.executor import BlockTransfer, DecodeStep, IterationPlan, PrefillChunk
 
 __all__ = [
     "FINISH_LENGTH",

@@ -24,8 +24,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from indexer.wire import MEDIUM_CPU, MEDIUM_GPU
-from workers.block_keys import KeyedBlock, Prompt, RequestBlocks
-from workers.block_pool import BlockCopy, BlockPool, CacheEvent
+from workers.cache.block_keys import KeyedBlock, Prompt, RequestBlocks
+from workers.cache.block_pool import BlockCopy, BlockPool, CacheEvent
 
 __all__ = ["Allocation", "CacheManager", "CacheStats", "Growth"]
 

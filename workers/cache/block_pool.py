@@ -1,7 +1,7 @@
 """The worker's pool of KV blocks: device blocks, an optional host tier, and what happened.
 
 Device blocks hold KV for requests. A full block whose KV is computed is committed under its
-engine key (:mod:`workers.block_keys`) and can then be reused by any request with the same
+engine key (:mod:`workers.cache.block_keys`) and can then be reused by any request with the same
 prefix. When no free block is left, an unreferenced committed block is evicted; with a host
 tier it is first offloaded there (the engine copies it), so a later prefix hit can copy it back
 (onboard) instead of recomputing it.
@@ -19,7 +19,7 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from indexer.wire import MEDIUM_CPU, MEDIUM_GPU
-from workers.block_keys import BlockKey, KeyedBlock
+from workers.cache.block_keys import BlockKey, KeyedBlock
 
 __all__ = [
     "BlockCopy",
