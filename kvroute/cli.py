@@ -77,6 +77,10 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
       help="never reuse KV blocks (and publish no events)")
     a("--no-images", dest="images", action="store_false", default=None,
       help="refuse image parts")
+    a("--allow-image-hosts", metavar="CIDR|HOST,...",
+      help="image URLs may reach these CIDR blocks or host names even when internal "
+      "(default: none; loopback, private, link-local, multicast and unspecified addresses "
+      "are refused)")
     a("--no-image-hints", dest="image_hints", action="store_false", default=None,
       help="publish no image UUID routing hints")
     a("--torch-model", help="torch engine: tiny, llama-1b or a local weights folder")

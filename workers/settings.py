@@ -12,6 +12,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from workers.engine.timing import DEFAULT_TIMING, TIMING_MODELS
+from workers.http.image_policy import ImageHostPolicy
 
 __all__ = ["WorkerSettings", "WorkerSettingsError", "load_worker_settings"]
 
@@ -51,6 +52,7 @@ class WorkerSettings:
     image_hint_capacity: int = 4096
     max_image_bytes: int = 20 * 1024 * 1024
     image_fetch_timeout: float = 5.0
+    allow_image_hosts: tuple[str, ...] = ()
     replay_buffer: int = 10_000
     max_pending_stored: int = 4096
     loras: tuple[str, ...] = ()
@@ -83,6 +85,10 @@ class WorkerSettings:
             raise WorkerSettingsError(f"engine must be 'sim' or 'torch', got {self.engine!r}")
         if self.max_num_batched_tokens < self.block_size:
             raise WorkerSettingsError("max_num_batched_tokens must be at least block_size")
+        try:
+            ImageHostPolicy.parse(self.allow_image_hosts)
+        except ValueError as exc:
+            raise WorkerSettingsError(f"allow_image_hosts: {exc}") from None
 
     @property
     def events_enabled(self) -> bool:
@@ -106,7 +112,7 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
         if value is None or (isinstance(value, str) and value.lower() in ("none", "")
                              and "None" in kind):
             return None
-        if name == "loras":
+        if name in ("loras", "allow_image_hosts"):
             items = value.split(",") if isinstance(value, str) else value
             return tuple(s.strip() for s in items if s.strip())
         if kind == "bool":
