@@ -37,6 +37,13 @@ def _add_events(sub: argparse._SubParsersAction) -> None:
                       help="exit with status 3 if nothing arrives for this long")
     tail.add_argument("--json", action="store_true",
                       help="one JSON object a line (default: readable lines)")
+    tail.add_argument("--curve-secret-key", metavar="FILE",
+                      help="subscribe over CURVE with this secret certificate (a router's; "
+                      "needs --curve-server-key)")
+    tail.add_argument("--curve-server-key", metavar="FILE",
+                      help="the engine's public certificate")
+    tail.add_argument("--max-message-bytes", type=positive_int, metavar="N",
+                      help="largest message taken (default 64 MiB)")
 
 
 def _add_worker(sub: argparse._SubParsersAction) -> None:
@@ -83,6 +90,14 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
       "are refused)")
     a("--no-image-hints", dest="image_hints", action="store_false", default=None,
       help="publish no image UUID routing hints")
+    a("--curve-secret-key", metavar="FILE",
+      help="encrypt the event and replay ports with CURVE: this worker's secret certificate "
+      "(kvroute keys generate); needs --curve-authorized-clients")
+    a("--curve-authorized-clients", metavar="DIR",
+      help="folder of the public certificates (*.key) of the routers allowed to subscribe")
+    a("--salt-secret", help="cluster secret that keys published cache-salt tags "
+      "(HMAC-SHA256); routers need the same (default: unkeyed SHA-256 tags)")
+    a("--salt-secret-file", metavar="FILE", help="read --salt-secret from FILE")
     a("--torch-model", help="torch engine: tiny, llama-1b or a local weights folder")
     a("--device", help="torch engine: cuda, cpu or auto (default)")
     a("--kv-memory-gb", "--kv-memory", dest="kv_memory_gb", type=float,
@@ -138,6 +153,20 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
       help="kv (default); round_robin or random ignore the cache (baselines)")
     a("--admin-token", help="bearer token for /workers")
     a("--worker-admin-token", help="bearer token the workers want for /kv/snapshot")
+    a("--event-max-message-bytes", type=int,
+      help="largest event message taken from a worker; a connection carrying a larger one "
+      "is dropped, counted and reopened (default 64 MiB)")
+    a("--event-receive-hwm", type=int,
+      help="event messages queued per socket at most; more are dropped and recovered by "
+      "replay (default 4096)")
+    a("--curve-secret-key", metavar="FILE",
+      help="subscribe over CURVE: this router's secret certificate (kvroute keys generate); "
+      "needs --curve-server-key")
+    a("--curve-server-key", metavar="FILE",
+      help="the workers' public certificate (the .key of their --curve-secret-key)")
+    a("--salt-secret", help="cluster secret the workers key cache-salt tags with "
+      "(their --salt-secret)")
+    a("--salt-secret-file", metavar="FILE", help="read --salt-secret from FILE")
     a("--health-interval", type=float, help="seconds between load polls (default 1)")
     a("--unhealthy-grace", type=float, help="seconds before an unhealthy worker's entries go")
     a("--seed", type=int, help="seed for tie-breaking")
@@ -170,6 +199,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_worker(sub)
     _add_router(sub)
     _add_up(sub)
+    from kvroute.keys import add_keys_parser
+
+    add_keys_parser(sub)
     from bench.replay import add_bench_parser
 
     add_bench_parser(sub)
@@ -185,7 +217,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.from_seq is not None and not args.replay:
             print("kvroute events tail: --from-seq needs --replay", file=sys.stderr)
             return 2
+        if (args.curve_secret_key is None) != (args.curve_server_key is None):
+            print("kvroute events tail: --curve-secret-key and --curve-server-key go together",
+                  file=sys.stderr)
+            return 2
         return run_tail(args)
+    if args.command == "keys":
+        from kvroute.keys import run_keys
+
+        return run_keys(args)
     if args.command == "bench":
         from bench.replay import run_bench
 

@@ -16,7 +16,7 @@ recovered the same way.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
@@ -34,8 +34,8 @@ class CurveClientKeys:
     """The router's CURVE keypair and the workers' server public key (Z85 bytes)."""
 
     public: bytes
-    secret: bytes
-    server_public: bytes
+    secret: bytes = field(repr=False)
+    server_public: bytes = b""
 
     @classmethod
     def load(cls, secret_file: str | Path, server_key_file: str | Path) -> CurveClientKeys:

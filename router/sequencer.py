@@ -103,6 +103,7 @@ class SubscriberStats:
         "delivered",
         "duplicates",
         "gaps",
+        "handshake_failures",
         "history_lost",
         "malformed",
         "oversize",

@@ -173,7 +173,7 @@ class RouterService:
         first = entries[0].info
         assert first is not None, "a candidate always has model info"
         terms = HashingTerms(self.settings.block_size, by_uuid=first.image_routing_version == 1,
-                             salt_hashing=first.salt_hashing)
+                             salt_hashing=first.salt_hashing, salt_key=self.settings.salt_key)
         lora = model if model is not None and model != first.model else None
         try:
             hashes = request_hashes(prompt, terms, lora)

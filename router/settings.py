@@ -11,10 +11,16 @@ import json
 import os
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from router.event_transport import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_RECEIVE_HWM,
+    CurveClientKeys,
+    EventTransport,
+)
 from router.scheduler import SchedulerConfig
 
 __all__ = ["POLICIES", "RouterSettings", "SettingsError", "load_settings"]
@@ -60,6 +66,13 @@ class RouterSettings:
     worker_admin_token: str | None = None
     seed: int | None = None
     log_level: str = "info"
+    # event plane: message limits, CURVE keys, the salt-tag secret
+    event_max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    event_receive_hwm: int = DEFAULT_RECEIVE_HWM
+    curve_secret_key: str | None = None
+    curve_server_key: str | None = None
+    salt_secret: str | None = field(default=None, repr=False)
+    salt_secret_file: str | None = None
 
     def __post_init__(self) -> None:
         checks = [
@@ -87,13 +100,47 @@ class RouterSettings:
             (self.connect_timeout > 0 and self.first_byte_timeout > 0,
              "timeouts must be positive"),
             (self.max_image_bytes > 0, "max_image_bytes must be positive"),
+            (self.event_max_message_bytes > 0, "event_max_message_bytes must be positive"),
+            (self.event_receive_hwm > 0, "event_receive_hwm must be positive"),
+            ((self.curve_secret_key is None) == (self.curve_server_key is None),
+             "curve_secret_key and curve_server_key go together"),
         ]
         for ok, message in checks:
             if not ok:
                 raise SettingsError(message)
+        if self.salt_secret_file is not None:  # read once; the file wins over salt_secret
+            try:
+                secret = Path(self.salt_secret_file).read_text().strip()
+            except OSError as exc:
+                raise SettingsError(f"salt_secret_file {self.salt_secret_file}: "
+                                    f"{exc.strerror}") from None
+            object.__setattr__(self, "salt_secret", secret)
+        if self.salt_secret is not None and not self.salt_secret:
+            raise SettingsError("salt_secret is empty")
+        if self.curve_secret_key is not None:
+            self.event_transport()  # unreadable keys fail at start-up, not at first connect
         for url in self.workers:
             if not url.startswith(("http://", "https://")):
                 raise SettingsError(f"worker {url!r} is not an http(s) URL")
+
+    @property
+    def salt_key(self) -> bytes | None:
+        """The cluster secret that keys salt tags, or None (unkeyed tags)."""
+        return None if self.salt_secret is None else self.salt_secret.encode()
+
+    def event_transport(self) -> EventTransport:
+        """The event sockets' limits and CURVE keys (read from their files).
+
+        Raises:
+            SettingsError: a CURVE key file is missing or unusable.
+        """
+        curve = None
+        if self.curve_secret_key is not None and self.curve_server_key is not None:
+            try:
+                curve = CurveClientKeys.load(self.curve_secret_key, self.curve_server_key)
+            except ValueError as exc:
+                raise SettingsError(str(exc)) from None
+        return EventTransport(self.event_max_message_bytes, self.event_receive_hwm, curve)
 
     @property
     def sessions(self) -> bool:

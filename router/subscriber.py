@@ -11,7 +11,8 @@ Each socket has a monitor. libzmq drops a connection that carries a message over
 ``max_message_bytes`` and, unlike a connection the publisher closed, does not reconnect it; a
 drop that no reconnect attempt follows within :data:`RECONNECT_GRACE` seconds is counted
 (``stats.oversize``) and the socket reconnected, and the batches lost with the connection come
-back as a gap, by replay.
+back as a gap, by replay. A failed handshake (CURVE keys the publisher refuses) is counted
+(``stats.handshake_failures``) and tried again every :data:`HANDSHAKE_RETRY` seconds.
 
 The subscriber never dies of input: every frame goes through one ``try`` that counts and skips.
 :meth:`EventSubscriber.stop` cancels the task and closes the sockets.
@@ -60,27 +61,66 @@ log = logging.getLogger(__name__)
 #: Seconds after a dropped connection within which libzmq announces its own reconnect; without
 #: one the drop was libzmq refusing a message (over the size limit) and the shell reconnects.
 RECONNECT_GRACE = 0.2
+#: Seconds before trying again after a failed handshake (keys the peer refuses).
+HANDSHAKE_RETRY = 2.0
 
 
 class _Link:
-    """One connected socket, its endpoint and its monitor."""
+    """One connected socket, its endpoint and its monitor.
+
+    libzmq does not reconnect a connection it dropped for a protocol error: a message over
+    ``MAXMSGSIZE``, or a failed handshake (a CURVE key the peer refuses). The link sees both
+    on its monitor and tells the shell when to reconnect (:meth:`due`).
+    """
+
+    _WATCHED = (zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+                | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
+                | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                         | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
 
     def __init__(self, sock: zmq.asyncio.Socket, endpoint: str) -> None:
         self.sock = sock
         self.endpoint = endpoint
-        self.monitor: zmq.asyncio.Socket = sock.get_monitor_socket(
-            zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED)
-        self.dropped_at: float | None = None
+        self.monitor: zmq.asyncio.Socket = sock.get_monitor_socket(self._WATCHED)
+        self.dropped_at: float | None = None  # a drop libzmq may yet announce a retry for
+        self.retry_at: float | None = None  # reconnect then, after a failed handshake
+        self._handshake_failed = False
         sock.connect(endpoint)
 
-    def watch(self, event: int, now: float) -> None:
-        if event == zmq.EVENT_DISCONNECTED:
-            self.dropped_at = now
+    def watch(self, event: int, now: float, stats: SubscriberStats) -> None:
+        if event & self._HANDSHAKE_FAILED:
+            stats.handshake_failures += 1
+            if not self._handshake_failed:
+                log.warning("handshake with %s failed (event %#x): check the CURVE keys",
+                            self.endpoint, event)
+            self._handshake_failed = True
+        elif event == zmq.EVENT_DISCONNECTED:
+            if self._handshake_failed:
+                self.retry_at = now + HANDSHAKE_RETRY
+            else:
+                self.dropped_at = now
         elif event == zmq.EVENT_CONNECT_RETRIED:
             self.dropped_at = None  # libzmq reconnects by itself: the peer went away
 
-    def reconnect(self) -> None:
-        self.dropped_at = None
+    def due(self) -> float | None:
+        """When :meth:`check` has something to do."""
+        times = [t for t in (self.retry_at,
+                             None if self.dropped_at is None
+                             else self.dropped_at + RECONNECT_GRACE) if t is not None]
+        return min(times) if times else None
+
+    def check(self, now: float, stats: SubscriberStats, limit: int) -> None:
+        """Reconnect a connection libzmq dropped and will not reopen."""
+        if self.dropped_at is not None and now >= self.dropped_at + RECONNECT_GRACE:
+            stats.oversize += 1
+            log.warning("%s sent a message over %d bytes; reconnecting", self.endpoint, limit)
+            self._reconnect()
+        elif self.retry_at is not None and now >= self.retry_at:
+            self._reconnect()
+
+    def _reconnect(self) -> None:
+        self.dropped_at = self.retry_at = None
         with contextlib.suppress(zmq.ZMQError):
             self.sock.disconnect(self.endpoint)
         self.sock.connect(self.endpoint)
@@ -192,10 +232,8 @@ class EventSubscriber:
             poller.register(link.sock, zmq.POLLIN)
             poller.register(link.monitor, zmq.POLLIN)
         while True:
-            deadlines = [link.dropped_at + RECONNECT_GRACE for link in links
-                         if link.dropped_at is not None]
-            if self._sequencer.deadline is not None:
-                deadlines.append(self._sequencer.deadline)
+            deadlines = [d for d in (self._sequencer.deadline, *(ln.due() for ln in links))
+                         if d is not None]
             timeout_ms = None
             if deadlines:
                 timeout_ms = max(0, int((min(deadlines) - time.monotonic()) * 1000) + 1)
@@ -209,11 +247,7 @@ class EventSubscriber:
                 await self._drain(self._dealer.sock, self._sequencer.replayed)
             now = time.monotonic()
             for link in links:
-                if link.dropped_at is not None and now >= link.dropped_at + RECONNECT_GRACE:
-                    self.stats.oversize += 1
-                    log.warning("%s dropped a message over %d bytes; reconnecting",
-                                link.endpoint, self._transport.max_message_bytes)
-                    link.reconnect()
+                link.check(now, self.stats, self._transport.max_message_bytes)
             await self._act(self._sequencer.tick(now))
 
     async def _watch(self, link: _Link) -> None:
@@ -226,7 +260,7 @@ class EventSubscriber:
                 event = parse_monitor_message(frames)
             except (ValueError, IndexError, TypeError):
                 continue
-            link.watch(int(event["event"]), time.monotonic())
+            link.watch(int(event["event"]), time.monotonic(), self.stats)
 
     async def _drain(self, sock: zmq.asyncio.Socket,
                      handle: Callable[[list[bytes], float], list[Action]]) -> None:

@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
+from workers.cache.publisher import CurveServerKeys
 from workers.engine.timing import DEFAULT_TIMING, TIMING_MODELS
 from workers.http.image_policy import ImageHostPolicy
 
@@ -53,6 +55,11 @@ class WorkerSettings:
     max_image_bytes: int = 20 * 1024 * 1024
     image_fetch_timeout: float = 5.0
     allow_image_hosts: tuple[str, ...] = ()
+    # event-plane security: CURVE on the event sockets, a keyed salt tag
+    curve_secret_key: str | None = None
+    curve_authorized_clients: str | None = None
+    salt_secret: str | None = field(default=None, repr=False)
+    salt_secret_file: str | None = None
     replay_buffer: int = 10_000
     max_pending_stored: int = 4096
     loras: tuple[str, ...] = ()
@@ -89,6 +96,18 @@ class WorkerSettings:
             ImageHostPolicy.parse(self.allow_image_hosts)
         except ValueError as exc:
             raise WorkerSettingsError(f"allow_image_hosts: {exc}") from None
+        if (self.curve_secret_key is None) != (self.curve_authorized_clients is None):
+            raise WorkerSettingsError("curve_secret_key and curve_authorized_clients go "
+                                      "together: CURVE without authorized clients admits anyone")
+        if self.curve_secret_key is not None:
+            try:
+                CurveServerKeys.load(self.curve_secret_key, self.curve_authorized_clients or "")
+            except ValueError as exc:
+                raise WorkerSettingsError(str(exc)) from None
+        if self.salt_secret_file is not None:  # read once; the file wins over salt_secret
+            object.__setattr__(self, "salt_secret", _read_secret(self.salt_secret_file))
+        if self.salt_secret is not None and not self.salt_secret:
+            raise WorkerSettingsError("salt_secret is empty")
 
     @property
     def events_enabled(self) -> bool:
@@ -96,10 +115,29 @@ class WorkerSettings:
         return self.events_port is not None and self.prefix_caching
 
     @property
+    def curve_keys(self) -> CurveServerKeys | None:
+        """The event sockets' CURVE keys, read from their files; None without CURVE."""
+        if self.curve_secret_key is None or self.curve_authorized_clients is None:
+            return None
+        return CurveServerKeys.load(self.curve_secret_key, self.curve_authorized_clients)
+
+    @property
+    def salt_key(self) -> bytes | None:
+        """The cluster secret that keys published salt tags, or None (unkeyed tags)."""
+        return None if self.salt_secret is None else self.salt_secret.encode()
+
+    @property
     def image_routing_version(self) -> int | None:
         """1 when events, block reuse, images and hints are all on; else None."""
         on = self.events_enabled and self.images and self.image_hints
         return 1 if on else None
+
+
+def _read_secret(path: str) -> str:
+    try:
+        return Path(path).read_text().strip()
+    except OSError as exc:
+        raise WorkerSettingsError(f"salt_secret_file {path}: {exc.strerror}") from None
 
 
 _FIELDS = {f.name: f.type for f in fields(WorkerSettings)}

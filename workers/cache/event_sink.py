@@ -62,6 +62,7 @@ class EventSink:
         max_pending_stored: most stored blocks one batch may hold.
         hints: the publisher's image routing hints; ``None`` disables them (no ``uuid`` in
             ``mm_keys``, no ``trtllm_image_routing``).
+        salt_key: the cluster's salt secret, which keys published salt tags; None: unkeyed.
 
     Notes:
         1. Facts are published in the order captured.
@@ -78,11 +79,13 @@ class EventSink:
            again once it is cached again.
     """
 
-    def __init__(self, *, max_pending_stored: int = 4096, hints: ImageHints | None = None) -> None:
+    def __init__(self, *, max_pending_stored: int = 4096, hints: ImageHints | None = None,
+                 salt_key: bytes | None = None) -> None:
         if max_pending_stored < 1:
             raise ValueError(f"max_pending_stored must be at least 1, got {max_pending_stored}")
         self.max_pending_stored = max_pending_stored
         self.hints = hints
+        self._salt_key = salt_key
         self.stats = SinkStats()
         self._pending: list[CacheEvent] = []
         self._pending_stored = 0
@@ -249,7 +252,7 @@ class EventSink:
         first = blocks[0]
         scope = first.scope
         # The scope goes on a chain's first block only, as vLLM puts it there.
-        extra = [_first_block_keys(kb) for kb in blocks]
+        extra = [_first_block_keys(kb, self._salt_key) for kb in blocks]
         mm_keys = None
         if any(kb.images for kb in blocks):
             lookup = self.hints.lookup if self.hints is not None else (lambda _d: None)
@@ -278,6 +281,6 @@ class EventSink:
         )
 
 
-def _first_block_keys(kb: KeyedBlock) -> list[str] | None:
-    keys = kb.scope.published_keys if kb.parent is None else None
+def _first_block_keys(kb: KeyedBlock, salt_key: bytes | None) -> list[str] | None:
+    keys = kb.scope.published_keys(salt_key) if kb.parent is None else None
     return list(keys) if keys else None
