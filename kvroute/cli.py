@@ -166,10 +166,16 @@ def build_parser() -> argparse.ArgumentParser:
     _add_worker(sub)
     _add_router(sub)
     _add_up(sub)
-    from bench.replay import add_bench_parser
-
-    add_bench_parser(sub)
+    _add_bench(sub)
     return parser
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    # The benchmarks load only when asked for: their flags are parsed by bench.replay itself.
+    p = sub.add_parser("bench", help="benchmarks: trace replay over routing policies",
+                       description="Benchmarks. 'kvroute bench replay --help' lists its flags.")
+    p.add_argument("bench_command", choices=["replay"], help="replay a trace over policies")
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="flags of the benchmark")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -183,9 +189,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 2
         return run_tail(args)
     if args.command == "bench":
+        from bench.replay import build_parser as bench_parser
         from bench.replay import run_bench
 
-        return run_bench(args)
+        parser = bench_parser()
+        parser.prog = "kvroute bench replay"
+        return run_bench(parser.parse_args(args.bench_args))
     if args.command == "up":
         from kvroute.up import run_up
 
