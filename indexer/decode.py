@@ -194,7 +194,7 @@ def _event(raw: Any, stats: DecodeStats) -> Event | None:
     if type(raw) is dict:
         kind = raw.get("type")
         known = {"BlockStored": _STORED_KEYS, "BlockRemoved": _REMOVED_KEYS,
-                 "AllBlocksCleared": _CLEARED_KEYS}.get(kind)  # type: ignore[call-overload]
+                 "AllBlocksCleared": _CLEARED_KEYS}.get(kind) if isinstance(kind, str) else None
         if known is None:
             stats.unknown_events += 1
             return None
