@@ -112,14 +112,14 @@ class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True):
     """Everything the publisher held is gone."""
 
 
-Event = BlockStored | BlockRemoved | AllBlocksCleared
+WireEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=False):
     """``[ts, events, data_parallel_rank]``; kvroute always sends an int rank."""
 
     ts: float
-    events: list[Event]
+    events: list[WireEvent]
     data_parallel_rank: int | None = None
 
 
