@@ -1,6 +1,6 @@
 """Lenient decoding of KV event payloads from any engine into :mod:`indexer.events`.
 
-The rule (``shared/WIRE.md``): decode the envelope strictly and each event leniently.
+The rule (``docs/wire.md``): decode the envelope strictly and each event leniently.
 
 - Envelope: a msgpack array ``[ts, events]`` or ``[ts, events, rank]``. Anything else (not
   msgpack, truncated, a map, wrong types) raises :class:`MalformedBatch`, the one error type.

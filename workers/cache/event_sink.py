@@ -8,7 +8,7 @@ The sink keeps the consumer's view: which (medium, block) pairs a router that re
 batch so far believes resident. It publishes only what such a consumer can apply, and can
 re-state that view for a router that lost track (:meth:`EventSink.snapshot_events`).
 
-Wire shape (``shared/WIRE.md``, "What kvroute workers publish"): block hash = first 8 bytes of
+Wire shape (``docs/wire.md``, "What kvroute workers publish"): block hash = first 8 bytes of
 the engine key; image positions carry the digest; ``mm_keys`` lists the images of each block,
 with the routing hint when :class:`~workers.cache.image_hints.ImageHints` has one; a chain's first
 block carries the scope in ``extra_keys`` (LoRA name, then the salt's tag, never the raw salt).
