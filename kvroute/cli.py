@@ -202,10 +202,16 @@ def build_parser() -> argparse.ArgumentParser:
     from kvroute.keys import add_keys_parser
 
     add_keys_parser(sub)
-    from bench.replay import add_bench_parser
-
-    add_bench_parser(sub)
+    _add_bench(sub)
     return parser
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    # The benchmarks load only when asked for: their flags are parsed by bench.replay itself.
+    p = sub.add_parser("bench", help="benchmarks: trace replay over routing policies",
+                       description="Benchmarks. 'kvroute bench replay --help' lists its flags.")
+    p.add_argument("bench_command", choices=["replay"], help="replay a trace over policies")
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="flags of the benchmark")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -227,9 +233,12 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_keys(args)
     if args.command == "bench":
+        from bench.replay import build_parser as bench_parser
         from bench.replay import run_bench
 
-        return run_bench(args)
+        parser = bench_parser()
+        parser.prog = "kvroute bench replay"
+        return run_bench(parser.parse_args(args.bench_args))
     if args.command == "up":
         from kvroute.up import run_up
 

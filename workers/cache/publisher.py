@@ -1,4 +1,4 @@
-"""ZeroMQ publisher of KV event batches, in vLLM 0.33's transport form (``shared/WIRE.md``).
+"""ZeroMQ publisher of KV event batches, in vLLM 0.33's transport form (``docs/wire.md``).
 
 Two sockets per data-parallel rank:
 
