@@ -10,8 +10,8 @@ import pytest
 
 from indexer.hashing import SALT_TAG_HMAC, SALT_TAG_SHA256
 from indexer.wire import BlockStored, encode_batch
+from workers.cache import block_pool as pool
 from workers.cache.block_keys import Prompt, RequestBlocks, Scope
-from workers.cache.block_pool import BlocksStored
 from workers.cache.event_sink import EventSink
 from workers.runtime import WorkerRuntime
 from workers.settings import WorkerSettings, WorkerSettingsError, load_worker_settings
@@ -20,7 +20,7 @@ from workers.settings import WorkerSettings, WorkerSettingsError, load_worker_se
 def first_extra_keys(salt_key: bytes | None) -> list[str]:
     blocks = RequestBlocks(Prompt([1, 2, 3, 4], scope=Scope(salt="tenant-a")), 2)
     sink = EventSink(salt_key=salt_key)
-    sink.capture([BlocksStored("GPU", (blocks.block(0), blocks.block(1)))])
+    sink.capture([pool.BlockStored("GPU", (blocks.block(0), blocks.block(1)))])
     batch = sink.next_batch(0.0, 0)
     assert batch is not None and b"tenant-a" not in encode_batch(batch)
     (event,) = batch.events
