@@ -11,6 +11,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
+from httpapi.auth import check_bind, read_token_file
+from httpapi.server import DEFAULT_LIMITS, ConnectionLimits
 from workers.engine.timing import DEFAULT_TIMING, TIMING_MODELS
 
 __all__ = ["WorkerSettings", "WorkerSettingsError", "load_worker_settings"]
@@ -62,6 +64,12 @@ class WorkerSettings:
     device: str = "auto"
     kv_memory_gb: float | None = None
     cuda_graphs: bool = True
+    # The HTTP boundary: admin token source, open-bind consent, connection limits.
+    admin_token_file: str | None = None
+    insecure_no_auth: bool = False
+    max_connections: int = DEFAULT_LIMITS.max_connections
+    header_timeout: float = DEFAULT_LIMITS.header_timeout
+    keep_alive_timeout: float = DEFAULT_LIMITS.keep_alive_timeout
 
     def __post_init__(self) -> None:
         positive = ("port", "block_size", "num_blocks", "max_num_batched_tokens",
@@ -83,6 +91,16 @@ class WorkerSettings:
             raise WorkerSettingsError(f"engine must be 'sim' or 'torch', got {self.engine!r}")
         if self.max_num_batched_tokens < self.block_size:
             raise WorkerSettingsError("max_num_batched_tokens must be at least block_size")
+        try:
+            self.connection_limits()
+            check_bind(self.host, self.admin_token, self.insecure_no_auth, "worker")
+        except ValueError as exc:
+            raise WorkerSettingsError(str(exc)) from None
+
+    def connection_limits(self) -> ConnectionLimits:
+        """The HTTP server's connection limits and timeouts."""
+        return ConnectionLimits(self.max_connections, self.header_timeout,
+                                self.keep_alive_timeout)
 
     @property
     def events_enabled(self) -> bool:
@@ -146,4 +164,11 @@ def load_worker_settings(flags: Mapping[str, Any], env: Mapping[str, str] | None
         # ``--engine torch --model llama-1b|PATH`` names the weights, as vLLM's --model does;
         # the served name is the same string.
         merged["torch_model"] = merged["model"]
+    if merged.get("admin_token_file"):
+        if merged.get("admin_token"):
+            raise WorkerSettingsError("give admin_token or admin_token_file, not both")
+        try:
+            merged["admin_token"] = read_token_file(merged["admin_token_file"])
+        except ValueError as exc:
+            raise WorkerSettingsError(str(exc)) from None
     return WorkerSettings(**merged)
