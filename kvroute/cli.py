@@ -50,6 +50,8 @@ def _add_http_limits(a: Callable[..., Any], what: str) -> None:
       help="seconds a connection has to send a request's headers (default 10)")
     a("--keep-alive-timeout", type=float,
       help="seconds an idle kept-alive connection stays open (default 5)")
+    a("--max-body-bytes", type=positive_int,
+      help="largest request body; a larger one is refused with 413 as it arrives (default 64 MiB)")
 
 
 def _add_worker(sub: argparse._SubParsersAction) -> None:

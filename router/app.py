@@ -36,7 +36,6 @@ from httpapi.body import (
 )
 from httpapi.responses import CLIENT_GONE_STATUS, disconnect_counter, error_response
 from indexer.openai_api import (
-    MAX_BODY_BYTES,
     ApiError,
     fewest_prompt_tokens,
     parse_body,
@@ -101,8 +100,8 @@ def create_app(settings: RouterSettings) -> FastAPI:
     async def forward(request: Request, kind: str, path: str) -> Response:
         metrics: RouterMetrics = state["metrics"]
         try:
-            raw = await read_body(request, MAX_BODY_BYTES)
-            body = parse_body(raw)
+            raw = await read_body(request, settings.max_body_bytes)
+            body = parse_body(raw, settings.max_body_bytes)
             route = await _decide(body, kind, len(raw))
         except ApiError as exc:
             metrics.request(path, exc.status)
@@ -210,8 +209,8 @@ def create_app(settings: RouterSettings) -> FastAPI:
     @app.post("/debug/route")
     async def debug_route(request: Request) -> dict[str, Any]:
         admin(request)
-        raw = await read_body(request, MAX_BODY_BYTES)
-        body = parse_body(raw)
+        raw = await read_body(request, settings.max_body_bytes)
+        body = parse_body(raw, settings.max_body_bytes)
         kind = "chat" if "messages" in body else "completions"
         route = await _decide(body, kind, len(raw))
         return {

@@ -17,6 +17,7 @@ from typing import Any
 
 from httpapi.auth import check_bind, read_token_file
 from httpapi.server import DEFAULT_LIMITS, ConnectionLimits
+from indexer.openai_api import MAX_BODY_BYTES
 from router.scheduler import SchedulerConfig
 
 __all__ = ["POLICIES", "RouterSettings", "SettingsError", "load_settings"]
@@ -69,6 +70,7 @@ class RouterSettings:
     max_connections: int = DEFAULT_LIMITS.max_connections
     header_timeout: float = DEFAULT_LIMITS.header_timeout
     keep_alive_timeout: float = DEFAULT_LIMITS.keep_alive_timeout
+    max_body_bytes: int = MAX_BODY_BYTES
 
     def __post_init__(self) -> None:
         checks = [
@@ -96,6 +98,7 @@ class RouterSettings:
             (self.connect_timeout > 0 and self.first_byte_timeout > 0,
              "timeouts must be positive"),
             (self.max_image_bytes > 0, "max_image_bytes must be positive"),
+            (self.max_body_bytes > 0, "max_body_bytes must be positive"),
         ]
         for ok, message in checks:
             if not ok:

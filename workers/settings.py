@@ -13,6 +13,7 @@ from typing import Any
 
 from httpapi.auth import check_bind, read_token_file
 from httpapi.server import DEFAULT_LIMITS, ConnectionLimits
+from indexer.openai_api import MAX_BODY_BYTES
 from workers.engine.timing import DEFAULT_TIMING, TIMING_MODELS
 
 __all__ = ["WorkerSettings", "WorkerSettingsError", "load_worker_settings"]
@@ -70,12 +71,13 @@ class WorkerSettings:
     max_connections: int = DEFAULT_LIMITS.max_connections
     header_timeout: float = DEFAULT_LIMITS.header_timeout
     keep_alive_timeout: float = DEFAULT_LIMITS.keep_alive_timeout
+    max_body_bytes: int = MAX_BODY_BYTES
 
     def __post_init__(self) -> None:
         positive = ("port", "block_size", "num_blocks", "max_num_batched_tokens",
                     "max_num_seqs", "max_model_len", "mm_tokens_per_image",
                     "image_hint_capacity", "max_image_bytes", "replay_buffer",
-                    "max_pending_stored")
+                    "max_pending_stored", "max_body_bytes")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise WorkerSettingsError(f"{name} must be positive, got {getattr(self, name)}")

@@ -39,7 +39,6 @@ from httpapi.body import (
 )
 from httpapi.responses import CLIENT_GONE_STATUS, disconnect_counter, error_response
 from indexer.openai_api import (
-    MAX_BODY_BYTES,
     ApiError,
     error_body,
     fewest_prompt_tokens,
@@ -97,8 +96,8 @@ def create_app(settings: WorkerSettings) -> FastAPI:
         check_bearer(request.headers.get("authorization"), settings.admin_token)
 
     async def generate(request: Request, chat: bool) -> Response:
-        raw = await read_body(request, MAX_BODY_BYTES)
-        body = parse_body(raw)
+        raw = await read_body(request, settings.max_body_bytes)
+        body = parse_body(raw, settings.max_body_bytes)
         checked = validate_request(body, "chat" if chat else "completions")
         if checked.n not in (None, 1):
             raise ApiError(400, f"only n=1 is supported, got {checked.n}", param="n")
