@@ -141,8 +141,24 @@ class RouterService:
                 names.update((e.info.model, *e.info.lora_adapters))
         return sorted(names)
 
-    def decide(self, body: Any, kind: str) -> Route:
-        """Tokenize, hash, match and score one request body.
+    def tokenize(self, body: Any, kind: str) -> PromptTokens:
+        """Turn a request body into its prompt tokens, as the workers will. Reads only the
+        tokenizer and settings, so it may run in a worker thread for a large body.
+
+        Raises:
+            ApiError: the body is invalid (400).
+        """
+        try:
+            return build_prompt(body, kind, self.tokenizer,  # type: ignore[arg-type]
+                                mm_tokens_per_image=self.registry.mm_tokens_per_image or 1,
+                                max_image_bytes=self.settings.max_image_bytes, fetch=None,
+                                check_token_ids=False)
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+
+    def decide(self, body: Any, kind: str, prompt: PromptTokens | None = None) -> Route:
+        """Tokenize (unless ``prompt`` is given, from :meth:`tokenize`), hash, match and score
+        one request body.
 
         Raises:
             ApiError: the body is invalid (400), names an unknown model (404), or no worker
@@ -158,13 +174,8 @@ class RouterService:
             if not entries:
                 raise ApiError(404, f"the model {model!r} does not exist", "invalid_request_error",
                                "model", "model_not_found")
-        try:
-            prompt = build_prompt(body, kind, self.tokenizer,
-                                  mm_tokens_per_image=self.registry.mm_tokens_per_image or 1,
-                                  max_image_bytes=self.settings.max_image_bytes, fetch=None,
-                                  check_token_ids=False)
-        except ValueError as exc:
-            raise ApiError(400, str(exc)) from None
+        if prompt is None:
+            prompt = self.tokenize(body, kind)
         max_len = min((e.info.max_model_len for e in entries if e.info and e.info.max_model_len),
                       default=0)
         if max_len and len(prompt.token_ids) > max_len:
