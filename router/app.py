@@ -2,8 +2,8 @@
 
 One request's path: parse the body, :meth:`RouterService.decide`, book the load, forward
 through the :class:`~router.proxy.Proxy`, pass the answer back as it arrives. A worker that
-fails before the first byte is retried once on the next-best worker; the answer names the
-chosen worker and the matched blocks in ``x-kvroute-*`` headers.
+fails before the first byte is left for the next-best one (:mod:`router.failover`); the answer
+names the worker and the matched blocks in ``x-kvroute-*`` headers.
 """
 
 from __future__ import annotations
@@ -27,6 +27,8 @@ from indexer.openai_api import (
     parse_body,
     wait_for_disconnect,
 )
+from router.failover import send_with_failover
+from router.first_byte import FirstByteClock
 from router.metrics import RouterMetrics
 from router.proxy import Proxy, ProxyTimeouts, UpstreamAnswer, UpstreamUnavailable
 from router.registry import WorkerEntry, WorkerUnreachable
@@ -52,7 +54,10 @@ def create_app(settings: RouterSettings) -> FastAPI:
         proxy = Proxy(ProxyTimeouts(connect=settings.connect_timeout,
                                     first_byte=settings.first_byte_timeout))
         await proxy.start()
-        state.update(service=service, proxy=proxy, metrics=RouterMetrics(service))
+        clock = FirstByteClock(settings.first_byte_floor, settings.first_byte_factor,
+                               settings.first_byte_timeout)
+        state.update(service=service, proxy=proxy, metrics=RouterMetrics(service),
+                     first_byte=clock)
         await service.registry.start()
         try:
             yield
@@ -105,27 +110,23 @@ def create_app(settings: RouterSettings) -> FastAPI:
 
     async def _exchange(request: Request, raw: bytes, stream: bool, route: Route, path: str,
                         metrics: RouterMetrics) -> Response:
-        for attempt, worker in enumerate([route.worker, *route.fallbacks()[:1]]):
-            service().dispatched(route, worker)
-            try:
-                answer = await state["proxy"].send(f"{worker.url}{path}", raw, request.headers)
-            except UpstreamUnavailable as exc:
-                service().undispatched(route)
-                metrics.upstream_failure(worker, attempt)
-                log.warning("worker %s failed before answering: %s", worker.url, exc)
-                continue
-            headers = {**answer.headers, "x-kvroute-worker": worker.url,
-                       "x-kvroute-worker-id": str(worker.id),
-                       "x-kvroute-matched-blocks": str(route.decision.chosen.matched_blocks
-                                                       if worker is route.worker else 0)}
-            metrics.request(path, answer.status)
-            if stream and answer.status == 200:
-                return StreamingResponse(_relay(answer, route, metrics), status_code=200,
-                                         headers=headers, media_type="text/event-stream")
-            return await _whole(answer, route, headers, metrics)
-        metrics.request(path, 503)
-        raise ApiError(503, "no worker could take the request (tried "
-                       f"{min(2, len(route.entries))})", "service_unavailable")
+        try:
+            sent = await send_with_failover(service(), state["proxy"], state["first_byte"],
+                                            route, path, raw, request.headers, stream,
+                                            metrics.upstream_failure)
+        except ApiError as exc:
+            metrics.request(path, exc.status)
+            raise
+        answer, worker = sent.answer, sent.worker
+        headers = {**answer.headers, "x-kvroute-worker": worker.url,
+                   "x-kvroute-worker-id": str(worker.id),
+                   "x-kvroute-matched-blocks": str(route.decision.chosen.matched_blocks
+                                                   if worker is route.worker else 0)}
+        metrics.request(path, answer.status)
+        if stream and answer.status == 200:
+            return StreamingResponse(_relay(answer, route, metrics), status_code=200,
+                                     headers=headers, media_type="text/event-stream")
+        return await _whole(answer, route, headers, metrics)
 
     async def _whole(answer: UpstreamAnswer, route: Route, headers: dict[str, str],
                      metrics: RouterMetrics) -> Response:
@@ -256,6 +257,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
             entry: WorkerEntry = await service().registry.remove(worker_id)
         except KeyError:
             raise ApiError(404, f"no worker {worker_id}", code="not_found") from None
+        state["first_byte"].forget(worker_id)
         return entry.describe()
 
     return app
