@@ -4,7 +4,8 @@ fail, with the figures a long run needs.
 ``python -m bench.soak --minutes N`` starts three sim workers and a router on 127.0.0.1 (child
 processes, :func:`bench.http_load.spawn`) and keeps ``--concurrency`` clients busy with a mix
 of valid completions, chats and streams over a few shared prefixes, and bad requests:
-malformed JSON, JSON that is not a request, prompts longer than any worker takes. Meanwhile
+malformed JSON, JSON that is not a request, prompts longer than any worker takes, and 60,000
+token prompts whose output would not fit (the router passes them, the worker refuses). Meanwhile
 (unless ``--no-faults``) worker 0 is killed (SIGKILL) at 20% of the run and restarted at 35%,
 and worker 1 is paused (SIGSTOP) at 55% and resumed (SIGCONT) at 65%.
 
@@ -48,6 +49,8 @@ PREFIXES = [f"Shared system prompt {i}: you are a careful assistant for team {i}
             for i in range(8)]
 #: Longer than the sim worker's default 65,536-token limit (one token a byte).
 OVERSIZE = "x" * 70_000
+#: Within that limit, but not with 8,000 tokens of output on top.
+LONG = "y" * 60_000
 REQUEST_TIMEOUT_S = 30.0
 
 
@@ -105,7 +108,7 @@ def _request(rng: random.Random) -> tuple[str, str, bytes, bool]:
     """One request of the mix: (kind, path, body, good)."""
     roll = rng.random()
     prefix = rng.choice(PREFIXES)
-    tail = f"question {rng.randrange(10**6)}"
+    tail = f"question {rng.randrange(10**6)} " * 8  # about four blocks of its own
     if roll < 0.35:
         body = {"model": MODEL, "prompt": prefix + tail, "max_tokens": rng.randint(1, 16)}
         return "completion", "/v1/completions", json.dumps(body).encode(), True
@@ -125,8 +128,13 @@ def _request(rng: random.Random) -> tuple[str, str, bytes, bool]:
                               b'{"model": "kvroute-sim", "prompt": "x", "max_tokens": -4}'])
         path = "/v1/chat/completions" if b"messages" in garbage else "/v1/completions"
         return "garbage", path, garbage, False
-    body = {"model": MODEL, "prompt": OVERSIZE, "max_tokens": 4}
-    return "oversize", "/v1/completions", json.dumps(body).encode(), False
+    if roll < 0.98:
+        body = {"model": MODEL, "prompt": OVERSIZE, "max_tokens": 4}
+        return "oversize", "/v1/completions", json.dumps(body).encode(), False
+    # Fits the router's check but not the worker's (prompt plus max_tokens): the worker
+    # refuses it, after the router booked it there.
+    body = {"model": MODEL, "prompt": f"{rng.randrange(10**9)} " + LONG, "max_tokens": 8000}
+    return "refused", "/v1/completions", json.dumps(body).encode(), False
 
 
 async def _one(session: aiohttp.ClientSession, base: str, rng: random.Random,
