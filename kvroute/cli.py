@@ -191,6 +191,16 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
       help="read the workers' admin token from this file")
     _add_http_limits(a, "router")
     a("--health-interval", type=float, help="seconds between load polls (default 1)")
+    a("--health-timeout", type=float,
+      help="seconds a load poll may take before the worker counts as hung (default 1)")
+    a("--first-byte-floor", type=float,
+      help="shortest wait for a stream's first byte before it is retried elsewhere "
+      "(default 2)")
+    a("--first-byte-factor", type=float,
+      help="a stream's first byte may take this many times the prefill the router expects "
+      "there before it is retried elsewhere (default 4)")
+    a("--first-byte-timeout", type=float,
+      help="longest wait for any answer's first byte (default 300)")
     a("--unhealthy-grace", type=float, help="seconds before an unhealthy worker's entries go")
     a("--seed", type=int, help="seed for tie-breaking")
     a("--log-level", help="debug, info, warning (default info)")

@@ -62,8 +62,11 @@ class RouterSettings:
     approximate_ttl: float = 120.0
     health_interval: float = 1.0
     unhealthy_grace: float = 5.0
+    health_timeout: float = 1.0
     connect_timeout: float = 2.0
     first_byte_timeout: float = 300.0
+    first_byte_floor: float = 2.0
+    first_byte_factor: float = 4.0
     max_image_bytes: int = 20 * 1024 * 1024
     admin_token: str | None = None
     worker_admin_token: str | None = None
@@ -108,8 +111,11 @@ class RouterSettings:
             (self.predict_ttl > 0 and self.approximate_ttl > 0, "ttls must be positive"),
             (self.health_interval > 0, "health_interval must be positive"),
             (self.unhealthy_grace >= 0, "unhealthy_grace must be >= 0"),
-            (self.connect_timeout > 0 and self.first_byte_timeout > 0,
-             "timeouts must be positive"),
+            (self.connect_timeout > 0 and self.first_byte_timeout > 0
+             and self.health_timeout > 0, "timeouts must be positive"),
+            (0 < self.first_byte_floor <= self.first_byte_timeout,
+             "first_byte_floor must be positive and at most first_byte_timeout"),
+            (self.first_byte_factor >= 1, "first_byte_factor must be >= 1"),
             (self.max_image_bytes > 0, "max_image_bytes must be positive"),
             (self.event_max_message_bytes > 0, "event_max_message_bytes must be positive"),
             (self.event_receive_hwm > 0, "event_receive_hwm must be positive"),
