@@ -15,6 +15,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
+from router.discovery import parse_target
 from router.scheduler import SchedulerConfig
 
 __all__ = ["POLICIES", "RouterSettings", "SettingsError", "load_settings"]
@@ -60,6 +61,9 @@ class RouterSettings:
     worker_admin_token: str | None = None
     seed: int | None = None
     log_level: str = "info"
+    #: DNS names whose addresses are workers (``dns:///NAME:PORT``; router.discovery).
+    discover: tuple[str, ...] = ()
+    discover_interval: float = 5.0
 
     def __post_init__(self) -> None:
         checks = [
@@ -87,6 +91,7 @@ class RouterSettings:
             (self.connect_timeout > 0 and self.first_byte_timeout > 0,
              "timeouts must be positive"),
             (self.max_image_bytes > 0, "max_image_bytes must be positive"),
+            (self.discover_interval > 0, "discover_interval must be positive"),
         ]
         for ok, message in checks:
             if not ok:
@@ -94,6 +99,11 @@ class RouterSettings:
         for url in self.workers:
             if not url.startswith(("http://", "https://")):
                 raise SettingsError(f"worker {url!r} is not an http(s) URL")
+        for target in self.discover:
+            try:
+                parse_target(target)
+            except ValueError as exc:
+                raise SettingsError(f"discover: {exc}") from None
 
     @property
     def sessions(self) -> bool:
@@ -123,7 +133,7 @@ _NONE_WORDS = {"session_queue_blocks": ("off", "none", "")}
 def _coerce(name: str, value: Any, origin: str) -> Any:
     kind = _TYPES[name]
     try:
-        if name == "workers":
+        if name in ("workers", "discover"):
             if isinstance(value, str):
                 value = [v for v in (p.strip() for p in value.split(",")) if v]
             return tuple(str(v).rstrip("/") for v in value)
