@@ -81,6 +81,8 @@ async def system_resolver(host: str, port: int) -> list[str]:
         if exc.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)):
             return []
         raise
+    except UnicodeError as exc:  # a label the IDNA codec refuses
+        raise OSError(f"{host!r} is not a valid DNS name: {exc}") from None
     return sorted({str(info[4][0]) for info in infos})
 
 
@@ -144,11 +146,13 @@ class Discovery:
 
     async def _apply(self, target: DnsTarget, wanted: set[str]) -> None:
         held = self._found[target]
-        others = self.urls - held  # the same address under another name stays
+        others = set().union(*(v for k, v in self._found.items() if k != target))
         for url in sorted(held - wanted):
             held.discard(url)
+            if url in others:  # the same address under another name stays
+                continue
             worker = self._ids.pop(url, None)
-            if url in others or worker is None:
+            if worker is None:  # configured with --worker, or refused: not ours to remove
                 continue
             log.info("worker %s left %s", url, target)
             with contextlib.suppress(KeyError):
