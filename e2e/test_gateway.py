@@ -17,7 +17,8 @@ from typing import Any
 
 import pytest
 
-from e2e.gateway import Envoy, Epp, envoy_binary
+from bench.envoy import envoy_binary
+from e2e.gateway import Envoy, Epp
 from e2e.harness import Process, Worker, wait_for
 from tests.support.servers import sse_events
 

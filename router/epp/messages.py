@@ -11,6 +11,7 @@ request's filter metadata.
 
 from __future__ import annotations
 
+import functools
 import json
 
 from envoy.config.core.v3 import base_pb2
@@ -78,13 +79,15 @@ def _lb_metadata(endpoint: str) -> struct_pb2.Struct:
     return metadata
 
 
+@functools.lru_cache(maxsize=4096)
 def routed(endpoint: str, phase: str) -> ep.ProcessingResponse:
-    """The answer that sends the request to ``endpoint``.
+    """The answer that sends the request to ``endpoint`` (one shared message per endpoint
+    and phase: building it costs more than deciding; callers must not modify it).
 
     Args:
         endpoint: ``host:port`` of the chosen worker.
         phase: ``"request_body"`` (the buffered body was read) or ``"request_headers"``
-            (a request without a body).
+            (the full-duplex headers answer).
     """
     common = _destination(endpoint)
     metadata = _lb_metadata(endpoint)
@@ -105,21 +108,26 @@ def immediate_error(error: ApiError) -> ep.ProcessingResponse:
         body=json.dumps(error_body(error)).encode(), details=f"kvroute_epp_{error.status}"))
 
 
+@functools.cache
 def continue_headers() -> ep.ProcessingResponse:
-    """Let the request headers through unchanged (the decision waits for the body)."""
+    """Let the request headers through unchanged (the decision waits for the body); one
+    shared message, not to be modified."""
     return ep.ProcessingResponse(request_headers=ep.HeadersResponse())
 
 
+@functools.cache
 def continue_body() -> ep.ProcessingResponse:
     """Let a request body chunk through unchanged."""
     return ep.ProcessingResponse(request_body=ep.BodyResponse())
 
 
+@functools.cache
 def continue_response_headers() -> ep.ProcessingResponse:
     """Let the response headers through unchanged."""
     return ep.ProcessingResponse(response_headers=ep.HeadersResponse())
 
 
+@functools.cache
 def continue_response_body() -> ep.ProcessingResponse:
     """Let a response body chunk through unchanged."""
     return ep.ProcessingResponse(response_body=ep.BodyResponse())

@@ -9,6 +9,7 @@ shows up in the EPP with no change in this package beyond this module.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -20,6 +21,7 @@ from router.service import Route, RouterService
 __all__ = ["Pick", "Picker", "endpoint_of"]
 
 
+@functools.lru_cache(maxsize=4096)
 def endpoint_of(url: str) -> str:
     """A worker's base URL as the ``host:port`` Envoy's original-destination cluster dials.
 

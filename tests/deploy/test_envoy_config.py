@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from e2e.gateway import envoy_binary, render_envoy_config
+from bench.envoy import envoy_binary, render_envoy_config
 
 pytestmark = pytest.mark.skipif(envoy_binary() is None, reason="no envoy binary")
 
