@@ -51,13 +51,20 @@ class Epp(Process):
 
 
 class Envoy(Process):
-    """Envoy with the shipped configuration, sending every request's choice to ``epp``."""
+    """Envoy with the shipped configuration, sending every request's choice to ``epp``
+    (``full_duplex``: with ``request_body_mode: FULL_DUPLEX_STREAMED`` instead)."""
 
-    def __init__(self, name: str, epp: Epp, log_dir: Path) -> None:
+    def __init__(self, name: str, epp: Epp, log_dir: Path, full_duplex: bool = False) -> None:
         self.port = free_port()
         self.admin_port = free_port()
         self.config = log_dir / f"{name}.yaml"
-        self.config.write_text(render_envoy_config(self.port, self.admin_port, epp.grpc_port))
+        config = render_envoy_config(self.port, self.admin_port, epp.grpc_port)
+        if full_duplex:  # the body streamed to the EPP chunk by chunk (GIE's streaming mode)
+            config = config.replace("request_body_mode: BUFFERED",
+                                    "request_body_mode: FULL_DUPLEX_STREAMED").replace(
+                                    "request_trailer_mode: SKIP", "request_trailer_mode: SEND")
+            assert "FULL_DUPLEX_STREAMED" in config
+        self.config.write_text(config)
         super().__init__(name, [], {}, log_dir)
         self.client = httpx.Client(base_url=self.url, timeout=30)
 

@@ -9,6 +9,7 @@ prefix was there.
 from __future__ import annotations
 
 import concurrent.futures
+import json
 import signal
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -45,7 +46,8 @@ def gateway(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Callable
     failure."""
     started: list[Process] = []
 
-    def make(workers: int = 3, replicas: int = 1, **worker_settings: Any) -> Gateway:
+    def make(workers: int = 3, replicas: int = 1, full_duplex: bool = False,
+             **worker_settings: Any) -> Gateway:
         ws = [Worker(i, tmp_path, **worker_settings) for i in range(workers)]
         for w in ws:
             w.start()
@@ -56,7 +58,8 @@ def gateway(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Callable
         for e in epps:
             e.start()
             started.append(e)
-        envoys = [Envoy(f"envoy-{i}", e, tmp_path) for i, e in enumerate(epps)]
+        envoys = [Envoy(f"envoy-{i}", e, tmp_path, full_duplex)
+                  for i, e in enumerate(epps)]
         for v in envoys:
             v.start()
             started.append(v)
@@ -91,6 +94,27 @@ def test_repeats_go_to_the_holder_and_hit_its_cache(gateway: Callable[..., Gatew
         assert again.status_code == 200
         assert again.headers["x-kvroute-worker"] == holder
         assert _cached(again) == (len(SYSTEM.encode()) // 32) * 32
+
+
+def test_full_duplex_streamed_bodies_are_routed_the_same_way(
+        gateway: Callable[..., Gateway]) -> None:
+    gw = gateway(workers=2, full_duplex=True)
+    envoy = gw.envoys[0]
+    raw = json.dumps({"model": "kvroute-sim", "prompt": SYSTEM + "Question one?",
+                      "max_tokens": 4}).encode()
+
+    def pieces() -> Iterator[bytes]:  # chunked upload: the EPP gets the body in parts
+        yield from (raw[i:i + 100] for i in range(0, len(raw), 100))
+
+    first = envoy.client.post("/v1/completions", content=pieces(),
+                              headers={"content-type": "application/json"})
+    assert first.status_code == 200, first.text
+    again = envoy.complete(SYSTEM + "Question two?")
+    assert again.headers["x-kvroute-worker"] == first.headers["x-kvroute-worker"]
+    assert _cached(again) == (len(SYSTEM.encode()) // 32) * 32
+    bad = envoy.client.post("/v1/completions", content=b"[1, 2]",
+                            headers={"content-type": "application/json"})
+    assert bad.status_code == 400
 
 
 def test_concurrent_first_requests_spread_over_the_workers(
