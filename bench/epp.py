@@ -11,8 +11,11 @@ almost nothing), so the differences are the front door's. Three paths to the sam
 
 Figures, all with 16 connections kept busy (closed loop): latency p50/p99 per path and the
 added latency (path minus direct), requests per second per path, and the EPP process's CPU
-seconds per request from ``/proc``. On a machine where the client, Envoy, the EPP and the
-worker share a few cores, the chain's requests per second is bounded by all of them together;
+seconds per request from ``/proc``; the same added latency over one connection (requests one
+after another); and ``exchange_cpu_us_per_request``, the EPP's own work per request without
+gRPC (parse, decide, book, answer, release), measured in this process. On a machine where
+the client, Envoy, the EPP and the worker share a few cores, the chain's requests per second
+is bounded by all of them together;
 ``epp_rps_per_core`` (requests divided by the EPP's CPU seconds) is what one EPP process
 handles when it has a core to itself. ``wrk`` is the load generator when installed (its
 ``--latency`` percentiles), else aiohttp (slower: it takes CPU from the servers).
@@ -35,6 +38,7 @@ from typing import Any
 
 import aiohttp
 import grpc
+import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.envoy import envoy_command, render_envoy_config
@@ -232,6 +236,39 @@ def spawn_envoy(config: Path, admin_port: int, timeout: float = 30
     raise RuntimeError(f"envoy was not ready in {timeout}s")
 
 
+def exchange_cpu_us(requests: int = 3000) -> float:
+    """CPU microseconds per request of the EPP's own work, no transport: one ext_proc
+    exchange (headers, buffered body: parse, decide, book, answer; then release) against a
+    RouterService with three adopted workers."""
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
+    from router.epp.exchange import Exchange
+    from router.epp.picker import Picker
+    from router.service import RouterService
+    from router.settings import RouterSettings
+    from router.worker_table import WorkerInfo
+
+    service = RouterService(RouterSettings(seed=1), httpx.AsyncClient())
+    for w in range(3):
+        service.registry.adopt(WorkerInfo(url=f"http://10.0.0.{w + 1}:8000",
+                                          model="kvroute-sim", block_size=32,
+                                          tokenizer="bytes-v1", instance_id=f"i{w}",
+                                          max_model_len=100_000))
+    picker = Picker(service)
+    headers = ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=base_pb2.HeaderMap(
+        headers=[base_pb2.HeaderValue(key=":path", raw_value=b"/v1/completions")])))
+    body = ep.ProcessingRequest(request_body=ep.HttpBody(body=json.dumps(BODY).encode(),
+                                                         end_of_stream=True))
+    started = time.process_time()
+    for _ in range(requests):
+        exchange = Exchange(picker)
+        exchange.on_message(headers)
+        exchange.on_message(body)
+        exchange.close()
+    return (time.process_time() - started) / requests * 1e6
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -240,7 +277,9 @@ def main(argv: list[str] | None = None) -> None:
                         help="seconds per path under wrk (default 10)")
     args = parser.parse_args(argv)
     seconds = 2.0 if args.quick else args.seconds
-    print_figures(run(500 if args.quick else 5000, seconds), args.json)
+    figures = {"exchange_cpu_us_per_request": round(exchange_cpu_us(), 1)}
+    figures |= run(500 if args.quick else 5000, seconds)
+    print_figures(figures, args.json)
 
 
 if __name__ == "__main__":
