@@ -102,9 +102,13 @@ async def epp_server(settings: RouterSettings, grpc_port: int,
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     address = f"{host or settings.host}:{grpc_port}"
-    if server.add_insecure_port(address) == 0:
+    try:
+        bound = server.add_insecure_port(address)
+    except RuntimeError:  # grpcio's own "Failed to bind" (its message points at its logs)
+        bound = 0
+    if bound == 0:
         await http.aclose()
-        raise RuntimeError(f"cannot listen on {address}")
+        raise RuntimeError(f"cannot listen on {address}: the address is in use or invalid")
     await health_servicer.set("liveness", health_pb2.HealthCheckResponse.SERVING)
     for name in _READY_NAMES:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
