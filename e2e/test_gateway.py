@@ -146,6 +146,8 @@ def test_streams_pass_through_and_bad_bodies_are_refused(
         "model": "kvroute-sim", "messages": [{"role": "user", "content": "hi"}],
         "max_tokens": 2})
     assert chat.status_code == 200 and chat.json()["object"] == "chat.completion"
+    models = envoy.client.get("/v1/models")  # no body: any worker answers
+    assert models.status_code == 200 and models.json()["data"][0]["id"] == "kvroute-sim"
     bad = envoy.client.post("/v1/completions", content=b"{not json",
                             headers={"content-type": "application/json"})
     assert bad.status_code == 400

@@ -5,7 +5,8 @@ Envoy opens one ``Process`` stream per HTTP request and sends its phases in orde
 
 1. ``request_headers``: remember the path (completions or chat) and the subset hint. Under
    ``BUFFERED`` the headers are let through at once; under ``FULL_DUPLEX_STREAMED`` they are
-   held, because the destination header must ride on the headers answer.
+   held, because the destination header must ride on the headers answer. A request without a
+   body (``GET /v1/models``) is sent at once to the least busy worker, unbooked.
 2. ``request_body``: under ``BUFFERED`` one message with the whole body; under
    ``FULL_DUPLEX_STREAMED`` chunks, held until ``end_of_stream``. Then the body is parsed,
    :meth:`Picker.pick` decides and books, and the answer names the endpoint (header,
@@ -73,10 +74,12 @@ class Exchange:
         if phase == "request_headers":
             headers = request.request_headers
             self._kind = kind_for_path(messages.header(headers, ":path"))
-            if headers.end_of_stream:
-                return [messages.immediate_error(ApiError(
-                    400, "the request has no body: the endpoint picker routes OpenAI "
-                    "completions and chat requests by their JSON body"))]
+            if headers.end_of_stream:  # no body to route by: any worker answers alike
+                try:
+                    endpoint = self._picker.pick_any(self._subset)
+                except ApiError as exc:
+                    return [messages.immediate_error(exc)]
+                return [messages.routed(endpoint, "request_headers")]
             return [] if self._duplex else [messages.continue_headers()]
         if phase == "request_body":
             return self._on_body(request.request_body)

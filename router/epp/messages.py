@@ -87,7 +87,7 @@ def routed(endpoint: str, phase: str) -> ep.ProcessingResponse:
     Args:
         endpoint: ``host:port`` of the chosen worker.
         phase: ``"request_body"`` (the buffered body was read) or ``"request_headers"``
-            (the full-duplex headers answer).
+            (the full-duplex headers answer, or a request without a body).
     """
     common = _destination(endpoint)
     metadata = _lb_metadata(endpoint)

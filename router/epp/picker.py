@@ -84,6 +84,21 @@ class Picker:
         raise ApiError(503, "no worker in the gateway's endpoint subset is available",
                        "service_unavailable")
 
+    def pick_any(self, subset: frozenset[str] | None = None) -> str:
+        """A worker for a request with no body to route by (``GET /v1/models``): the allowed
+        healthy worker with the fewest requests in flight, as ``host:port``; nothing booked.
+
+        Raises:
+            ApiError: no (allowed) worker is healthy (503).
+        """
+        load = self.service.load
+        allowed = [(load.in_flight(e.id), e.id, endpoint_of(e.url))
+                   for e in self.service.registry.candidates()]
+        allowed = [a for a in allowed if subset is None or a[2] in subset]
+        if not allowed:
+            raise ApiError(503, "no worker is available", "service_unavailable")
+        return min(allowed)[2]
+
     def first_byte(self, pick: Pick) -> None:
         """The worker started answering: its prefill is done."""
         self.service.load.first_token(pick.route.request_id)

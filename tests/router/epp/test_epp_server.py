@@ -137,8 +137,9 @@ async def test_bad_bodies_get_openai_errors_and_the_stream_server_stays_up() -> 
         answers = await exchange(stub, headers(), body(msgspec.json.encode(
             {**BODY, "model": "nope"})))
         assert immediate(answers[-1])[1]["error"]["code"] == "model_not_found"
-        answers = await exchange(stub, headers(end=True))
-        assert immediate(answers[-1])[0] == 400  # no body to route by
+        answers = await exchange(stub, headers("/v1/models", end=True))
+        # no body to route by: any worker, named on the headers answer
+        assert destination(answers[-1].request_headers.response) == f"127.0.0.1:{w.port}"
         answers = await exchange(stub, headers(), body(msgspec.json.encode(BODY)))
         assert destination(answers[-1].request_body.response) == f"127.0.0.1:{w.port}"
 
@@ -150,6 +151,9 @@ async def test_no_healthy_worker_is_an_immediate_503() -> None:
         answers = await exchange(stub, headers(), body(msgspec.json.encode(BODY)))
     status, error = immediate(answers[-1])
     assert status == 503 and error["error"]["type"] == "service_unavailable"
+    async with picker_for_url(f"http://127.0.0.1:{port}") as stub:
+        answers = await exchange(stub, headers("/v1/models", end=True))
+    assert immediate(answers[-1])[0] == 503
 
 
 @contextlib.asynccontextmanager
