@@ -8,11 +8,11 @@ Envoy opens one ``Process`` stream per HTTP request and sends its phases in orde
    held, because the destination header must ride on the headers answer. A request without a
    body (``GET /v1/models``) is sent at once to the least busy worker, unbooked.
 2. ``request_body``: under ``BUFFERED`` one message with the whole body; under
-   ``FULL_DUPLEX_STREAMED`` chunks, held until ``end_of_stream``. Then the body is parsed,
-   :meth:`Picker.pick` decides and books, and the answer names the endpoint (header,
-   ``envoy.lb`` metadata, route cache cleared). Under ``FULL_DUPLEX_STREAMED`` the held body
-   is sent back whole after the headers answer. An invalid body gets an immediate 400 (or the
-   picker's 404/503).
+   ``FULL_DUPLEX_STREAMED`` chunks, held until ``end_of_stream`` (or the request trailers).
+   Then the body is parsed, :meth:`Picker.pick` decides and books, and the answer names the
+   endpoint (header, ``envoy.lb`` metadata, route cache cleared). Under
+   ``FULL_DUPLEX_STREAMED`` the held body is sent back whole after the headers answer. An
+   invalid body gets an immediate 400 (or the picker's 404/503).
 3. ``response_headers`` / ``response_body``: the first response body chunk marks the end of
    prefill; the last one, or the stream's end (:meth:`Exchange.close`), releases the booking.
 
@@ -95,7 +95,10 @@ class Exchange:
                     self._picker.release(self.pick)
             return [messages.continue_response_body()]
         if phase == "request_trailers":
-            return [ep.ProcessingResponse(request_trailers=ep.TrailersResponse())]
+            trailers = ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
+            if self._duplex and self.pick is None:  # the body ended with trailers: decide now
+                return [*self._decide(last=False), trailers]
+            return [trailers]
         if phase == "response_trailers":
             if self.pick is not None:
                 self._picker.release(self.pick)
@@ -114,6 +117,9 @@ class Exchange:
         self._held.append(body.body)
         if not body.end_of_stream:
             return [] if self._duplex else [messages.continue_body()]
+        return self._decide(last=True)
+
+    def _decide(self, last: bool) -> list[ep.ProcessingResponse]:
         raw = b"".join(self._held)
         self._held.clear()
         try:
@@ -128,4 +134,4 @@ class Exchange:
         return [messages.routed(endpoint, "request_headers"),
                 ep.ProcessingResponse(request_body=ep.BodyResponse(response=ep.CommonResponse(
                     body_mutation=ep.BodyMutation(streamed_response=ep.StreamedBodyResponse(
-                        body=raw, end_of_stream=True)))))]
+                        body=raw, end_of_stream=last)))))]

@@ -127,6 +127,20 @@ async def test_full_duplex_holds_headers_and_body_until_the_decision() -> None:
     assert streamed.body == raw and streamed.end_of_stream
 
 
+async def test_full_duplex_body_ending_in_trailers_is_decided_at_the_trailers() -> None:
+    raw = msgspec.json.encode(BODY)
+    first = headers()
+    first.protocol_config.request_body_mode = FULL_DUPLEX
+    trailers = ep.ProcessingRequest(request_trailers=ep.HttpTrailers())
+    async with ScriptedWorker() as w, picker_for(w) as (stub, _, _):
+        answers = await exchange(stub, first, body(raw, end=False), trailers)
+    assert [a.WhichOneof("response") for a in answers] == [
+        "request_headers", "request_body", "request_trailers"]
+    assert destination(answers[0].request_headers.response) == f"127.0.0.1:{w.port}"
+    streamed = answers[1].request_body.response.body_mutation.streamed_response
+    assert streamed.body == raw and not streamed.end_of_stream
+
+
 async def test_bad_bodies_get_openai_errors_and_the_stream_server_stays_up() -> None:
     async with ScriptedWorker() as w, picker_for(w) as (stub, _, _):
         answers = await exchange(stub, headers(), body(b"{not json"))
