@@ -132,9 +132,31 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
                        description="Runs the router: an OpenAI-compatible endpoint that sends "
                        "each request to the worker holding its prefix, weighed against load. "
                        "Every flag also reads KVROUTE_<NAME> from the environment.")
+    _add_router_flags(p)
+
+
+def _add_epp(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("epp", help="run the router's decision as a Gateway API Inference "
+                       "Extension endpoint picker (Envoy ext_proc over gRPC)",
+                       description="Serves envoy.service.ext_proc.v3.ExternalProcessor and "
+                       "grpc.health.v1 on --grpc-port: Envoy sends each request's headers and "
+                       "buffered body, the EPP names the worker the router would choose in "
+                       "the x-gateway-destination-endpoint header. Takes the router's flags "
+                       "(--port is unused). Every flag also reads KVROUTE_<NAME> from the "
+                       "environment.")
+    p.add_argument("--grpc-port", type=int, default=None, metavar="PORT",
+                   help="gRPC port (default 9002, or KVROUTE_EPP_GRPC_PORT)")
+    _add_router_flags(p)
+
+
+def _add_router_flags(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
     a("--worker", dest="workers", action="append", metavar="URL",
       help="a worker's base URL (repeatable; also KVROUTE_WORKERS=url,url)")
+    a("--discover", action="append", metavar="dns:///NAME:PORT",
+      help="find workers by DNS: one worker per address NAME resolves to, re-resolved every "
+      "--discover-interval seconds (a Kubernetes headless Service); repeatable")
+    a("--discover-interval", type=float, help="seconds between DNS look-ups (default 5)")
     a("--config", help="a TOML or JSON file of settings")
     a("--host", help="bind address (default 127.0.0.1)")
     a("--port", type=int, help="port (default 8000)")
@@ -231,6 +253,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_events(sub)
     _add_worker(sub)
     _add_router(sub)
+    _add_epp(sub)
     _add_up(sub)
     from kvroute.keys import add_keys_parser
 
@@ -276,6 +299,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from kvroute.up import run_up
 
         return run_up(args)
+    if args.command == "epp":
+        from kvroute.epp import serve_epp
+
+        return serve_epp(args)
     if args.command in ("worker", "router"):
         from kvroute.serve import serve
 

@@ -35,6 +35,7 @@ from typing import Any
 import httpx
 
 from indexer.events import Event
+from router.discovery import Discovery
 from router.feed import EventFeed, IndexLike
 from router.load import LoadTracker
 from router.proxy import FirstByteWaits
@@ -115,6 +116,8 @@ class Registry:
         self._next_id = 0
         self._poll: asyncio.Task[None] | None = None
         self.mm_tokens_per_image: int | None = None
+        #: Workers found by DNS (``settings.discover``), from :meth:`start` on.
+        self.discovery: Discovery | None = None
 
     # -- membership -------------------------------------------------------------------------
 
@@ -194,10 +197,16 @@ class Registry:
                 await self.add(url, must_answer=False)
             except (IncompatibleWorker, ValueError) as exc:
                 log.error("not routing to %s: %s", url, exc)
+        if self._settings.discover:
+            self.discovery = Discovery(self._settings.discover,
+                                       self._settings.discover_interval, self)
+            await self.discovery.start()
         self._poll = asyncio.create_task(self._poll_forever(), name="kvroute-health")
 
     async def stop(self) -> None:
-        """Stop polling and every feed."""
+        """Stop polling, discovery and every feed."""
+        if self.discovery is not None:
+            await self.discovery.stop()
         if self._poll is not None:
             self._poll.cancel()
             with contextlib.suppress(asyncio.CancelledError):

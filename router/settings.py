@@ -18,6 +18,7 @@ from typing import Any
 from httpapi.auth import check_bind, read_token_file
 from httpapi.server import DEFAULT_LIMITS, ConnectionLimits
 from indexer.openai_api import MAX_BODY_BYTES
+from router.discovery import parse_target
 from router.event_transport import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_RECEIVE_HWM,
@@ -87,6 +88,9 @@ class RouterSettings:
     header_timeout: float = DEFAULT_LIMITS.header_timeout
     keep_alive_timeout: float = DEFAULT_LIMITS.keep_alive_timeout
     max_body_bytes: int = MAX_BODY_BYTES
+    #: DNS names whose addresses are workers (``dns:///NAME:PORT``; router.discovery).
+    discover: tuple[str, ...] = ()
+    discover_interval: float = 5.0
 
     def __post_init__(self) -> None:
         checks = [
@@ -122,6 +126,7 @@ class RouterSettings:
             ((self.curve_secret_key is None) == (self.curve_server_key is None),
              "curve_secret_key and curve_server_key go together"),
             (self.max_body_bytes > 0, "max_body_bytes must be positive"),
+            (self.discover_interval > 0, "discover_interval must be positive"),
         ]
         for ok, message in checks:
             if not ok:
@@ -145,6 +150,11 @@ class RouterSettings:
         for url in self.workers:
             if not url.startswith(("http://", "https://")):
                 raise SettingsError(f"worker {url!r} is not an http(s) URL")
+        for target in self.discover:
+            try:
+                parse_target(target)
+            except ValueError as exc:
+                raise SettingsError(f"discover: {exc}") from None
 
     def connection_limits(self) -> ConnectionLimits:
         """The HTTP server's connection limits and timeouts."""
@@ -202,7 +212,7 @@ _TOKEN_FILES = {"admin_token_file": "admin_token",
 def _coerce(name: str, value: Any, origin: str) -> Any:
     kind = _TYPES[name]
     try:
-        if name == "workers":
+        if name in ("workers", "discover"):
             if isinstance(value, str):
                 value = [v for v in (p.strip() for p in value.split(",")) if v]
             return tuple(str(v).rstrip("/") for v in value)
