@@ -234,9 +234,11 @@ async def test_metrics_count_decisions_and_refusals_over_http() -> None:
             stub = ep_grpc.ExternalProcessorStub(channel)
             await exchange(stub, headers(), body(msgspec.json.encode(BODY)))
             await exchange(stub, headers(), body(msgspec.json.encode({**BODY, "model": "x"})))
+            await exchange(stub, headers(), body(b"{not json"))
             text = (await http.get("/metrics")).text
             ready = await http.get("/ready")
     assert 'kvroute_requests_total{endpoint="ext_proc",status="200"} 1.0' in text
     assert 'kvroute_requests_total{endpoint="ext_proc",status="404"} 1.0' in text
+    assert 'kvroute_requests_total{endpoint="ext_proc",status="400"} 1.0' in text
     assert "kvroute_decision_seconds_count 1.0" in text
     assert ready.status_code == 200 and ready.json() == {"ready": True, "workers": 1}
