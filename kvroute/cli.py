@@ -146,6 +146,9 @@ def _add_epp(sub: argparse._SubParsersAction) -> None:
                        "environment.")
     p.add_argument("--grpc-port", type=int, default=None, metavar="PORT",
                    help="gRPC port (default 9002, or KVROUTE_EPP_GRPC_PORT)")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus /metrics, /ready and /health over HTTP here "
+                   "(default: not served)")
     _add_router_flags(p)
 
 

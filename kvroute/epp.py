@@ -7,7 +7,7 @@ import logging
 import os
 import sys
 
-_OWN = ("command", "config", "events_command", "grpc_port")
+_OWN = ("command", "config", "events_command", "grpc_port", "metrics_port")
 DEFAULT_GRPC_PORT = 9002
 
 
@@ -28,10 +28,13 @@ def serve_epp(args: argparse.Namespace) -> int:
                 raise ValueError(f"KVROUTE_EPP_GRPC_PORT={raw!r} is not a port") from None
         if not 0 < port < 65536:
             raise ValueError(f"--grpc-port {port} is not in 1..65535")
+        metrics_port = args.metrics_port
+        if metrics_port is not None and not 0 < metrics_port < 65536:
+            raise ValueError(f"--metrics-port {metrics_port} is not in 1..65535")
     except ValueError as exc:
         print(f"kvroute epp: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=settings.log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
-    return run_epp(settings, port)
+    return run_epp(settings, port, metrics_port)

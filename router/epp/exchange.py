@@ -29,7 +29,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from indexer.openai_api import ApiError, parse_body
 from router.epp import messages
-from router.epp.picker import Pick, Picker
+from router.epp.picker import ENDPOINT, Pick, Picker
 
 __all__ = ["Exchange", "kind_for_path"]
 
@@ -124,9 +124,13 @@ class Exchange:
         self._held.clear()
         try:
             parsed = parse_body(raw)
-            kind = self._kind or ("chat" if "messages" in parsed else "completions")
-            self.pick = self._picker.pick(parsed, kind, self._subset)
         except ApiError as exc:
+            self._picker.metrics.request(ENDPOINT, exc.status)
+            return [messages.immediate_error(exc)]
+        kind = self._kind or ("chat" if "messages" in parsed else "completions")
+        try:
+            self.pick = self._picker.pick(parsed, kind, self._subset)
+        except ApiError as exc:  # counted by the picker
             return [messages.immediate_error(exc)]
         endpoint = self.pick.endpoint
         if not self._duplex:

@@ -15,10 +15,14 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from indexer.openai_api import ApiError
+from router.metrics import RouterMetrics
 from router.registry import WorkerEntry
 from router.service import Route, RouterService
 
-__all__ = ["Pick", "Picker", "endpoint_of"]
+__all__ = ["ENDPOINT", "Pick", "Picker", "endpoint_of"]
+
+#: The endpoint label of the EPP's decisions in ``kvroute_requests`` (status 200: routed).
+ENDPOINT = "ext_proc"
 
 
 @functools.lru_cache(maxsize=4096)
@@ -51,10 +55,13 @@ class Picker:
 
     Args:
         service: the router's state, built exactly as the HTTP router builds it.
+        metrics: where decisions and answers are counted (the HTTP router's metrics, under
+            the endpoint name ``ext_proc``); a fresh set when not given.
     """
 
-    def __init__(self, service: RouterService) -> None:
+    def __init__(self, service: RouterService, metrics: RouterMetrics | None = None) -> None:
         self.service = service
+        self.metrics = metrics if metrics is not None else RouterMetrics(service)
 
     def ready(self) -> bool:
         """Whether any worker may take a request now."""
@@ -74,13 +81,20 @@ class Picker:
             ApiError: the body is invalid (400), names an unknown model (404), or no
                 (allowed) worker can take it (503).
         """
-        route = self.service.decide(body, kind)
+        try:
+            route = self.service.decide(body, kind)
+        except ApiError as exc:
+            self.metrics.request(ENDPOINT, exc.status)
+            raise
         ranked = [route.worker, *route.fallbacks()]
         for worker in ranked:
             endpoint = endpoint_of(worker.url)
             if subset is None or endpoint in subset:
                 self.service.dispatched(route, worker)
+                self.metrics.decided(route)
+                self.metrics.request(ENDPOINT, 200)
                 return Pick(route, worker, endpoint)
+        self.metrics.request(ENDPOINT, 503)
         raise ApiError(503, "no worker in the gateway's endpoint subset is available",
                        "service_unavailable")
 

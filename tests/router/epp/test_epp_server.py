@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+import httpx
 import msgspec
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
@@ -220,3 +221,24 @@ async def test_health_follows_the_workers() -> None:
             await asyncio.sleep(0.02)
         assert await status("readiness") == health_pb2.HealthCheckResponse.NOT_SERVING
         assert await status("liveness") == serving
+
+
+async def test_metrics_count_decisions_and_refusals_over_http() -> None:
+    grpc_port, metrics_port = free_port(), free_port()
+    async with ScriptedWorker() as w:
+        settings = RouterSettings(workers=(w.url,), health_interval=0.1)
+        async with (epp_server(settings, grpc_port, host="127.0.0.1",
+                               metrics_port=metrics_port),
+                    grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel,
+                    httpx.AsyncClient(base_url=f"http://127.0.0.1:{metrics_port}") as http):
+            stub = ep_grpc.ExternalProcessorStub(channel)
+            await exchange(stub, headers(), body(msgspec.json.encode(BODY)))
+            await exchange(stub, headers(), body(msgspec.json.encode({**BODY, "model": "x"})))
+            await exchange(stub, headers(), body(b"{not json"))
+            text = (await http.get("/metrics")).text
+            ready = await http.get("/ready")
+    assert 'kvroute_requests_total{endpoint="ext_proc",status="200"} 1.0' in text
+    assert 'kvroute_requests_total{endpoint="ext_proc",status="404"} 1.0' in text
+    assert 'kvroute_requests_total{endpoint="ext_proc",status="400"} 1.0' in text
+    assert "kvroute_decision_seconds_count 1.0" in text
+    assert ready.status_code == 200 and ready.json() == {"ready": True, "workers": 1}
