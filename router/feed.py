@@ -1,6 +1,6 @@
 """One worker's event stream feeding the index, in stream order, with resynchronisation.
 
-What each subscriber notice does (``shared/DESIGN.md``, failure rules):
+What each subscriber notice does (``docs/design.md``, failure rules):
 
 - ``Delivered``: apply the batch's events to the index for that worker (AllBlocksCleared
   clears in stream order, as one of the events). Lag = now - batch ``ts`` is recorded.

@@ -1,11 +1,10 @@
 """Subscribes to one engine's KV event stream, in order, recovering loss by replay.
 
 Per worker rank: a SUB socket on the live stream and, when the engine offers one, a DEALER on
-its replay endpoint (the wire format is in ``indexer/wire.py``). This module is the socket
-shell: it receives frames, reads the clock, and hands both to
-:class:`~router.sequencer.StreamSequencer`, which decides what they mean (the notices are
-described there); it sends the replay requests the sequencer asks for and passes each notice,
-in order, to one callback.
+its replay endpoint (``docs/wire.md``). This module is the socket shell: it receives frames,
+reads the clock, and hands both to :class:`~router.sequencer.StreamSequencer`, which decides
+what they mean (the notices are described there); it sends the replay requests the sequencer
+asks for and passes each notice, in order, to one callback.
 
 Each socket has a monitor. libzmq drops a connection that carries a message over
 ``max_message_bytes`` and, unlike a connection the publisher closed, does not reconnect it; a
