@@ -72,11 +72,10 @@ class _Link:
     on its monitor and tells the shell when to reconnect (:meth:`due`).
     """
 
-    _WATCHED = (zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
-                | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
     _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                          | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    _WATCHED = (zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+                | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED)
 
     def __init__(self, sock: zmq.asyncio.Socket, endpoint: str) -> None:
         self.sock = sock
@@ -101,6 +100,8 @@ class _Link:
                 self.dropped_at = now
         elif event == zmq.EVENT_CONNECT_RETRIED:
             self.dropped_at = None  # libzmq reconnects by itself: the peer went away
+        elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._handshake_failed = False
 
     def due(self) -> float | None:
         """When :meth:`check` has something to do."""
