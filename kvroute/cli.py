@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from kvroute import __version__
 from kvroute.argtypes import non_negative_int, positive_int
@@ -46,6 +47,20 @@ def _add_events(sub: argparse._SubParsersAction) -> None:
                       help="largest message taken (default 64 MiB)")
 
 
+def _add_http_limits(a: Callable[..., Any], what: str) -> None:
+    a("--insecure-no-auth", action="store_const", const=True,
+      help=f"serve the {what}'s admin endpoints without a token on a non-loopback address "
+      "(refused otherwise: anyone who reaches the port could use them)")
+    a("--max-connections", type=positive_int,
+      help="open connections at most; a request past them is answered 503 (default 2048)")
+    a("--header-timeout", type=float,
+      help="seconds a connection has to send a request's headers (default 10)")
+    a("--keep-alive-timeout", type=float,
+      help="seconds an idle kept-alive connection stays open (default 5)")
+    a("--max-body-bytes", type=positive_int,
+      help="largest request body; a larger one is refused with 413 as it arrives (default 64 MiB)")
+
+
 def _add_worker(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("worker", help="run one bundled engine worker (OpenAI API + KV events)",
                        description="Runs one engine worker: a paged KV cache, an engine (sim by "
@@ -75,7 +90,10 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
       "priced so), or calibrated (the calibration as fitted)")
     a("--mm-tokens-per-image", type=int, help="placeholder positions per image (default 16)")
     a("--lora", dest="loras", action="append", help="serve a LoRA adapter by this name")
-    a("--admin-token", help="bearer token for reset, snapshot and fault injection")
+    a("--admin-token", help="bearer token for reset, snapshot and fault injection (visible "
+      "in ps: prefer --admin-token-file or KVROUTE_WORKER_ADMIN_TOKEN)")
+    a("--admin-token-file", metavar="PATH", help="read the admin token from this file")
+    _add_http_limits(a, "worker")
     a("--replay-buffer", type=int, help="event batches kept for replay (default 10000)")
     a("--max-pending-stored", type=int, help="stored entries per event batch at most")
     a("--no-events", dest="events_port", action="store_const", const="none",
@@ -151,7 +169,9 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
     a("--temperature", type=float, help="0 picks the cheapest; >0 samples (default 0)")
     a("--policy", choices=["kv", "round_robin", "random"],
       help="kv (default); round_robin or random ignore the cache (baselines)")
-    a("--admin-token", help="bearer token for /workers")
+    a("--admin-token", help="bearer token for /workers and /debug/* (visible in ps: prefer "
+      "--admin-token-file or KVROUTE_ADMIN_TOKEN)")
+    a("--admin-token-file", metavar="PATH", help="read the admin token from this file")
     a("--worker-admin-token", help="bearer token the workers want for /kv/snapshot")
     a("--event-max-message-bytes", type=int,
       help="largest event message taken from a worker; a connection carrying a larger one "
@@ -167,7 +187,20 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
     a("--salt-secret", help="cluster secret the workers key cache-salt tags with "
       "(their --salt-secret)")
     a("--salt-secret-file", metavar="FILE", help="read --salt-secret from FILE")
+    a("--worker-admin-token-file", metavar="PATH",
+      help="read the workers' admin token from this file")
+    _add_http_limits(a, "router")
     a("--health-interval", type=float, help="seconds between load polls (default 1)")
+    a("--health-timeout", type=float,
+      help="seconds a load poll may take before the worker counts as hung (default 1)")
+    a("--first-byte-floor", type=float,
+      help="shortest wait for a stream's first byte before it is retried elsewhere "
+      "(default 2)")
+    a("--first-byte-factor", type=float,
+      help="a stream's first byte may take this many times the prefill the router expects "
+      "there before it is retried elsewhere (default 4)")
+    a("--first-byte-timeout", type=float,
+      help="longest wait for any answer's first byte (default 300)")
     a("--unhealthy-grace", type=float, help="seconds before an unhealthy worker's entries go")
     a("--seed", type=int, help="seed for tie-breaking")
     a("--log-level", help="debug, info, warning (default info)")

@@ -5,13 +5,21 @@ each, the registry reads ``GET /model_info``, refuses an incompatible one loudly
 its events (or, with no event endpoint, marks it approximate: the index learns from routing
 decisions alone), and polls ``GET /load`` every ``health_interval`` seconds:
 
-- a failed poll takes the worker out of the candidate set at once;
+- a failed poll (no answer within ``health_timeout``, an error status, or an answer that is
+  not a well-formed load report) takes the worker out of the candidate set at once, with the
+  reason in ``last_error`` (``GET /workers``), and gives up every request still waiting for
+  its first byte there (:class:`~router.proxy.FirstByteWaits`), so a hung worker costs them
+  one probe timeout, not the proxy's first-byte ceiling;
 - after ``unhealthy_grace`` seconds unhealthy, its index entries go too (they would only
   attract requests to a worker that cannot serve them), and its subscription stops;
 - when it answers again, ``/model_info`` is read anew: a new ``instance_id`` means a restart,
   so its entries are cleared and it is subscribed afresh;
 - a configured worker that is not up yet is retried on every poll (compose starts the router
   and workers together).
+
+Every answer is untrusted input, parsed by :mod:`router.worker_answers`. Whatever goes wrong
+with one worker (a malformed answer, or any exception at all) marks that worker unhealthy with
+the reason; the poll loop itself never ends but by :meth:`Registry.stop`.
 """
 
 from __future__ import annotations
@@ -28,9 +36,11 @@ import httpx
 
 from indexer.events import Event
 from router.feed import EventFeed, IndexLike
-from router.load import LoadTracker, ReportedLoad
+from router.load import LoadTracker
+from router.proxy import FirstByteWaits
 from router.settings import RouterSettings
-from router.worker_table import IncompatibleWorker, WorkerInfo, WorkerState, parse_model_info
+from router.worker_answers import MalformedAnswer, parse_load, parse_model_info
+from router.worker_table import IncompatibleWorker, WorkerInfo, WorkerState
 
 __all__ = ["Registry", "WorkerEntry", "WorkerUnreachable"]
 
@@ -38,7 +48,7 @@ log = logging.getLogger(__name__)
 
 
 class WorkerUnreachable(Exception):
-    """The worker did not answer ``/model_info``."""
+    """The worker did not answer ``/model_info``, or answered something malformed."""
 
 
 @dataclass(slots=True)
@@ -54,6 +64,8 @@ class WorkerEntry:
     last_error: str | None = None
     indexed: bool = False
     counters: dict[str, float] = field(default_factory=dict)
+    #: Requests sent here still waiting for their first byte (given up when it turns unhealthy).
+    waits: FirstByteWaits = field(default_factory=FirstByteWaits)
 
     @property
     def approximate(self) -> bool:
@@ -199,11 +211,22 @@ class Registry:
     async def _poll_forever(self) -> None:
         while True:
             await asyncio.sleep(self._settings.health_interval)
-            await self.poll_once()
+            try:
+                await self.poll_once()
+            except Exception:  # a bug here must not end failure detection for good
+                log.exception("health poll round failed; polling goes on")
 
     async def poll_once(self) -> None:
-        """Poll every worker's load once (health), concurrently."""
-        await asyncio.gather(*(self._check(e) for e in list(self._entries.values())))
+        """Poll every worker's load once (health), concurrently. An exception while checking
+        one worker marks that worker unhealthy and touches no other."""
+        entries = list(self._entries.values())
+        results = await asyncio.gather(*(self._check(e) for e in entries),
+                                       return_exceptions=True)
+        for entry, result in zip(entries, results, strict=True):
+            if isinstance(result, Exception):
+                log.error("checking worker %s failed", entry.url, exc_info=result)
+                await self._mark_unhealthy(
+                    entry, f"health check failed: {type(result).__name__}: {result}")
 
     # -- internals --------------------------------------------------------------------------
 
@@ -211,10 +234,16 @@ class Registry:
         if entry.state is WorkerState.INCOMPATIBLE:
             return
         try:
-            response = await self._http.get(f"{entry.url}/load", timeout=2.0)
+            response = await self._http.get(f"{entry.url}/load",
+                                            timeout=self._settings.health_timeout)
             response.raise_for_status()
-            load = response.json()
-        except (httpx.HTTPError, ValueError) as exc:
+            block_size = entry.info.block_size if entry.info else 1
+            load = parse_load(response.content, block_size)
+        except httpx.TimeoutException:
+            await self._mark_unhealthy(
+                entry, f"load poll failed: no answer within {self._settings.health_timeout}s")
+            return
+        except (httpx.HTTPError, MalformedAnswer) as exc:
             await self._mark_unhealthy(entry, f"load poll failed: {type(exc).__name__}: {exc}")
             return
         if entry.state is not WorkerState.HEALTHY:
@@ -223,14 +252,19 @@ class Registry:
             except (WorkerUnreachable, IncompatibleWorker) as exc:
                 entry.last_error = str(exc)
                 return
-        self._load.reported(entry.id, _reported(load, entry))
+        self._load.reported(entry.id, load)
 
     async def _mark_unhealthy(self, entry: WorkerEntry, reason: str) -> None:
         now = time.monotonic()
+        entry.counters["health_failures"] = entry.counters.get("health_failures", 0) + 1
         if entry.state is WorkerState.HEALTHY:
             log.warning("worker %s unhealthy: %s", entry.url, reason)
             entry.state = WorkerState.UNHEALTHY
             entry.unhealthy_since = now
+        given_up = entry.waits.give_up()
+        if given_up:
+            log.warning("worker %s: %d requests waiting for a first byte sent elsewhere",
+                        entry.url, given_up)
         entry.last_error = reason
         since = entry.unhealthy_since or now
         if entry.indexed and now - since >= self._settings.unhealthy_grace:
@@ -242,11 +276,10 @@ class Registry:
         try:
             response = await self._http.get(f"{entry.url}/model_info", timeout=5.0)
             response.raise_for_status()
-            body = response.json()
-        except (httpx.HTTPError, ValueError) as exc:
+            info = parse_model_info(entry.url, response.content)
+        except (httpx.HTTPError, MalformedAnswer) as exc:
             raise WorkerUnreachable(f"{entry.url}/model_info: {type(exc).__name__}: {exc}"
                                     ) from exc
-        info = parse_model_info(entry.url, body)
         try:
             info.check_compatible(self._settings.block_size, self._tokenizer)
             self._check_images(info)
@@ -303,16 +336,3 @@ class Registry:
         if hasattr(self._index, "remove_worker"):
             self._index.remove_worker(entry.id)
 
-
-def _reported(load: Any, entry: WorkerEntry) -> ReportedLoad:
-    if type(load) is not dict:
-        return ReportedLoad()
-    block_size = entry.info.block_size if entry.info else 1
-
-    def num(name: str) -> float:
-        value = load.get(name, 0)
-        return float(value) if isinstance(value, int | float) else 0.0
-
-    return ReportedLoad(running=int(num("running")), waiting=int(num("waiting")),
-                        pending_prefill_blocks=num("pending_prefill_tokens") / block_size,
-                        decode_blocks=num("decode_blocks"))

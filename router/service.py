@@ -141,8 +141,24 @@ class RouterService:
                 names.update((e.info.model, *e.info.lora_adapters))
         return sorted(names)
 
-    def decide(self, body: Any, kind: str) -> Route:
-        """Tokenize, hash, match and score one request body.
+    def tokenize(self, body: Any, kind: str) -> PromptTokens:
+        """Turn a request body into its prompt tokens, as the workers will. Reads only the
+        tokenizer and settings, so it may run in a worker thread for a large body.
+
+        Raises:
+            ApiError: the body is invalid (400).
+        """
+        try:
+            return build_prompt(body, kind, self.tokenizer,  # type: ignore[arg-type]
+                                mm_tokens_per_image=self.registry.mm_tokens_per_image or 1,
+                                max_image_bytes=self.settings.max_image_bytes, fetch=None,
+                                check_token_ids=False)
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+
+    def decide(self, body: Any, kind: str, prompt: PromptTokens | None = None) -> Route:
+        """Tokenize (unless ``prompt`` is given, from :meth:`tokenize`), hash, match and score
+        one request body.
 
         Raises:
             ApiError: the body is invalid (400), names an unknown model (404), or no worker
@@ -158,18 +174,17 @@ class RouterService:
             if not entries:
                 raise ApiError(404, f"the model {model!r} does not exist", "invalid_request_error",
                                "model", "model_not_found")
-        try:
-            prompt = build_prompt(body, kind, self.tokenizer,
-                                  mm_tokens_per_image=self.registry.mm_tokens_per_image or 1,
-                                  max_image_bytes=self.settings.max_image_bytes, fetch=None,
-                                  check_token_ids=False)
-        except ValueError as exc:
-            raise ApiError(400, str(exc)) from None
-        max_len = min((e.info.max_model_len for e in entries if e.info and e.info.max_model_len),
-                      default=0)
-        if max_len and len(prompt.token_ids) > max_len:
-            raise ApiError(400, f"the prompt has {len(prompt.token_ids)} tokens, more than the "
-                           f"model's {max_len}", param="prompt", code="context_length_exceeded")
+        if prompt is None:
+            prompt = self.tokenize(body, kind)
+        # Only workers the prompt fits are candidates; 400 when it fits none.
+        size = len(prompt.token_ids)
+        fits = [e for e in entries if not (e.info and e.info.max_model_len)
+                or size <= e.info.max_model_len]
+        if not fits:
+            longest = max(e.info.max_model_len for e in entries if e.info)
+            raise ApiError(400, f"the prompt has {size} tokens, more than the model's "
+                           f"{longest}", param="prompt", code="context_length_exceeded")
+        entries = fits
         first = entries[0].info
         assert first is not None, "a candidate always has model info"
         terms = HashingTerms(self.settings.block_size, by_uuid=first.image_routing_version == 1,
@@ -249,12 +264,21 @@ class RouterService:
                          max(blocks, 1))
         residency = self.approximate if worker.approximate else self.predicted
         now = time.monotonic()
+        residency.expire(now)  # amortised: only the expired front is looked at
         residency.predict(worker.id, route.hashes, now)
         if self.sessions is not None:
             self.sessions.routed(route.hashes, worker.id, now, route.continued,
                                  len(route.prompt.token_ids))
             route.continued = None
 
-    def undispatched(self, route: Route) -> None:
-        """The send failed before the worker took the request: release its booking."""
+    def undispatched(self, route: Route, worker: WorkerEntry | None = None) -> None:
+        """The send failed before the worker took the request: release its load and, given
+        the ``worker``, the blocks predicted there for it."""
         self.load.finished(route.request_id)
+        if worker is not None:
+            self.refused(route, worker)
+
+    def refused(self, route: Route, worker: WorkerEntry) -> None:
+        """``worker`` refused the request: withdraw the blocks predicted there for it."""
+        residency = self.approximate if worker.approximate else self.predicted
+        residency.withdraw(worker.id, route.hashes)

@@ -15,6 +15,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from httpapi.auth import check_bind, read_token_file
+from httpapi.server import DEFAULT_LIMITS, ConnectionLimits
+from indexer.openai_api import MAX_BODY_BYTES
 from router.event_transport import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_RECEIVE_HWM,
@@ -59,8 +62,11 @@ class RouterSettings:
     approximate_ttl: float = 120.0
     health_interval: float = 1.0
     unhealthy_grace: float = 5.0
+    health_timeout: float = 1.0
     connect_timeout: float = 2.0
     first_byte_timeout: float = 300.0
+    first_byte_floor: float = 2.0
+    first_byte_factor: float = 4.0
     max_image_bytes: int = 20 * 1024 * 1024
     admin_token: str | None = None
     worker_admin_token: str | None = None
@@ -73,6 +79,14 @@ class RouterSettings:
     curve_server_key: str | None = None
     salt_secret: str | None = field(default=None, repr=False)
     salt_secret_file: str | None = None
+    # The HTTP boundary: admin token sources, open-bind consent, connection limits.
+    admin_token_file: str | None = None
+    worker_admin_token_file: str | None = None
+    insecure_no_auth: bool = False
+    max_connections: int = DEFAULT_LIMITS.max_connections
+    header_timeout: float = DEFAULT_LIMITS.header_timeout
+    keep_alive_timeout: float = DEFAULT_LIMITS.keep_alive_timeout
+    max_body_bytes: int = MAX_BODY_BYTES
 
     def __post_init__(self) -> None:
         checks = [
@@ -97,13 +111,17 @@ class RouterSettings:
             (self.predict_ttl > 0 and self.approximate_ttl > 0, "ttls must be positive"),
             (self.health_interval > 0, "health_interval must be positive"),
             (self.unhealthy_grace >= 0, "unhealthy_grace must be >= 0"),
-            (self.connect_timeout > 0 and self.first_byte_timeout > 0,
-             "timeouts must be positive"),
+            (self.connect_timeout > 0 and self.first_byte_timeout > 0
+             and self.health_timeout > 0, "timeouts must be positive"),
+            (0 < self.first_byte_floor <= self.first_byte_timeout,
+             "first_byte_floor must be positive and at most first_byte_timeout"),
+            (self.first_byte_factor >= 1, "first_byte_factor must be >= 1"),
             (self.max_image_bytes > 0, "max_image_bytes must be positive"),
             (self.event_max_message_bytes > 0, "event_max_message_bytes must be positive"),
             (self.event_receive_hwm > 0, "event_receive_hwm must be positive"),
             ((self.curve_secret_key is None) == (self.curve_server_key is None),
              "curve_secret_key and curve_server_key go together"),
+            (self.max_body_bytes > 0, "max_body_bytes must be positive"),
         ]
         for ok, message in checks:
             if not ok:
@@ -119,9 +137,19 @@ class RouterSettings:
             raise SettingsError("salt_secret is empty")
         if self.curve_secret_key is not None:
             self.event_transport()  # unreadable keys fail at start-up, not at first connect
+        try:
+            self.connection_limits()
+            check_bind(self.host, self.admin_token, self.insecure_no_auth, "router")
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
         for url in self.workers:
             if not url.startswith(("http://", "https://")):
                 raise SettingsError(f"worker {url!r} is not an http(s) URL")
+
+    def connection_limits(self) -> ConnectionLimits:
+        """The HTTP server's connection limits and timeouts."""
+        return ConnectionLimits(self.max_connections, self.header_timeout,
+                                self.keep_alive_timeout)
 
     @property
     def salt_key(self) -> bytes | None:
@@ -165,6 +193,10 @@ _TYPES = {f.name: f.type for f in fields(RouterSettings)}
 #: The words an optional number takes for "none": ``auto`` where the router then derives it
 #: (the default), ``off`` where none means the feature is off.
 _NONE_WORDS = {"session_queue_blocks": ("off", "none", "")}
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+#: Settings read from a file named by another setting (a token kept out of ``ps``).
+_TOKEN_FILES = {"admin_token_file": "admin_token",
+                "worker_admin_token_file": "worker_admin_token"}
 
 
 def _coerce(name: str, value: Any, origin: str) -> Any:
@@ -176,6 +208,11 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
             return tuple(str(v).rstrip("/") for v in value)
         if value is None:
             return None
+        if kind == "bool":
+            text = str(value).lower()
+            if isinstance(value, bool) or text in _TRUE | _FALSE:
+                return value if isinstance(value, bool) else text in _TRUE
+            raise ValueError
         if kind in ("int", "int | None"):
             return int(value)
         if kind == "float | None" and str(value).strip().lower() in _NONE_WORDS.get(
@@ -231,4 +268,12 @@ def load_settings(flags: Mapping[str, Any], env: Mapping[str, str] | None = None
         for name, value in values.items():
             if name in _TYPES:
                 merged[name] = _coerce(name, value, origin)
+    for file_setting, setting in _TOKEN_FILES.items():
+        if merged.get(file_setting):
+            if merged.get(setting):
+                raise SettingsError(f"give {setting} or {file_setting}, not both")
+            try:
+                merged[setting] = read_token_file(merged[file_setting])
+            except ValueError as exc:
+                raise SettingsError(str(exc)) from None
     return RouterSettings(**merged)

@@ -12,6 +12,9 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from httpapi.auth import check_bind, read_token_file
+from httpapi.server import DEFAULT_LIMITS, ConnectionLimits
+from indexer.openai_api import MAX_BODY_BYTES
 from workers.cache.publisher import CurveServerKeys
 from workers.engine.timing import DEFAULT_TIMING, TIMING_MODELS
 from workers.http.image_policy import ImageHostPolicy
@@ -71,12 +74,19 @@ class WorkerSettings:
     device: str = "auto"
     kv_memory_gb: float | None = None
     cuda_graphs: bool = True
+    # The HTTP boundary: admin token source, open-bind consent, connection limits.
+    admin_token_file: str | None = None
+    insecure_no_auth: bool = False
+    max_connections: int = DEFAULT_LIMITS.max_connections
+    header_timeout: float = DEFAULT_LIMITS.header_timeout
+    keep_alive_timeout: float = DEFAULT_LIMITS.keep_alive_timeout
+    max_body_bytes: int = MAX_BODY_BYTES
 
     def __post_init__(self) -> None:
         positive = ("port", "block_size", "num_blocks", "max_num_batched_tokens",
                     "max_num_seqs", "max_model_len", "mm_tokens_per_image",
                     "image_hint_capacity", "max_image_bytes", "replay_buffer",
-                    "max_pending_stored")
+                    "max_pending_stored", "max_body_bytes")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise WorkerSettingsError(f"{name} must be positive, got {getattr(self, name)}")
@@ -108,6 +118,16 @@ class WorkerSettings:
             object.__setattr__(self, "salt_secret", _read_secret(self.salt_secret_file))
         if self.salt_secret is not None and not self.salt_secret:
             raise WorkerSettingsError("salt_secret is empty")
+        try:
+            self.connection_limits()
+            check_bind(self.host, self.admin_token, self.insecure_no_auth, "worker")
+        except ValueError as exc:
+            raise WorkerSettingsError(str(exc)) from None
+
+    def connection_limits(self) -> ConnectionLimits:
+        """The HTTP server's connection limits and timeouts."""
+        return ConnectionLimits(self.max_connections, self.header_timeout,
+                                self.keep_alive_timeout)
 
     @property
     def events_enabled(self) -> bool:
@@ -190,4 +210,11 @@ def load_worker_settings(flags: Mapping[str, Any], env: Mapping[str, str] | None
         # ``--engine torch --model llama-1b|PATH`` names the weights, as vLLM's --model does;
         # the served name is the same string.
         merged["torch_model"] = merged["model"]
+    if merged.get("admin_token_file"):
+        if merged.get("admin_token"):
+            raise WorkerSettingsError("give admin_token or admin_token_file, not both")
+        try:
+            merged["admin_token"] = read_token_file(merged["admin_token_file"])
+        except ValueError as exc:
+            raise WorkerSettingsError(str(exc)) from None
     return WorkerSettings(**merged)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[2]
-TOP_LEVEL = ("kvroute", "indexer", "workers", "router", "bench", "native")
+TOP_LEVEL = ("kvroute", "indexer", "httpapi", "workers", "router", "bench", "native")
 
 pytestmark = pytest.mark.slow
 
