@@ -1,6 +1,6 @@
 """One worker's event stream feeding the index, in stream order, with resynchronisation.
 
-What each subscriber notice does (``shared/DESIGN.md``, failure rules):
+What each subscriber notice does (``docs/design.md``, failure rules):
 
 - ``Delivered``: apply the batch's events to the index for that worker (AllBlocksCleared
   clears in stream order, as one of the events). Lag = now - batch ``ts`` is recorded.
@@ -160,12 +160,12 @@ class EventFeed:
             log.warning("worker %d: snapshot unusable (%s); clearing its entries",
                         self.worker, exc)
             self._clear()
-            seq, batch = -1, None
+            seq = -1
         except Exception as exc:  # network errors of any client: clear and rebuild
             self._bump("snapshot_failures")
             log.warning("worker %d: snapshot fetch failed (%s); clearing", self.worker, exc)
             self._clear()
-            seq, batch = -1, None
+            seq = -1
         else:
             self._bump("snapshots")
             self._clear()

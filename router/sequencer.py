@@ -38,6 +38,7 @@ Notes:
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from typing import NamedTuple
 
 from indexer.decode import DecodeStats, MalformedBatch, decode_batch
@@ -95,33 +96,28 @@ Notice = Delivered | GapDetected | HistoryLost | Restarted | MalformedInput
 Action = Notice | ReplayRequest
 
 
+@dataclass(slots=True)
 class SubscriberStats:
     """Counters of one subscription (the socket shell adds its own to the same object)."""
 
-    __slots__ = (
-        "callback_errors",
-        "delivered",
-        "duplicates",
-        "gaps",
-        "handshake_failures",
-        "history_lost",
-        "malformed",
-        "oversize",
-        "probe_timeouts",
-        "probes",
-        "replay_retries",
-        "replayed",
-        "replays",
-        "restarts",
-    )
-
-    def __init__(self) -> None:
-        for name in self.__slots__:
-            setattr(self, name, 0)
+    callback_errors: int = 0
+    delivered: int = 0
+    duplicates: int = 0
+    gaps: int = 0
+    handshake_failures: int = 0
+    history_lost: int = 0
+    malformed: int = 0
+    oversize: int = 0
+    probe_timeouts: int = 0
+    probes: int = 0
+    replay_retries: int = 0
+    replayed: int = 0
+    replays: int = 0
+    restarts: int = 0
 
     def as_dict(self) -> dict[str, int]:
         """Return the counters by name."""
-        return {name: getattr(self, name) for name in self.__slots__}
+        return asdict(self)
 
 
 class StreamSequencer:

@@ -1,11 +1,10 @@
 """Subscribes to one engine's KV event stream, in order, recovering loss by replay.
 
 Per worker rank: a SUB socket on the live stream and, when the engine offers one, a DEALER on
-its replay endpoint (the wire format is in ``indexer/wire.py``). This module is the socket
-shell: it receives frames, reads the clock, and hands both to
-:class:`~router.sequencer.StreamSequencer`, which decides what they mean (the notices are
-described there); it sends the replay requests the sequencer asks for and passes each notice,
-in order, to one callback.
+its replay endpoint (``docs/wire.md``). This module is the socket shell: it receives frames,
+reads the clock, and hands both to :class:`~router.sequencer.StreamSequencer`, which decides
+what they mean (the notices are described there); it sends the replay requests the sequencer
+asks for and passes each notice, in order, to one callback.
 
 Each socket has a monitor. libzmq drops a connection that carries a message over
 ``max_message_bytes`` and, unlike a connection the publisher closed, does not reconnect it; a
@@ -73,11 +72,10 @@ class _Link:
     on its monitor and tells the shell when to reconnect (:meth:`due`).
     """
 
-    _WATCHED = (zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
-                | zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL
-                | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
     _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
                          | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    _WATCHED = (zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+                | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED)
 
     def __init__(self, sock: zmq.asyncio.Socket, endpoint: str) -> None:
         self.sock = sock
@@ -102,6 +100,8 @@ class _Link:
                 self.dropped_at = now
         elif event == zmq.EVENT_CONNECT_RETRIED:
             self.dropped_at = None  # libzmq reconnects by itself: the peer went away
+        elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._handshake_failed = False
 
     def due(self) -> float | None:
         """When :meth:`check` has something to do."""

@@ -9,6 +9,7 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 
 from indexer.openai_api import ApiError
@@ -190,3 +191,24 @@ def test_policy_parsing() -> None:
                                 ).allow_image_hosts == ("10.0.0.0/8", "img.test")
     with pytest.raises(WorkerSettingsError, match="allow_image_hosts"):
         load_worker_settings({"allow_image_hosts": "bad host!"})
+
+
+async def test_the_worker_api_refuses_an_internal_image_and_serves_an_allowed_one(
+        server: Server) -> None:
+    from workers.http.api import create_app
+
+    chat = {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "look"},
+        {"type": "image_url", "image_url": {"url": server.url("/a.png")}}]}], "max_tokens": 1}
+    answers = []
+    for allow in ((), ("127.0.0.1",)):
+        app = create_app(WorkerSettings(events_port=None, speedup=1e6, mm_tokens_per_image=4,
+                                        allow_image_hosts=allow))
+        async with app.router.lifespan_context(app), httpx.AsyncClient(
+                transport=httpx.ASGITransport(app), base_url="http://w") as c:
+            answers.append(await c.post("/v1/chat/completions", json=chat))
+    refused, served = answers
+    assert refused.status_code == 400
+    assert refused.json()["error"]["message"] == "image URL not allowed"
+    assert served.status_code == 200, served.text
+    assert [path for path, _ in server.requests] == ["/a.png"], "only the allowed fetch ran"
