@@ -7,9 +7,10 @@ decisions alone), and polls ``GET /load`` every ``health_interval`` seconds:
 
 - a failed poll (no answer within ``health_timeout``, an error status, or an answer that is
   not a well-formed load report) takes the worker out of the candidate set at once, with the
-  reason in ``last_error`` (``GET /workers``), and gives up every request still waiting for
-  its first byte there (:class:`~router.proxy.FirstByteWaits`), so a hung worker costs them
-  one probe timeout, not the proxy's first-byte ceiling;
+  reason in ``last_error`` (``GET /workers``); when the worker did not answer at all, every
+  request still waiting for its first byte there is given up and sent elsewhere
+  (:class:`~router.proxy.FirstByteWaits`), so a hung worker costs them one probe timeout, not
+  the proxy's first-byte ceiling;
 - after ``unhealthy_grace`` seconds unhealthy, its index entries go too (they would only
   attract requests to a worker that cannot serve them), and its subscription stops;
 - when it answers again, ``/model_info`` is read anew: a new ``instance_id`` means a restart,
@@ -240,7 +241,12 @@ class Registry:
             load = parse_load(response.content, block_size)
         except httpx.TimeoutException:
             await self._mark_unhealthy(
-                entry, f"load poll failed: no answer within {self._settings.health_timeout}s")
+                entry, f"load poll failed: no answer within {self._settings.health_timeout}s",
+                gone=True)
+            return
+        except httpx.TransportError as exc:
+            await self._mark_unhealthy(entry, f"load poll failed: {type(exc).__name__}: {exc}",
+                                       gone=True)
             return
         except (httpx.HTTPError, MalformedAnswer) as exc:
             await self._mark_unhealthy(entry, f"load poll failed: {type(exc).__name__}: {exc}")
@@ -253,14 +259,17 @@ class Registry:
                 return
         self._load.reported(entry.id, load)
 
-    async def _mark_unhealthy(self, entry: WorkerEntry, reason: str) -> None:
+    async def _mark_unhealthy(self, entry: WorkerEntry, reason: str, gone: bool = False
+                              ) -> None:
+        """Take ``entry`` out of the candidate set; ``gone``: it did not answer at all (hung,
+        dead or unreachable), so requests waiting for its first byte are sent elsewhere."""
         now = time.monotonic()
         entry.counters["health_failures"] = entry.counters.get("health_failures", 0) + 1
         if entry.state is WorkerState.HEALTHY:
             log.warning("worker %s unhealthy: %s", entry.url, reason)
             entry.state = WorkerState.UNHEALTHY
             entry.unhealthy_since = now
-        given_up = entry.waits.give_up()
+        given_up = entry.waits.give_up() if gone else 0
         if given_up:
             log.warning("worker %s: %d requests waiting for a first byte sent elsewhere",
                         entry.url, given_up)
