@@ -11,6 +11,7 @@ COPY native ./native
 COPY indexer ./indexer
 COPY workers ./workers
 COPY router ./router
+COPY httpapi ./httpapi
 COPY bench ./bench
 COPY kvroute ./kvroute
 RUN pip install --no-cache-dir . \

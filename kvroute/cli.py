@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from kvroute import __version__
 from kvroute.argtypes import non_negative_int, positive_int
@@ -37,6 +38,27 @@ def _add_events(sub: argparse._SubParsersAction) -> None:
                       help="exit with status 3 if nothing arrives for this long")
     tail.add_argument("--json", action="store_true",
                       help="one JSON object a line (default: readable lines)")
+    tail.add_argument("--curve-secret-key", metavar="FILE",
+                      help="subscribe over CURVE with this secret certificate (a router's; "
+                      "needs --curve-server-key)")
+    tail.add_argument("--curve-server-key", metavar="FILE",
+                      help="the engine's public certificate")
+    tail.add_argument("--max-message-bytes", type=positive_int, metavar="N",
+                      help="largest message taken (default 64 MiB)")
+
+
+def _add_http_limits(a: Callable[..., Any], what: str) -> None:
+    a("--insecure-no-auth", action="store_const", const=True,
+      help=f"serve the {what}'s admin endpoints without a token on a non-loopback address "
+      "(refused otherwise: anyone who reaches the port could use them)")
+    a("--max-connections", type=positive_int,
+      help="open connections at most; a request past them is answered 503 (default 2048)")
+    a("--header-timeout", type=float,
+      help="seconds a connection has to send a request's headers (default 10)")
+    a("--keep-alive-timeout", type=float,
+      help="seconds an idle kept-alive connection stays open (default 5)")
+    a("--max-body-bytes", type=positive_int,
+      help="largest request body; a larger one is refused with 413 as it arrives (default 64 MiB)")
 
 
 def _add_worker(sub: argparse._SubParsersAction) -> None:
@@ -68,7 +90,10 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
       "priced so), or calibrated (the calibration as fitted)")
     a("--mm-tokens-per-image", type=int, help="placeholder positions per image (default 16)")
     a("--lora", dest="loras", action="append", help="serve a LoRA adapter by this name")
-    a("--admin-token", help="bearer token for reset, snapshot and fault injection")
+    a("--admin-token", help="bearer token for reset, snapshot and fault injection (visible "
+      "in ps: prefer --admin-token-file or KVROUTE_WORKER_ADMIN_TOKEN)")
+    a("--admin-token-file", metavar="PATH", help="read the admin token from this file")
+    _add_http_limits(a, "worker")
     a("--replay-buffer", type=int, help="event batches kept for replay (default 10000)")
     a("--max-pending-stored", type=int, help="stored entries per event batch at most")
     a("--no-events", dest="events_port", action="store_const", const="none",
@@ -77,8 +102,20 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
       help="never reuse KV blocks (and publish no events)")
     a("--no-images", dest="images", action="store_false", default=None,
       help="refuse image parts")
+    a("--allow-image-hosts", metavar="CIDR|HOST,...",
+      help="image URLs may reach these CIDR blocks or host names even when internal "
+      "(default: none; loopback, private, link-local, multicast and unspecified addresses "
+      "are refused)")
     a("--no-image-hints", dest="image_hints", action="store_false", default=None,
       help="publish no image UUID routing hints")
+    a("--curve-secret-key", metavar="FILE",
+      help="encrypt the event and replay ports with CURVE: this worker's secret certificate "
+      "(kvroute keys generate); needs --curve-authorized-clients")
+    a("--curve-authorized-clients", metavar="DIR",
+      help="folder of the public certificates (*.key) of the routers allowed to subscribe")
+    a("--salt-secret", help="cluster secret that keys published cache-salt tags "
+      "(HMAC-SHA256); routers need the same (default: unkeyed SHA-256 tags)")
+    a("--salt-secret-file", metavar="FILE", help="read --salt-secret from FILE")
     a("--torch-model", help="torch engine: tiny, llama-1b or a local weights folder")
     a("--device", help="torch engine: cuda, cpu or auto (default)")
     a("--kv-memory-gb", "--kv-memory", dest="kv_memory_gb", type=float,
@@ -132,8 +169,27 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
     a("--temperature", type=float, help="0 picks the cheapest; >0 samples (default 0)")
     a("--policy", choices=["kv", "round_robin", "random"],
       help="kv (default); round_robin or random ignore the cache (baselines)")
-    a("--admin-token", help="bearer token for /workers")
+    a("--admin-token", help="bearer token for /workers and /debug/* (visible in ps: prefer "
+      "--admin-token-file or KVROUTE_ADMIN_TOKEN)")
+    a("--admin-token-file", metavar="PATH", help="read the admin token from this file")
     a("--worker-admin-token", help="bearer token the workers want for /kv/snapshot")
+    a("--event-max-message-bytes", type=int,
+      help="largest event message taken from a worker; a connection carrying a larger one "
+      "is dropped, counted and reopened (default 64 MiB)")
+    a("--event-receive-hwm", type=int,
+      help="event messages queued per socket at most; more are dropped and recovered by "
+      "replay (default 4096)")
+    a("--curve-secret-key", metavar="FILE",
+      help="subscribe over CURVE: this router's secret certificate (kvroute keys generate); "
+      "needs --curve-server-key")
+    a("--curve-server-key", metavar="FILE",
+      help="the workers' public certificate (the .key of their --curve-secret-key)")
+    a("--salt-secret", help="cluster secret the workers key cache-salt tags with "
+      "(their --salt-secret)")
+    a("--salt-secret-file", metavar="FILE", help="read --salt-secret from FILE")
+    a("--worker-admin-token-file", metavar="PATH",
+      help="read the workers' admin token from this file")
+    _add_http_limits(a, "router")
     a("--health-interval", type=float, help="seconds between load polls (default 1)")
     a("--health-timeout", type=float,
       help="seconds a load poll may take before the worker counts as hung (default 1)")
@@ -176,10 +232,19 @@ def build_parser() -> argparse.ArgumentParser:
     _add_worker(sub)
     _add_router(sub)
     _add_up(sub)
-    from bench.replay import add_bench_parser
+    from kvroute.keys import add_keys_parser
 
-    add_bench_parser(sub)
+    add_keys_parser(sub)
+    _add_bench(sub)
     return parser
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    # The benchmarks load only when asked for: their flags are parsed by bench.replay itself.
+    p = sub.add_parser("bench", help="benchmarks: trace replay over routing policies",
+                       description="Benchmarks. 'kvroute bench replay --help' lists its flags.")
+    p.add_argument("bench_command", choices=["replay"], help="replay a trace over policies")
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="flags of the benchmark")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -191,11 +256,22 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.from_seq is not None and not args.replay:
             print("kvroute events tail: --from-seq needs --replay", file=sys.stderr)
             return 2
+        if (args.curve_secret_key is None) != (args.curve_server_key is None):
+            print("kvroute events tail: --curve-secret-key and --curve-server-key go together",
+                  file=sys.stderr)
+            return 2
         return run_tail(args)
+    if args.command == "keys":
+        from kvroute.keys import run_keys
+
+        return run_keys(args)
     if args.command == "bench":
+        from bench.replay import build_parser as bench_parser
         from bench.replay import run_bench
 
-        return run_bench(args)
+        parser = bench_parser()
+        parser.prog = "kvroute bench replay"
+        return run_bench(parser.parse_args(args.bench_args))
     if args.command == "up":
         from kvroute.up import run_up
 

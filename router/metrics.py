@@ -23,6 +23,11 @@ __all__ = ["RouterMetrics"]
 
 _FEED_COUNTERS = ("batches", "replayed", "gaps", "history_lost", "resyncs", "snapshots", "restarts",
                   "malformed", "snapshot_failures")
+#: Counters the subscriber keeps itself, with their help texts.
+_SUBSCRIBER_COUNTERS = {
+    "oversize": "Connections dropped for a message over the event size limit, per worker",
+    "replay_retries": "Replays asked again after one that did not cover a gap, per worker",
+}
 
 
 class RouterMetrics:
@@ -146,4 +151,10 @@ class _StateCollector:
                                          labels=["worker"])
             for e in entries:
                 family.add_metric([e.url], e.counters.get(name, 0))
+            yield family
+        for name, text in _SUBSCRIBER_COUNTERS.items():
+            family = CounterMetricFamily(f"kvroute_events_{name}", text, labels=["worker"])
+            for e in entries:
+                if e.feed is not None:
+                    family.add_metric([e.url], getattr(e.feed.subscriber.stats, name))
             yield family

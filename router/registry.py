@@ -105,6 +105,7 @@ class Registry:
                  http: httpx.AsyncClient,
                  on_events: Callable[[int, list[Event]], None] | None = None) -> None:
         self._settings = settings
+        self._event_transport = settings.event_transport()
         self._on_events = on_events
         self._index = index
         self._load = load
@@ -308,7 +309,8 @@ class Registry:
             entry.feed = EventFeed(entry.id, self._index, info.events_endpoint,
                                    info.replay_endpoint, fetch_snapshot=fetch,
                                    on_cleared=self._forget, counters=entry.counters,
-                                   on_events=self._on_events)
+                                   on_events=self._on_events,
+                                   transport=self._event_transport)
             await entry.feed.start()
         entry.indexed = True
         entry.state, entry.unhealthy_since, entry.last_error = WorkerState.HEALTHY, None, None

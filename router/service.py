@@ -141,8 +141,24 @@ class RouterService:
                 names.update((e.info.model, *e.info.lora_adapters))
         return sorted(names)
 
-    def decide(self, body: Any, kind: str) -> Route:
-        """Tokenize, hash, match and score one request body.
+    def tokenize(self, body: Any, kind: str) -> PromptTokens:
+        """Turn a request body into its prompt tokens, as the workers will. Reads only the
+        tokenizer and settings, so it may run in a worker thread for a large body.
+
+        Raises:
+            ApiError: the body is invalid (400).
+        """
+        try:
+            return build_prompt(body, kind, self.tokenizer,  # type: ignore[arg-type]
+                                mm_tokens_per_image=self.registry.mm_tokens_per_image or 1,
+                                max_image_bytes=self.settings.max_image_bytes, fetch=None,
+                                check_token_ids=False)
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+
+    def decide(self, body: Any, kind: str, prompt: PromptTokens | None = None) -> Route:
+        """Tokenize (unless ``prompt`` is given, from :meth:`tokenize`), hash, match and score
+        one request body.
 
         Raises:
             ApiError: the body is invalid (400), names an unknown model (404), or no worker
@@ -158,13 +174,8 @@ class RouterService:
             if not entries:
                 raise ApiError(404, f"the model {model!r} does not exist", "invalid_request_error",
                                "model", "model_not_found")
-        try:
-            prompt = build_prompt(body, kind, self.tokenizer,
-                                  mm_tokens_per_image=self.registry.mm_tokens_per_image or 1,
-                                  max_image_bytes=self.settings.max_image_bytes, fetch=None,
-                                  check_token_ids=False)
-        except ValueError as exc:
-            raise ApiError(400, str(exc)) from None
+        if prompt is None:
+            prompt = self.tokenize(body, kind)
         # Only workers the prompt fits are candidates; 400 when it fits none.
         size = len(prompt.token_ids)
         fits = [e for e in entries if not (e.info and e.info.max_model_len)
@@ -177,7 +188,7 @@ class RouterService:
         first = entries[0].info
         assert first is not None, "a candidate always has model info"
         terms = HashingTerms(self.settings.block_size, by_uuid=first.image_routing_version == 1,
-                             salt_hashing=first.salt_hashing)
+                             salt_hashing=first.salt_hashing, salt_key=self.settings.salt_key)
         lora = model if model is not None and model != first.model else None
         try:
             hashes = request_hashes(prompt, terms, lora)

@@ -11,10 +11,19 @@ import json
 import os
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from httpapi.auth import check_bind, read_token_file
+from httpapi.server import DEFAULT_LIMITS, ConnectionLimits
+from indexer.openai_api import MAX_BODY_BYTES
+from router.event_transport import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_RECEIVE_HWM,
+    CurveClientKeys,
+    EventTransport,
+)
 from router.scheduler import SchedulerConfig
 
 __all__ = ["POLICIES", "RouterSettings", "SettingsError", "load_settings"]
@@ -63,6 +72,21 @@ class RouterSettings:
     worker_admin_token: str | None = None
     seed: int | None = None
     log_level: str = "info"
+    # event plane: message limits, CURVE keys, the salt-tag secret
+    event_max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    event_receive_hwm: int = DEFAULT_RECEIVE_HWM
+    curve_secret_key: str | None = None
+    curve_server_key: str | None = None
+    salt_secret: str | None = field(default=None, repr=False)
+    salt_secret_file: str | None = None
+    # The HTTP boundary: admin token sources, open-bind consent, connection limits.
+    admin_token_file: str | None = None
+    worker_admin_token_file: str | None = None
+    insecure_no_auth: bool = False
+    max_connections: int = DEFAULT_LIMITS.max_connections
+    header_timeout: float = DEFAULT_LIMITS.header_timeout
+    keep_alive_timeout: float = DEFAULT_LIMITS.keep_alive_timeout
+    max_body_bytes: int = MAX_BODY_BYTES
 
     def __post_init__(self) -> None:
         checks = [
@@ -93,13 +117,58 @@ class RouterSettings:
              "first_byte_floor must be positive and at most first_byte_timeout"),
             (self.first_byte_factor >= 1, "first_byte_factor must be >= 1"),
             (self.max_image_bytes > 0, "max_image_bytes must be positive"),
+            (self.event_max_message_bytes > 0, "event_max_message_bytes must be positive"),
+            (self.event_receive_hwm > 0, "event_receive_hwm must be positive"),
+            ((self.curve_secret_key is None) == (self.curve_server_key is None),
+             "curve_secret_key and curve_server_key go together"),
+            (self.max_body_bytes > 0, "max_body_bytes must be positive"),
         ]
         for ok, message in checks:
             if not ok:
                 raise SettingsError(message)
+        if self.salt_secret_file is not None:  # read once; the file wins over salt_secret
+            try:
+                secret = Path(self.salt_secret_file).read_text().strip()
+            except OSError as exc:
+                raise SettingsError(f"salt_secret_file {self.salt_secret_file}: "
+                                    f"{exc.strerror}") from None
+            object.__setattr__(self, "salt_secret", secret)
+        if self.salt_secret is not None and not self.salt_secret:
+            raise SettingsError("salt_secret is empty")
+        if self.curve_secret_key is not None:
+            self.event_transport()  # unreadable keys fail at start-up, not at first connect
+        try:
+            self.connection_limits()
+            check_bind(self.host, self.admin_token, self.insecure_no_auth, "router")
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
         for url in self.workers:
             if not url.startswith(("http://", "https://")):
                 raise SettingsError(f"worker {url!r} is not an http(s) URL")
+
+    def connection_limits(self) -> ConnectionLimits:
+        """The HTTP server's connection limits and timeouts."""
+        return ConnectionLimits(self.max_connections, self.header_timeout,
+                                self.keep_alive_timeout)
+
+    @property
+    def salt_key(self) -> bytes | None:
+        """The cluster secret that keys salt tags, or None (unkeyed tags)."""
+        return None if self.salt_secret is None else self.salt_secret.encode()
+
+    def event_transport(self) -> EventTransport:
+        """The event sockets' limits and CURVE keys (read from their files).
+
+        Raises:
+            SettingsError: a CURVE key file is missing or unusable.
+        """
+        curve = None
+        if self.curve_secret_key is not None and self.curve_server_key is not None:
+            try:
+                curve = CurveClientKeys.load(self.curve_secret_key, self.curve_server_key)
+            except ValueError as exc:
+                raise SettingsError(str(exc)) from None
+        return EventTransport(self.event_max_message_bytes, self.event_receive_hwm, curve)
 
     @property
     def sessions(self) -> bool:
@@ -124,6 +193,10 @@ _TYPES = {f.name: f.type for f in fields(RouterSettings)}
 #: The words an optional number takes for "none": ``auto`` where the router then derives it
 #: (the default), ``off`` where none means the feature is off.
 _NONE_WORDS = {"session_queue_blocks": ("off", "none", "")}
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+#: Settings read from a file named by another setting (a token kept out of ``ps``).
+_TOKEN_FILES = {"admin_token_file": "admin_token",
+                "worker_admin_token_file": "worker_admin_token"}
 
 
 def _coerce(name: str, value: Any, origin: str) -> Any:
@@ -135,6 +208,11 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
             return tuple(str(v).rstrip("/") for v in value)
         if value is None:
             return None
+        if kind == "bool":
+            text = str(value).lower()
+            if isinstance(value, bool) or text in _TRUE | _FALSE:
+                return value if isinstance(value, bool) else text in _TRUE
+            raise ValueError
         if kind in ("int", "int | None"):
             return int(value)
         if kind == "float | None" and str(value).strip().lower() in _NONE_WORDS.get(
@@ -190,4 +268,12 @@ def load_settings(flags: Mapping[str, Any], env: Mapping[str, str] | None = None
         for name, value in values.items():
             if name in _TYPES:
                 merged[name] = _coerce(name, value, origin)
+    for file_setting, setting in _TOKEN_FILES.items():
+        if merged.get(file_setting):
+            if merged.get(setting):
+                raise SettingsError(f"give {setting} or {file_setting}, not both")
+            try:
+                merged[setting] = read_token_file(merged[file_setting])
+            except ValueError as exc:
+                raise SettingsError(str(exc)) from None
     return RouterSettings(**merged)

@@ -1,6 +1,7 @@
 """Real HTTP servers for tests, on 127.0.0.1 with free ports, started and stopped cleanly.
 
-- :class:`UvicornServer` serves an ASGI app (the router or a worker app) in this event loop.
+- :class:`UvicornServer` serves an ASGI app (the router or a worker app) in this event loop,
+  configured as ``kvroute router`` and ``kvroute worker`` serve theirs.
 - :class:`ScriptedWorker` is a worker that misbehaves on purpose (refuses, fails a stream
   before its first token, dies mid-stream, streams slowly, answers garbage or nothing to its
   control calls) so the router's failure rules can be tested; it speaks just enough of the
@@ -18,16 +19,18 @@ from typing import Any
 import uvicorn
 from aiohttp import web
 
+from httpapi.server import DEFAULT_LIMITS, ConnectionLimits, server_config
 from kvroute.up import free_port
 
 
 class UvicornServer:
     """An ASGI app served by uvicorn on 127.0.0.1 inside the running event loop."""
 
-    def __init__(self, app: Any, port: int | None = None) -> None:
+    def __init__(self, app: Any, port: int | None = None,
+                 limits: ConnectionLimits = DEFAULT_LIMITS) -> None:
         self.port = port or free_port()
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                lifespan="on", access_log=False)
+        config = server_config(app, "127.0.0.1", self.port, limits, log_level="warning",
+                               lifespan="on")
         self.server = uvicorn.Server(config)
         self._task: asyncio.Task[None] | None = None
 
