@@ -210,24 +210,43 @@ class Registry:
                 entry.feed = None
 
     async def _poll_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self._settings.health_interval)
-            try:
-                await self.poll_once()
-            except Exception:  # a bug here must not end failure detection for good
-                log.exception("health poll round failed; polling goes on")
+        # Each worker's check is a task of its own, started every interval unless the last
+        # one is still running: a worker slow to answer delays no other worker's check.
+        checks: dict[int, asyncio.Task[None]] = {}
+        try:
+            while True:
+                await asyncio.sleep(self._settings.health_interval)
+                try:
+                    for entry in list(self._entries.values()):
+                        task = checks.get(entry.id)
+                        if task is None or task.done():
+                            checks[entry.id] = asyncio.create_task(
+                                self._check_guarded(entry), name=f"kvroute-health-{entry.id}")
+                    for worker in checks.keys() - self._entries.keys():
+                        checks.pop(worker).cancel()  # removed
+                except Exception:  # a bug here must not end failure detection for good
+                    log.exception("health poll round failed; polling goes on")
+        finally:
+            for task in checks.values():
+                task.cancel()
+            await asyncio.gather(*checks.values(), return_exceptions=True)
 
     async def poll_once(self) -> None:
-        """Poll every worker's load once (health), concurrently. An exception while checking
-        one worker marks that worker unhealthy and touches no other."""
-        entries = list(self._entries.values())
-        results = await asyncio.gather(*(self._check(e) for e in entries),
-                                       return_exceptions=True)
-        for entry, result in zip(entries, results, strict=True):
-            if isinstance(result, Exception):
-                log.error("checking worker %s failed", entry.url, exc_info=result)
+        """Poll every worker's load once (health), concurrently, and wait for every answer.
+        An exception while checking one worker marks that worker unhealthy and touches no
+        other."""
+        await asyncio.gather(*(self._check_guarded(e) for e in list(self._entries.values())))
+
+    async def _check_guarded(self, entry: WorkerEntry) -> None:
+        try:
+            await self._check(entry)
+        except Exception as exc:
+            log.error("checking worker %s failed", entry.url, exc_info=exc)
+            try:
                 await self._mark_unhealthy(
-                    entry, f"health check failed: {type(result).__name__}: {result}")
+                    entry, f"health check failed: {type(exc).__name__}: {exc}")
+            except Exception:
+                log.exception("marking worker %s unhealthy failed", entry.url)
 
     # -- internals --------------------------------------------------------------------------
 

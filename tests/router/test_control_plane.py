@@ -77,6 +77,28 @@ async def test_a_malformed_model_info_on_reconnect_marks_that_worker_and_polling
         await wait_state(client, good, "unhealthy")
 
 
+async def test_a_worker_slow_to_reconnect_delays_no_other_workers_check() -> None:
+    async with (
+        ScriptedWorker() as slow,
+        ScriptedWorker() as good,
+        router_for(slow, good, ready=2, health_timeout=0.3) as client,
+    ):
+        slow.load_answer = b"not json"
+        await wait_state(client, slow, "unhealthy")
+        slow.hang_model_info()
+        before = slow.model_info_calls
+        assert slow.model_info_ended == before
+        slow.load_answer = b'{"running": 0}'
+        deadline = time.monotonic() + 10
+        while slow.model_info_calls == before:  # its reconnect began, and waits
+            assert time.monotonic() < deadline, "no reconnect"
+            await asyncio.sleep(0.02)
+        good.pause()
+        await wait_state(client, good, "unhealthy")
+        # seen while the other's /model_info call still waits (the router allows it 5 s)
+        assert slow.model_info_ended == before
+
+
 async def test_a_prompt_goes_to_a_worker_it_fits_and_400_only_when_none_fits() -> None:
     async with (
         ScriptedWorker(max_model_len=128) as small,
