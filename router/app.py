@@ -74,8 +74,8 @@ def create_app(settings: RouterSettings) -> FastAPI:
         metrics = RouterMetrics(service)
         clock = FirstByteClock(settings.first_byte_floor, settings.first_byte_factor,
                                settings.first_byte_timeout)
-        state.update(service=service, proxy=proxy, metrics=metrics, first_byte=clock,
-                     disconnects=disconnect_counter(metrics.registry))
+        state.update(service=service, proxy=proxy, metrics=metrics,
+                     disconnects=disconnect_counter(metrics.registry), first_byte=clock)
         await service.registry.start()
         try:
             yield
@@ -135,10 +135,11 @@ def create_app(settings: RouterSettings) -> FastAPI:
     async def _decide(body: dict[str, Any], kind: str, size: int) -> Route:
         request = validate_request(body, kind)  # type: ignore[arg-type]
         fewest = fewest_prompt_tokens(request, service().tokenizer.max_bytes_per_token)
-        # Refused here only when it fits no worker; RouterService.decide keeps those it fits.
-        lengths = [e.info.max_model_len if e.info and e.info.max_model_len else 0
-                   for e in service().registry.candidates()]
-        max_len = 0 if 0 in lengths else max(lengths, default=0)
+        # Refused here only when longer than every worker's model (a worker of unknown
+        # length takes anything); the service routes it to a worker it fits.
+        limits = [e.info.max_model_len if e.info else 0
+                  for e in service().registry.candidates()]
+        max_len = 0 if 0 in limits else max(limits, default=0)
         if max_len and fewest > max_len:
             raise ApiError(400, f"the prompt has at least {fewest} tokens, more than the "
                            f"model's {max_len}", param="prompt", code="context_length_exceeded")

@@ -7,9 +7,10 @@ decisions alone), and polls ``GET /load`` every ``health_interval`` seconds:
 
 - a failed poll (no answer within ``health_timeout``, an error status, or an answer that is
   not a well-formed load report) takes the worker out of the candidate set at once, with the
-  reason in ``last_error`` (``GET /workers``), and gives up every request still waiting for
-  its first byte there (:class:`~router.proxy.FirstByteWaits`), so a hung worker costs them
-  one probe timeout, not the proxy's first-byte ceiling;
+  reason in ``last_error`` (``GET /workers``); when the worker did not answer at all, every
+  request still waiting for its first byte there is given up and sent elsewhere
+  (:class:`~router.proxy.FirstByteWaits`), so a hung worker costs them one probe timeout, not
+  the proxy's first-byte ceiling;
 - after ``unhealthy_grace`` seconds unhealthy, its index entries go too (they would only
   attract requests to a worker that cannot serve them), and its subscription stops;
 - when it answers again, ``/model_info`` is read anew: a new ``instance_id`` means a restart,
@@ -218,24 +219,43 @@ class Registry:
                 entry.feed = None
 
     async def _poll_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self._settings.health_interval)
-            try:
-                await self.poll_once()
-            except Exception:  # a bug here must not end failure detection for good
-                log.exception("health poll round failed; polling goes on")
+        # Each worker's check is a task of its own, started every interval unless the last
+        # one is still running: a worker slow to answer delays no other worker's check.
+        checks: dict[int, asyncio.Task[None]] = {}
+        try:
+            while True:
+                await asyncio.sleep(self._settings.health_interval)
+                try:
+                    for entry in list(self._entries.values()):
+                        task = checks.get(entry.id)
+                        if task is None or task.done():
+                            checks[entry.id] = asyncio.create_task(
+                                self._check_guarded(entry), name=f"kvroute-health-{entry.id}")
+                    for worker in checks.keys() - self._entries.keys():
+                        checks.pop(worker).cancel()  # removed
+                except Exception:  # a bug here must not end failure detection for good
+                    log.exception("health poll round failed; polling goes on")
+        finally:
+            for task in checks.values():
+                task.cancel()
+            await asyncio.gather(*checks.values(), return_exceptions=True)
 
     async def poll_once(self) -> None:
-        """Poll every worker's load once (health), concurrently. An exception while checking
-        one worker marks that worker unhealthy and touches no other."""
-        entries = list(self._entries.values())
-        results = await asyncio.gather(*(self._check(e) for e in entries),
-                                       return_exceptions=True)
-        for entry, result in zip(entries, results, strict=True):
-            if isinstance(result, Exception):
-                log.error("checking worker %s failed", entry.url, exc_info=result)
+        """Poll every worker's load once (health), concurrently, and wait for every answer.
+        An exception while checking one worker marks that worker unhealthy and touches no
+        other."""
+        await asyncio.gather(*(self._check_guarded(e) for e in list(self._entries.values())))
+
+    async def _check_guarded(self, entry: WorkerEntry) -> None:
+        try:
+            await self._check(entry)
+        except Exception as exc:
+            log.error("checking worker %s failed", entry.url, exc_info=exc)
+            try:
                 await self._mark_unhealthy(
-                    entry, f"health check failed: {type(result).__name__}: {result}")
+                    entry, f"health check failed: {type(exc).__name__}: {exc}")
+            except Exception:
+                log.exception("marking worker %s unhealthy failed", entry.url)
 
     # -- internals --------------------------------------------------------------------------
 
@@ -250,7 +270,12 @@ class Registry:
             load = parse_load(response.content, block_size)
         except httpx.TimeoutException:
             await self._mark_unhealthy(
-                entry, f"load poll failed: no answer within {self._settings.health_timeout}s")
+                entry, f"load poll failed: no answer within {self._settings.health_timeout}s",
+                gone=True)
+            return
+        except httpx.TransportError as exc:
+            await self._mark_unhealthy(entry, f"load poll failed: {type(exc).__name__}: {exc}",
+                                       gone=True)
             return
         except (httpx.HTTPError, MalformedAnswer) as exc:
             await self._mark_unhealthy(entry, f"load poll failed: {type(exc).__name__}: {exc}")
@@ -263,14 +288,17 @@ class Registry:
                 return
         self._load.reported(entry.id, load)
 
-    async def _mark_unhealthy(self, entry: WorkerEntry, reason: str) -> None:
+    async def _mark_unhealthy(self, entry: WorkerEntry, reason: str, gone: bool = False
+                              ) -> None:
+        """Take ``entry`` out of the candidate set; ``gone``: it did not answer at all (hung,
+        dead or unreachable), so requests waiting for its first byte are sent elsewhere."""
         now = time.monotonic()
         entry.counters["health_failures"] = entry.counters.get("health_failures", 0) + 1
         if entry.state is WorkerState.HEALTHY:
             log.warning("worker %s unhealthy: %s", entry.url, reason)
             entry.state = WorkerState.UNHEALTHY
             entry.unhealthy_since = now
-        given_up = entry.waits.give_up()
+        given_up = entry.waits.give_up() if gone else 0
         if given_up:
             log.warning("worker %s: %d requests waiting for a first byte sent elsewhere",
                         entry.url, given_up)

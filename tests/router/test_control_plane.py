@@ -14,6 +14,12 @@ from tests.router.test_router_service import BODY, router_for
 from tests.support.servers import ScriptedWorker, sse_events
 
 
+def counted(metrics: str, name: str, label: str) -> float:
+    """The sum of ``name``'s samples whose labels hold ``label``."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith(name + "{") and label in line)
+
+
 async def described(client: httpx.AsyncClient, worker: ScriptedWorker) -> dict[str, Any]:
     workers = (await client.get("/workers")).json()["workers"]
     return next(w for w in workers if w["url"] == worker.url)  # type: ignore[no-any-return]
@@ -45,6 +51,9 @@ async def test_a_load_answer_out_of_range_marks_that_worker_and_polling_goes_on(
         # and the garbage one comes back once it answers sensibly
         bad.load_answer = b'{"running": 0}'
         await wait_state(client, bad, "healthy")
+        metrics = (await client.get("/metrics")).text
+    assert counted(metrics, "kvroute_health_failures_total", f'worker="{bad.url}"') >= 1
+    assert counted(metrics, "kvroute_health_failures_total", f'worker="{good.url}"') >= 1
 
 
 async def test_a_malformed_model_info_on_reconnect_marks_that_worker_and_polling_goes_on(
@@ -66,6 +75,28 @@ async def test_a_malformed_model_info_on_reconnect_marks_that_worker_and_polling
         assert (await described(client, bad))["state"] == "unhealthy"
         good.pause()
         await wait_state(client, good, "unhealthy")
+
+
+async def test_a_worker_slow_to_reconnect_delays_no_other_workers_check() -> None:
+    async with (
+        ScriptedWorker() as slow,
+        ScriptedWorker() as good,
+        router_for(slow, good, ready=2, health_timeout=0.3) as client,
+    ):
+        slow.load_answer = b"not json"
+        await wait_state(client, slow, "unhealthy")
+        slow.hang_model_info()
+        before = slow.model_info_calls
+        assert slow.model_info_ended == before
+        slow.load_answer = b'{"running": 0}'
+        deadline = time.monotonic() + 10
+        while slow.model_info_calls == before:  # its reconnect began, and waits
+            assert time.monotonic() < deadline, "no reconnect"
+            await asyncio.sleep(0.02)
+        good.pause()
+        await wait_state(client, good, "unhealthy")
+        # seen while the other's /model_info call still waits (the router allows it 5 s)
+        assert slow.model_info_ended == before
 
 
 async def test_a_prompt_goes_to_a_worker_it_fits_and_400_only_when_none_fits() -> None:
@@ -118,6 +149,9 @@ async def test_a_stream_that_never_begins_is_sent_elsewhere_at_its_deadline() ->
         assert [a.status_code for a in answers] == [200] * 6
         assert {a.headers["x-kvroute-worker"] for a in answers} == {good.url}
         assert all(sse_events(a.content)[-1] == "[DONE]" for a in answers)
+        metrics = (await client.get("/metrics")).text
+        assert counted(metrics, "kvroute_upstream_failures_total", 'cause="deadline"') == len(
+            stalled.requests)
         assert len(stalled.requests) >= 1, "the stalled worker was tried first at least once"
         await asyncio.wait_for(stalled.cancelled.wait(), 5)  # the abandoned request cancelled
 

@@ -64,8 +64,10 @@ class ScriptedWorker:
     10 s, recording when the client goes away).
 
     Its control answers can be set while it runs: ``load_answer`` (the raw bytes ``/load``
-    answers), ``model_info_extra`` (fields merged into ``/model_info``) and ``hang`` (set:
-    every call waits until it is cleared, as a paused process would)."""
+    answers), ``model_info_extra`` (fields merged into ``/model_info``),
+    ``model_info_hangs`` (set: ``/model_info`` waits until :meth:`resume`; ``model_info_calls``
+    counts the calls begun and ``model_info_ended`` those that ended) and :meth:`pause` (every
+    call waits until :meth:`resume`, as a paused process would)."""
 
     def __init__(self, mode: str = "ok", *, block_size: int = 32, model: str = "kvroute-sim",
                  tokenizer: str = "bytes-v1", max_num_seqs: int = 0,
@@ -76,6 +78,8 @@ class ScriptedWorker:
         self.load_answer = b'{"running": 0, "waiting": 0}'
         self.model_info_extra: dict[str, Any] = {}
         self.hang = False
+        self.model_info_hangs = False
+        self.model_info_calls = self.model_info_ended = 0
         self._resumed = asyncio.Event()
         self.block_size = block_size
         self.model = model
@@ -110,9 +114,14 @@ class ScriptedWorker:
         self.hang = True
         self._resumed.clear()
 
+    def hang_model_info(self) -> None:
+        """Let ``/model_info`` wait (until :meth:`resume`); the other calls answer."""
+        self.model_info_hangs = True
+        self._resumed.clear()
+
     def resume(self) -> None:
         """Answer again; the calls that waited go on."""
-        self.hang = False
+        self.hang = self.model_info_hangs = False
         self._resumed.set()
 
     async def _wait_if_paused(self) -> None:
@@ -120,7 +129,13 @@ class ScriptedWorker:
             await self._resumed.wait()
 
     async def _model_info(self, _: web.Request) -> web.Response:
-        await self._wait_if_paused()
+        self.model_info_calls += 1
+        try:
+            await self._wait_if_paused()
+            if self.model_info_hangs:
+                await self._resumed.wait()
+        finally:
+            self.model_info_ended += 1
         info = {"model": self.model, "block_size": self.block_size, "tokenizer": self.tokenizer,
                 "instance_id": self.instance_id, "events_endpoint": None,
                 "max_model_len": self.max_model_len}
