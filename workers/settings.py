@@ -62,6 +62,7 @@ class WorkerSettings:
     device: str = "auto"
     kv_memory_gb: float | None = None
     cuda_graphs: bool = True
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         positive = ("port", "block_size", "num_blocks", "max_num_batched_tokens",
@@ -74,6 +75,9 @@ class WorkerSettings:
         for name in ("host_blocks", "data_parallel_rank"):
             if getattr(self, name) < 0:
                 raise WorkerSettingsError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise WorkerSettingsError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.speedup <= 0:
             raise WorkerSettingsError(f"speedup must be positive, got {self.speedup}")
         if self.timing not in TIMING_MODELS:
