@@ -195,6 +195,7 @@ def bench_attention(args: argparse.Namespace, ex: TorchExecutor) -> list[dict[st
     ``gathered``, the blocks gathered first and flash attention run over them."""
     import torch
 
+    from workers.torch import paged
     from workers.torch.model import PagedBatch, _prefill_attention, prefill_views
 
     c, kv = ex.model.config, ex.kv.layers()[0]
@@ -222,9 +223,20 @@ def bench_attention(args: argparse.Namespace, ex: TorchExecutor) -> list[dict[st
             values = kv[:, 1].index_select(0, table).flatten(0, 1)[: new + cached]  # noqa: B023
             attention.copy_(_prefill_attention(q, keys, values))  # noqa: B023
 
-        out.append({"new": new, "cached": cached, "ms": _median_ms(attend, args.repeats),
-                    "gathered_ms": _median_ms(gathered, args.repeats)})
+        row = {"new": new, "cached": cached, "ms": _median_ms(attend, args.repeats),
+               "gathered_ms": _median_ms(gathered, args.repeats)}
+        if kv.device.type == "cuda":  # the kernel's launch for a chunk, by variant
+            default = paged.PREFILL_CONFIG
+            for config in PREFILL_VARIANTS:
+                paged.PREFILL_CONFIG = config
+                row["paged_{}_{}_{}_ms".format(*config)] = _median_ms(attend, args.repeats)
+            paged.PREFILL_CONFIG = default
+        out.append(row)
     return out
+
+
+#: (query tokens, warps, stages) of the chunk kernel the attention section times.
+PREFILL_VARIANTS = ((16, 4, 2), (32, 4, 2), (32, 4, 3), (32, 8, 3), (16, 4, 3))
 
 
 #: (batch, context) shapes of the paged-decode section.
@@ -273,7 +285,9 @@ def bench_paged_decode(args: argparse.Namespace, ex: TorchExecutor) -> dict[str,
                                 max_context=width * BS, use_kernel=kernel)  # noqa: B023
 
         row: dict[str, Any] = {"batch": batch, "context": context, "floor_ms": floor_ms,
-                               "kernel_ms": _median_ms(lambda: attend(True), args.repeats)}
+                               "kernel_eager_ms": _median_ms(lambda: attend(True), args.repeats),
+                               "kernel_ms": _median_ms(_graphed(lambda: attend(True)),
+                                                       args.repeats)}
         try:
             row["gathered_ms"] = _median_ms(lambda: attend(False), args.repeats)
         except torch.cuda.OutOfMemoryError:
@@ -284,7 +298,7 @@ def bench_paged_decode(args: argparse.Namespace, ex: TorchExecutor) -> dict[str,
         except Exception as exc:  # a compile failure is a finding, not a stop
             row["flex_error"] = repr(exc)[:200]
         torch.cuda.empty_cache()
-        for key in ("kernel_ms", "gathered_ms", "flex_ms"):
+        for key in ("kernel_ms", "kernel_eager_ms", "gathered_ms", "flex_ms"):
             if row.get(key) is not None:
                 row[key.replace("_ms", "_ns_per_token")] = row[key] * 1e6 / tokens
         row["floor_ns_per_token"] = floor_ms * 1e6 / tokens
@@ -292,6 +306,23 @@ def bench_paged_decode(args: argparse.Namespace, ex: TorchExecutor) -> dict[str,
         row["step_ms"] = _decode_step_ms(args, ex, batch, context)
         rows.append(row)
     return {"bandwidth_gb_s": bandwidth / 1e9, "bytes_per_token": per_token, "shapes": rows}
+
+
+def _graphed(fn: Any) -> Any:
+    """``fn`` captured as a CUDA graph (after two warm-up calls); returns its replay: device
+    time without the host's launches, as the worker's decode graphs run attention."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
 
 
 def _decode_step_ms(args: argparse.Namespace, ex: TorchExecutor, batch: int,
@@ -808,8 +839,11 @@ def _table(result: dict[str, Any]) -> str:
                 f"{t['new_2000_first_use_ms_piecewise']:.0f} ms (buckets 64 / 128 / 2048)"
             )
     for a in result.get("attention", []):
+        variants = ", ".join(f"{k[6:-3]} {v:.3f}" for k, v in a.items()
+                             if k.startswith("paged_"))
         lines.append(f"attention, one layer: {a['new']} new over {a['cached']} cached: "
-                     f"paged {a['ms']:.3f} ms, gathered {a['gathered_ms']:.3f} ms")
+                     f"paged {a['ms']:.3f} ms, gathered {a['gathered_ms']:.3f} ms"
+                     + (f" (kernel variants q_warps_stages: {variants})" if variants else ""))
     pd = result.get("paged_decode")
     if pd:
         lines.append(f"decode attention, all layers ({pd['bytes_per_token']} bytes of K/V a "
@@ -818,7 +852,8 @@ def _table(result: dict[str, Any]) -> str:
         for r in pd["shapes"]:
             lines.append(
                 f"  batch {r['batch']} x {r['context']}: kernel {r['kernel_ns_per_token']:.2f} "
-                f"({r['kernel_ms']:.3f} ms, {r['kernel_over_floor']:.2f}x floor "
+                f"({r['kernel_ms']:.3f} ms graphed, {r['kernel_eager_ms']:.3f} eager; "
+                f"{r['kernel_over_floor']:.2f}x floor "
                 f"{r['floor_ns_per_token']:.2f}), flex "
                 f"{r.get('flex_ns_per_token', float('nan')):.2f}, gathered "
                 f"{r.get('gathered_ns_per_token') or float('nan'):.2f}; whole step "

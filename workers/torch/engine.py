@@ -312,6 +312,9 @@ def capture_at_start(executor: TorchExecutor, settings: WorkerSettings) -> None:
         ) from None
     if device.type != "cuda":
         return
+    # The captures' warm-up passes leave eager memory cached: give it back, so that what stays
+    # reserved beyond ``before`` is the graphs' own pool and static buffers.
+    torch.cuda.empty_cache()
     executor.graph_bytes = torch.cuda.memory_reserved(device) - before
     plan = executor.memory
     if plan is None:

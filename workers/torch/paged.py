@@ -35,8 +35,9 @@ __all__ = ["kernel_available", "paged_attention", "splits_for"]
 TARGET_PROGRAMS = 528
 #: Context positions one program step loads (K and V tiles of this many rows).
 BLOCK_N = 64
-#: Query tokens per program in a prefill chunk (times the heads that share a KV head).
-BLOCK_Q = 16
+#: A prefill chunk's launch: query tokens per program (times the heads that share a KV head
+#: make its rows), warps, pipeline stages.
+PREFILL_CONFIG = (16, 4, 2)
 #: Most context splits per query tile.
 MAX_SPLITS = 64
 
@@ -125,7 +126,7 @@ def _kernel(q: Tensor, kv: Tensor, tables: Tensor, lens: Tensor, *, queries: int
     hkv, block_size = kv.shape[3], kv.shape[2]
     group = hq // hkv
     decode = queries == 1
-    block_q = 1 if decode else BLOCK_Q
+    block_q, warps, stages = (1, 4, 2) if decode else PREFILL_CONFIG
     rows = max(16, _pow2(block_q * group))
     tiles = n if decode else -(-n // block_q)
     splits = splits_for(tiles, hkv, max_context)
@@ -142,7 +143,7 @@ def _kernel(q: Tensor, kv: Tensor, tables: Tensor, lens: Tensor, *, queries: int
         keys.stride(0), keys.stride(1), keys.stride(2), tables.stride(0),
         1.0 / math.sqrt(d) * 1.4426950408889634,
         G=group, BLOCK_Q=block_q, M=rows, D=d, BS=block_size, BLOCK_N=BLOCK_N,
-        SPLITS=splits, DECODE=decode, num_warps=4, num_stages=2,
+        SPLITS=splits, DECODE=decode, num_warps=warps, num_stages=stages,
     )
     if splits == 1:
         return out
