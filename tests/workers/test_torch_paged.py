@@ -101,3 +101,44 @@ def test_the_kernel_is_used_only_on_cuda_and_splits_only_to_fill_the_device() ->
     assert splits_for(1, 8, 50) == 1  # one tile of context: nothing to split
     assert splits_for(8, 8, 8192) == 9  # 64 programs a split, 528 wanted
     assert splits_for(256, 8, 65536) == 1  # 2,048 programs fill the device already
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("chunks_in_place", [False, True])
+def test_the_paged_forward_matches_the_dense_forward_over_a_cached_prefix(
+    device: str, chunks_in_place: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from indexer.tokenizer import ByteTokenizer
+    from workers.cache.block_keys import Prompt
+    from workers.cache.cache_manager import CacheManager
+    from workers.engine.batcher import Batcher, EngineRequest
+    from workers.settings import WorkerSettings
+    from workers.torch import model as model_module
+    from workers.torch.engine import build_torch_executor
+
+    monkeypatch.setattr(model_module, "CHUNKS_IN_PLACE", chunks_in_place)
+    cache = CacheManager(64, 4)
+    ex = build_torch_executor(
+        WorkerSettings(engine="torch", torch_model="tiny", device=device, block_size=4,
+                       max_num_batched_tokens=16, max_model_len=256, cuda_graphs=False),
+        ByteTokenizer(), cache)
+    batcher = Batcher(cache, max_num_batched_tokens=16)
+    g = torch.Generator().manual_seed(8)
+    text = torch.randint(4, 260, (37,), generator=g).tolist()
+    rows: dict[str, list[tuple[list[int], torch.Tensor]]] = {}
+    for rid in ("cold", "warm"):  # the second finds 36 positions cached
+        batcher.add(EngineRequest(rid, Prompt(text), 4))
+        seqs = {rid: list(text)}
+        while (plan := batcher.schedule()) is not None:
+            logits = ex.logits(plan)
+            sampled = {r: int(v[: ex.vocab_limit].argmax()) for r, v in logits.items()}
+            for r, v in logits.items():
+                rows.setdefault(r, []).append((list(seqs[r]), v))
+            for out in batcher.complete(plan, sampled):
+                seqs[out.request_id].append(out.token_id)
+    assert len(rows["warm"]) == 4
+    tolerance = {"cpu": 1e-5, "cuda": 5e-2}[device]
+    with torch.inference_mode():
+        for seq, row in rows["cold"] + rows["warm"]:
+            ref = ex.model.forward_dense(torch.tensor(seq, device=row.device))[-1]
+            assert ((row - ref).norm() / ref.norm()).item() < tolerance

@@ -26,6 +26,7 @@ them in smaller batches (:meth:`workers.engine.batcher.Batcher.recover`).
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from collections.abc import Sequence
@@ -61,6 +62,8 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'kvroute[torch]'"
+#: Allowed beyond the CUDA graphs' measured memory (their second capture may round apart).
+GRAPH_MARGIN_BYTES = 256 << 20
 #: KV cache bytes on the CPU when ``--kv-memory-gb`` is not given.
 CPU_KV_BYTES = 512 << 20
 
@@ -174,19 +177,43 @@ def memory_plan_for(settings: WorkerSettings) -> MemoryPlan:
             return plan
     model = _build_model(settings, config, device)
     iteration = _profile(model, settings)
+    graphs = _graph_pool(model, settings) + GRAPH_MARGIN_BYTES if settings.cuda_graphs else 0
     total = _torch().cuda.mem_get_info(device)[1]
     weights = sum(p.numel() * p.element_size() for p in model.parameters())
     kv_bytes = None if settings.kv_memory_gb is None else int(settings.kv_memory_gb * 2**30)
     try:
         plan = plan_memory(total=total, utilization=settings.gpu_memory_utilization,
-                           weights=weights, iteration=iteration,
-                           graphs=iteration if settings.cuda_graphs else 0,
+                           weights=weights, iteration=iteration, graphs=graphs,
                            block_bytes=per_block, kv_bytes=kv_bytes, iteration_tokens=context)
     except ValueError as exc:
         raise TorchEngineError(str(exc)) from None
     log.info("device memory plan: %s", plan.describe())
     _prepared[:] = [(settings, model, plan)]
     return plan
+
+
+def _graph_pool(model: Decoder, settings: WorkerSettings) -> int:
+    """The memory the worker's CUDA graphs hold: every graph captured over a cache of one
+    block, measured, and released (the worker captures them again over its real cache)."""
+    torch = _torch()
+    from workers.torch.kv import PagedKV
+
+    c = model.config
+    started = time.perf_counter()
+    kv = PagedKV(num_layers=c.num_layers, block_size=settings.block_size,
+                 kv_heads=c.num_kv_heads, head_dim=c.head_dim, num_blocks=1, host_blocks=0,
+                 dtype=model.dtype, device=model.device)
+    executor = TorchExecutor(model, kv, cuda_graphs=True)
+    try:
+        capture_at_start(executor, settings)
+        measured = executor.graph_bytes
+    finally:
+        del executor, kv
+        gc.collect()  # the captured pieces refer to the executor: free the graphs' pools now
+        torch.cuda.empty_cache()
+    log.info("the CUDA graphs hold %.2f GiB (measured over a one-block cache in %.1f s)",
+             measured / 2**30, time.perf_counter() - started)
+    return measured
 
 
 def _profile(model: Decoder, settings: WorkerSettings) -> int:

@@ -21,8 +21,9 @@ Notes:
        tensor's name, so two processes with the same config, seed and device type get the same
        weights), or from a local folder (:func:`load_checkpoint`). Nothing is ever downloaded.
     2. Attention: a prefill from position 0 runs PyTorch's SDPA causally over its fresh K/V
-       (flash attention on CUDA); a chunk over a cached prefix and the decode steps (one
-       padded batch) read their context in place through the block tables
+       (flash attention on CUDA); a chunk over a cached prefix gathers its context and runs
+       the same kernel bottom-right causal (:data:`CHUNKS_IN_PLACE` says why); the decode
+       steps (one padded batch) read their context in place through the block tables
        (:func:`workers.torch.paged.paged_attention`: a Triton kernel on CUDA, a gather and
        SDPA on the CPU).
     3. Images have no vision tower here: an image's positions are its placeholder tokens.
@@ -45,6 +46,7 @@ from torch.nn.attention.bias import causal_lower_right
 from workers.torch.paged import paged_attention
 
 __all__ = [
+    "CHUNKS_IN_PLACE",
     "CONFIGS",
     "FUSE_MAX_TOKENS",
     "Decoder",
@@ -302,6 +304,16 @@ class _RMSNorm(nn.Module):
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
 
+#: Whether a prefill chunk over a cached prefix reads its context in place (the paged kernel)
+#: rather than gathered into one tensor for flash attention. Measured on the H200 (one layer,
+#: llama-1b; ``python -m bench.gpu --sections attention``), gathered + flash against the best
+#: launch of the paged kernel: 64 new over 8,128 cached 0.16 / 0.24 ms, 2,048 over 30,720
+#: 2.14 / 2.78, 8,192 over 24,576 6.8 / 9.3. The gather's memory is bounded by one request's
+#: context (``--max-model-len``: 128 MiB a layer at 64k for llama-1b) and is in the profiled
+#: worst iteration (:mod:`workers.torch.memory`), so chunks gather; decode steps, whose
+#: gathered context grows with the batch, read in place.
+CHUNKS_IN_PLACE = False
+
 #: Passes of more tokens use the projections one by one. Fused, a pass launches 128 kernels
 #: fewer (~0.2 ms in a graph) but an 8k cold pass measured 5% slower (~0.3 µs a token,
 #: ``docs/gpu.md``): by that line fusing pays below ~700 tokens.
@@ -473,10 +485,14 @@ class Decoder(nn.Module):
             rows = slice(view.first, view.first + view.new)
             if view.table is None:
                 out[rows] = _prefill_attention(q[rows], k[rows], v[rows])
-            else:
+            elif CHUNKS_IN_PLACE:
                 assert view.lens is not None, "a chunk over a cached prefix has its length"
                 out[rows] = paged_attention(q[rows], kv, view.table, view.lens,
                                             queries=view.new, max_context=view.context)
+            else:
+                keys = kv[:, 0].index_select(0, view.table[0]).flatten(0, 1)[: view.context]
+                values = kv[:, 1].index_select(0, view.table[0]).flatten(0, 1)[: view.context]
+                out[rows] = _prefill_attention(q[rows], keys, values)
         if batch.decode_tables is not None:
             assert batch.decode_lens is not None, "decode tables without their lengths"
             n = batch.decode_tables.shape[0]

@@ -7,7 +7,7 @@ of llama-1b is 2 GiB a layer). On CUDA, :func:`paged_attention` runs a Triton ke
 here instead: each program takes a tile of queries of one sequence (the query heads that share
 a KV head folded into its rows) and one share of the context, loads each K/V tile straight from
 its block, and keeps an online softmax; when the context is split across programs
-(flash-decoding, to fill the device when there are few queries), a second pass combines the
+(flash-decoding, to fill the device when there are few queries), a second kernel combines the
 shares by their maxima and sums. Nothing it allocates depends on the context's length.
 
 Where Triton or CUDA is missing (the CPU), the same function gathers the blocks and calls
@@ -43,13 +43,13 @@ MAX_SPLITS = 64
 
 
 @functools.cache
-def _triton() -> tuple[Any, Any, Any] | None:  # triton, triton.language, the kernel
+def _triton() -> tuple[Any, ...] | None:  # triton, triton.language, the two kernels
     try:
         import triton
         import triton.language as tl
     except ImportError:
         return None
-    return triton, tl, _build_kernel(triton, tl)
+    return triton, tl, _build_kernel(triton, tl), _build_combine(triton, tl)
 
 
 def kernel_available(device: torch.device) -> bool:
@@ -145,19 +145,12 @@ def _kernel(q: Tensor, kv: Tensor, tables: Tensor, lens: Tensor, *, queries: int
         G=group, BLOCK_Q=block_q, M=rows, D=d, BS=block_size, BLOCK_N=BLOCK_N,
         SPLITS=splits, DECODE=decode, num_warps=warps, num_stages=stages,
     )
-    if splits == 1:
-        return out
-    # Combine the shares: weight each by 2^(its max - the overall max).
-    m, total = stats[..., 0], stats[..., 1]
-    top = m.amax(dim=1, keepdim=True)
-    weight = torch.exp2(m - top).nan_to_num_(0.0)  # shares that saw no position weigh 0
-    merged = (part * weight[..., None]).sum(1) / (total * weight).sum(1)[..., None]
-    used = merged[:, :, : block_q * group]  # [tiles, Hkv, block_q * G, D]
-    if decode:
-        out.copy_(used.reshape(n, hq, d))
-    else:
-        tokens = used.view(tiles, hkv, block_q, group, d).permute(0, 2, 1, 3, 4)
-        out.copy_(tokens.reshape(tiles * block_q, hq, d)[:n])
+    if splits > 1:
+        combine = loaded[3]
+        combine[(tiles, hkv)](
+            part, stats, out, queries, out.stride(0), out.stride(1),
+            G=group, BLOCK_Q=block_q, M=rows, D=d, SPLITS=splits, DECODE=decode, num_warps=4,
+        )
     return out
 
 
@@ -236,3 +229,42 @@ def _build_kernel(triton: Any, tl: Any) -> Any:  # Triton's modules; the jitted 
             tl.store(Stats + at * 2 + 1, l_i)
 
     return paged_attention_kernel
+
+
+def _build_combine(triton: Any, tl: Any) -> Any:  # Triton's modules; the jitted kernel
+    @triton.jit
+    def combine_shares_kernel(
+        Part, Stats, Out, n_queries, stride_ot, stride_oh,
+        G: tl.constexpr, BLOCK_Q: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
+        SPLITS: tl.constexpr, DECODE: tl.constexpr,
+    ):
+        tile = tl.program_id(0)
+        kvh = tl.program_id(1)
+        heads = tl.num_programs(1)
+        rows = tl.arange(0, M)
+        dims = tl.arange(0, D)
+        qi = rows // G
+        if DECODE:
+            token = tile + qi * 0
+            valid = qi < 1
+        else:
+            token = tile * BLOCK_Q + qi
+            valid = (qi < BLOCK_Q) & (token < n_queries)
+        top = tl.full([M], float("-inf"), tl.float32)
+        for split in range(SPLITS):
+            at = ((tile * SPLITS + split) * heads + kvh) * M + rows
+            top = tl.maximum(top, tl.load(Stats + at * 2))
+        top = tl.where(top == float("-inf"), 0.0, top)
+        acc = tl.zeros([M, D], tl.float32)
+        total = tl.zeros([M], tl.float32)
+        for split in range(SPLITS):
+            at = ((tile * SPLITS + split) * heads + kvh) * M + rows
+            weight = tl.exp2(tl.load(Stats + at * 2) - top)  # a share that saw nothing: 0
+            total += weight * tl.load(Stats + at * 2 + 1)
+            acc += weight[:, None] * tl.load(Part + at[:, None] * D + dims[None, :])
+        head = kvh * G + rows % G
+        res = acc / tl.where(total == 0.0, 1.0, total)[:, None]
+        tl.store(Out + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
+                 res.to(Out.dtype.element_ty), mask=valid[:, None])
+
+    return combine_shares_kernel
