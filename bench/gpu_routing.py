@@ -136,7 +136,8 @@ def _metric_sum(url: str, name: str) -> float:
 #: Worker statistics reported per run (``kvroute_worker_<name>`` in ``/metrics``).
 MEMORY_METRICS = ("memory_budget_bytes", "memory_kv_bytes", "memory_iteration_bytes",
                   "memory_graph_bytes", "memory_peak_reserved_bytes", "out_of_memory_passes",
-                  "failed_iterations", "failure_preemptions", "failed_requests", "preemptions")
+                  "failed_iterations", "failure_preemptions", "failed_requests", "preemptions",
+                  "cache_releases")
 
 
 def _worker_memory(url: str) -> dict[str, float]:
@@ -242,7 +243,7 @@ def _table(result: dict[str, Any]) -> str:
                 f"{m['out_of_memory_passes']:.0f}, failed iterations "
                 f"{m['failed_iterations']:.0f}, recomputed after them "
                 f"{m['failure_preemptions']:.0f}, failed requests {m['failed_requests']:.0f}, "
-                f"preemptions {m['preemptions']:.0f}")
+                f"preemptions {m['preemptions']:.0f}, cache releases {m['cache_releases']:.0f}")
         if r["process_peak_bytes"]:
             lines.append("      nvidia-smi, most held per process (GiB): " + ", ".join(
                 f"{b / gib:.2f}" for b in r["process_peak_bytes"]))

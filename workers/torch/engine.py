@@ -397,6 +397,12 @@ class TorchExecutor:
         self.memory = memory
         self.graph_bytes = 0  # the graph pool, measured at capture
         self.out_of_memory = 0  # passes that ran out of device memory
+        self.cache_releases = 0  # times the allocator's cache was emptied after a pass
+        # Reserved memory past which the allocator's cache is emptied after a pass: then the
+        # next pass, which needs at most the profiled worst iteration, stays in the budget
+        # however the cache fragments.
+        self._release_above = (None if memory is None
+                               else memory.budget - memory.context - memory.iteration)
         self.block_size = kv.block_size
         self.vocab_limit = model.config.vocab_size if vocab_limit is None else vocab_limit
         self._layers = kv.layers()
@@ -439,6 +445,10 @@ class TorchExecutor:
             if self.kv.device.type == "cuda":
                 torch.cuda.empty_cache()
             raise
+        if (self._release_above is not None
+                and torch.cuda.memory_reserved(self.kv.device) > self._release_above):
+            torch.cuda.empty_cache()
+            self.cache_releases += 1
         sampled: dict[str, int] = {}
         if logits:
             ids = list(logits)
@@ -449,7 +459,7 @@ class TorchExecutor:
     def stats(self) -> dict[str, int]:
         """Memory by use (bytes; ``memory_*``, CUDA only) and passes that ran out of it."""
         torch = _torch()
-        out = {"out_of_memory_passes": self.out_of_memory}
+        out = {"out_of_memory_passes": self.out_of_memory, "cache_releases": self.cache_releases}
         device = self.kv.device
         if device.type == "cuda":
             out["memory_reserved_bytes"] = torch.cuda.memory_reserved(device)
