@@ -19,8 +19,9 @@ Sections (``docs/gpu.md`` holds the figures and what they mean):
   paged kernel, flex attention and the gather, in ns per token of context against the floor
   (one read of each token's K/V at the copy bandwidth measured in the same run); and the
   whole decode step the worker runs at those shapes.
-- ``decode_context``: decode attention of all layers by batch and context, gathered (as the
-  engine runs it), over K/V already contiguous (what a paged kernel can reach) and, on CUDA,
+- ``decode_context``: decode attention of all layers by batch and context, gathered (the
+  blocks gathered, then masked attention: what runs without the paged kernel), over K/V
+  already contiguous (what a paged kernel can reach) and, on CUDA,
   through a paged kernel (flex attention over 32-token pages), and each one's cost per token
   of context: what the simulated engine's decode cost stands for.
 - ``prefill_context``: prefill attention of all layers for n new tokens over c cached, K/V
@@ -345,8 +346,8 @@ DECODE_CONTEXT_SHAPES = ((8, 4096), (32, 4096), (64, 4096), (64, 8192), (128, 40
 
 def bench_decode_context(args: argparse.Namespace, ex: TorchExecutor) -> dict[str, Any]:
     """Decode attention of every layer by (batch, context), two ways (ms, median of
-    ``--repeats``, host time included): ``gathered``, as the engine runs it (each step's blocks
-    gathered from a random block table, then masked attention; :meth:`Decoder.attend`), and
+    ``--repeats``, host time included): ``gathered``, each step's blocks gathered from a random
+    block table, then masked attention (what runs without the paged kernel), and
     ``in_place``, attention over K/V already contiguous per sequence (flash attention, query
     heads folded by KV head as the engine folds them), the best a kernel that reads paged K/V
     in place can do; and on CUDA ``paged``, a real paged kernel (:func:`_paged_attention_ms`).
@@ -448,7 +449,7 @@ def _decode_attention_ms(args: argparse.Namespace, ex: TorchExecutor, batch: int
     import torch
     import torch.nn.functional as F
 
-    from workers.torch.model import PagedBatch
+    from workers.torch.paged import paged_attention
 
     c, device = ex.model.config, ex.kv.device
     on = {"device": device, "dtype": ex.kv.layers()[0].dtype}
@@ -457,21 +458,17 @@ def _decode_attention_ms(args: argparse.Namespace, ex: TorchExecutor, batch: int
     pool = max(4096, 2 * batch * width)  # blocks the tables draw from: more than the L2 holds
     kv = torch.randn(pool, 2, BS, hkv, d, **on)
     tables = torch.randint(0, pool, (batch, width), device=device)
-    step = PagedBatch(token_ids=torch.empty(0), positions=torch.empty(0),
-                      slot_rows=torch.empty(0), prefill=(), decode_offset=0,
-                      decode_tables=tables,
-                      decode_lens=torch.full((batch,), width * BS, device=device),
-                      logit_rows=torch.empty(0), decode_max_context=width * BS)
+    lens = torch.full((batch,), width * BS, device=device)
     q = torch.randn(batch, c.num_heads, d, **on)
-    out = torch.empty_like(q)
     # One contiguous K/V per layer, so that no layer reads what another left in the L2.
     keys = torch.randn(c.num_layers, batch, hkv, context, d, **on)
     values = torch.randn_like(keys)
     folded = q.view(batch, hkv, group, d)
 
-    def gathered() -> None:  # the engine's way: the paged kernel on CUDA
+    def gathered() -> None:  # the blocks gathered, then masked SDPA (no paged kernel)
         for _ in range(c.num_layers):
-            ex.model.attend(out, q, q, q, kv, [], step)
+            paged_attention(q, kv, tables, lens, queries=1, max_context=width * BS,
+                            use_kernel=False)
 
     def in_place() -> None:
         for layer in range(c.num_layers):
