@@ -42,7 +42,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
     a("--trace", help="Mooncake JSONL trace (default: the Mooncake trace in bench/data)")
     a("--generator", default="trace",
-      choices=["trace", "system_prompt", "multi_turn", "agentic", "images"],
+      choices=["trace", "system_prompt", "multi_turn", "agentic", "images", "long_context"],
       help="workload: the trace, or a generator (default trace)")
     a("--requests", type=positive_int,
       help="requests: the trace's first N, or how many to generate (default all / 2000)")

@@ -118,8 +118,13 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     a("--salt-secret-file", metavar="FILE", help="read --salt-secret from FILE")
     a("--torch-model", help="torch engine: tiny, llama-1b or a local weights folder")
     a("--device", help="torch engine: cuda, cpu or auto (default)")
+    a("--gpu-memory-utilization", type=float,
+      help="torch engine on CUDA: the share of the device's memory this worker may take, "
+      "weights, the worst iteration (profiled at start), CUDA graphs and KV cache together "
+      "(default 0.9; e.g. 0.22 each for 4 workers on one GPU)")
     a("--kv-memory-gb", "--kv-memory", dest="kv_memory_gb", type=float,
-      help="torch engine: GiB of KV cache (default: sized to fit)")
+      help="torch engine: GiB of KV cache (default: what the --gpu-memory-utilization share "
+      "leaves; refused at start if it does not fit beside the rest)")
     a("--no-cuda-graphs", dest="cuda_graphs", action="store_false", default=None,
       help="torch engine on CUDA: run every pass eagerly, not as replayed CUDA graphs "
            "(whole decode passes; per-layer pieces of passes with prefill), and skip their "

@@ -43,14 +43,17 @@ class WorkerRuntime:
         self.started_at = int(time.time())
         self._loras = {name: i + 1 for i, name in enumerate(settings.loras)}
         num_blocks = settings.num_blocks
+        iteration_context = None
         if settings.engine == "torch":  # the KV cache is sized from its memory budget
-            from workers.torch.engine import kv_blocks_for
+            from workers.torch.engine import memory_plan_for
 
-            num_blocks = kv_blocks_for(settings)
+            plan = memory_plan_for(settings)
+            num_blocks, iteration_context = plan.num_blocks, plan.iteration_context
         self.cache = CacheManager(num_blocks, settings.block_size, settings.host_blocks)
         self.batcher = Batcher(self.cache, max_num_batched_tokens=settings.max_num_batched_tokens,
                                max_num_seqs=settings.max_num_seqs,
-                               max_model_len=settings.max_model_len)
+                               max_model_len=settings.max_model_len,
+                               max_iteration_context=iteration_context)
         self.executor = self._executor()
         hints = ImageHints(settings.image_hint_capacity) if settings.image_hints else None
         self.sink = EventSink(max_pending_stored=settings.max_pending_stored, hints=hints,
