@@ -4,7 +4,8 @@ event-loop stalls while huge prompts arrive.
 1. ``rss``: one 1 GiB body streamed (chunked) to ``/v1/completions``; prints the router's
    peak resident memory (``VmHWM``) before and after, and its resident memory afterwards.
 2. ``health``: ``/health`` latency, idle and while 4 clients each send a 50 MB completions
-   prompt (repeated for ``--rounds``); prints the p50 and p99 of each.
+   prompt (repeated for ``--rounds``); prints the p50 and p99 of each. One ``/health`` is sent
+   every 20 ms whether or not the earlier ones have been answered.
 
 A sim worker and the router run as ``kvroute`` subprocesses of the tree given by ``--repo``
 (default: this one), so the same script measures any checkout.
@@ -15,6 +16,7 @@ A sim worker and the router run as ``kvroute`` subprocesses of the tree given by
 from __future__ import annotations
 
 import argparse
+import asyncio
 import http.client
 import json
 import os
@@ -25,6 +27,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+import aiohttp
 
 GiB, MB = 1024**3, 1000**2
 
@@ -103,13 +107,25 @@ def rss(router_pid: int, port: int) -> None:
 
 
 def _health_times(port: int, stop: threading.Event, out: list[float]) -> None:
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    while not stop.is_set():
+    """Open loop: a ``/health`` request every 20 ms whatever the earlier ones are doing, so
+    that a stall of the router's event loop delays every request sent during it (a closed
+    loop would send one request per stall and count it once)."""
+
+    async def one(session: aiohttp.ClientSession) -> None:
         started = time.perf_counter()
-        conn.request("GET", "/health")
-        conn.getresponse().read()
+        async with session.get(f"http://127.0.0.1:{port}/health") as r:
+            await r.read()
         out.append(time.perf_counter() - started)
-        time.sleep(0.01)
+
+    async def run() -> None:
+        async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as session:
+            tasks = []
+            while not stop.is_set():
+                tasks.append(asyncio.create_task(one(session)))
+                await asyncio.sleep(0.02)
+            await asyncio.gather(*tasks)
+
+    asyncio.run(run())
 
 
 def _p(values: list[float], q: float) -> float:
