@@ -2,9 +2,9 @@
 
 One request's path: read the body within its byte limit, check it against the OpenAI schema,
 :meth:`RouterService.decide`, book the load, forward through the :class:`~router.proxy.Proxy`,
-pass the answer back as it arrives. A worker that
-fails before the first byte is retried once on the next-best worker; the answer names the
-chosen worker and the matched blocks in ``x-kvroute-*`` headers.
+pass the answer back as it arrives. A worker that fails before the first byte is retried once
+on the next-best worker; the answer names the chosen worker and the matched blocks in
+``x-kvroute-*`` headers.
 
 A completions prompt whose length alone proves it longer than every worker's model is refused
 before it is encoded; a body over ``TOKENIZE_OFF_LOOP_BYTES`` is encoded in a thread, not on the
