@@ -1,8 +1,9 @@
 """Figures for the router's HTTP boundary under hostile input: memory for a huge body, and
 event-loop stalls while huge prompts arrive.
 
-1. ``rss``: one 1 GiB body streamed (chunked) to ``/v1/completions``; prints the router's
-   peak resident memory (``VmHWM``) before and after, and its resident memory afterwards.
+1. ``rss``: one 1 GiB body streamed (chunked) to the router's ``/v1/completions`` and one of
+   512 MiB to the worker's; prints each one's peak resident memory (``VmHWM``) before and
+   after, and its resident memory afterwards.
 2. ``health``: ``/health`` latency, idle and while 4 clients each send a 50 MB completions
    prompt (repeated for ``--rounds``); prints the p50 and p99 of each. One ``/health`` is sent
    every 20 ms whether or not the earlier ones have been answered.
@@ -94,16 +95,16 @@ def _post(port: int, head_extra: str, body_parts: list[bytes] | None, chunked_to
         sock.close()
 
 
-def rss(router_pid: int, port: int) -> None:
-    """Figure 1."""
-    before = _status_kb(router_pid, "VmHWM")
+def rss(name: str, pid: int, port: int, size: int) -> None:
+    """Figure 1, for the server ``name`` at ``pid`` and ``port``."""
+    before = _status_kb(pid, "VmHWM")
     started = time.perf_counter()
-    status = _post(port, "Transfer-Encoding: chunked\r\n", None, chunked_total=GiB)
+    status = _post(port, "Transfer-Encoding: chunked\r\n", None, chunked_total=size)
     took = time.perf_counter() - started
     time.sleep(1.0)
-    print(f"rss: 1 GiB chunked body -> {status} in {took:.1f} s; router peak RSS "
-          f"{before / 1024:.0f} MiB before, {_status_kb(router_pid, 'VmHWM') / 1024:.0f} MiB "
-          f"after; RSS afterwards {_status_kb(router_pid, 'VmRSS') / 1024:.0f} MiB")
+    print(f"rss: {size / GiB:g} GiB chunked body -> {status} in {took:.1f} s; {name} peak RSS "
+          f"{before / 1024:.0f} MiB before, {_status_kb(pid, 'VmHWM') / 1024:.0f} MiB "
+          f"after; RSS afterwards {_status_kb(pid, 'VmRSS') / 1024:.0f} MiB")
 
 
 def _health_times(port: int, stop: threading.Event, out: list[float]) -> None:
@@ -113,8 +114,11 @@ def _health_times(port: int, stop: threading.Event, out: list[float]) -> None:
 
     async def one(session: aiohttp.ClientSession) -> None:
         started = time.perf_counter()
-        async with session.get(f"http://127.0.0.1:{port}/health") as r:
-            await r.read()
+        try:
+            async with session.get(f"http://127.0.0.1:{port}/health") as r:
+                await r.read()
+        except aiohttp.ClientError:  # a kept-alive connection closed as it was reused
+            return
         out.append(time.perf_counter() - started)
 
     async def run() -> None:
@@ -183,7 +187,8 @@ def main() -> None:
                         f"http://127.0.0.1:{wport}")
         _wait(rport, "/ready")
         if "rss" in args.which:
-            rss(router.pid, rport)
+            rss("router", router.pid, rport, GiB)
+            rss("worker", worker.pid, wport, GiB // 2)
         if "health" in args.which:
             health(rport, args.rounds)
     finally:
