@@ -60,10 +60,10 @@ def test_a_hot_prefix_spreads_under_load_and_returns_when_load_falls(cluster: An
     # weight 32 per prefill block the holder's decode load outweighs the 62 blocks a cold
     # worker would prefill once about 32 of them run there. (A stream counts as decode load
     # from its first token: a burst that all arrives before any first token stays on the
-    # holder, which CI's slower machine showed; docs/benchmarks.md has why.) A prefix that one
-    # worker alone holds is led, so the default affinity factor (4) would price it at 128 a
-    # block: this test sets the factor to 1 to check the load-against-cache trade itself; the
-    # next one checks the default.
+    # holder, which CI's slower machine showed; CHANGELOG.md, "How the routing defaults were
+    # chosen", says why.) A prefix that one worker alone holds is led, so the default affinity
+    # factor (4) would price it at 128 a block: this test sets the factor to 1 to check the
+    # load-against-cache trade itself; the next one checks the default.
     router, _ = cluster(workers=3, router_settings={"affinity_weight": 1})
     holder, results = hot_prefix_waves(router)
     used = {r["worker"] for r in results}

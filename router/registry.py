@@ -5,13 +5,21 @@ each, the registry reads ``GET /model_info``, refuses an incompatible one loudly
 its events (or, with no event endpoint, marks it approximate: the index learns from routing
 decisions alone), and polls ``GET /load`` every ``health_interval`` seconds:
 
-- a failed poll takes the worker out of the candidate set at once;
+- a failed poll (no answer within ``health_timeout``, an error status, or an answer that is
+  not a well-formed load report) takes the worker out of the candidate set at once, with the
+  reason in ``last_error`` (``GET /workers``), and gives up every request still waiting for
+  its first byte there (:class:`~router.proxy.FirstByteWaits`), so a hung worker costs them
+  one probe timeout, not the proxy's first-byte ceiling;
 - after ``unhealthy_grace`` seconds unhealthy, its index entries go too (they would only
   attract requests to a worker that cannot serve them), and its subscription stops;
 - when it answers again, ``/model_info`` is read anew: a new ``instance_id`` means a restart,
   so its entries are cleared and it is subscribed afresh;
 - a configured worker that is not up yet is retried on every poll (compose starts the router
   and workers together).
+
+Every answer is untrusted input, parsed by :mod:`router.worker_answers`. Whatever goes wrong
+with one worker (a malformed answer, or any exception at all) marks that worker unhealthy with
+the reason; the poll loop itself never ends but by :meth:`Registry.stop`.
 """
 
 from __future__ import annotations
@@ -27,10 +35,13 @@ from typing import Any
 import httpx
 
 from indexer.events import Event
+from router.discovery import Discovery
 from router.feed import EventFeed, IndexLike
-from router.load import LoadTracker, ReportedLoad
+from router.load import LoadTracker
+from router.proxy import FirstByteWaits
 from router.settings import RouterSettings
-from router.worker_table import IncompatibleWorker, WorkerInfo, WorkerState, parse_model_info
+from router.worker_answers import MalformedAnswer, parse_load, parse_model_info
+from router.worker_table import IncompatibleWorker, WorkerInfo, WorkerState
 
 __all__ = ["Registry", "WorkerEntry", "WorkerUnreachable"]
 
@@ -38,7 +49,7 @@ log = logging.getLogger(__name__)
 
 
 class WorkerUnreachable(Exception):
-    """The worker did not answer ``/model_info``."""
+    """The worker did not answer ``/model_info``, or answered something malformed."""
 
 
 @dataclass(slots=True)
@@ -54,6 +65,8 @@ class WorkerEntry:
     last_error: str | None = None
     indexed: bool = False
     counters: dict[str, float] = field(default_factory=dict)
+    #: Requests sent here still waiting for their first byte (given up when it turns unhealthy).
+    waits: FirstByteWaits = field(default_factory=FirstByteWaits)
 
     @property
     def approximate(self) -> bool:
@@ -92,6 +105,7 @@ class Registry:
                  http: httpx.AsyncClient,
                  on_events: Callable[[int, list[Event]], None] | None = None) -> None:
         self._settings = settings
+        self._event_transport = settings.event_transport()
         self._on_events = on_events
         self._index = index
         self._load = load
@@ -102,6 +116,8 @@ class Registry:
         self._next_id = 0
         self._poll: asyncio.Task[None] | None = None
         self.mm_tokens_per_image: int | None = None
+        #: Workers found by DNS (``settings.discover``), from :meth:`start` on.
+        self.discovery: Discovery | None = None
 
     # -- membership -------------------------------------------------------------------------
 
@@ -181,10 +197,16 @@ class Registry:
                 await self.add(url, must_answer=False)
             except (IncompatibleWorker, ValueError) as exc:
                 log.error("not routing to %s: %s", url, exc)
+        if self._settings.discover:
+            self.discovery = Discovery(self._settings.discover,
+                                       self._settings.discover_interval, self)
+            await self.discovery.start()
         self._poll = asyncio.create_task(self._poll_forever(), name="kvroute-health")
 
     async def stop(self) -> None:
-        """Stop polling and every feed."""
+        """Stop polling, discovery and every feed."""
+        if self.discovery is not None:
+            await self.discovery.stop()
         if self._poll is not None:
             self._poll.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -198,11 +220,22 @@ class Registry:
     async def _poll_forever(self) -> None:
         while True:
             await asyncio.sleep(self._settings.health_interval)
-            await self.poll_once()
+            try:
+                await self.poll_once()
+            except Exception:  # a bug here must not end failure detection for good
+                log.exception("health poll round failed; polling goes on")
 
     async def poll_once(self) -> None:
-        """Poll every worker's load once (health), concurrently."""
-        await asyncio.gather(*(self._check(e) for e in list(self._entries.values())))
+        """Poll every worker's load once (health), concurrently. An exception while checking
+        one worker marks that worker unhealthy and touches no other."""
+        entries = list(self._entries.values())
+        results = await asyncio.gather(*(self._check(e) for e in entries),
+                                       return_exceptions=True)
+        for entry, result in zip(entries, results, strict=True):
+            if isinstance(result, Exception):
+                log.error("checking worker %s failed", entry.url, exc_info=result)
+                await self._mark_unhealthy(
+                    entry, f"health check failed: {type(result).__name__}: {result}")
 
     # -- internals --------------------------------------------------------------------------
 
@@ -210,10 +243,16 @@ class Registry:
         if entry.state is WorkerState.INCOMPATIBLE:
             return
         try:
-            response = await self._http.get(f"{entry.url}/load", timeout=2.0)
+            response = await self._http.get(f"{entry.url}/load",
+                                            timeout=self._settings.health_timeout)
             response.raise_for_status()
-            load = response.json()
-        except (httpx.HTTPError, ValueError) as exc:
+            block_size = entry.info.block_size if entry.info else 1
+            load = parse_load(response.content, block_size)
+        except httpx.TimeoutException:
+            await self._mark_unhealthy(
+                entry, f"load poll failed: no answer within {self._settings.health_timeout}s")
+            return
+        except (httpx.HTTPError, MalformedAnswer) as exc:
             await self._mark_unhealthy(entry, f"load poll failed: {type(exc).__name__}: {exc}")
             return
         if entry.state is not WorkerState.HEALTHY:
@@ -222,14 +261,19 @@ class Registry:
             except (WorkerUnreachable, IncompatibleWorker) as exc:
                 entry.last_error = str(exc)
                 return
-        self._load.reported(entry.id, _reported(load, entry))
+        self._load.reported(entry.id, load)
 
     async def _mark_unhealthy(self, entry: WorkerEntry, reason: str) -> None:
         now = time.monotonic()
+        entry.counters["health_failures"] = entry.counters.get("health_failures", 0) + 1
         if entry.state is WorkerState.HEALTHY:
             log.warning("worker %s unhealthy: %s", entry.url, reason)
             entry.state = WorkerState.UNHEALTHY
             entry.unhealthy_since = now
+        given_up = entry.waits.give_up()
+        if given_up:
+            log.warning("worker %s: %d requests waiting for a first byte sent elsewhere",
+                        entry.url, given_up)
         entry.last_error = reason
         since = entry.unhealthy_since or now
         if entry.indexed and now - since >= self._settings.unhealthy_grace:
@@ -241,11 +285,10 @@ class Registry:
         try:
             response = await self._http.get(f"{entry.url}/model_info", timeout=5.0)
             response.raise_for_status()
-            body = response.json()
-        except (httpx.HTTPError, ValueError) as exc:
+            info = parse_model_info(entry.url, response.content)
+        except (httpx.HTTPError, MalformedAnswer) as exc:
             raise WorkerUnreachable(f"{entry.url}/model_info: {type(exc).__name__}: {exc}"
                                     ) from exc
-        info = parse_model_info(entry.url, body)
         try:
             info.check_compatible(self._settings.block_size, self._tokenizer)
             self._check_images(info)
@@ -266,7 +309,8 @@ class Registry:
             entry.feed = EventFeed(entry.id, self._index, info.events_endpoint,
                                    info.replay_endpoint, fetch_snapshot=fetch,
                                    on_cleared=self._forget, counters=entry.counters,
-                                   on_events=self._on_events)
+                                   on_events=self._on_events,
+                                   transport=self._event_transport)
             await entry.feed.start()
         entry.indexed = True
         entry.state, entry.unhealthy_since, entry.last_error = WorkerState.HEALTHY, None, None
@@ -301,16 +345,3 @@ class Registry:
         if hasattr(self._index, "remove_worker"):
             self._index.remove_worker(entry.id)
 
-
-def _reported(load: Any, entry: WorkerEntry) -> ReportedLoad:
-    if type(load) is not dict:
-        return ReportedLoad()
-    block_size = entry.info.block_size if entry.info else 1
-
-    def num(name: str) -> float:
-        value = load.get(name, 0)
-        return float(value) if isinstance(value, int | float) else 0.0
-
-    return ReportedLoad(running=int(num("running")), waiting=int(num("waiting")),
-                        pending_prefill_blocks=num("pending_prefill_tokens") / block_size,
-                        decode_blocks=num("decode_blocks"))

@@ -69,14 +69,32 @@ class PredictedResidency:
         """Drop every prediction for ``worker`` (cleared, restarted, removed)."""
         self._by_worker.pop(worker, None)
 
+    def withdraw(self, worker: int, hashes: Sequence[int]) -> None:
+        """Drop the predictions of ``hashes`` on ``worker`` (it refused the request that made
+        them; a sibling's prediction of the same blocks goes too)."""
+        entries = self._by_worker.get(worker)
+        if entries:
+            for h in hashes:
+                entries.pop(h, None)
+
     def expire(self, now: float) -> int:
-        """Drop expired predictions; returns how many went."""
+        """Drop expired predictions; returns how many went.
+
+        Cheap enough to call per request: every prediction lives the same ``ttl`` and
+        :meth:`predict` moves each to the end, so each worker's entries are in expiry order
+        and only the expired ones at the front are looked at.
+        """
         dropped = 0
-        for entries in self._by_worker.values():
-            stale = [h for h, t in entries.items() if t <= now]
-            for h in stale:
+        for worker in list(self._by_worker):
+            entries = self._by_worker[worker]
+            while entries:
+                h, expiry = next(iter(entries.items()))
+                if expiry > now:
+                    break
                 del entries[h]
-            dropped += len(stale)
+                dropped += 1
+            if not entries:
+                del self._by_worker[worker]
         return dropped
 
     def size(self, worker: int) -> int:

@@ -176,15 +176,19 @@ class RouterService:
                                "model", "model_not_found")
         if prompt is None:
             prompt = self.tokenize(body, kind)
-        max_len = min((e.info.max_model_len for e in entries if e.info and e.info.max_model_len),
-                      default=0)
-        if max_len and len(prompt.token_ids) > max_len:
-            raise ApiError(400, f"the prompt has {len(prompt.token_ids)} tokens, more than the "
-                           f"model's {max_len}", param="prompt", code="context_length_exceeded")
+        # Only workers the prompt fits are candidates; 400 when it fits none.
+        size = len(prompt.token_ids)
+        fits = [e for e in entries if not (e.info and e.info.max_model_len)
+                or size <= e.info.max_model_len]
+        if not fits:
+            longest = max(e.info.max_model_len for e in entries if e.info)
+            raise ApiError(400, f"the prompt has {size} tokens, more than the model's "
+                           f"{longest}", param="prompt", code="context_length_exceeded")
+        entries = fits
         first = entries[0].info
         assert first is not None, "a candidate always has model info"
         terms = HashingTerms(self.settings.block_size, by_uuid=first.image_routing_version == 1,
-                             salt_hashing=first.salt_hashing)
+                             salt_hashing=first.salt_hashing, salt_key=self.settings.salt_key)
         lora = model if model is not None and model != first.model else None
         try:
             hashes = request_hashes(prompt, terms, lora)
@@ -260,12 +264,21 @@ class RouterService:
                          max(blocks, 1))
         residency = self.approximate if worker.approximate else self.predicted
         now = time.monotonic()
+        residency.expire(now)  # amortised: only the expired front is looked at
         residency.predict(worker.id, route.hashes, now)
         if self.sessions is not None:
             self.sessions.routed(route.hashes, worker.id, now, route.continued,
                                  len(route.prompt.token_ids))
             route.continued = None
 
-    def undispatched(self, route: Route) -> None:
-        """The send failed before the worker took the request: release its booking."""
+    def undispatched(self, route: Route, worker: WorkerEntry | None = None) -> None:
+        """The send failed before the worker took the request: release its load and, given
+        the ``worker``, the blocks predicted there for it."""
         self.load.finished(route.request_id)
+        if worker is not None:
+            self.refused(route, worker)
+
+    def refused(self, route: Route, worker: WorkerEntry) -> None:
+        """``worker`` refused the request: withdraw the blocks predicted there for it."""
+        residency = self.approximate if worker.approximate else self.predicted
+        residency.withdraw(worker.id, route.hashes)

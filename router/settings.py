@@ -11,13 +11,20 @@ import json
 import os
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
 from httpapi.auth import check_bind, read_token_file
 from httpapi.server import DEFAULT_LIMITS, ConnectionLimits
 from indexer.openai_api import MAX_BODY_BYTES
+from router.discovery import parse_target
+from router.event_transport import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_RECEIVE_HWM,
+    CurveClientKeys,
+    EventTransport,
+)
 from router.scheduler import SchedulerConfig
 
 __all__ = ["POLICIES", "RouterSettings", "SettingsError", "load_settings"]
@@ -56,13 +63,23 @@ class RouterSettings:
     approximate_ttl: float = 120.0
     health_interval: float = 1.0
     unhealthy_grace: float = 5.0
+    health_timeout: float = 1.0
     connect_timeout: float = 2.0
     first_byte_timeout: float = 300.0
+    first_byte_floor: float = 2.0
+    first_byte_factor: float = 4.0
     max_image_bytes: int = 20 * 1024 * 1024
     admin_token: str | None = None
     worker_admin_token: str | None = None
     seed: int | None = None
     log_level: str = "info"
+    # event plane: message limits, CURVE keys, the salt-tag secret
+    event_max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    event_receive_hwm: int = DEFAULT_RECEIVE_HWM
+    curve_secret_key: str | None = None
+    curve_server_key: str | None = None
+    salt_secret: str | None = field(default=None, repr=False)
+    salt_secret_file: str | None = None
     # The HTTP boundary: admin token sources, open-bind consent, connection limits.
     admin_token_file: str | None = None
     worker_admin_token_file: str | None = None
@@ -71,6 +88,9 @@ class RouterSettings:
     header_timeout: float = DEFAULT_LIMITS.header_timeout
     keep_alive_timeout: float = DEFAULT_LIMITS.keep_alive_timeout
     max_body_bytes: int = MAX_BODY_BYTES
+    #: DNS names whose addresses are workers (``dns:///NAME:PORT``; router.discovery).
+    discover: tuple[str, ...] = ()
+    discover_interval: float = 5.0
 
     def __post_init__(self) -> None:
         checks = [
@@ -95,14 +115,33 @@ class RouterSettings:
             (self.predict_ttl > 0 and self.approximate_ttl > 0, "ttls must be positive"),
             (self.health_interval > 0, "health_interval must be positive"),
             (self.unhealthy_grace >= 0, "unhealthy_grace must be >= 0"),
-            (self.connect_timeout > 0 and self.first_byte_timeout > 0,
-             "timeouts must be positive"),
+            (self.connect_timeout > 0 and self.first_byte_timeout > 0
+             and self.health_timeout > 0, "timeouts must be positive"),
+            (0 < self.first_byte_floor <= self.first_byte_timeout,
+             "first_byte_floor must be positive and at most first_byte_timeout"),
+            (self.first_byte_factor >= 1, "first_byte_factor must be >= 1"),
             (self.max_image_bytes > 0, "max_image_bytes must be positive"),
+            (self.event_max_message_bytes > 0, "event_max_message_bytes must be positive"),
+            (self.event_receive_hwm > 0, "event_receive_hwm must be positive"),
+            ((self.curve_secret_key is None) == (self.curve_server_key is None),
+             "curve_secret_key and curve_server_key go together"),
             (self.max_body_bytes > 0, "max_body_bytes must be positive"),
+            (self.discover_interval > 0, "discover_interval must be positive"),
         ]
         for ok, message in checks:
             if not ok:
                 raise SettingsError(message)
+        if self.salt_secret_file is not None:  # read once; the file wins over salt_secret
+            try:
+                secret = Path(self.salt_secret_file).read_text().strip()
+            except OSError as exc:
+                raise SettingsError(f"salt_secret_file {self.salt_secret_file}: "
+                                    f"{exc.strerror}") from None
+            object.__setattr__(self, "salt_secret", secret)
+        if self.salt_secret is not None and not self.salt_secret:
+            raise SettingsError("salt_secret is empty")
+        if self.curve_secret_key is not None:
+            self.event_transport()  # unreadable keys fail at start-up, not at first connect
         try:
             self.connection_limits()
             check_bind(self.host, self.admin_token, self.insecure_no_auth, "router")
@@ -111,11 +150,35 @@ class RouterSettings:
         for url in self.workers:
             if not url.startswith(("http://", "https://")):
                 raise SettingsError(f"worker {url!r} is not an http(s) URL")
+        for target in self.discover:
+            try:
+                parse_target(target)
+            except ValueError as exc:
+                raise SettingsError(f"discover: {exc}") from None
 
     def connection_limits(self) -> ConnectionLimits:
         """The HTTP server's connection limits and timeouts."""
         return ConnectionLimits(self.max_connections, self.header_timeout,
                                 self.keep_alive_timeout)
+
+    @property
+    def salt_key(self) -> bytes | None:
+        """The cluster secret that keys salt tags, or None (unkeyed tags)."""
+        return None if self.salt_secret is None else self.salt_secret.encode()
+
+    def event_transport(self) -> EventTransport:
+        """The event sockets' limits and CURVE keys (read from their files).
+
+        Raises:
+            SettingsError: a CURVE key file is missing or unusable.
+        """
+        curve = None
+        if self.curve_secret_key is not None and self.curve_server_key is not None:
+            try:
+                curve = CurveClientKeys.load(self.curve_secret_key, self.curve_server_key)
+            except ValueError as exc:
+                raise SettingsError(str(exc)) from None
+        return EventTransport(self.event_max_message_bytes, self.event_receive_hwm, curve)
 
     @property
     def sessions(self) -> bool:
@@ -149,7 +212,7 @@ _TOKEN_FILES = {"admin_token_file": "admin_token",
 def _coerce(name: str, value: Any, origin: str) -> Any:
     kind = _TYPES[name]
     try:
-        if name == "workers":
+        if name in ("workers", "discover"):
             if isinstance(value, str):
                 value = [v for v in (p.strip() for p in value.split(",")) if v]
             return tuple(str(v).rstrip("/") for v in value)

@@ -1,4 +1,4 @@
-"""The issue's targets on one run's rows: who the peers are, each target's edge, the tally."""
+"""The benchmark targets on one run's rows: who the peers are, each target's edge, the tally."""
 
 from __future__ import annotations
 

@@ -108,3 +108,24 @@ def test_waiting_blocks_are_full_prompts_until_the_first_token() -> None:
     assert t.waiting_blocks(0) == 0.0
     t.finished("a")
     assert t.waiting_blocks(0) == 0.0 and t.waiting_blocks(7) == 0.0
+
+
+def test_expiry_drops_only_the_expired_front_and_empty_workers() -> None:
+    p = PredictedResidency(ttl=10.0)
+    p.predict(0, [1, 2], now=0.0)
+    p.predict(0, [3], now=5.0)
+    p.predict(0, [1], now=6.0)  # 1 again: lives to 16, behind 3
+    p.predict(1, [9], now=1.0)
+    assert p.expire(now=10.0) == 1  # 2 went; 3 (15) and 1 (16) stay
+    assert p.extend(0, [3], 0, now=10.0) == 1 and p.extend(0, [1], 0, now=10.0) == 1
+    assert p.size(0) == 2 and p.workers() == [0, 1]
+    assert p.expire(now=16.0) == 3
+    assert p.workers() == [] and p.size(0) == p.size(1) == 0
+
+
+def test_withdrawn_predictions_are_gone() -> None:
+    p = PredictedResidency(ttl=10.0)
+    p.predict(0, [1, 2, 3], now=0.0)
+    p.withdraw(0, [2, 3, 4])
+    p.withdraw(5, [1])  # a worker with nothing predicted
+    assert p.extend(0, [1, 2], 0, now=1.0) == 1 and p.size(0) == 1

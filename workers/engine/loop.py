@@ -29,7 +29,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from indexer.wire import Event, KVEventBatch
+from indexer.wire import KVEventBatch, WireEvent
 from workers.cache.cache_manager import CacheManager
 from workers.cache.event_sink import EventSink
 from workers.cache.publisher import EventPublisher
@@ -251,7 +251,7 @@ class Engine:
         The two agree: a consumer that applies the batch can continue at seq + 1.
         """
         seq = self.publisher.next_seq - 1 if self.publisher is not None else -1
-        events: list[Event] = list(self.sink.snapshot_events())
+        events: list[WireEvent] = list(self.sink.snapshot_events())
         return seq, KVEventBatch(ts=self._clock(), events=events, data_parallel_rank=self.rank)
 
     def load(self) -> dict[str, int | float]:
