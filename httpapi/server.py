@@ -10,6 +10,11 @@ Rules:
        uvicorn by itself waits forever for a client that connects and says nothing.
     3. A kept-alive connection idle for ``keep_alive_timeout`` seconds between requests is
        closed (uvicorn's ``timeout_keep_alive``).
+    4. A connection closed while the client is still sending a body (an upload refused with
+       413) is closed gently: the answer is sent with a FIN, and what the client goes on sending
+       is read and dropped for up to ``LINGER_SECONDS`` or ``LINGER_BYTES``. Closing a socket
+       with unread data makes the kernel send a reset, which can destroy the answer before the
+       client reads it (nginx's "lingering close").
 """
 
 from __future__ import annotations
@@ -44,16 +49,43 @@ class ConnectionLimits:
 
 
 DEFAULT_LIMITS = ConnectionLimits()
+#: Rule 4's bounds on reading a refused upload's remainder.
+LINGER_SECONDS = 2.0
+LINGER_BYTES = 8 * 1024 * 1024
+
+
+class _LingeringTransport:
+    """The connection's transport, except that :meth:`close` follows rule 4 while the request
+    body is still arriving. Everything else is the real transport's."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: _GuardedProtocol) -> None:
+        self._transport = transport
+        self._protocol = protocol
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def close(self) -> None:
+        protocol = self._protocol
+        cycle = protocol.cycle
+        if (protocol.lingering or cycle is None or not cycle.more_body
+                or self._transport.is_closing() or not self._transport.can_write_eof()):
+            self._transport.close()
+            return
+        protocol.linger(self._transport)
 
 
 class _GuardedProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with rule 1's hard cap and rule 2's header timer."""
 
     limits = DEFAULT_LIMITS
+    lingering = False
     _header_timer: asyncio.TimerHandle | None = None
+    _linger_timer: asyncio.TimerHandle | None = None
+    _lingered = 0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
+        super().connection_made(_LingeringTransport(transport, self))  # type: ignore[arg-type]
         if len(self.connections) > 2 * self.limits.max_connections:
             transport.abort()
             return
@@ -61,7 +93,29 @@ class _GuardedProtocol(HttpToolsProtocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_header_timer()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
         super().connection_lost(exc)
+
+    def linger(self, transport: asyncio.Transport) -> None:
+        """Send what is buffered and a FIN, then drop what arrives until the client closes,
+        or rule 4's bounds are reached."""
+        self.lingering = True
+        transport.write_eof()
+        transport.resume_reading()
+        self._linger_timer = self.loop.call_later(LINGER_SECONDS, transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        if not self.lingering:
+            super().data_received(data)
+            return
+        self._lingered += len(data)
+        if self._lingered > LINGER_BYTES:
+            self.transport.close()
+
+    def eof_received(self) -> None:
+        if self.lingering:
+            self.transport.close()
 
     def on_message_begin(self) -> None:
         super().on_message_begin()

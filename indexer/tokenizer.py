@@ -24,8 +24,9 @@ Notes:
        stand for, where the tokenizer makes that provable, so that a prompt of ``n``
        characters is known to need at least ``n / max_bytes_per_token`` tokens without
        encoding it (every character is at least one byte). A Hugging Face tokenizer has one
-       when its model is BPE, nothing normalizes the text or drops characters before the
-       model (only the pre-tokenizers in :data:`_KEEPS_TEXT`), no run of unknown characters
+       when its model is BPE, nothing shortens the text or drops characters before the model
+       (normalizers that only prepend or replace a string by one at least as long, and only
+       the pre-tokenizers in :data:`_KEEPS_TEXT`), no run of unknown characters
        becomes one token, and no added token absorbs the spaces around it. The bound is then
        the longest token's UTF-8 length: a byte-level or metaspace token's text is at least as
        long as the text it stands for.
@@ -275,12 +276,30 @@ def _keeps_text(pre: Any) -> bool:
     return pre.get("type") in _KEEPS_TEXT and pre.get("behavior") != "Removed"
 
 
+def _never_shortens(normalizer: Any) -> bool:
+    if normalizer is None:
+        return True
+    if not isinstance(normalizer, dict):
+        return False
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        return all(_never_shortens(n) for n in normalizer.get("normalizers") or ())
+    if kind == "Prepend":
+        return True
+    if kind == "Replace":  # a literal string by one at least as long (Llama's " " -> "▁")
+        pattern = normalizer.get("pattern") or {}
+        old, new = pattern.get("String"), normalizer.get("content")
+        return (isinstance(old, str) and isinstance(new, str)
+                and len(new.encode("utf-8")) >= len(old.encode("utf-8")))
+    return False
+
+
 def _max_bytes_per_token(spec: Any) -> int | None:
     """Note 5's bound for a parsed ``tokenizer.json``, or ``None`` when none is provable."""
     if not isinstance(spec, dict):
         return None
     model = spec.get("model")
-    if (spec.get("normalizer") is not None or not _keeps_text(spec.get("pre_tokenizer"))
+    if (not _never_shortens(spec.get("normalizer")) or not _keeps_text(spec.get("pre_tokenizer"))
             or not isinstance(model, dict) or model.get("type") != "BPE"):
         return None
     if model.get("unk_token") is not None and model.get("fuse_unk"):

@@ -112,11 +112,30 @@ def _trained(normalizer: object | None, pre: object) -> HFTokenizer:
 @pytest.mark.parametrize("normalizer, pre", [
     (None, pre_tokenizers.Whitespace()),  # drops every space: "   " is no token at all
     (normalizers.Lowercase(), pre_tokenizers.ByteLevel()),  # may shorten the text
+    (normalizers.NFC(), pre_tokenizers.Metaspace()),  # composes "e" + U+0301 into "é"
+    (normalizers.Replace("ab", "x"), pre_tokenizers.Metaspace()),
 ])
 def test_no_bound_where_the_text_can_shrink_before_the_model(
         normalizer: object | None, pre: object) -> None:
     tok = _trained(normalizer, pre)
     assert tok.max_bytes_per_token is None
+
+
+@settings(max_examples=100, deadline=None)
+@given(text=st.lists(st.sampled_from([*"ab the fox", " ", "  ", "é", "\U0001f600"]),
+                     max_size=200).map("".join))
+def test_a_llama_style_sentencepiece_bpe_is_bounded_and_the_bound_holds(text: str) -> None:
+    # Llama 2's tokenizer.json: spaces become "▁" by normalizers, bytes fall back to <0xNN>.
+    raw = RawTokenizer(models.BPE(unk_token="<unk>", byte_fallback=True))
+    raw.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                           normalizers.Replace(" ", "▁")])
+    raw.train_from_iterator(["the quick brown fox"] * 4, trainer=trainers.BpeTrainer(
+        vocab_size=80, special_tokens=["<unk>", *(f"<0x{b:02X}>" for b in range(256))],
+        show_progress=False))
+    tok = HFTokenizer(raw.to_str().encode(), source="memory")
+    assert tok.max_bytes_per_token is not None
+    request = validate_request({"prompt": text}, "completions")
+    assert len(tok.encode(text)) >= fewest_prompt_tokens(request, tok.max_bytes_per_token)
 
 
 def test_no_bound_when_unknown_runs_fuse(tmp_path: Path) -> None:

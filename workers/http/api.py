@@ -101,7 +101,7 @@ def create_app(settings: WorkerSettings) -> FastAPI:
         checked = validate_request(body, "chat" if chat else "completions")
         if checked.n not in (None, 1):
             raise ApiError(400, f"only n=1 is supported, got {checked.n}", param="n")
-        model = checked.model or settings.model
+        model = settings.model if checked.model is None else checked.model
         lora = runtime.lora_scope(model)
         if model != settings.model and lora is None:
             raise ApiError(404, f"the model {model!r} does not exist", param="model",
