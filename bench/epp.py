@@ -19,6 +19,19 @@ is bounded by all of them together;
 ``epp_rps_per_core`` (requests divided by the EPP's CPU seconds) is what one EPP process
 handles when it has a core to itself. ``wrk`` is the load generator when installed (its
 ``--latency`` percentiles), else aiohttp (slower: it takes CPU from the servers).
+
+CPU per request is the figure to compare changes by: on a busy machine latency and requests
+per second swing with the neighbours, CPU time per request much less. It still varies from
+run to run (more wake-ups per request when the process is starved), so the run ends with
+``--rounds`` alternating runs of the EPP and of :mod:`bench.ext_proc_floor`, a do-nothing
+ext_proc server on the same runtime behind its own Envoy, and prints the medians
+(``epp_cpu_us_per_request_median``, ``floor_cpu_us_per_request_median``). The floor is most of
+the EPP's cost: grpcio's asyncio server hands every completion of a call from its polling
+thread to the event loop, some forty system calls per request (eventfd writes, socket reads,
+epoll waits, futexes) around two ``sendmsg`` and two ``recvmsg`` of traffic. The
+conversation is already the shortest that routes (request headers and buffered body; see
+``deploy/envoy/envoy.yaml``); grpcio's synchronous server costs more than the asyncio one for
+the same do-nothing work. More decisions per second come from more EPP processes.
 """
 
 from __future__ import annotations
