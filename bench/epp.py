@@ -19,6 +19,19 @@ is bounded by all of them together;
 ``epp_rps_per_core`` (requests divided by the EPP's CPU seconds) is what one EPP process
 handles when it has a core to itself. ``wrk`` is the load generator when installed (its
 ``--latency`` percentiles), else aiohttp (slower: it takes CPU from the servers).
+
+CPU per request is the figure to compare changes by: on a busy machine latency and requests
+per second swing with the neighbours, CPU time per request much less. It still varies from
+run to run (more wake-ups per request when the process is starved), so the run ends with
+``--rounds`` alternating runs of the EPP and of :mod:`bench.ext_proc_floor`, a do-nothing
+ext_proc server on the same runtime behind its own Envoy, and prints the medians
+(``epp_cpu_us_per_request_median``, ``floor_cpu_us_per_request_median``). The floor is most of
+the EPP's cost: grpcio's asyncio server hands every completion of a call from its polling
+thread to the event loop, some forty system calls per request (eventfd writes, socket reads,
+epoll waits, futexes) around two ``sendmsg`` and two ``recvmsg`` of traffic. The
+conversation is already the shortest that routes (request headers and buffered body; see
+``deploy/envoy/envoy.yaml``); grpcio's synchronous server costs more than the asyncio one for
+the same do-nothing work. More decisions per second come from more EPP processes.
 """
 
 from __future__ import annotations
@@ -29,6 +42,7 @@ import json
 import os
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -135,6 +149,19 @@ def _measure_epp(url: str, requests: int, seconds: float, pid: int
              "one_p99": percentile(one, 99)}, cpu, elapsed)
 
 
+def _cpu_us_per_request(url: str, pid: int, requests: int, seconds: float) -> float:
+    """CPU microseconds of process ``pid`` per request, over one closed-loop run at ``url``."""
+    cpu_before = _cpu_seconds(pid)
+    if shutil.which("wrk"):
+        served = _wrk(url, seconds)[2] * seconds
+    else:
+        times, _, failed = asyncio.run(_closed_loop(url, requests))
+        if failed:
+            raise RuntimeError(f"{failed} requests to {url} failed")
+        served = len(times)
+    return (_cpu_seconds(pid) - cpu_before) / served * 1e6
+
+
 def _wait_grpc_ready(port: int, proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -152,15 +179,21 @@ def _wait_grpc_ready(port: int, proc: subprocess.Popen[bytes], timeout: float = 
     raise RuntimeError(f"kvroute epp was not ready in {timeout}s")
 
 
-def run(requests: int, seconds: float) -> dict[str, Any]:
-    """Start the worker, router, EPP and Envoy; measure the three paths; stop everything."""
+def run(requests: int, seconds: float, rounds: int = 3) -> dict[str, Any]:
+    """Start the worker, router, EPP, the ext_proc floor and an Envoy in front of each;
+    measure the three paths, then the EPP's and the floor's CPU per request in ``rounds``
+    alternating runs; stop everything."""
     worker_port, router_port, epp_port = free_port(), free_port(), free_port()
     envoy_port, admin_port = free_port(), free_port()
+    floor_port, floor_envoy_port, floor_admin_port = free_port(), free_port(), free_port()
     worker_url = f"http://127.0.0.1:{worker_port}"
     procs: list[subprocess.Popen[bytes]] = []
     with tempfile.TemporaryDirectory() as scratch:
         config = Path(scratch) / "envoy.yaml"
         config.write_text(render_envoy_config(envoy_port, admin_port, epp_port))
+        floor_config = Path(scratch) / "floor.yaml"
+        floor_config.write_text(render_envoy_config(floor_envoy_port, floor_admin_port,
+                                                     floor_port))
         try:
             procs.append(spawn(["worker", "--port", str(worker_port), "--events-port",
                                 str(free_port()), "--replay-port", str(free_port()),
@@ -177,8 +210,22 @@ def run(requests: int, seconds: float) -> dict[str, Any]:
             direct = _measure(f"{worker_url}/v1/completions", requests, seconds)
             routed = _measure(f"http://127.0.0.1:{router_port}/v1/completions", requests,
                               seconds)
-            picked, epp_cpu, elapsed = _measure_epp(
-                f"http://127.0.0.1:{envoy_port}/v1/completions", requests, seconds, epp.pid)
+            epp_url = f"http://127.0.0.1:{envoy_port}/v1/completions"
+            picked, epp_cpu, elapsed = _measure_epp(epp_url, requests, seconds, epp.pid)
+            floor = subprocess.Popen([sys.executable, "-m", "bench.ext_proc_floor",
+                                      "--grpc-port", str(floor_port), "--endpoint",
+                                      f"127.0.0.1:{worker_port}"], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, start_new_session=True)
+            procs.append(floor)
+            _wait_grpc_ready(floor_port, floor)
+            procs.append(spawn_envoy(floor_config, floor_admin_port))
+            floor_url = f"http://127.0.0.1:{floor_envoy_port}/v1/completions"
+            latency(floor_url, BODY, 100, warmup=0)  # Envoy's connections are open
+            epp_rounds, floor_rounds = [], []
+            for _ in range(rounds):  # alternating: a busy machine weighs on both alike
+                epp_rounds.append(_cpu_us_per_request(epp_url, epp.pid, requests, seconds))
+                floor_rounds.append(_cpu_us_per_request(floor_url, floor.pid, requests,
+                                                        seconds))
         finally:
             for proc in reversed(procs):
                 stop(proc)
@@ -210,6 +257,9 @@ def run(requests: int, seconds: float) -> dict[str, Any]:
         "epp_cpu_us_per_request": round(epp_cpu / served * 1e6, 1),
         "epp_rps_per_core": round(served / epp_cpu) if epp_cpu else None,
         "epp_cpu_share": round(epp_cpu / elapsed, 2),
+        "epp_cpu_us_per_request_median": round(statistics.median(epp_rounds), 1),
+        "floor_cpu_us_per_request_median": round(statistics.median(floor_rounds), 1),
+        "cpu_rounds": rounds,
         "cpus": os.cpu_count(),
     }
 
@@ -275,10 +325,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--quick", action="store_true", help="a small, fast run")
     parser.add_argument("--seconds", type=float, default=10.0,
                         help="seconds per path under wrk (default 10)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="alternating EPP / floor runs for the CPU medians (default 3)")
     args = parser.parse_args(argv)
     seconds = 2.0 if args.quick else args.seconds
     figures = {"exchange_cpu_us_per_request": round(exchange_cpu_us(), 1)}
-    figures |= run(500 if args.quick else 5000, seconds)
+    figures |= run(500 if args.quick else 5000, seconds, max(1, args.rounds))
     print_figures(figures, args.json)
 
 
