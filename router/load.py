@@ -24,6 +24,7 @@ we saw.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 __all__ = ["LoadTracker", "ReportedLoad", "WorkerLoad"]
@@ -69,15 +70,31 @@ class _Books:
 
 
 class LoadTracker:
-    """In-flight requests per worker, with each worker's reported load folded in."""
+    """In-flight requests per worker, with each worker's reported load folded in.
+
+    :attr:`on_change`, when set, is called with a worker's id after anything this tracker
+    reports for that worker may have changed (the routing core keeps its workers ordered by
+    load with it), and after a worker is added or removed.
+    """
 
     def __init__(self) -> None:
         self._books: dict[int, _Books] = {}
         self._requests: dict[str, _Request] = {}
+        self.on_change: Callable[[int], None] | None = None
+
+    def _changed(self, worker: int) -> None:
+        if self.on_change is not None:
+            self.on_change(worker)
 
     def add_worker(self, worker: int) -> None:
         """Start tracking ``worker`` (idempotent)."""
-        self._books.setdefault(worker, _Books())
+        if worker not in self._books:
+            self._books[worker] = _Books()
+            self._changed(worker)
+
+    def tracked(self, worker: int) -> bool:
+        """Whether ``worker`` is tracked."""
+        return worker in self._books
 
     def remove_worker(self, worker: int) -> list[str]:
         """Stop tracking ``worker``; returns the ids of its in-flight requests."""
@@ -86,6 +103,7 @@ class LoadTracker:
             return []
         for rid in books.requests:
             self._requests.pop(rid, None)
+        self._changed(worker)
         return sorted(books.requests)
 
     def routed(self, request_id: str, worker: int, prefill_blocks: float,
@@ -106,6 +124,7 @@ class LoadTracker:
         books.active += 1
         books.prefill += prefill_blocks
         books.waiting += decode_blocks
+        self._changed(worker)
 
     def first_token(self, request_id: str) -> None:
         """The request produced its first token: prefill done, decode begins."""
@@ -117,6 +136,7 @@ class LoadTracker:
         books.prefill -= req.prefill_blocks
         books.waiting -= req.decode_blocks
         books.decode += req.decode_blocks
+        self._changed(req.worker)
 
     def finished(self, request_id: str) -> None:
         """The request ended (success, error or cancel); releases what it held."""
@@ -133,6 +153,7 @@ class LoadTracker:
         else:
             books.prefill -= req.prefill_blocks
             books.waiting -= req.decode_blocks
+        self._changed(req.worker)
 
     def reported(self, worker: int, load: ReportedLoad) -> None:
         """Fold in the worker's own report of its load."""
@@ -145,9 +166,10 @@ class LoadTracker:
             # worker's (a non-streamed answer shows no first token until it ends), so a
             # per-phase difference is not foreign load: count none.
             books.external_prefill = books.external_decode = 0.0
-            return
-        books.external_prefill = max(0.0, load.pending_prefill_blocks - books.prefill)
-        books.external_decode = max(0.0, load.decode_blocks - books.decode)
+        else:
+            books.external_prefill = max(0.0, load.pending_prefill_blocks - books.prefill)
+            books.external_decode = max(0.0, load.decode_blocks - books.decode)
+        self._changed(worker)
 
     def load(self, worker: int) -> WorkerLoad:
         """The load to weigh for ``worker`` (zero for an unknown worker)."""

@@ -5,12 +5,11 @@ from __future__ import annotations
 
 import math
 import random
-import time
 
 import pytest
 
 from indexer.events import Cleared, Removed, Stored
-from router.pressure import EvictionPressure, PressureRule, queue_weight_for
+from router.pressure import EvictionPressure, queue_terms_for, queue_weight_for
 from router.scheduler import Candidate, SchedulerConfig, choose, cost_of
 
 
@@ -101,19 +100,17 @@ def test_queue_weight_is_flat_outside_the_band_and_linear_inside(pressure: float
     assert queue_weight_for(pressure) == pytest.approx(weight)
 
 
-def test_queue_weight_rule_is_configurable_and_validated() -> None:
-    rule = PressureRule(low=0.5, high=0.5, low_pressure_weight=1.0, high_pressure_weight=0.0)
-    assert queue_weight_for(0.49, rule) == 1.0 and queue_weight_for(0.5, rule) == 1.0
-    assert queue_weight_for(0.51, rule) == 0.0
-    with pytest.raises(ValueError):
-        PressureRule(low=0.8, high=0.2)
-    with pytest.raises(ValueError):
-        PressureRule(high_pressure_weight=-0.1)
+def test_while_warming_the_weight_is_half_and_the_discount_stops_at_the_cached_blocks(
+        ) -> None:
+    assert queue_terms_for(0.9, warming=True) == (0.5, True)
+    assert queue_terms_for(0.9) == (pytest.approx(0.10), False)
+    assert queue_weight_for(0.0, warming=True) == 0.5
 
 
 def test_queue_cap_weights_only_the_first_blocks_of_a_queue() -> None:
-    capped = SchedulerConfig(overlap_weight=1.0, queue_weight=0.1, queue_cap_blocks=3000)
-    plain = SchedulerConfig(overlap_weight=1.0, queue_weight=0.1)
+    capped = SchedulerConfig(overlap_weight=1.0, affinity_weight=1.0, queue_weight=0.1,
+                             queue_cap_blocks=3000)
+    plain = SchedulerConfig(overlap_weight=1.0, affinity_weight=1.0, queue_weight=0.1)
     short, long_ = Candidate(0, pending_prefill_blocks=2000), Candidate(1,
                                                                      pending_prefill_blocks=5000)
     assert cost_of(short, 10, capped).cost == pytest.approx(10 + 200)
@@ -136,7 +133,8 @@ def test_queue_cap_counts_from_the_shortest_queue() -> None:
     # blocks, worker 1 holds nothing behind 4,000. Counted from zero the cap would send the
     # request to worker 1 (300 + 3,000 against 1,000 + 300 + 1,000); counted from the shortest
     # queue (4,000), worker 0's whole queue is discounted: 600 against 1,400.
-    capped = SchedulerConfig(overlap_weight=1.0, queue_weight=0.1, queue_cap_blocks=3000)
+    capped = SchedulerConfig(overlap_weight=1.0, affinity_weight=1.0, queue_weight=0.1,
+                             queue_cap_blocks=3000)
     cands = [Candidate(0, 1000, 1000, pending_prefill_blocks=6000),
              Candidate(1, pending_prefill_blocks=4000)]
     decision = choose(1000, cands, capped, random.Random(0))
@@ -157,42 +155,6 @@ def test_default_cap_is_unbounded_and_bad_caps_are_rejected() -> None:
     for bad in (-1.0, math.nan):
         with pytest.raises(ValueError, match="queue_cap_blocks"):
             SchedulerConfig(queue_cap_blocks=bad)
-
-
-def test_the_idle_segment_runs_from_its_weight_at_zero_to_the_low_weight() -> None:
-    rule = PressureRule(idle_weight=0.5, idle_below=0.1)
-    assert queue_weight_for(0.0, rule) == 0.5
-    assert queue_weight_for(0.05, rule) == pytest.approx(0.375)
-    assert queue_weight_for(0.1, rule) == 0.25  # K from here on
-    assert queue_weight_for(0.5, rule) == pytest.approx(0.175)
-    assert queue_weight_for(0.9, rule) == pytest.approx(0.10)
-    assert queue_weight_for(0.0) == 0.25  # without the segment: K at zero pressure
-    with pytest.raises(ValueError, match="idle_below"):
-        PressureRule(idle_weight=0.5, idle_below=0.5)  # past low (0.3)
-
-
-async def test_a_removed_worker_leaves_the_routers_pressure_a_restarted_one_keeps_its_peak(
-) -> None:
-    import httpx
-
-    from router.service import RouterService
-    from router.settings import RouterSettings
-    from router.worker_table import WorkerInfo
-
-    async with httpx.AsyncClient() as http:
-        service = RouterService(RouterSettings(), http)
-        for w in range(2):
-            service.registry.adopt(WorkerInfo(url=f"http://w{w}", model="m", block_size=32,
-                                              tokenizer="bytes-v1", instance_id=f"i{w}"))
-        service._observe(0, [stored(100)])
-        service._observe(1, [stored(300), removed(60)])
-        now = time.monotonic()
-        assert service.pressure.pressure(now) == pytest.approx(60 / 400)
-        service.forget(1)  # restarted: its cache is empty, its capacity is not
-        assert service.pressure.peak(1) == 300 and service.pressure.resident(1) == 0
-        await service.registry.remove(1)  # removed: its capacity leaves the denominator
-        assert service.pressure.peak(1) == 0
-        assert service.pressure.pressure(time.monotonic()) == pytest.approx(60 / 100)
 
 
 def test_warm_up_ends_at_the_fill_or_the_first_eviction() -> None:

@@ -8,11 +8,10 @@ import random
 
 import pytest
 
-from router.pressure import ROUTER_PRESSURE_RULE, PressureRule, queue_terms_for
 from router.scheduler import Candidate, SchedulerConfig, choose, cost_of
 
-WHOLE = SchedulerConfig(overlap_weight=1.0, queue_weight=0.5)
-CACHED_ONLY = SchedulerConfig(overlap_weight=1.0, queue_weight=0.5,
+WHOLE = SchedulerConfig(overlap_weight=1.0, affinity_weight=1.0, queue_weight=0.5)
+CACHED_ONLY = SchedulerConfig(overlap_weight=1.0, affinity_weight=1.0, queue_weight=0.5,
                               queue_discount_cached_only=True)
 
 
@@ -54,22 +53,8 @@ def test_a_request_cached_behind_the_queue_still_waits_for_it() -> None:
 
 def test_the_cap_still_applies_first() -> None:
     # Past queue_cap_blocks the queue counts whole either way.
-    config = SchedulerConfig(overlap_weight=1.0, queue_weight=0.5, queue_cap_blocks=100,
+    config = SchedulerConfig(overlap_weight=1.0, affinity_weight=1.0, queue_weight=0.5,
+                             queue_cap_blocks=100,
                              queue_discount_cached_only=True)
     c = Candidate(0, 300, 300, pending_prefill_blocks=400)
     assert cost_of(c, 300, config, continue_rate=0.0).prefill_blocks == pytest.approx(350)
-
-
-def test_the_router_rule_turns_it_on_only_with_a_warm_up() -> None:
-    assert ROUTER_PRESSURE_RULE.warmup_cached_only
-    assert ROUTER_PRESSURE_RULE.warmup_weight == 0.5
-    assert not PressureRule().warmup_cached_only
-    assert "warmup_cached_only=True" in repr(ROUTER_PRESSURE_RULE)
-    with pytest.raises(ValueError, match="warmup_cached_only needs a warmup_weight"):
-        PressureRule(warmup_cached_only=True)
-
-
-def test_the_rule_sets_both_terms_for_a_decision() -> None:
-    assert queue_terms_for(0.9, ROUTER_PRESSURE_RULE, warming=True) == (0.5, True)
-    assert queue_terms_for(0.9, ROUTER_PRESSURE_RULE) == (pytest.approx(0.10), False)
-    assert queue_terms_for(0.0, warming=True) == (0.25, False)  # no warm-up in the default

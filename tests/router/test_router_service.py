@@ -274,7 +274,7 @@ async def test_a_holder_at_its_sequence_limit_sends_the_next_request_elsewhere(
 
 @pytest.mark.parametrize("sessions", [True, False])
 async def test_a_chat_turn_is_seen_as_its_sessions_continuation(sessions: bool) -> None:
-    off = {} if sessions else {"session_weight": 0.0, "session_queue_blocks": None}
+    off = {} if sessions else {"sessions": False}
     async with (
         ScriptedWorker() as a,
         ScriptedWorker() as b,
