@@ -9,7 +9,7 @@ lags of 0, 10 ms, 100 ms and 1 s. ``--live URL`` replays against a running route
 (:mod:`bench.live`). ``--per-worker`` adds each policy's per-worker table (requests, TTFT,
 decode context: where a skewed median comes from) to the terminal and the JSON.
 
-Every run with ``kvroute`` and a peer policy in it also gets the issue's targets checked
+Every run with ``kvroute`` and a peer policy in it also gets the targets checked
 (:mod:`bench.targets`): a line under its table and ``targets`` in its JSON. ``--seeds 0-9``
 repeats the whole run at each seed (generators draw a new workload per seed; the trace is the
 same, the policies' and engines' randomness is not) and ends with the tally over all runs;

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 from indexer.events import Cleared, Event
 from router.load import LoadTracker
 from router.load_groups import LoadGroups, choose_fast
-from router.pressure import AUTO_QUEUE_CAP_BLOCKS, EvictionPressure, queue_terms_for
+from router.pressure import EvictionPressure, queue_weight_for
 from router.residency import PredictedResidency
 from router.scheduler import Candidate, Decision, SchedulerConfig, WorkerCost, choose, price
 from router.sessions import Continuation, SessionTracker
@@ -91,9 +91,7 @@ class RoutingCore:
         self.settings = settings
         config = settings.scheduler
         if settings.auto_queue:
-            config = dataclasses.replace(
-                config, queue_weight=queue_terms_for(0.0, warming=True)[0],
-                queue_cap_blocks=AUTO_QUEUE_CAP_BLOCKS)
+            config = dataclasses.replace(config, queue_weight=queue_weight_for(0.0, warming=True))
         #: The scheduler settings of the last decision (the queue terms follow the pressure).
         self.config = config
         self.load = LoadTracker()
@@ -159,13 +157,13 @@ class RoutingCore:
 
     # -- the decision -----------------------------------------------------------------------
 
-    def queue_terms(self, now: float) -> tuple[float, bool]:
-        """The queue weight a decision at ``now`` uses, and whether its discount stops at the
-        request's cached blocks (under ``auto``, while the caches warm up)."""
+    def queue_weight(self, now: float) -> float:
+        """The queue weight a decision at ``now`` uses: the fixed one, or under ``auto`` the
+        eviction pressure's (:func:`router.pressure.queue_weight_for`)."""
         if not self.settings.auto_queue:
-            return self.settings.scheduler.queue_weight, False
+            return self.settings.scheduler.queue_weight
         warming = not self.pressure.warmed and self.pressure.warming(self._capacity())
-        return queue_terms_for(self.pressure.pressure(now), warming=warming)
+        return queue_weight_for(self.pressure.pressure(now), warming=warming)
 
     def decide(self, hashes: Sequence[int], matches: Matches, now: float,
                rng: random.Random, *, workers: Sequence[int] | None = None, tokens: int = 0
@@ -183,11 +181,10 @@ class RoutingCore:
         Raises:
             ValueError: no candidate worker.
         """
-        weight, cached_only = self.queue_terms(now)
+        weight = self.queue_weight(now)
         config = self.config
-        if (weight, cached_only) != (config.queue_weight, config.queue_discount_cached_only):
-            config = self.config = dataclasses.replace(
-                config, queue_weight=weight, queue_discount_cached_only=cached_only)
+        if weight != config.queue_weight:
+            config = self.config = dataclasses.replace(config, queue_weight=weight)
         sessions = self.sessions
         continued = home = None
         rate = 0.0

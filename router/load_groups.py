@@ -8,8 +8,8 @@ figures, updated as they change (the load books and the session tracker call bac
 groups sorted by pending prefill. :func:`choose_fast` prices the workers that hold some of the
 prompt one by one, as :func:`router.scheduler.choose` does, and the rest once per group, in
 order of pending prefill, stopping where no later group can cost less than the best so far:
-a group's cost is at least ``weight * (B + min(queue_weight, 1) * pending)`` plus the least
-decode load of any worker. An idle fleet is one group; a loaded one is priced only as far as
+a group's cost is at least ``weight * (B + queue_weight * pending)`` plus the least decode
+load of any worker. An idle fleet is one group; a loaded one is priced only as far as
 its queues are short.
 
 Exact, not approximate: the choice, its ties and the random draws that break them are those of
@@ -178,16 +178,13 @@ def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadG
     free = config.admission_weight > 0 and groups.slot_free_while_full
     base_weight = config.overlap_weight
     config = weighted(config, request_blocks, [c.matched_blocks for c in holders], len(groups))
-    shortest = 0.0
-    if config.queue_cap_blocks != math.inf or home is not None:
-        shortest = groups.shortest_queue
     held = {c.worker: c for c in holders}
     if home is not None and home in groups:
         key = groups.key(home)
-        if stays_home(key[0], shortest, config):
+        if stays_home(key[0], groups.shortest_queue, config):
             c = held.get(home) or candidate_of(home, key)
-            return FastChoice(home, cost_of(c, request_blocks, config, free, shortest,
-                                            continue_rate), config.overlap_weight, True)
+            return FastChoice(home, cost_of(c, request_blocks, config, free),
+                              config.overlap_weight, True)
     session_price = fewest = 0.0
     sessions = config.session_weight > 0
     if sessions:
@@ -195,13 +192,13 @@ def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadG
         session_price = base_weight * (config.session_weight * continue_rate)
     priced: list[WorkerCost] = []
     for c in holders:
-        wc = cost_of(c, request_blocks, config, free, shortest, continue_rate)
+        wc = cost_of(c, request_blocks, config, free)
         if sessions:
             wc.cost += session_price * (wc.sessions - fewest)
         priced.append(wc)
     best = min(((wc.cost, wc.active_requests) for wc in priced), default=(math.inf, 0))
     # The rest, a group at a time, while a group could still cost no more than the best.
-    factor = min(config.queue_weight, 1.0)
+    factor = config.queue_weight
     floor = groups.least_decode
     weight = config.overlap_weight
     tied_groups: list[tuple[WorkerCost, list[int]]] = []
@@ -211,8 +208,7 @@ def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadG
             break
         if len(members) <= len(held) and all(w in held for w in members):
             continue
-        wc = cost_of(candidate_of(-1, key), request_blocks, config, free, shortest,
-                     continue_rate)
+        wc = cost_of(candidate_of(-1, key), request_blocks, config, free)
         if sessions:
             wc.cost += session_price * (wc.sessions - fewest)
         rank = (wc.cost, wc.active_requests)

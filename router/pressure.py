@@ -14,17 +14,14 @@ on the synthetic trace at 0.5M tokens per worker, about 0.01 at 2M, 0 on the gen
 
 The rule (:func:`queue_weight_for`, the router's ``--queue-weight auto``): while the caches
 warm up (no device eviction yet and under :data:`WARMUP_FILL` of the workers' device blocks
-resident, :meth:`EvictionPressure.warming`) the weight is :data:`WARMUP_WEIGHT` (0.5) and it
-discounts a queue only up to the blocks the request finds cached behind it; after, it is
-:data:`LOW_PRESSURE_WEIGHT` (0.25) at pressure <= :data:`LOW` (0.3),
-:data:`HIGH_PRESSURE_WEIGHT` (0.10) at pressure >= :data:`HIGH` (0.7), linear between. Only a
-queue's first :data:`AUTO_QUEUE_CAP_BLOCKS` past the shortest queue are discounted; the rest
-count at 1.0. Why: the queue weight prices waiting behind a worker's queued prefill against
-recomputing a prefix elsewhere. A recompute costs the cluster the work *and* a second copy of
-the prefix, which evicts something else; when caches churn, that duplicate evicts blocks other
-requests were about to hit, so waiting is worth more and the weight drops. While the caches
-warm up a duplicate evicts nothing, so only the cached blocks a wait saves justify it.
-``docs/routing.md`` has the measurements.
+resident, :meth:`EvictionPressure.warming`) the weight is :data:`WARMUP_WEIGHT` (0.5); after,
+it is :data:`LOW_PRESSURE_WEIGHT` (0.25) at pressure <= :data:`LOW` (0.3),
+:data:`HIGH_PRESSURE_WEIGHT` (0.10) at pressure >= :data:`HIGH` (0.7), linear between. Why:
+the queue weight prices waiting behind a worker's queued prefill against recomputing a prefix
+elsewhere. A recompute costs the cluster the work *and* a second copy of the prefix, which
+evicts something else; when caches churn, that duplicate evicts blocks other requests were
+about to hit, so waiting is worth more and the weight drops. ``docs/routing.md`` has the
+measurements.
 
 Pure: the caller passes ``now`` (seconds, any monotonic origin) with every call. No I/O.
 """
@@ -36,7 +33,7 @@ from collections.abc import Iterable
 
 from indexer.events import Cleared, Event, Removed, Stored, Tier, tier_of
 
-__all__ = ["AUTO_QUEUE_CAP_BLOCKS", "EvictionPressure", "queue_terms_for", "queue_weight_for"]
+__all__ = ["EvictionPressure", "queue_weight_for"]
 
 #: Pressure at or below which the queue weight is :data:`LOW_PRESSURE_WEIGHT`.
 LOW = 0.3
@@ -50,8 +47,6 @@ HIGH_PRESSURE_WEIGHT = 0.10
 WARMUP_WEIGHT = 0.5
 #: The share of the workers' device blocks resident that ends the warm-up.
 WARMUP_FILL = 0.5
-#: Pending-prefill blocks per worker past the shortest queue discounted at the queue weight.
-AUTO_QUEUE_CAP_BLOCKS = 3000.0
 
 
 
@@ -182,10 +177,3 @@ def queue_weight_for(pressure: float, *, warming: bool = False) -> float:
         return HIGH_PRESSURE_WEIGHT
     frac = (pressure - LOW) / (HIGH - LOW)
     return LOW_PRESSURE_WEIGHT + frac * (HIGH_PRESSURE_WEIGHT - LOW_PRESSURE_WEIGHT)
-
-
-def queue_terms_for(pressure: float, *, warming: bool = False) -> tuple[float, bool]:
-    """Return the queue weight (:func:`queue_weight_for`) and whether its discount stops at
-    the request's cached blocks (while ``warming``): the two scheduler settings the pressure
-    sets for a decision."""
-    return queue_weight_for(pressure, warming=warming), warming

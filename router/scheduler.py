@@ -4,11 +4,7 @@ Per candidate worker w, for a request of B full blocks (``docs/routing.md`` give
 reason and measurements)::
 
     matched(w)  = device_matched(w) + host_credit * (matched_any_tier(w) - device_matched(w))
-    prefill(w)  = (B - matched(w)) + queued(pending_prefill_blocks(w))
-    queued(p)   = queue_weight * d + (p - d)
-    d           = min(p, queue_cap_blocks + min over candidates of pending_prefill_blocks);
-                  with queue_discount_cached_only, at most
-                  matched(w) + continue_rate * (that - matched(w))
+    prefill(w)  = (B - matched(w)) + queue_weight * pending_prefill_blocks(w)
     cost(w)     = weight * (prefill(w) + admission_weight * admission(w)) + decode_blocks(w)
                   + overlap_weight * session_weight * continue_rate
                     * (sessions(w) - min over candidates of sessions)
@@ -35,7 +31,6 @@ nothing of the prompt; a differential test holds the two equal.
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -56,13 +51,9 @@ class SchedulerConfig:
     """
 
     overlap_weight: float = 32.0
+    #: The fixed queue weight; under ``--queue-weight auto`` the router sets it per decision
+    #: (:mod:`router.pressure`).
     queue_weight: float = 0.5
-    #: Pending-prefill blocks past the shortest queue discounted at ``queue_weight``; the rest
-    #: count at 1.0. Unbounded here; the router bounds it under ``--queue-weight auto``.
-    queue_cap_blocks: float = math.inf
-    #: Discount a queue only up to the blocks the request finds cached behind it (plus
-    #: ``continue_rate`` of the rest); set by the router while the caches warm up.
-    queue_discount_cached_only: bool = False
     admission_weight: float = 1.0
     affinity_weight: float = 4.0
     session_weight: float = 16.0
@@ -77,7 +68,6 @@ class SchedulerConfig:
         checks = [
             (self.overlap_weight >= 0, "overlap_weight must be >= 0"),
             (self.queue_weight >= 0, "queue_weight must be >= 0"),
-            (self.queue_cap_blocks >= 0, "queue_cap_blocks must be >= 0"),
             (self.admission_weight >= 0, "admission_weight must be >= 0"),
             (self.affinity_weight > 0, "affinity_weight must be > 0"),
             (self.session_weight >= 0, "session_weight must be >= 0"),
@@ -180,21 +170,13 @@ class Decision:
 
 
 def cost_of(candidate: Candidate, request_blocks: int, config: SchedulerConfig,
-            slot_free_elsewhere: bool = True, shortest_queue: float = 0.0,
-            continue_rate: float = 1.0) -> WorkerCost:
+            slot_free_elsewhere: bool = True) -> WorkerCost:
     """Return the cost terms of one candidate for a request of ``request_blocks`` blocks,
-    without the session term (``slot_free_elsewhere``: as :func:`admission_blocks`;
-    ``shortest_queue``: the least pending prefill among the candidates, where the queue cap
-    counts from; ``continue_rate``: as :func:`choose`, for ``queue_discount_cached_only``)."""
+    without the session term (``slot_free_elsewhere``: as :func:`admission_blocks`)."""
     matched = min(candidate.matched_blocks, request_blocks)
     device = min(candidate.device_matched_blocks, matched)
     credited = device + config.host_credit * (matched - device)
-    pending = candidate.pending_prefill_blocks
-    discounted = min(pending, config.queue_cap_blocks + shortest_queue)
-    if config.queue_discount_cached_only and discounted > credited:
-        discounted = credited + continue_rate * (discounted - credited)
-    queued = config.queue_weight * discounted + (pending - discounted)
-    prefill = (request_blocks - credited) + queued
+    prefill = (request_blocks - credited) + config.queue_weight * candidate.pending_prefill_blocks
     cost = config.overlap_weight * prefill + candidate.decode_blocks
     admission = 0.0
     if (config.admission_weight > 0 and slot_free_elsewhere
@@ -287,16 +269,13 @@ def price(request_blocks: int, candidates: Sequence[Candidate], config: Schedule
     base_weight = config.overlap_weight
     config = weighted(config, request_blocks, [c.matched_blocks for c in candidates],
                       len(candidates))
-    shortest = 0.0
-    if config.queue_cap_blocks != math.inf or home is not None:
-        shortest = min(c.pending_prefill_blocks for c in candidates)
     stay = None
     if home is not None:
         stay = next((c for c in candidates if c.worker == home), None)
+        shortest = min(c.pending_prefill_blocks for c in candidates)
         if stay is not None and not stays_home(stay.pending_prefill_blocks, shortest, config):
             stay = None
-    costs = [cost_of(c, request_blocks, config, free, shortest, continue_rate)
-             for c in candidates]
+    costs = [cost_of(c, request_blocks, config, free) for c in candidates]
     if config.session_weight > 0 and stay is None:
         fewest = min(c.sessions for c in candidates)
         session_price = base_weight * (config.session_weight * continue_rate)

@@ -132,12 +132,7 @@ class RouterService:
 
     def queue_weight(self, now: float) -> float:
         """The queue weight a decision at ``now`` uses (fixed, or by eviction pressure)."""
-        return self.core.queue_terms(now)[0]
-
-    def queue_terms(self, now: float) -> tuple[float, bool]:
-        """The queue weight a decision at ``now`` uses, and whether its discount stops at the
-        request's cached blocks (under ``auto``, while the caches warm up)."""
-        return self.core.queue_terms(now)
+        return self.core.queue_weight(now)
 
     def models(self) -> list[str]:
         """Models served by healthy workers."""

@@ -177,7 +177,6 @@ def test_kvroute_queue_weight_trades_waiting_against_recomputing(queue_weight: f
 
 def test_kvroute_decides_with_the_routers_default_settings() -> None:
     from bench.policies import POLICIES
-    from router.pressure import AUTO_QUEUE_CAP_BLOCKS
     from router.settings import RouterSettings
 
     p = POLICIES["kvroute"]()
@@ -185,26 +184,18 @@ def test_kvroute_decides_with_the_routers_default_settings() -> None:
     p.start(FakeCluster())
     assert p.settings == RouterSettings()
     assert p.core.settings == RouterSettings().core_settings()
-    assert p.core.config.queue_cap_blocks == AUTO_QUEUE_CAP_BLOCKS  # auto
+    assert p.core.settings.auto_queue
 
 
-@pytest.mark.parametrize(("policy", "expected"), [
-    ("kvroute", 1), ("kvroute[queue_weight=0.5]", 0)])
-def test_kvroute_discounts_only_cached_blocks_while_caches_warm_up(policy: str,
-                                                                   expected: int) -> None:
-    # A prompt nobody holds; worker 0 has 20 blocks of prefill queued, worker 1 decodes 500.
-    # Whole queue at 0.5: 32 * (10 + 10) = 640 < 32 * 10 + 500 = 820, so worker 0. Cached
-    # blocks only (none): 32 * 30 = 960 > 820, so worker 1.
+@pytest.mark.parametrize(("policy", "weight"), [("kvroute", 0.5),
+                                                ("kvroute[queue_weight=0.3]", 0.3)])
+def test_kvroute_weighs_queues_at_the_routers_weight(policy: str, weight: float) -> None:
     cluster = FakeCluster()
     (p,) = make_policies(policy)
     assert isinstance(p, KvroutePolicy)
     p.start(cluster)
-    p.core.load.routed("queued", 0, 20.0, 20)
-    p.core.load.routed("decoding", 1, 0.0, 500)
-    p.first_token("decoding", 0.0)
-    assert p.route(rr("cold", PROMPT), 0.0) == expected
-    assert p.core.config.queue_weight == 0.5  # warming up, or fixed
-    assert p.core.config.queue_discount_cached_only is (policy == "kvroute")
+    p.route(rr("cold", PROMPT), 0.0)
+    assert p.core.config.queue_weight == weight  # auto: 0.5 while the caches warm up
 
 
 def _decoding_on_worker_0(policy: str) -> tuple[FakeCluster, KvroutePolicy]:

@@ -6,7 +6,6 @@ same random draws."""
 from __future__ import annotations
 
 import dataclasses
-import math
 import random
 
 import pytest
@@ -21,8 +20,6 @@ def _config(rng: random.Random) -> SchedulerConfig:
     return SchedulerConfig(
         overlap_weight=rng.choice([1.0, 4.0, 32.0]),
         queue_weight=rng.choice([0.1, 0.25, 0.5, 1.0, 1.5]),
-        queue_cap_blocks=rng.choice([math.inf, 0.0, 5.0, 40.0]),
-        queue_discount_cached_only=rng.random() < 0.5,
         admission_weight=rng.choice([0.0, 1.0]),
         affinity_weight=rng.choice([1.0, 4.0]),
         session_weight=rng.choice([0.0, 16.0]),

@@ -92,7 +92,7 @@ def test_a_clear_winner_does_not_depend_on_the_random_source() -> None:
 
 
 @pytest.mark.parametrize("kwargs", [{"overlap_weight": -1}, {"host_credit": 1.5},
-                                    {"queue_weight": -0.5}, {"queue_cap_blocks": float("nan")}])
+                                    {"queue_weight": -0.5}, {"queue_weight": float("nan")}])
 def test_bad_settings_are_refused(kwargs: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         SchedulerConfig(**kwargs)
