@@ -185,7 +185,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
                          "device_matched_blocks": c.device_matched_blocks,
                          "prefill_blocks": c.prefill_blocks, "decode_blocks": c.decode_blocks,
                          "active_requests": c.active_requests,
-                         "admission_blocks": c.admission_blocks, "sessions": c.sessions,
+                         "sessions": c.sessions,
                          "cost": c.cost}
                         for c in route.decision.costs],
         }

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 from indexer.events import Cleared, Event
 from router.load import LoadTracker
-from router.load_groups import LoadGroups, choose_fast
+from router.load_groups import LoadGroups, LoadKey, choose_fast
 from router.pressure import EvictionPressure, queue_weight_for
 from router.residency import PredictedResidency
 from router.scheduler import Candidate, Decision, SchedulerConfig, WorkerCost, choose, price
@@ -44,8 +44,6 @@ class WorkerFacts:
 
     #: The worker publishes no KV events: its residency is learned from routing alone.
     approximate: bool = False
-    #: The most requests it runs at once (``max_num_seqs``); 0 = unknown.
-    max_running: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -111,24 +109,16 @@ class RoutingCore:
 
     def _refresh(self, worker: int) -> None:
         if self.load.tracked(worker):
-            self._facts[worker] = facts = self._facts_of(worker) or WorkerFacts()
-            key = self._key(worker, facts)
-            limit = key[5]
-            if not 0 < limit <= key[2]:  # not at its limit: priced as if it had none
-                key = (*key[:5], 0)
-            self._groups.update(worker, key, limit)
+            self._facts[worker] = self._facts_of(worker) or WorkerFacts()
+            self._groups.update(worker, self._key(worker))
         else:
             self._facts.pop(worker, None)
             self._groups.remove(worker)
 
-    def _key(self, worker: int, facts: WorkerFacts) -> tuple[float, float, int, float,
-                                                              float, int]:
+    def _key(self, worker: int) -> LoadKey:
         load = self.load.load(worker)
-        active, limit = load.active_requests, facts.max_running
-        held = (load.decode_blocks + self.load.waiting_blocks(worker)
-                if 0 < limit <= active else 0.0)  # the admission term reads it only there
         live = float(self.sessions.live(worker)) if self.sessions is not None else 0.0
-        return (load.pending_prefill_blocks, load.decode_blocks, active, held, live, limit)
+        return (load.pending_prefill_blocks, load.decode_blocks, load.active_requests, live)
 
     def facts_changed(self, worker: int) -> None:
         """Read ``worker``'s facts again (its engine restarted with other limits)."""
@@ -228,9 +218,9 @@ class RoutingCore:
         facts = self._facts.get(worker) or WorkerFacts()
         residency = self.approximate if facts.approximate else self.predicted
         extended = residency.extend(worker, hashes, matched, now)
-        key = self._key(worker, facts)
+        key = self._key(worker)
         return Candidate(worker, extended, device + extended - matched, key[0], key[1], key[2],
-                         key[3], key[5], key[4])
+                         key[3])
 
     def _holders(self, hashes: Sequence[int], matches: Matches, now: float
                  ) -> list[Candidate]:

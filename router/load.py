@@ -6,12 +6,6 @@ Own accounting, updated as requests move (the router sees every byte it forwards
 - first token: its prefill is done; its blocks (prompt + expected output) count as decode.
 - finished (or failed, or cancelled): everything it held is released.
 
-Besides, until its first token a request's decode blocks (its full prompt) count as *waiting*
-(:meth:`LoadTracker.waiting_blocks`): KV the worker must hold for it to be admitted and
-prefilled, which the scheduler's admission term weighs against the worker's capacity. Not
-corrected by reports (a worker's ``/load`` has no such figure). Like ``decode_blocks`` it is a
-sum over requests: a prefix several of them share counts once per request.
-
 Correction: each worker's ``GET /load`` reports what it really has (running, waiting, pending
 prefill tokens, KV blocks in use). Requests sent by other router replicas, or straight to the
 worker, appear there and not in our books; so when the worker counts more requests than we
@@ -65,7 +59,6 @@ class _Books:
     external_active: int = 0
     external_prefill: float = 0.0
     external_decode: float = 0.0
-    waiting: float = 0.0
     requests: set[str] = field(default_factory=set)
 
 
@@ -123,7 +116,6 @@ class LoadTracker:
         books.requests.add(request_id)
         books.active += 1
         books.prefill += prefill_blocks
-        books.waiting += decode_blocks
         self._changed(worker)
 
     def first_token(self, request_id: str) -> None:
@@ -134,7 +126,6 @@ class LoadTracker:
         req.prefilled = True
         books = self._books[req.worker]
         books.prefill -= req.prefill_blocks
-        books.waiting -= req.decode_blocks
         books.decode += req.decode_blocks
         self._changed(req.worker)
 
@@ -152,7 +143,6 @@ class LoadTracker:
             books.decode -= req.decode_blocks
         else:
             books.prefill -= req.prefill_blocks
-            books.waiting -= req.decode_blocks
         self._changed(req.worker)
 
     def reported(self, worker: int, load: ReportedLoad) -> None:
@@ -179,13 +169,6 @@ class LoadTracker:
         return WorkerLoad(books.active + books.external_active,
                           max(0.0, books.prefill) + books.external_prefill,
                           max(0.0, books.decode) + books.external_decode)
-
-    def waiting_blocks(self, worker: int) -> float:
-        """Full blocks (the ``decode_blocks`` they were routed with) of this router's requests
-        on ``worker`` that have not produced a first token: KV the worker must find for them
-        before they run (zero for an unknown worker)."""
-        books = self._books.get(worker)
-        return 0.0 if books is None else max(0.0, books.waiting)
 
     def in_flight(self, worker: int) -> int:
         """Requests this router has in flight on ``worker``."""

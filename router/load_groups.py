@@ -1,16 +1,16 @@
 """Workers grouped by the load a cost sees, and the choice made without pricing every worker.
 
 A worker that holds none of a prompt (no index match, no predicted residency of its first
-block) is priced on its load alone: pending prefill, decode blocks, active requests, the KV
-the admission term reads, live sessions and its sequence limit. Two such workers with equal
+block) is priced on its load alone: pending prefill, decode blocks, active requests and live
+sessions. Two such workers with equal
 figures cost the same, so :class:`LoadGroups` keeps every worker in a group keyed by those
 figures, updated as they change (the load books and the session tracker call back), and the
 groups sorted by pending prefill. :func:`choose_fast` prices the workers that hold some of the
 prompt one by one, as :func:`router.scheduler.choose` does, and the rest once per group, in
 order of pending prefill, stopping where no later group can cost less than the best so far:
 a group's cost is at least ``weight * (B + queue_weight * pending)`` plus the least decode
-load of any worker. An idle fleet is one group; a loaded one is priced only as far as
-its queues are short.
+load of any worker (the session term is never negative). An idle fleet is one group; a
+loaded one is priced only as far as its queues are short.
 
 Exact, not approximate: the choice, its ties and the random draws that break them are those of
 :func:`router.scheduler.choose` over every worker (``tests/router/test_load_groups.py`` checks
@@ -35,9 +35,8 @@ from router.scheduler import (
 
 __all__ = ["FastChoice", "LoadGroups", "LoadKey", "choose_fast"]
 
-#: (pending prefill, decode, active requests, KV held for admission, sessions, max running):
-#: the sequence limit only for a worker at it (the only case the cost reads it), else 0.
-LoadKey = tuple[float, float, int, float, float, int]
+#: (pending prefill, decode, active requests, live sessions).
+LoadKey = tuple[float, float, int, float]
 
 # A lower bound computed in another order of operations may exceed the cost it bounds by a
 # few ulps; the pruning keeps this much relative slack.
@@ -55,13 +54,10 @@ class LoadGroups:
 
     def __init__(self) -> None:
         self._key: dict[int, LoadKey] = {}
-        self._limit: dict[int, int] = {}
         self._members: dict[LoadKey, list[int]] = {}  # worker ids, sorted
         self._order: list[LoadKey] = []
         self._decode: list[float] = []
         self._sessions: list[float] = []
-        self._free = 0  # workers with a known sequence limit and a free slot
-        self._full = 0  # workers at their known sequence limit
 
     def __len__(self) -> int:
         return len(self._key)
@@ -73,16 +69,14 @@ class LoadGroups:
         """The figures ``worker`` is priced on."""
         return self._key[worker]
 
-    def update(self, worker: int, key: LoadKey, limit: int) -> None:
-        """Put ``worker``, whose sequence limit is ``limit`` (0: unknown), in the group of
-        ``key`` (tracking it if new)."""
+    def update(self, worker: int, key: LoadKey) -> None:
+        """Put ``worker`` in the group of ``key`` (tracking it if new)."""
         old = self._key.get(worker)
-        if old == key and self._limit[worker] == limit:
+        if old == key:
             return
         if old is not None:
             self._leave(worker, old)
         self._key[worker] = key
-        self._limit[worker] = limit
         members = self._members.get(key)
         if members is None:
             self._members[key] = [worker]
@@ -90,15 +84,13 @@ class LoadGroups:
         else:
             bisect.insort(members, worker)
         bisect.insort(self._decode, key[1])
-        bisect.insort(self._sessions, key[4])
-        self._count(key[2], limit, 1)
+        bisect.insort(self._sessions, key[3])
 
     def remove(self, worker: int) -> None:
         """Stop tracking ``worker`` (a no-op for an unknown one)."""
         old = self._key.pop(worker, None)
         if old is not None:
             self._leave(worker, old)
-            del self._limit[worker]
 
     def _leave(self, worker: int, key: LoadKey) -> None:
         members = self._members[key]
@@ -107,20 +99,7 @@ class LoadGroups:
             del self._members[key]
             del self._order[bisect.bisect_left(self._order, key)]
         del self._decode[bisect.bisect_left(self._decode, key[1])]
-        del self._sessions[bisect.bisect_left(self._sessions, key[4])]
-        self._count(key[2], self._limit[worker], -1)
-
-    def _count(self, active: int, limit: int, sign: int) -> None:
-        if limit > 0:
-            if active < limit:
-                self._free += sign
-            else:
-                self._full += sign
-
-    @property
-    def slot_free_while_full(self) -> bool:
-        """As :func:`router.scheduler.slot_free_while_full` over every tracked worker."""
-        return self._free > 0 and self._full > 0
+        del self._sessions[bisect.bisect_left(self._sessions, key[3])]
 
     @property
     def shortest_queue(self) -> float:
@@ -144,7 +123,7 @@ class LoadGroups:
 
 def candidate_of(worker: int, key: LoadKey, matched: int = 0, device: int = 0) -> Candidate:
     """The scheduler's view of a worker with these load figures."""
-    return Candidate(worker, matched, device, key[0], key[1], key[2], key[3], key[5], key[4])
+    return Candidate(worker, matched, device, key[0], key[1], key[2], key[3])
 
 
 class FastChoice:
@@ -175,7 +154,6 @@ def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadG
         raise ValueError("no candidate workers")
     if request_blocks < 0:
         raise ValueError(f"request_blocks must be >= 0, got {request_blocks}")
-    free = config.admission_weight > 0 and groups.slot_free_while_full
     base_weight = config.overlap_weight
     config = weighted(config, request_blocks, [c.matched_blocks for c in holders], len(groups))
     held = {c.worker: c for c in holders}
@@ -183,7 +161,7 @@ def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadG
         key = groups.key(home)
         if stays_home(key[0], groups.shortest_queue, config):
             c = held.get(home) or candidate_of(home, key)
-            return FastChoice(home, cost_of(c, request_blocks, config, free),
+            return FastChoice(home, cost_of(c, request_blocks, config),
                               config.overlap_weight, True)
     session_price = fewest = 0.0
     sessions = config.session_weight > 0
@@ -192,7 +170,7 @@ def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadG
         session_price = base_weight * (config.session_weight * continue_rate)
     priced: list[WorkerCost] = []
     for c in holders:
-        wc = cost_of(c, request_blocks, config, free)
+        wc = cost_of(c, request_blocks, config)
         if sessions:
             wc.cost += session_price * (wc.sessions - fewest)
         priced.append(wc)
@@ -208,7 +186,7 @@ def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadG
             break
         if len(members) <= len(held) and all(w in held for w in members):
             continue
-        wc = cost_of(candidate_of(-1, key), request_blocks, config, free)
+        wc = cost_of(candidate_of(-1, key), request_blocks, config)
         if sessions:
             wc.cost += session_price * (wc.sessions - fewest)
         rank = (wc.cost, wc.active_requests)
@@ -255,4 +233,4 @@ def _has(members: list[int], worker: int) -> bool:
 def _renamed(wc: WorkerCost, worker: int) -> WorkerCost:
     return WorkerCost(worker, wc.matched_blocks, wc.device_matched_blocks, wc.credited_blocks,
                       wc.prefill_blocks, wc.decode_blocks, wc.active_requests, wc.cost,
-                      wc.admission_blocks, wc.sessions)
+                      wc.sessions)

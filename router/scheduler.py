@@ -5,14 +5,12 @@ reason and measurements)::
 
     matched(w)  = device_matched(w) + host_credit * (matched_any_tier(w) - device_matched(w))
     prefill(w)  = (B - matched(w)) + queue_weight * pending_prefill_blocks(w)
-    cost(w)     = weight * (prefill(w) + admission_weight * admission(w)) + decode_blocks(w)
+    cost(w)     = weight * prefill(w) + decode_blocks(w)
                   + overlap_weight * session_weight * continue_rate
                     * (sessions(w) - min over candidates of sessions)
     weight      = overlap_weight * affinity_weight   if one candidate's matched blocks lead
                                                      every other's by AFFINITY_LEAD_BLOCKS
                 = overlap_weight                     otherwise
-    admission(w) = (active_requests(w) + 1 - max_running(w)) * kv_held(w) / active_requests(w)
-                   when that is positive and some candidate has a free slot, else 0
 
 Sessions: a request that continues a session (``home``) goes to the session's worker unless
 that worker's pending prefill exceeds the shortest queue among the candidates by more than
@@ -36,7 +34,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 __all__ = ["AFFINITY_LEAD_BLOCKS", "Candidate", "Decision", "Pricing", "SchedulerConfig",
-           "WorkerCost", "admission_blocks", "choose", "cost_of", "price", "select"]
+           "WorkerCost", "choose", "cost_of", "price", "select"]
 
 #: Blocks the best-matched candidate must lead every other by for the affinity factor.
 AFFINITY_LEAD_BLOCKS = 8
@@ -54,7 +52,6 @@ class SchedulerConfig:
     #: The fixed queue weight; under ``--queue-weight auto`` the router sets it per decision
     #: (:mod:`router.pressure`).
     queue_weight: float = 0.5
-    admission_weight: float = 1.0
     affinity_weight: float = 4.0
     session_weight: float = 16.0
     #: A continuing session stays home unless its worker's pending prefill exceeds the
@@ -68,7 +65,6 @@ class SchedulerConfig:
         checks = [
             (self.overlap_weight >= 0, "overlap_weight must be >= 0"),
             (self.queue_weight >= 0, "queue_weight must be >= 0"),
-            (self.admission_weight >= 0, "admission_weight must be >= 0"),
             (self.affinity_weight > 0, "affinity_weight must be > 0"),
             (self.session_weight >= 0, "session_weight must be >= 0"),
             (self.session_queue_blocks >= 0, "session_queue_blocks must be >= 0"),
@@ -81,8 +77,7 @@ class SchedulerConfig:
     @classmethod
     def dynamo(cls) -> SchedulerConfig:
         """NVIDIA Dynamo's rule: ``overlap * (uncached + queued prefill) + decode``."""
-        return cls(overlap_weight=1.0, queue_weight=1.0, admission_weight=0.0,
-                   affinity_weight=1.0, session_weight=0.0)
+        return cls(overlap_weight=1.0, queue_weight=1.0, affinity_weight=1.0, session_weight=0.0)
 
 
 # Candidate and WorkerCost are built per priced worker per request on the hot path: plain
@@ -97,11 +92,6 @@ class Candidate:
     pending_prefill_blocks: float = 0.0
     decode_blocks: float = 0.0
     active_requests: int = 0
-    #: KV blocks the worker's in-flight requests hold or will hold (the load books' decode
-    #: plus waiting blocks); read only by the admission term, so only at the sequence limit.
-    kv_held_blocks: float = 0.0
-    #: The most requests the worker runs at once (``max_num_seqs``); 0 = unknown.
-    max_running: int = 0
     #: Live sessions homed here (:class:`router.sessions.SessionTracker`).
     sessions: float = 0.0
 
@@ -118,7 +108,6 @@ class WorkerCost:
     decode_blocks: float
     active_requests: int
     cost: float
-    admission_blocks: float = 0.0
     sessions: float = 0.0
 
 
@@ -169,37 +158,17 @@ class Decision:
         return f"Decision(worker={self.worker}, overlap_weight={self.overlap_weight})"
 
 
-def cost_of(candidate: Candidate, request_blocks: int, config: SchedulerConfig,
-            slot_free_elsewhere: bool = True) -> WorkerCost:
+def cost_of(candidate: Candidate, request_blocks: int, config: SchedulerConfig) -> WorkerCost:
     """Return the cost terms of one candidate for a request of ``request_blocks`` blocks,
-    without the session term (``slot_free_elsewhere``: as :func:`admission_blocks`)."""
+    without the session term."""
     matched = min(candidate.matched_blocks, request_blocks)
     device = min(candidate.device_matched_blocks, matched)
     credited = device + config.host_credit * (matched - device)
     prefill = (request_blocks - credited) + config.queue_weight * candidate.pending_prefill_blocks
     cost = config.overlap_weight * prefill + candidate.decode_blocks
-    admission = 0.0
-    if (config.admission_weight > 0 and slot_free_elsewhere
-            and 0 < candidate.max_running <= candidate.active_requests):
-        admission = admission_blocks(candidate, slot_free_elsewhere)
-        cost += config.overlap_weight * config.admission_weight * admission
     return WorkerCost(candidate.worker, matched, device, credited, prefill,
-                      candidate.decode_blocks, candidate.active_requests, cost, admission,
+                      candidate.decode_blocks, candidate.active_requests, cost,
                       candidate.sessions)
-
-
-def admission_blocks(candidate: Candidate, slot_free_elsewhere: bool = True) -> float:
-    """Blocks that must finish decoding on the candidate before a new request gets a sequence
-    slot there: the requests past ``max_running``, at the worker's mean ``kv_held`` per
-    in-flight request. Counts only while some worker has a free slot
-    (``slot_free_elsewhere``): when all are full, the wait is the same everywhere and the
-    prefix should decide."""
-    if not slot_free_elsewhere or candidate.max_running <= 0 or candidate.active_requests <= 0:
-        return 0.0
-    excess = candidate.active_requests + 1 - candidate.max_running
-    if excess <= 0:
-        return 0.0
-    return excess * candidate.kv_held_blocks / candidate.active_requests
 
 
 @dataclass(slots=True)
@@ -212,19 +181,6 @@ class Pricing:
     overlap_weight: float
     #: The session's worker when the request stays home (no choice to make), else None.
     stay: int | None
-
-
-def slot_free_while_full(candidates: Sequence[Candidate]) -> bool:
-    """Whether some candidate has a free sequence slot while another is full: the only case
-    the admission term counts."""
-    free = full = False
-    for c in candidates:
-        if c.max_running > 0:
-            if c.active_requests < c.max_running:
-                free = True
-            else:
-                full = True
-    return free and full
 
 
 def led(request_blocks: int, matched: Sequence[int], candidates: int) -> bool:
@@ -265,7 +221,6 @@ def price(request_blocks: int, candidates: Sequence[Candidate], config: Schedule
         raise ValueError("no candidate workers")
     if request_blocks < 0:
         raise ValueError(f"request_blocks must be >= 0, got {request_blocks}")
-    free = config.admission_weight > 0 and slot_free_while_full(candidates)
     base_weight = config.overlap_weight
     config = weighted(config, request_blocks, [c.matched_blocks for c in candidates],
                       len(candidates))
@@ -275,7 +230,7 @@ def price(request_blocks: int, candidates: Sequence[Candidate], config: Schedule
         shortest = min(c.pending_prefill_blocks for c in candidates)
         if stay is not None and not stays_home(stay.pending_prefill_blocks, shortest, config):
             stay = None
-    costs = [cost_of(c, request_blocks, config, free) for c in candidates]
+    costs = [cost_of(c, request_blocks, config) for c in candidates]
     if config.session_weight > 0 and stay is None:
         fewest = min(c.sessions for c in candidates)
         session_price = base_weight * (config.session_weight * continue_rate)

@@ -114,7 +114,7 @@ class RouterService:
         entry = self.registry.get(worker)
         if entry is None:
             return None
-        return WorkerFacts(entry.approximate, entry.info.max_num_seqs if entry.info else 0)
+        return WorkerFacts(entry.approximate)
 
     def _capacity(self) -> float:
         """The healthy workers' device blocks (as of the last decision's candidates)."""

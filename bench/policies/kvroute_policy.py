@@ -48,7 +48,7 @@ class KvroutePolicy(Policy):
 
     def start(self, cluster: ClusterView) -> None:
         super().start(cluster)
-        facts = WorkerFacts(max_running=cluster.max_num_seqs)
+        facts = WorkerFacts()
         capacity = float(cluster.capacity_blocks * cluster.num_workers)
         self.core = RoutingCore(self.settings.core_settings(), facts=lambda w: facts,
                                 capacity=lambda: capacity)

@@ -20,7 +20,6 @@ def _config(rng: random.Random) -> SchedulerConfig:
     return SchedulerConfig(
         overlap_weight=rng.choice([1.0, 4.0, 32.0]),
         queue_weight=rng.choice([0.1, 0.25, 0.5, 1.0, 1.5]),
-        admission_weight=rng.choice([0.0, 1.0]),
         affinity_weight=rng.choice([1.0, 4.0]),
         session_weight=rng.choice([0.0, 16.0]),
         session_queue_blocks=rng.choice([0.0, 10.0, 128.0]),
@@ -28,8 +27,7 @@ def _config(rng: random.Random) -> SchedulerConfig:
 
 
 def _fleet(rng: random.Random, workers: int) -> tuple[RoutingCore, dict[int, WorkerFacts]]:
-    facts = {w: WorkerFacts(approximate=rng.random() < 0.2, max_running=rng.choice([0, 2, 4]))
-             for w in range(workers)}
+    facts = {w: WorkerFacts(approximate=rng.random() < 0.2) for w in range(workers)}
     core = RoutingCore(CoreSettings(auto_queue=False), facts=facts.get)
     for w in range(workers):
         core.load.add_worker(w)
@@ -100,7 +98,7 @@ def test_an_idle_fleet_is_one_group_and_ties_draw_as_the_scan_does() -> None:
 
 def test_the_groups_follow_the_books() -> None:
     rng = random.Random(3)
-    core, facts = _fleet(rng, 10)
+    core, _ = _fleet(rng, 10)
     for i in range(200):
         w = rng.randrange(10)
         core.load.routed(f"r{i}", w, float(rng.randint(0, 5)), float(rng.randint(1, 5)))
@@ -109,8 +107,7 @@ def test_the_groups_follow_the_books() -> None:
         if rng.random() < 0.3:
             core.load.finished(f"r{rng.randrange(i + 1)}")
     for w in range(10):
-        key = core._key(w, facts[w])
-        assert core._groups.key(w) == (key if 0 < key[5] <= key[2] else (*key[:5], 0))
+        assert core._groups.key(w) == core._key(w)
     core.load.remove_worker(4)
     assert 4 not in core._groups and len(core._groups) == 9
 

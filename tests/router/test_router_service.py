@@ -235,42 +235,6 @@ async def test_policy_round_robin_ignores_the_prefix_kv_follows_it(policy: str) 
         assert chosen[0] != chosen[1]
 
 
-@pytest.mark.parametrize("admission_weight", [1.0, 0.0])
-async def test_a_holder_at_its_sequence_limit_sends_the_next_request_elsewhere(
-    admission_weight: float,
-) -> None:
-    async with (
-        ScriptedWorker("slow", max_num_seqs=2) as a,
-        ScriptedWorker("slow", max_num_seqs=2) as b,
-        router_for(a, b, ready=2, admission_weight=admission_weight) as client,
-    ):
-        chosen: list[str] = []
-
-        async def stream() -> None:
-            async with client.stream("POST", "/v1/completions",
-                                     json={**BODY, "stream": True}) as r:
-                chosen.append(r.headers["x-kvroute-worker"])
-                until = asyncio.get_running_loop().time() + 1.0
-                async for _ in r.aiter_bytes():  # decoding (leaving closes the stream)
-                    if asyncio.get_running_loop().time() > until:
-                        break
-
-        tasks = []
-        for _ in range(4):  # one at a time, each decoding before the next is routed
-            tasks.append(asyncio.create_task(stream()))
-            for _ in range(200):
-                if len(chosen) == len(tasks):
-                    break
-                await asyncio.sleep(0.01)
-            await asyncio.sleep(0.05)
-        await asyncio.gather(*tasks)
-    holder = chosen[0]
-    if admission_weight:  # the holder runs its 2 sequences; the rest wait for a slot there
-        assert chosen[:2] == [holder] * 2 and holder not in chosen[2:]
-    else:  # no admission term: the prefix keeps them all on the holder
-        assert chosen == [holder] * 4
-
-
 @pytest.mark.parametrize("sessions", [True, False])
 async def test_a_chat_turn_is_seen_as_its_sessions_continuation(sessions: bool) -> None:
     off = {} if sessions else {"sessions": False}

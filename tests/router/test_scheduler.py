@@ -103,69 +103,6 @@ def test_no_candidates_is_a_caller_error() -> None:
         choose(3, [], DEFAULT, random.Random(0))
 
 
-# --- the admission term (admission_weight > 0) -----------------------------------------------
-
-def test_admission_weight_zero_leaves_the_term_out() -> None:
-    plain = Candidate(0, 6, 6, pending_prefill_blocks=40, decode_blocks=900, active_requests=9)
-    full = Candidate(0, 6, 6, pending_prefill_blocks=40, decode_blocks=900, active_requests=9,
-                     kv_held_blocks=1400, max_running=2)
-    config = SchedulerConfig(admission_weight=0.0)
-    assert cost_of(full, 10, config).cost == cost_of(plain, 10, config).cost
-    assert cost_of(full, 10, config).admission_blocks == 0.0
-    assert cost_of(full, 10, SchedulerConfig()).admission_blocks == 8 * 1400 / 9
-
-
-def test_full_sequence_slots_are_charged_at_the_mean_blocks_per_request() -> None:
-    config = SchedulerConfig(admission_weight=1.0)
-    # 4 in flight holding 30 + 10 blocks, 4 slots: one must finish -> 1 * 40 / 4 = 10 blocks
-    c = Candidate(0, decode_blocks=30, kv_held_blocks=40, active_requests=4, max_running=4)
-    assert cost_of(c, 10, config).admission_blocks == 10.0
-    # 6 in flight in 4 slots: 3 must finish
-    c6 = Candidate(0, decode_blocks=50, kv_held_blocks=60, active_requests=6, max_running=4)
-    assert cost_of(c6, 10, config).admission_blocks == 30.0
-    # a free slot: nothing to wait for
-    free = Candidate(0, decode_blocks=30, kv_held_blocks=40, active_requests=3, max_running=4)
-    assert cost_of(free, 10, config).admission_blocks == 0.0
-
-
-def test_a_cached_worker_with_full_slots_loses_to_an_idle_one_with_the_term() -> None:
-    # w0 holds 90 of 100 blocks but runs 256 of 256 with 4 waiting; w1 is idle and cold.
-    hot = Candidate(0, 90, 90, pending_prefill_blocks=40, decode_blocks=25_000,
-                    active_requests=260, kv_held_blocks=25_400, max_running=256)
-    # hot: 32 * (10 + 0.25 * 40) + 25,000 = 25,640 < cold: 32 * 100 + 23,000 = 26,200
-    cold = Candidate(1, decode_blocks=23_000, active_requests=200, max_running=256)
-    rng = random.Random(0)
-    without = SchedulerConfig(queue_weight=0.25, admission_weight=0.0, affinity_weight=1.0)
-    assert choose(100, [hot, cold], without, rng).worker == 0
-    with_term = choose(100, [hot, cold], SchedulerConfig(queue_weight=0.25, affinity_weight=1.0),
-                       rng)
-    assert with_term.worker == 1
-    # 5 must finish at 25,400 / 260 blocks each: + 32 * 488.5
-    assert with_term.costs[-1].admission_blocks == pytest.approx(5 * 25_400 / 260)
-    assert with_term.costs[0].admission_blocks == 0.0
-
-
-def test_when_every_worker_is_full_the_slot_term_is_dropped_and_the_prefix_decides() -> None:
-    config = SchedulerConfig(queue_weight=0.25, admission_weight=1.0)
-    hot = Candidate(0, 90, 90, pending_prefill_blocks=40, decode_blocks=25_000,
-                    active_requests=260, kv_held_blocks=25_400, max_running=256)
-    full = Candidate(1, decode_blocks=23_000, active_requests=256, kv_held_blocks=23_000,
-                     max_running=256)
-    both_full = choose(100, [hot, full], config, random.Random(0))
-    assert both_full.worker == 0  # waiting for a slot is the same everywhere
-    assert all(c.admission_blocks == 0.0 for c in both_full.costs)
-    # the same call with one slot free on worker 1: the term is back
-    free = Candidate(1, decode_blocks=23_000, active_requests=255, kv_held_blocks=23_000,
-                     max_running=256)
-    assert choose(100, [hot, free], config, random.Random(0)).worker == 1
-
-
-@pytest.mark.parametrize("value", [-0.1, float("nan")])
-def test_a_bad_admission_weight_is_refused(value: float) -> None:
-    with pytest.raises(ValueError, match="admission_weight"):
-        SchedulerConfig(admission_weight=value)
-
-
 # --- the affinity factor (affinity_weight != 1) ----------------------------------------------
 
 # A continuing session: worker 0 caches all 20 blocks but decodes 600; worker 1 holds the

@@ -48,9 +48,8 @@ def test_the_routing_defaults_are_the_schedulers() -> None:
 def test_dynamo_is_one_flag_away() -> None:
     core = load_settings({"policy": "dynamo"}, env={}).core_settings()
     assert (core.scheduler.overlap_weight, core.scheduler.queue_weight) == (32.0, 1.0)
-    assert (core.scheduler.admission_weight, core.scheduler.affinity_weight,
-            core.scheduler.session_weight, core.sessions, core.auto_queue) == (
-        0.0, 1.0, 0.0, False, False)
+    assert (core.scheduler.affinity_weight, core.scheduler.session_weight, core.sessions,
+            core.auto_queue) == (1.0, 0.0, False, False)
     dynamo = load_settings({"policy": "dynamo", "overlap_weight": 1.0}, env={}).core_settings()
     assert dynamo.scheduler == __import__("router.scheduler").scheduler.SchedulerConfig.dynamo()
 
