@@ -113,9 +113,6 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
     a("--queue-weight", help="price of a block queued for prefill against one of the "
       "request's own: auto (default: by how fast the caches evict, 0.5 down to 0.1) or a "
       "fixed number (1 = Dynamo)")
-    a("--affinity-weight", type=float,
-      help="multiplies the overlap weight for a request one worker leads the others on by 8 "
-      "blocks or more (default 4; 1 turns it off)")
     a("--session-weight", type=float,
       help="price of a live chat or agent session already on a worker, for a request that "
       "continues none (default 16; 0 turns it off)")

@@ -24,14 +24,7 @@ import math
 import random
 from collections.abc import Sequence
 
-from router.scheduler import (
-    Candidate,
-    SchedulerConfig,
-    WorkerCost,
-    cost_of,
-    stays_home,
-    weighted,
-)
+from router.scheduler import Candidate, SchedulerConfig, WorkerCost, cost_of, stays_home
 
 __all__ = ["FastChoice", "LoadGroups", "LoadKey", "choose_fast"]
 
@@ -154,8 +147,6 @@ def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadG
         raise ValueError("no candidate workers")
     if request_blocks < 0:
         raise ValueError(f"request_blocks must be >= 0, got {request_blocks}")
-    base_weight = config.overlap_weight
-    config = weighted(config, request_blocks, [c.matched_blocks for c in holders], len(groups))
     held = {c.worker: c for c in holders}
     if home is not None and home in groups:
         key = groups.key(home)
@@ -167,7 +158,7 @@ def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadG
     sessions = config.session_weight > 0
     if sessions:
         fewest = groups.fewest_sessions
-        session_price = base_weight * (config.session_weight * continue_rate)
+        session_price = config.overlap_weight * (config.session_weight * continue_rate)
     priced: list[WorkerCost] = []
     for c in holders:
         wc = cost_of(c, request_blocks, config)

@@ -5,12 +5,9 @@ reason and measurements)::
 
     matched(w)  = device_matched(w) + host_credit * (matched_any_tier(w) - device_matched(w))
     prefill(w)  = (B - matched(w)) + queue_weight * pending_prefill_blocks(w)
-    cost(w)     = weight * prefill(w) + decode_blocks(w)
+    cost(w)     = overlap_weight * prefill(w) + decode_blocks(w)
                   + overlap_weight * session_weight * continue_rate
                     * (sessions(w) - min over candidates of sessions)
-    weight      = overlap_weight * affinity_weight   if one candidate's matched blocks lead
-                                                     every other's by AFFINITY_LEAD_BLOCKS
-                = overlap_weight                     otherwise
 
 Sessions: a request that continues a session (``home``) goes to the session's worker unless
 that worker's pending prefill exceeds the shortest queue among the candidates by more than
@@ -28,31 +25,25 @@ nothing of the prompt; a differential test holds the two equal.
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-__all__ = ["AFFINITY_LEAD_BLOCKS", "Candidate", "Decision", "Pricing", "SchedulerConfig",
+__all__ = ["Candidate", "Decision", "Pricing", "SchedulerConfig",
            "WorkerCost", "choose", "cost_of", "price", "select"]
-
-#: Blocks the best-matched candidate must lead every other by for the affinity factor.
-AFFINITY_LEAD_BLOCKS = 8
-
 
 @dataclass(frozen=True, slots=True)
 class SchedulerConfig:
     """Scheduler settings, frozen at start-up. These defaults are the router's
     (:class:`router.settings.RouterSettings` reads them from here).
 
-    :meth:`dynamo` gives NVIDIA Dynamo's rule: overlap and queue weights 1, no other term.
+    :meth:`dynamo` gives NVIDIA Dynamo's rule: overlap and queue weights 1, no session term.
     """
 
     overlap_weight: float = 32.0
     #: The fixed queue weight; under ``--queue-weight auto`` the router sets it per decision
     #: (:mod:`router.pressure`).
     queue_weight: float = 0.5
-    affinity_weight: float = 4.0
     session_weight: float = 16.0
     #: A continuing session stays home unless its worker's pending prefill exceeds the
     #: shortest queue's by more than this many blocks (only when the caller passes ``home``).
@@ -65,7 +56,6 @@ class SchedulerConfig:
         checks = [
             (self.overlap_weight >= 0, "overlap_weight must be >= 0"),
             (self.queue_weight >= 0, "queue_weight must be >= 0"),
-            (self.affinity_weight > 0, "affinity_weight must be > 0"),
             (self.session_weight >= 0, "session_weight must be >= 0"),
             (self.session_queue_blocks >= 0, "session_queue_blocks must be >= 0"),
             (0.0 <= self.host_credit <= 1.0, "host_credit must be in [0, 1]"),
@@ -77,7 +67,7 @@ class SchedulerConfig:
     @classmethod
     def dynamo(cls) -> SchedulerConfig:
         """NVIDIA Dynamo's rule: ``overlap * (uncached + queued prefill) + decode``."""
-        return cls(overlap_weight=1.0, queue_weight=1.0, affinity_weight=1.0, session_weight=0.0)
+        return cls(overlap_weight=1.0, queue_weight=1.0, session_weight=0.0)
 
 
 # Candidate and WorkerCost are built per priced worker per request on the hot path: plain
@@ -120,8 +110,7 @@ class Decision:
     Args:
         worker: the chosen worker.
         costs: every candidate's terms, cheapest first; or None with ``explain``.
-        overlap_weight: the weight the costs were priced at (the configured one, times the
-            affinity factor for a led request).
+        overlap_weight: the weight the costs were priced at.
         chosen: the chosen worker's terms (found in ``costs`` when omitted).
         explain: computes ``costs`` when first read.
     """
@@ -177,35 +166,10 @@ class Pricing:
 
     #: Cost terms, cheapest first (ties: fewer active requests, then lower worker id).
     costs: list[WorkerCost]
-    #: The weight prefill was priced at (affinity factor included).
+    #: The weight prefill was priced at.
     overlap_weight: float
     #: The session's worker when the request stays home (no choice to make), else None.
     stay: int | None
-
-
-def led(request_blocks: int, matched: Sequence[int], candidates: int) -> bool:
-    """Whether one of ``candidates`` workers matches at least :data:`AFFINITY_LEAD_BLOCKS`
-    more of the request than every other (``matched``: the candidates' matched blocks; any
-    candidate not listed matched none)."""
-    if candidates < 2:
-        return False
-    first = second = 0
-    for value in matched:
-        m = min(value, request_blocks)
-        if m > first:
-            first, second = m, first
-        elif m > second:
-            second = m
-    return first - second >= AFFINITY_LEAD_BLOCKS
-
-
-def weighted(config: SchedulerConfig, request_blocks: int, matched: Sequence[int],
-             candidates: int) -> SchedulerConfig:
-    """``config`` with the affinity factor applied when the request is led."""
-    if config.affinity_weight != 1.0 and led(request_blocks, matched, candidates):
-        return dataclasses.replace(
-            config, overlap_weight=config.overlap_weight * config.affinity_weight)
-    return config
 
 
 def stays_home(home_pending: float, shortest: float, config: SchedulerConfig) -> bool:
@@ -221,9 +185,6 @@ def price(request_blocks: int, candidates: Sequence[Candidate], config: Schedule
         raise ValueError("no candidate workers")
     if request_blocks < 0:
         raise ValueError(f"request_blocks must be >= 0, got {request_blocks}")
-    base_weight = config.overlap_weight
-    config = weighted(config, request_blocks, [c.matched_blocks for c in candidates],
-                      len(candidates))
     stay = None
     if home is not None:
         stay = next((c for c in candidates if c.worker == home), None)
@@ -233,7 +194,7 @@ def price(request_blocks: int, candidates: Sequence[Candidate], config: Schedule
     costs = [cost_of(c, request_blocks, config) for c in candidates]
     if config.session_weight > 0 and stay is None:
         fewest = min(c.sessions for c in candidates)
-        session_price = base_weight * (config.session_weight * continue_rate)
+        session_price = config.overlap_weight * (config.session_weight * continue_rate)
         for wc in costs:
             wc.cost += session_price * (wc.sessions - fewest)
     costs.sort(key=lambda c: (c.cost, c.active_requests, c.worker))

@@ -48,7 +48,6 @@ class RouterSettings:
     overlap_weight: float = _RULE.overlap_weight
     #: None: ``auto`` (by eviction pressure, :mod:`router.pressure`).
     queue_weight: float | None = None
-    affinity_weight: float = _RULE.affinity_weight
     session_weight: float = _RULE.session_weight
     sessions: bool = _CORE.sessions
     predict_ttl: float = _CORE.predict_ttl
@@ -70,7 +69,6 @@ class RouterSettings:
             (self.overlap_weight >= 0, "overlap_weight must be >= 0"),
             (self.queue_weight is None or self.queue_weight >= 0,
              "queue_weight must be >= 0 (or auto: by eviction pressure)"),
-            (self.affinity_weight > 0, "affinity_weight must be > 0 (1 = no change)"),
             (self.session_weight >= 0, "session_weight must be >= 0 (0 = no session term)"),
             (self.policy in POLICIES,
              f"policy {self.policy!r} is not one of {', '.join(POLICIES)}"),
@@ -101,7 +99,6 @@ class RouterSettings:
         rule = dataclasses.replace(
             _RULE, overlap_weight=self.overlap_weight,
             queue_weight=_RULE.queue_weight if self.queue_weight is None else self.queue_weight,
-            affinity_weight=self.affinity_weight,
             session_weight=self.session_weight if self.sessions else 0.0)
         return CoreSettings(rule, auto_queue=self.queue_weight is None,
                             predict_ttl=self.predict_ttl, approximate_ttl=self.approximate_ttl,

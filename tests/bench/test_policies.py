@@ -208,23 +208,6 @@ def _decoding_on_worker_0(policy: str) -> tuple[FakeCluster, KvroutePolicy]:
     return cluster, p
 
 
-@pytest.mark.parametrize(("policy", "held_by_1", "expected"), [
-    # lead 8 (worker 1 holds the first 2 blocks): the factor applies
-    ("kvroute[affinity_weight=1]", 2, 1), ("kvroute", 2, 0),
-    # lead 5: under 8, priced at the configured weight
-    ("kvroute[affinity_weight=1]", 5, 1), ("kvroute", 5, 1)])
-def test_affinity_keeps_a_continuing_session_on_its_worker_from_its_lead(
-        policy: str, held_by_1: int, expected: int) -> None:
-    cluster, p = _decoding_on_worker_0(policy)
-    req = rr("turn", PROMPT)
-    # Worker 0 holds all 10 blocks and decodes 300; leaving it costs 32 x (10 - held_by_1)
-    # at weight 32 (256 or 160: it moves) and 4 x that with the factor applied (1024: it
-    # stays).
-    cluster.index.store_hashes(0, req.hashes)
-    cluster.index.store_hashes(1, req.hashes[:held_by_1])
-    assert p.route(req, 0.0) == expected
-
-
 @pytest.mark.parametrize(("policy", "stays"), [("kvroute", True),
                                                ("kvroute[sessions=off]", False)])
 def test_kvroute_keeps_a_continuing_session_home_until_its_queue_runs_away(
@@ -238,7 +221,7 @@ def test_kvroute_keeps_a_continuing_session_home_until_its_queue_runs_away(
     p.finished("turn1", 0.2)
     p.core.load.routed("long-decode", home, 0.0, 3000)  # 3,000 blocks decoding at home
     p.first_token("long-decode", 0.3)
-    # Leaving costs 4 x 32 x 10 = 1,280; staying 3,000 of decode: by cost, the turn leaves.
+    # Leaving costs 32 x 10 = 320; staying 3,000 of decode: by cost, the turn leaves.
     turn2 = PROMPT + tuple(range(60, 68))
     assert (p.route(rr("turn2", turn2), 1.0) == home) is stays
     if stays:  # 200 blocks queued at home, past the 128 allowed: the next turn leaves

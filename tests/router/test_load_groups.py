@@ -20,7 +20,6 @@ def _config(rng: random.Random) -> SchedulerConfig:
     return SchedulerConfig(
         overlap_weight=rng.choice([1.0, 4.0, 32.0]),
         queue_weight=rng.choice([0.1, 0.25, 0.5, 1.0, 1.5]),
-        affinity_weight=rng.choice([1.0, 4.0]),
         session_weight=rng.choice([0.0, 16.0]),
         session_queue_blocks=rng.choice([0.0, 10.0, 128.0]),
     )

@@ -193,22 +193,6 @@ async def test_approximate_mode_sends_a_repeated_prefix_back_to_its_worker() -> 
     assert int(again.headers["x-kvroute-matched-blocks"]) == 400 // 32
 
 
-@pytest.mark.parametrize(("affinity", "weight"), [(1.0, 32.0), (4.0, 128.0)])
-async def test_debug_route_shows_the_overlap_weight_a_led_request_was_priced_at(
-        affinity: float, weight: float) -> None:
-    async with (
-        ScriptedWorker() as a,
-        ScriptedWorker() as b,
-        router_for(a, b, ready=2, affinity_weight=affinity) as client,
-    ):
-        await client.post("/v1/completions", json={**BODY, "prompt": "p" * 400})
-        # One worker now holds the prompt's 12 blocks (predicted), the other none: a lead.
-        led = (await client.post("/debug/route", json={**BODY, "prompt": "p" * 400 + "!"})).json()
-        fresh = (await client.post("/debug/route", json={**BODY, "prompt": "q" * 400})).json()
-    assert led["overlap_weight"] == weight
-    assert fresh["overlap_weight"] == 32.0  # nobody holds it: no lead
-
-
 @pytest.mark.parametrize(("queue_weight", "expected"), [(None, 0.5), (0.3, 0.3)])
 async def test_debug_route_shows_the_queue_weight_a_decision_used(
         queue_weight: float | None, expected: float) -> None:

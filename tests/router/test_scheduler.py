@@ -7,12 +7,11 @@ from collections import Counter
 
 import pytest
 
-from router.scheduler import AFFINITY_LEAD_BLOCKS, Candidate, SchedulerConfig, choose, cost_of
+from router.scheduler import Candidate, SchedulerConfig, choose, cost_of
 
 # Dynamo's rule makes the table's arithmetic easy to follow; the defaults get their own cases.
 DEFAULT = SchedulerConfig.dynamo()
-# The defaults without the affinity factor: the base rule at the router's weights.
-BASE = SchedulerConfig(affinity_weight=1.0)
+ROUTER = SchedulerConfig()
 
 
 @pytest.mark.parametrize("name, blocks, candidates, config, expected", [
@@ -27,7 +26,7 @@ BASE = SchedulerConfig(affinity_weight=1.0)
     ("a heavier overlap weight prefers the cache", 10,
      [Candidate(0),
       Candidate(1, matched_blocks=8, device_matched_blocks=8, decode_blocks=20)],
-     SchedulerConfig(overlap_weight=3.0, queue_weight=1.0, affinity_weight=1.0), 1),
+     SchedulerConfig(overlap_weight=3.0, queue_weight=1.0), 1),
     ("queued prefill counts against a worker", 10,
      [Candidate(0, matched_blocks=5, device_matched_blocks=5, pending_prefill_blocks=9),
       Candidate(1, matched_blocks=0)], DEFAULT, 1),
@@ -39,21 +38,20 @@ BASE = SchedulerConfig(affinity_weight=1.0)
     ("a lower host credit flips that choice", 10,
      [Candidate(0, matched_blocks=8, device_matched_blocks=0),
       Candidate(1, matched_blocks=5, device_matched_blocks=5)],
-     SchedulerConfig(overlap_weight=1.0, host_credit=0.5, queue_weight=1.0,
-                     affinity_weight=1.0), 1),
+     SchedulerConfig(overlap_weight=1.0, host_credit=0.5, queue_weight=1.0), 1),
     # queue weight 0.25: w0 = 10 - 5 + 0.25*9 = 7.25 < w1 = 10 -> wait behind the queue
     ("a low queue weight prefers waiting to recomputing", 10,
      [Candidate(0, matched_blocks=5, device_matched_blocks=5, pending_prefill_blocks=9),
       Candidate(1, matched_blocks=0)],
-     SchedulerConfig(overlap_weight=1.0, queue_weight=0.25, affinity_weight=1.0), 0),
+     SchedulerConfig(overlap_weight=1.0, queue_weight=0.25), 0),
     # defaults (32, 0.5): w1 = 32*2 + 20 = 84 < w0 = 32*10 = 320 -> the cache wins
     ("by default a decode load of 20 blocks does not outweigh 8 cached blocks", 10,
      [Candidate(0),
-      Candidate(1, matched_blocks=8, device_matched_blocks=8, decode_blocks=20)], BASE, 1),
+      Candidate(1, matched_blocks=8, device_matched_blocks=8, decode_blocks=20)], ROUTER, 1),
     # defaults: w1 = 32*2 + 300 = 364 > w0 = 320 -> spread
     ("by default a heavy decode load does", 10,
      [Candidate(0),
-      Candidate(1, matched_blocks=8, device_matched_blocks=8, decode_blocks=300)], BASE, 0),
+      Candidate(1, matched_blocks=8, device_matched_blocks=8, decode_blocks=300)], ROUTER, 0),
     ("equal cost goes to fewer active requests", 4,
      [Candidate(0, active_requests=3), Candidate(1, active_requests=1),
       Candidate(2, active_requests=2)], DEFAULT, 1),
@@ -103,45 +101,6 @@ def test_no_candidates_is_a_caller_error() -> None:
         choose(3, [], DEFAULT, random.Random(0))
 
 
-# --- the affinity factor (affinity_weight != 1) ----------------------------------------------
-
-# A continuing session: worker 0 caches all 20 blocks but decodes 600; worker 1 holds the
-# first 5 (the shared system prompt). At weight 32: 600 against 32 * 15 = 480, so it moves.
-SESSION = [Candidate(0, matched_blocks=20, device_matched_blocks=20, decode_blocks=600),
-           Candidate(1, matched_blocks=5, device_matched_blocks=5)]
-
-
-@pytest.mark.parametrize("name, config, candidates, expected, weight", [
-    ("factor 1 is the base rule: the session moves", BASE, SESSION, 1, 32.0),
-    # 32 * 4 * 15 = 1920 > 600: it stays
-    ("the default factor 4 keeps the session on its worker", SchedulerConfig(), SESSION, 0,
-     128.0),
-    # a lead of 7 (12 against 5): 32 * 8 + 600 = 856 > 32 * 15 = 480
-    ("a lead under AFFINITY_LEAD_BLOCKS is priced at the configured weight",
-     SchedulerConfig(),
-     [Candidate(0, matched_blocks=12, device_matched_blocks=12, decode_blocks=600),
-      Candidate(1, matched_blocks=5, device_matched_blocks=5)], 1, 32.0),
-    # matches count only up to the request's blocks: 40 against 13 is a lead of 7, not 27
-    ("matches past the request are capped before the lead is measured", SchedulerConfig(),
-     [Candidate(0, matched_blocks=40, device_matched_blocks=40, decode_blocks=600),
-      Candidate(1, matched_blocks=13, device_matched_blocks=13)], 1, 32.0),
-])
-def test_affinity_scales_the_overlap_weight_only_for_a_clear_lead(
-        name: str, config: SchedulerConfig, candidates: list[Candidate], expected: int,
-        weight: float) -> None:
-    assert AFFINITY_LEAD_BLOCKS == 8
-    decision = choose(20, candidates, config, random.Random(0))
-    assert (decision.worker, decision.overlap_weight) == (expected, weight), name
-
-
-def test_one_candidate_has_no_lead_and_a_bad_affinity_weight_is_refused() -> None:
-    alone = [Candidate(0, matched_blocks=10, device_matched_blocks=10)]
-    d = choose(10, alone, SchedulerConfig(), random.Random(0))
-    assert d.chosen.cost == 0.0 and d.overlap_weight == 32.0
-    with pytest.raises(ValueError, match="affinity_weight"):
-        SchedulerConfig(affinity_weight=0.0)
-
-
 # Sessions: worker 1 holds none of a 10-block prompt but is idle; worker 0 holds it all and
 # has 100 blocks queued. At weight 1 leaving costs 10 blocks against 100 queued: by cost, 1.
 BUSY_HOME = [Candidate(0, matched_blocks=10, device_matched_blocks=10,
@@ -184,18 +143,6 @@ def test_sessions_already_on_a_worker_count_against_it(rate: float, expected: in
     assert decision.worker == expected
     assert {c.worker: c.sessions for c in decision.costs} == {0: 3, 1: 0}
     assert decision.chosen.cost == (256.0 + 32 * 16 * rate * 3 if expected == 0 else 320.0)
-
-
-def test_the_session_term_uses_the_configured_weight_not_the_affinity_factor() -> None:
-    # A clear lead (10 blocks) raises the overlap weight to 128; the session term stays at
-    # 32 x 16 per session: leaving costs 128 x 10 = 1280, staying 32 x 16 x 3 = 1536 more.
-    candidates = [Candidate(0, matched_blocks=10, device_matched_blocks=10, sessions=3),
-                  Candidate(1)]
-    config = SchedulerConfig(session_weight=16.0, affinity_weight=4.0)
-    decision = choose(10, candidates, config, random.Random(0))
-    assert decision.overlap_weight == 128.0 and decision.worker == 1
-    costs = {c.worker: c.cost for c in decision.costs}
-    assert costs == {0: 32.0 * 16 * 3, 1: 128.0 * 10}
 
 
 @pytest.mark.parametrize("kwargs, fragment", [

@@ -48,8 +48,7 @@ def test_the_routing_defaults_are_the_schedulers() -> None:
 def test_dynamo_is_one_flag_away() -> None:
     core = load_settings({"policy": "dynamo"}, env={}).core_settings()
     assert (core.scheduler.overlap_weight, core.scheduler.queue_weight) == (32.0, 1.0)
-    assert (core.scheduler.affinity_weight, core.scheduler.session_weight, core.sessions,
-            core.auto_queue) == (1.0, 0.0, False, False)
+    assert (core.scheduler.session_weight, core.sessions, core.auto_queue) == (0.0, False, False)
     dynamo = load_settings({"policy": "dynamo", "overlap_weight": 1.0}, env={}).core_settings()
     assert dynamo.scheduler == __import__("router.scheduler").scheduler.SchedulerConfig.dynamo()
 
@@ -70,8 +69,7 @@ def test_json_config_files_work_too(tmp_path: Path) -> None:
     ({}, {"KVROUTE_POLICY": "least_cost"}, "policy 'least_cost' is not one of kv"),
     ({"queue_weight": "heavy"}, {}, "queue_weight from flag: 'heavy' is not a valid float"),
     ({"queue_weight": "-1"}, {}, "queue_weight must be >= 0"),
-    ({"affinity_weight": 0.0}, {}, "affinity_weight must be > 0"),
-    ({}, {"KVROUTE_AFFINITY_WEIGHT": "nan"}, "affinity_weight must be > 0"),
+    ({"overlap_weight": -1.0}, {}, "overlap_weight must be >= 0"),
     ({"session_weight": -1.0}, {}, "session_weight must be >= 0"),
     ({}, {"KVROUTE_SESSION_WEIGHT": "lots"}, "session_weight from environment"),
     ({"predict_ttl": "0"}, {}, "ttls must be positive"),
@@ -143,7 +141,7 @@ def test_torch_engine_model_names_the_weights_unless_torch_model_does() -> None:
     (["router", "--port", "x"], "invalid int value"),
     (["router", "--temperature", "0.5"], "unrecognized arguments: --temperature"),
     (["router", "--sessions", "maybe"], "invalid choice"),
-    (["router", "--affinity-weight", "-4"], "affinity_weight must be > 0"),
+    (["router", "--session-weight", "-4"], "session_weight must be >= 0"),
     (["worker", "--engine", "tpu"], "invalid choice"),
     (["worker", "--num-blocks", "0"], "num_blocks must be positive"),
     (["events", "tail", "--connect", "tcp://127.0.0.1:1", "--count", "0"], "must be >= 1"),
@@ -161,14 +159,14 @@ async def test_the_router_schedules_with_its_configured_weights(tmp_path: Path) 
     from router.service import RouterService
 
     config = tmp_path / "r.toml"
-    config.write_text("[router]\naffinity_weight = 2\nqueue_weight = 0.3\n")
+    config.write_text("[router]\nsession_weight = 2\nqueue_weight = 0.3\n")
     settings = load_settings({}, env={}, config_file=str(config))
     async with httpx.AsyncClient() as http:
         scheduler = RouterService(settings, http).scheduler
-    assert (scheduler.affinity_weight, scheduler.queue_weight) == (2.0, 0.3)
+    assert (scheduler.session_weight, scheduler.queue_weight) == (2.0, 0.3)
     async with httpx.AsyncClient() as http:
         default = RouterService(RouterSettings(), http).scheduler
-    assert (default.affinity_weight, default.queue_weight) == (4.0, 0.5)
+    assert (default.session_weight, default.queue_weight) == (16.0, 0.5)
 
 
 @pytest.mark.parametrize("timing", ["calibrated", "paged", "measured"])
