@@ -121,7 +121,7 @@ class RoutingCore:
         return (load.pending_prefill_blocks, load.decode_blocks, load.active_requests, live)
 
     def facts_changed(self, worker: int) -> None:
-        """Read ``worker``'s facts again (its engine restarted with other limits)."""
+        """Read ``worker``'s facts again (its model info changed)."""
         self._refresh(worker)
 
     def workers(self) -> int:
