@@ -170,35 +170,25 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
     a("--port", type=int, help="port (default 8000)")
     a("--block-size", type=int, help="must equal the workers' (default 32)")
     a("--tokenizer", help="must be the workers' tokenizer (default: byte-level)")
-    a("--overlap-weight", type=float, help="prefill vs decode weight (default 32; 1 = Dynamo)")
-    a("--queue-weight", help="queued prefill vs own prefill: auto (default: 0.5 while caches "
-      "warm up, on at most the blocks the request finds cached there, then by eviction "
-      "pressure from 0.25 down to 0.1), or a fixed number")
-    a("--queue-cap-blocks", type=float,
-      help="queued prefill blocks per worker past the shortest queue counted at the queue "
-      "weight, the rest at 1 (default: 3000 under auto, no cap otherwise)")
-    a("--admission-weight", type=float,
-      help="price of waiting for a sequence slot on a full worker, in prefill blocks "
-      "while another has one free (default 1; 0 turns it off)")
-    a("--affinity-weight", type=float,
-      help="multiplies the overlap weight for a request one worker clearly leads on (a "
-      "continuing session, or a prefix only one worker holds); default 4, for engines with "
-      "paged decode attention (vLLM, TensorRT-LLM, SGLang); 1 turns it off")
-    a("--affinity-lead-blocks", type=int,
-      help="blocks the best-matched worker must lead every other by (default 8)")
+    # Routing: each flag and its reason in docs/routing.md.
+    a("--policy", choices=["kv", "dynamo", "round_robin", "random"],
+      help="kv (default): kvroute's rule; dynamo: NVIDIA Dynamo's cost rule; round_robin or "
+      "random ignore the cache (baselines)")
+    a("--overlap-weight", type=float,
+      help="price of a block to prefill against a block held by a decoding request "
+      "(default 32; 1 = Dynamo)")
+    a("--queue-weight", help="price of a block queued for prefill against one of the "
+      "request's own: auto (default: by how fast the caches evict, 0.5 down to 0.1) or a "
+      "fixed number (1 = Dynamo)")
     a("--session-weight", type=float,
-      help="price of a live chat or agent session already on a worker, in prefill blocks, "
-      "for a request that does not continue one (default 16; 0 turns it off)")
-    a("--session-queue-blocks",
-      help="a continuing session stays on its worker unless that worker's queued prefill is "
-      "this many blocks past the shortest queue (default 128; off: no stay)")
-    a("--pressure-window", type=float,
-      help="seconds of cache removals the eviction pressure counts (default 10)")
-    a("--predict-ttl", type=float, help="seconds a routed prefix counts resident (default 10)")
-    a("--host-credit", type=float, help="host-tier hit credit in [0,1] (default 0.75)")
-    a("--temperature", type=float, help="0 picks the cheapest; >0 samples (default 0)")
-    a("--policy", choices=["kv", "round_robin", "random"],
-      help="kv (default); round_robin or random ignore the cache (baselines)")
+      help="price of a live chat or agent session already on a worker, for a request that "
+      "continues none (default 16; 0 turns it off)")
+    a("--sessions", choices=["on", "off"],
+      help="follow conversations: a continuing turn stays on its session's worker unless that "
+      "worker's queue runs 128 blocks past the shortest (default on)")
+    a("--predict-ttl", type=float,
+      help="seconds a routed prompt counts as cached on its worker before its events arrive "
+      "(default 10)")
     a("--admin-token", help="bearer token for /workers and /debug/* (visible in ps: prefer "
       "--admin-token-file or KVROUTE_ADMIN_TOKEN)")
     a("--admin-token-file", metavar="PATH", help="read the admin token from this file")

@@ -222,14 +222,13 @@ def create_app(settings: RouterSettings) -> FastAPI:
             "decision_us": round(route.decision_seconds * 1e6, 1),
             "overlap_weight": route.decision.overlap_weight,
             "queue_weight": service().scheduler.queue_weight,
-            "queue_discount_cached_only": service().scheduler.queue_discount_cached_only,
             "continues_session_on": route.continued.worker if route.continued else None,
             "workers": [{"id": c.worker, "url": route.entries[c.worker].url,
                          "matched_blocks": c.matched_blocks,
                          "device_matched_blocks": c.device_matched_blocks,
                          "prefill_blocks": c.prefill_blocks, "decode_blocks": c.decode_blocks,
                          "active_requests": c.active_requests,
-                         "admission_blocks": c.admission_blocks, "sessions": c.sessions,
+                         "sessions": c.sessions,
                          "cost": c.cost}
                         for c in route.decision.costs],
         }

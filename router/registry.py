@@ -136,8 +136,9 @@ class Registry:
         return next((e for e in self._entries.values() if e.url == url), None)
 
     def candidates(self) -> list[WorkerEntry]:
-        """Workers that may take a request now."""
-        return [e for e in self.entries() if e.state is WorkerState.HEALTHY]
+        """Workers that may take a request now, in id order (the order of insertion: ids only
+        grow), without sorting on every request."""
+        return [e for e in self._entries.values() if e.state is WorkerState.HEALTHY]
 
     async def add(self, url: str, *, must_answer: bool = True) -> WorkerEntry:
         """Register the worker at ``url`` and connect to it.

@@ -7,6 +7,7 @@ Precedence: command-line flag > environment (``KVROUTE_*``) > config file (TOML 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tomllib
@@ -18,6 +19,7 @@ from typing import Any
 from httpapi.auth import check_bind, read_token_file
 from httpapi.server import DEFAULT_LIMITS, ConnectionLimits
 from indexer.openai_api import MAX_BODY_BYTES
+from router.core import CoreSettings
 from router.discovery import parse_target
 from router.event_transport import (
     DEFAULT_MAX_MESSAGE_BYTES,
@@ -29,9 +31,14 @@ from router.scheduler import SchedulerConfig
 
 __all__ = ["POLICIES", "RouterSettings", "SettingsError", "load_settings"]
 
-#: ``kv``: prefix hits weighed against load (the point of kvroute). ``round_robin`` and
-#: ``random`` ignore the cache: baselines to measure against, one flag away.
-POLICIES = ("kv", "round_robin", "random")
+#: ``kv``: prefix hits weighed against load (the point of kvroute). ``dynamo``: NVIDIA Dynamo's
+#: cost rule (:meth:`router.scheduler.SchedulerConfig.dynamo`; ``--overlap-weight`` still
+#: applies). ``round_robin`` and ``random`` ignore the cache: baselines to measure against.
+POLICIES = ("kv", "dynamo", "round_robin", "random")
+
+#: The cost rule's defaults, defined once (:class:`router.scheduler.SchedulerConfig`).
+_RULE = SchedulerConfig()
+_CORE = CoreSettings()
 
 
 class SettingsError(ValueError):
@@ -47,20 +54,14 @@ class RouterSettings:
     workers: tuple[str, ...] = ()
     block_size: int = 32
     tokenizer: str | None = None
-    overlap_weight: float = 32.0
-    queue_weight: float | None = None
-    queue_cap_blocks: float | None = None
-    admission_weight: float = 1.0
-    affinity_weight: float = 4.0
-    affinity_lead_blocks: int = 8
-    session_weight: float = 16.0
-    session_queue_blocks: float | None = 128.0
-    pressure_window: float = 10.0
-    host_credit: float = 0.75
-    temperature: float = 0.0
     policy: str = "kv"
-    predict_ttl: float = 10.0
-    approximate_ttl: float = 120.0
+    overlap_weight: float = _RULE.overlap_weight
+    #: None: ``auto`` (by eviction pressure, :mod:`router.pressure`).
+    queue_weight: float | None = None
+    session_weight: float = _RULE.session_weight
+    sessions: bool = _CORE.sessions
+    predict_ttl: float = _CORE.predict_ttl
+    approximate_ttl: float = _CORE.approximate_ttl
     health_interval: float = 1.0
     unhealthy_grace: float = 5.0
     health_timeout: float = 1.0
@@ -99,17 +100,7 @@ class RouterSettings:
             (self.overlap_weight >= 0, "overlap_weight must be >= 0"),
             (self.queue_weight is None or self.queue_weight >= 0,
              "queue_weight must be >= 0 (or auto: by eviction pressure)"),
-            (self.queue_cap_blocks is None or self.queue_cap_blocks >= 0,
-             "queue_cap_blocks must be >= 0"),
-            (self.pressure_window > 0, "pressure_window must be positive"),
-            (self.admission_weight >= 0, "admission_weight must be >= 0"),
-            (self.affinity_weight > 0, "affinity_weight must be > 0 (1 = no change)"),
-            (self.affinity_lead_blocks >= 1, "affinity_lead_blocks must be >= 1"),
             (self.session_weight >= 0, "session_weight must be >= 0 (0 = no session term)"),
-            (self.session_queue_blocks is None or self.session_queue_blocks >= 0,
-             "session_queue_blocks must be >= 0 (or off: continuations are not kept home)"),
-            (0 <= self.host_credit <= 1, "host_credit must be in [0, 1]"),
-            (self.temperature >= 0, "temperature must be >= 0"),
             (self.policy in POLICIES,
              f"policy {self.policy!r} is not one of {', '.join(POLICIES)}"),
             (self.predict_ttl > 0 and self.approximate_ttl > 0, "ttls must be positive"),
@@ -180,29 +171,26 @@ class RouterSettings:
                 raise SettingsError(str(exc)) from None
         return EventTransport(self.event_max_message_bytes, self.event_receive_hwm, curve)
 
-    @property
-    def sessions(self) -> bool:
-        """Whether the router tracks sessions (either session setting is on)."""
-        return self.session_weight > 0 or self.session_queue_blocks is not None
-
-    def scheduler_config(self, **changes: float) -> SchedulerConfig:
-        """The scheduler settings these settings give (the queue weight and cap are the
-        scheduler's defaults unless ``changes`` set them: the service derives them from
-        ``queue_weight`` and ``queue_cap_blocks``, which may be ``auto``)."""
-        fields_ = {"overlap_weight": self.overlap_weight, "host_credit": self.host_credit,
-                   "temperature": self.temperature, "admission_weight": self.admission_weight,
-                   "affinity_weight": self.affinity_weight,
-                   "affinity_lead_blocks": self.affinity_lead_blocks,
-                   "session_weight": self.session_weight, **changes}
-        if self.session_queue_blocks is not None:
-            fields_.setdefault("session_queue_blocks", self.session_queue_blocks)
-        return SchedulerConfig(**fields_)  # type: ignore[arg-type]
+    def core_settings(self) -> CoreSettings:
+        """The routing core's settings these give (``policy`` ``dynamo``: Dynamo's rule at
+        this overlap weight, the queue weight fixed at 1 unless set, no sessions)."""
+        if self.policy == "dynamo":
+            rule = dataclasses.replace(SchedulerConfig.dynamo(),
+                                       overlap_weight=self.overlap_weight,
+                                       queue_weight=1.0 if self.queue_weight is None
+                                       else self.queue_weight)
+            return CoreSettings(rule, auto_queue=False, predict_ttl=self.predict_ttl,
+                                approximate_ttl=self.approximate_ttl, sessions=False)
+        rule = dataclasses.replace(
+            _RULE, overlap_weight=self.overlap_weight,
+            queue_weight=_RULE.queue_weight if self.queue_weight is None else self.queue_weight,
+            session_weight=self.session_weight if self.sessions else 0.0)
+        return CoreSettings(rule, auto_queue=self.queue_weight is None,
+                            predict_ttl=self.predict_ttl, approximate_ttl=self.approximate_ttl,
+                            sessions=self.sessions)
 
 
 _TYPES = {f.name: f.type for f in fields(RouterSettings)}
-#: The words an optional number takes for "none": ``auto`` where the router then derives it
-#: (the default), ``off`` where none means the feature is off.
-_NONE_WORDS = {"session_queue_blocks": ("off", "none", "")}
 _TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
 #: Settings read from a file named by another setting (a token kept out of ``ps``).
 _TOKEN_FILES = {"admin_token_file": "admin_token",
@@ -219,14 +207,13 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
         if value is None:
             return None
         if kind == "bool":
-            text = str(value).lower()
+            text = str(value).strip().lower()
             if isinstance(value, bool) or text in _TRUE | _FALSE:
                 return value if isinstance(value, bool) else text in _TRUE
             raise ValueError
         if kind in ("int", "int | None"):
             return int(value)
-        if kind == "float | None" and str(value).strip().lower() in _NONE_WORDS.get(
-                name, ("auto", "none", "")):
+        if kind == "float | None" and str(value).strip().lower() in ("auto", "none", ""):
             return None
         if kind in ("float", "float | None"):
             return float(value)

@@ -93,23 +93,6 @@ def test_predictions_are_bounded_oldest_first_and_forgettable() -> None:
     assert p.workers() == []
 
 
-def test_waiting_blocks_are_full_prompts_until_the_first_token() -> None:
-    t = LoadTracker()
-    t.add_worker(0)
-    t.routed("a", 0, prefill_blocks=2, decode_blocks=10)  # 8 of 10 cached
-    t.routed("b", 0, prefill_blocks=5, decode_blocks=5)
-    assert t.waiting_blocks(0) == 15.0
-    assert t.load(0) == WorkerLoad(2, 7.0, 0.0), "load() is unchanged by the new books"
-    t.first_token("a")
-    assert t.waiting_blocks(0) == 5.0
-    t.first_token("a")
-    assert t.waiting_blocks(0) == 5.0
-    t.finished("b")  # failed before its first token
-    assert t.waiting_blocks(0) == 0.0
-    t.finished("a")
-    assert t.waiting_blocks(0) == 0.0 and t.waiting_blocks(7) == 0.0
-
-
 def test_expiry_drops_only_the_expired_front_and_empty_workers() -> None:
     p = PredictedResidency(ttl=10.0)
     p.predict(0, [1, 2], now=0.0)
