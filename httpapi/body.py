@@ -14,7 +14,7 @@ helpers enforce the limit while reading instead:
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
@@ -84,7 +84,8 @@ async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
     return parse_body(await read_body(request, max_bytes), max_bytes)
 
 
-async def wait_for_disconnect(receive: Callable[[], Awaitable[dict[str, Any]]]) -> None:
+async def wait_for_disconnect(receive: Callable[[], Awaitable[MutableMapping[str, Any]]]
+                             ) -> None:
     """Return when the ASGI client has gone away (call after the request body was read)."""
     while True:
         message = await receive()

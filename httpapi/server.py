@@ -23,7 +23,7 @@ import asyncio
 import logging
 import resource
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -157,7 +157,8 @@ def server_config(app: Any, host: str, port: int, limits: ConnectionLimits,
     options: dict[str, Any] = {"access_log": False, "timeout_graceful_shutdown": 5, **extra}
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol,
                           limit_concurrency=limits.max_connections,
-                          timeout_keep_alive=limits.keep_alive_timeout, **options)
+                          # uvicorn types it int but sleeps any number of seconds
+                          timeout_keep_alive=cast(int, limits.keep_alive_timeout), **options)
 
 
 def raise_open_file_limit(limits: ConnectionLimits) -> None:

@@ -152,7 +152,8 @@ def validate_request(body: dict[str, Any], kind: Literal["completions", "chat"]
     Raises:
         ApiError: 400 naming the first field of the wrong type or out of range.
     """
-    schema = ChatRequest if kind == "chat" else CompletionRequest
+    schema: type[CompletionRequest | ChatRequest] = (
+        ChatRequest if kind == "chat" else CompletionRequest)
     try:
         return msgspec.convert(body, schema)
     except msgspec.ValidationError as exc:

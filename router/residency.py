@@ -70,7 +70,8 @@ class PredictedResidency:
             return []
         out = []
         for w in workers:
-            expiry = self._by_worker.get(w, {}).get(first)
+            entries = self._by_worker.get(w)
+            expiry = entries.get(first) if entries else None
             if expiry is not None and expiry > now:
                 out.append(w)
         return out
