@@ -120,6 +120,12 @@ def _wrk(url: str, seconds: float) -> tuple[float, float, float]:
 
 def _measure(url: str, requests: int, seconds: float) -> dict[str, float]:
     one = latency(url, BODY, min(requests, 1000), warmup=100)
+    return {**_loaded(url, requests, seconds), "one_p50": percentile(one, 50),
+            "one_p99": percentile(one, 99)}
+
+
+def _loaded(url: str, requests: int, seconds: float) -> dict[str, float]:
+    """p50, p99 and requests/s with 16 connections: wrk where installed, else asyncio."""
     if shutil.which("wrk"):
         p50, p99, rps = _wrk(url, seconds)
     else:
@@ -127,8 +133,7 @@ def _measure(url: str, requests: int, seconds: float) -> dict[str, float]:
         if failed:
             raise RuntimeError(f"{failed} requests to {url} failed")
         p50, p99 = percentile(times, 50), percentile(times, 99)
-    return {"p50": p50, "p99": p99, "rps": rps, "one_p50": percentile(one, 50),
-            "one_p99": percentile(one, 99)}
+    return {"p50": p50, "p99": p99, "rps": rps}
 
 
 def _measure_epp(url: str, requests: int, seconds: float, pid: int
@@ -137,16 +142,10 @@ def _measure_epp(url: str, requests: int, seconds: float, pid: int
     16-connection part alone."""
     one = latency(url, BODY, min(requests, 1000), warmup=100)
     cpu_before, started = _cpu_seconds(pid), time.perf_counter()
-    if shutil.which("wrk"):
-        p50, p99, rps = _wrk(url, seconds)
-    else:
-        times, rps, failed = asyncio.run(_closed_loop(url, requests))
-        if failed:
-            raise RuntimeError(f"{failed} requests to {url} failed")
-        p50, p99 = percentile(times, 50), percentile(times, 99)
+    figures = _loaded(url, requests, seconds)
     elapsed, cpu = time.perf_counter() - started, _cpu_seconds(pid) - cpu_before
-    return ({"p50": p50, "p99": p99, "rps": rps, "one_p50": percentile(one, 50),
-             "one_p99": percentile(one, 99)}, cpu, elapsed)
+    return ({**figures, "one_p50": percentile(one, 50), "one_p99": percentile(one, 99)},
+            cpu, elapsed)
 
 
 def _cpu_us_per_request(url: str, pid: int, requests: int, seconds: float) -> float:
