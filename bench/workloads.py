@@ -8,7 +8,7 @@ the memory of its distinct content, not of every prompt.
 Token ids live in ``[4, 260)``, the byte tokenizer's non-special ids, so the same prompts
 replay against a live router (:mod:`bench.live`) as token-id prompts.
 
-Mooncake traces (``shared/traces/README.md``): each hash id becomes 512 deterministic tokens
+Mooncake traces (``bench/data/README.md``): each hash id becomes 512 deterministic tokens
 (SHAKE-128 of the id: the same id always gives the same tokens, in any process) and the prompt
 is cut to ``input_length``, so the last block may be partial.
 

@@ -85,7 +85,7 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     a("--max-num-seqs", type=int, help="running requests at most (default 256)")
     a("--max-model-len", type=int, help="prompt + output tokens at most (default 65536)")
     a("--speedup", type=float, help="sim engine: divide modelled time by this (default 1)")
-    a("--timing", help="sim engine's cost model: measured (default: shared/calibration with "
+    a("--timing", help="sim engine's cost model: measured (default: the H200 calibration with "
       "attention over cached K/V priced as kernels measured on an H200), paged (only decode "
       "priced so), or calibrated (the calibration as fitted)")
     a("--mm-tokens-per-image", type=int, help="placeholder positions per image (default 16)")
