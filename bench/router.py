@@ -62,9 +62,9 @@ What the measurements taught (all on this 2-core machine, other jobs running at 
   ~110 µs of CPU at 1,024 workers. The registry keeps it until health or membership changes
   (:mod:`router.healthy`); a decision then costs the same CPU at 1,024 workers as at 8
   (p50 190-240 µs, p99 400-520 µs with the machine's load average at 5-6; 450-490 and
-  730-830 µs before, alternated in the same sitting). Of that, with cold caches,
-  building the prompt from the body cost ~50 µs, the Cython hashing ~35, the index match ~20 and the routing core
-  ~110 at p50; the same steps repeated on warm data cost 8, 28, 5 and 54 µs.
+  730-830 µs before, alternated in the same sitting). Of that, with cold caches, building
+  the prompt from the body costs ~50 µs, the Cython hashing ~35, the index match ~20 and the
+  routing core ~110 at p50; the same steps repeated on warm data cost 8, 28, 5 and 54 µs.
 """
 
 from __future__ import annotations
