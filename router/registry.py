@@ -38,6 +38,7 @@ import httpx
 from indexer.events import Event
 from router.discovery import Discovery
 from router.feed import EventFeed, IndexLike
+from router.healthy import HealthyWorkers
 from router.load import LoadTracker
 from router.proxy import FirstByteWaits
 from router.settings import RouterSettings
@@ -114,6 +115,8 @@ class Registry:
         self._forget = forget
         self._http = http
         self._entries: dict[int, WorkerEntry] = {}
+        # Every join, leave and state change below calls self._healthy.changed().
+        self._healthy = HealthyWorkers(self._entries)
         self._next_id = 0
         self._poll: asyncio.Task[None] | None = None
         self.mm_tokens_per_image: int | None = None
@@ -137,8 +140,8 @@ class Registry:
 
     def candidates(self) -> list[WorkerEntry]:
         """Workers that may take a request now, in id order (the order of insertion: ids only
-        grow), without sorting on every request."""
-        return [e for e in self._entries.values() if e.state is WorkerState.HEALTHY]
+        grow), kept between changes (:mod:`router.healthy`): shared, do not change it."""
+        return self._healthy.list()
 
     async def add(self, url: str, *, must_answer: bool = True) -> WorkerEntry:
         """Register the worker at ``url`` and connect to it.
@@ -167,6 +170,7 @@ class Registry:
             entry.last_error = str(exc)
         self._next_id += 1
         self._entries[entry.id] = entry
+        self._healthy.changed()
         self._load.add_worker(entry.id)
         return entry
 
@@ -176,6 +180,7 @@ class Registry:
         entry = WorkerEntry(self._next_id, info.url, WorkerState.HEALTHY, info, indexed=True)
         self._next_id += 1
         self._entries[entry.id] = entry
+        self._healthy.changed()
         self._load.add_worker(entry.id)
         return entry
 
@@ -186,6 +191,7 @@ class Registry:
             KeyError: no such worker.
         """
         entry = self._entries.pop(worker)
+        self._healthy.changed()
         await self._disconnect(entry)
         self._load.remove_worker(worker)
         return entry
@@ -298,6 +304,7 @@ class Registry:
         if entry.state is WorkerState.HEALTHY:
             log.warning("worker %s unhealthy: %s", entry.url, reason)
             entry.state = WorkerState.UNHEALTHY
+            self._healthy.changed()
             entry.unhealthy_since = now
         given_up = entry.waits.give_up() if gone else 0
         if given_up:
@@ -323,6 +330,7 @@ class Registry:
             self._check_images(info)
         except IncompatibleWorker as exc:
             entry.state, entry.last_error = WorkerState.INCOMPATIBLE, str(exc)
+            self._healthy.changed()
             log.error("refusing worker: %s", exc)
             raise
         if entry.info is not None and entry.info.instance_id != info.instance_id:
@@ -343,6 +351,7 @@ class Registry:
             await entry.feed.start()
         entry.indexed = True
         entry.state, entry.unhealthy_since, entry.last_error = WorkerState.HEALTHY, None, None
+        self._healthy.changed()
         log.info("worker %s ready (instance %s)", entry.url, info.instance_id)
 
     def _check_images(self, info: WorkerInfo) -> None:

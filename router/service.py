@@ -211,15 +211,17 @@ class RouterService:
     def _fleet(self, candidates: list[WorkerEntry], model: str | None) -> _Fleet:
         """The candidates for ``model``, with what a decision reads of them, computed once
         per list of candidates (a fleet of 1,024 workers would otherwise cost a decision
-        several hundred µs of filtering). The list compares by identity first, in C; a
-        worker's model info changes only across a restart, which :meth:`forget` hears of.
+        several hundred µs of filtering). The registry keeps one list object until a worker
+        joins, leaves or changes health (:mod:`router.healthy`), so the list compares by
+        identity; a worker's model info changes only across a restart, which :meth:`forget`
+        hears of.
 
         Raises:
             ApiError: no candidate (503), or none serves ``model`` (404).
         """
         if not candidates:
             raise ApiError(503, "no worker is available", "service_unavailable")
-        if candidates != self._fleet_key:
+        if candidates is not self._fleet_key:
             self._fleet_key, self._fleets = candidates, {}
             self._fleet_capacity = sum(e.info.num_blocks for e in candidates if e.info)
         fleet = self._fleets.get(model)
