@@ -137,9 +137,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
         fewest = fewest_prompt_tokens(request, service().tokenizer.max_bytes_per_token)
         # Refused here only when longer than every worker's model (a worker of unknown
         # length takes anything); the service routes it to a worker it fits.
-        limits = [e.info.max_model_len if e.info else 0
-                  for e in service().registry.candidates()]
-        max_len = 0 if 0 in limits else max(limits, default=0)
+        max_len = service().prompt_bound(body)
         if max_len and fewest > max_len:
             raise ApiError(400, f"the prompt has at least {fewest} tokens, more than the "
                            f"model's {max_len}", param="prompt", code="context_length_exceeded")

@@ -63,7 +63,7 @@ class Route:
 class _Fleet:
     """The candidates for one model, and what a decision reads of them."""
 
-    __slots__ = ("by_id", "entries", "ids", "max_model_len", "min_model_len")
+    __slots__ = ("bound", "by_id", "entries", "ids", "max_model_len", "min_model_len")
 
     def __init__(self, entries: list[WorkerEntry]) -> None:
         self.entries = entries
@@ -74,6 +74,8 @@ class _Fleet:
         limits = [e.info.max_model_len for e in entries if e.info and e.info.max_model_len]
         self.min_model_len = min(limits, default=0)
         self.max_model_len = max(limits, default=0)
+        #: The longest prompt any candidate takes; 0 when one has no known limit.
+        self.bound = self.max_model_len if len(limits) == len(entries) else 0
 
 
 class RouterService:
@@ -207,6 +209,16 @@ class RouterService:
         request_id = f"{self._id_prefix}-{next(self._ids)}"
         return Route(request_id, prompt, hashes, decision, by_id, now,
                      time.perf_counter() - started, routed.continued)
+
+    def prompt_bound(self, body: Any) -> int:
+        """The longest prompt, in tokens, that some worker serving the body's model takes (0:
+        no bound is known). Cached with the candidates, so cheap per request.
+
+        Raises:
+            ApiError: no candidate (503), or none serves the model (404).
+        """
+        model = body.get("model") if isinstance(body, dict) else None
+        return self._fleet(self.registry.candidates(), model).bound
 
     def _fleet(self, candidates: list[WorkerEntry], model: str | None) -> _Fleet:
         """The candidates for ``model``, with what a decision reads of them, computed once
