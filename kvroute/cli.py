@@ -96,8 +96,10 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
                        "each request to the worker holding its prefix, weighed against load. "
                        "Every flag also reads KVROUTE_<NAME> from the environment.")
     a = p.add_argument
-    a("--worker", dest="workers", action="append", metavar="URL",
-      help="a worker's base URL (repeatable; also KVROUTE_WORKERS=url,url)")
+    a("--worker", dest="workers", action="append", metavar="URL[,KEY=VALUE...]",
+      help="a worker's base URL, then its options: engine=kvroute|vllm|sglang|trtllm, "
+      "events=tcp://HOST:PORT, replay=tcp://HOST:PORT, block_size=N (repeatable; also "
+      "KVROUTE_WORKERS='URL,engine=vllm,events=...;URL2'; docs/engines.md)")
     a("--config", help="a TOML or JSON file of settings")
     a("--host", help="bind address (default 127.0.0.1)")
     a("--port", type=int, help="port (default 8000)")

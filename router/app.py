@@ -20,6 +20,7 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from indexer import tokenize_api
 from indexer.openai_api import (
     ApiError,
     check_bearer,
@@ -32,6 +33,7 @@ from router.proxy import Proxy, ProxyTimeouts, UpstreamAnswer, UpstreamUnavailab
 from router.registry import WorkerEntry, WorkerUnreachable
 from router.service import Route, RouterService
 from router.settings import RouterSettings
+from router.worker_config import parse_worker
 from router.worker_table import IncompatibleWorker
 
 __all__ = ["create_app"]
@@ -191,6 +193,16 @@ def create_app(settings: RouterSettings) -> FastAPI:
                         for c in route.decision.costs],
         }
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        """vLLM's ``/tokenize``, with the router's tokenizer: the ids it routes on."""
+        lengths = [e.info.max_model_len for e in service().registry.entries() if e.info]
+        try:
+            return tokenize_api.tokenize(parse_body(await request.body()), service().tokenizer,
+                                         min((n for n in lengths if n), default=0))
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+
     @app.get("/debug/index/{worker_id}")
     async def debug_index(worker_id: int, request: Request) -> dict[str, Any]:
         admin(request)
@@ -239,8 +251,8 @@ def create_app(settings: RouterSettings) -> FastAPI:
         url = body.get("url")
         if type(url) is not str:
             raise ApiError(400, "give the worker as {\"url\": \"http://host:port\"}", param="url")
-        try:
-            entry = await service().registry.add(url)
+        try:  # the other keys of router.worker_config: engine, events, replay, block_size
+            entry = await service().registry.add(parse_worker(body))
         except IncompatibleWorker as exc:
             raise ApiError(409, str(exc), "incompatible_worker") from None
         except WorkerUnreachable as exc:

@@ -1,15 +1,18 @@
 """The worker registry: who the workers are, whether they are healthy, and their streams.
 
-Workers come from settings (``--worker``, environment, config file) and the admin API. For
-each, the registry reads ``GET /model_info``, refuses an incompatible one loudly, subscribes to
-its events (or, with no event endpoint, marks it approximate: the index learns from routing
-decisions alone), and polls ``GET /load`` every ``health_interval`` seconds:
+Workers come from settings (``--worker``, environment, config file) and the admin API, each
+with an engine (:mod:`router.worker_config`). The registry asks the worker's engine adapter
+(:mod:`router.engines`) who it is (for kvroute's worker, ``GET /model_info``), refuses an
+incompatible one loudly, subscribes to its events (or, with no event endpoint, marks it
+approximate: the index learns from routing decisions alone), and polls its health and load
+through the adapter every ``health_interval`` seconds:
 
 - a failed poll takes the worker out of the candidate set at once;
 - after ``unhealthy_grace`` seconds unhealthy, its index entries go too (they would only
   attract requests to a worker that cannot serve them), and its subscription stops;
-- when it answers again, ``/model_info`` is read anew: a new ``instance_id`` means a restart,
-  so its entries are cleared and it is subscribed afresh;
+- when it answers again, it is described anew: a new ``instance_id`` means a restart, so its
+  entries are cleared and it is subscribed afresh (stock engines have none: their restarts
+  show on the event stream);
 - a configured worker that is not up yet is retried on every poll (compose starts the router
   and workers together).
 """
@@ -27,18 +30,16 @@ from typing import Any
 import httpx
 
 from indexer.events import Event
+from router.engines import EngineAdapter, PollFailed, WorkerUnreachable, adapter_for
 from router.feed import EventFeed, IndexLike
-from router.load import LoadTracker, ReportedLoad
+from router.load import LoadTracker
 from router.settings import RouterSettings
-from router.worker_table import IncompatibleWorker, WorkerInfo, WorkerState, parse_model_info
+from router.worker_config import WorkerConfig, parse_worker, parse_workers
+from router.worker_table import IncompatibleWorker, WorkerInfo, WorkerState
 
 __all__ = ["Registry", "WorkerEntry", "WorkerUnreachable"]
 
 log = logging.getLogger(__name__)
-
-
-class WorkerUnreachable(Exception):
-    """The worker did not answer ``/model_info``."""
 
 
 @dataclass(slots=True)
@@ -54,6 +55,22 @@ class WorkerEntry:
     last_error: str | None = None
     indexed: bool = False
     counters: dict[str, float] = field(default_factory=dict)
+    config: WorkerConfig | None = None
+
+    @property
+    def engine(self) -> str:
+        """The worker's engine (a worker registered by URL alone is kvroute's)."""
+        return self.config.engine if self.config else "kvroute"
+
+    @property
+    def adapter(self) -> EngineAdapter:
+        """How this worker's engine is asked who it is and how loaded."""
+        return adapter_for(self.engine)
+
+    @property
+    def worker_config(self) -> WorkerConfig:
+        """The worker's configuration (engine, event endpoints)."""
+        return self.config or WorkerConfig(self.url)
 
     @property
     def approximate(self) -> bool:
@@ -71,6 +88,10 @@ class WorkerEntry:
             "approximate": self.approximate, "last_error": self.last_error,
             "resyncing": bool(self.feed and self.feed.resyncing),
             "counters": dict(self.counters),
+            "engine": self.engine,
+            # How lost event history is recovered: from the worker's snapshot, or by
+            # dropping its entries and learning them again from the stream.
+            "resync": "snapshot" if info and info.snapshot else "clear_and_relearn",
         }
 
 
@@ -122,11 +143,12 @@ class Registry:
         """Workers that may take a request now."""
         return [e for e in self.entries() if e.state is WorkerState.HEALTHY]
 
-    async def add(self, url: str, *, must_answer: bool = True) -> WorkerEntry:
-        """Register the worker at ``url`` and connect to it.
+    async def add(self, worker: str | WorkerConfig, *, must_answer: bool = True
+                  ) -> WorkerEntry:
+        """Register a worker and connect to it.
 
         Args:
-            url: the worker's base URL.
+            worker: the worker's base URL (a kvroute worker), or its configuration.
             must_answer: raise when the worker does not answer (admin API); otherwise keep
                 it registered as unhealthy and retry on every poll (configured workers).
 
@@ -135,12 +157,11 @@ class Registry:
             IncompatibleWorker: its block size, tokenizer or image tokens differ.
             WorkerUnreachable: it did not answer and ``must_answer`` is set.
         """
-        url = url.rstrip("/")
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"worker URL {url!r} is not http(s)")
+        config = parse_worker({"url": worker} if isinstance(worker, str) else worker)
+        url = config.url
         if self.find(url) is not None:
             raise ValueError(f"worker {url} is registered already")
-        entry = WorkerEntry(self._next_id, url, unhealthy_since=time.monotonic())
+        entry = WorkerEntry(self._next_id, url, unhealthy_since=time.monotonic(), config=config)
         try:
             await self._connect(entry)
         except WorkerUnreachable as exc:
@@ -176,11 +197,11 @@ class Registry:
 
     async def start(self) -> None:
         """Register the configured workers (not-yet-up ones are retried) and start polling."""
-        for url in self._settings.workers:
+        for worker in parse_workers(list(self._settings.workers)):
             try:
-                await self.add(url, must_answer=False)
+                await self.add(worker, must_answer=False)
             except (IncompatibleWorker, ValueError) as exc:
-                log.error("not routing to %s: %s", url, exc)
+                log.error("not routing to %s: %s", worker.url, exc)
         self._poll = asyncio.create_task(self._poll_forever(), name="kvroute-health")
 
     async def stop(self) -> None:
@@ -210,11 +231,9 @@ class Registry:
         if entry.state is WorkerState.INCOMPATIBLE:
             return
         try:
-            response = await self._http.get(f"{entry.url}/load", timeout=2.0)
-            response.raise_for_status()
-            load = response.json()
-        except (httpx.HTTPError, ValueError) as exc:
-            await self._mark_unhealthy(entry, f"load poll failed: {type(exc).__name__}: {exc}")
+            load = await entry.adapter.poll(self._http, entry.worker_config, entry.info)
+        except PollFailed as exc:
+            await self._mark_unhealthy(entry, str(exc))
             return
         if entry.state is not WorkerState.HEALTHY:
             try:
@@ -222,7 +241,7 @@ class Registry:
             except (WorkerUnreachable, IncompatibleWorker) as exc:
                 entry.last_error = str(exc)
                 return
-        self._load.reported(entry.id, _reported(load, entry))
+        self._load.reported(entry.id, load)
 
     async def _mark_unhealthy(self, entry: WorkerEntry, reason: str) -> None:
         now = time.monotonic()
@@ -238,16 +257,12 @@ class Registry:
             await self._disconnect(entry)
 
     async def _connect(self, entry: WorkerEntry) -> None:
+        info = await entry.adapter.describe(self._http, entry.worker_config,
+                                            self._settings.block_size)
         try:
-            response = await self._http.get(f"{entry.url}/model_info", timeout=5.0)
-            response.raise_for_status()
-            body = response.json()
-        except (httpx.HTTPError, ValueError) as exc:
-            raise WorkerUnreachable(f"{entry.url}/model_info: {type(exc).__name__}: {exc}"
-                                    ) from exc
-        info = parse_model_info(entry.url, body)
-        try:
-            info.check_compatible(self._settings.block_size, self._tokenizer)
+            # A stock engine names no tokenizer identity (it is "" then): nothing to compare.
+            info.check_compatible(self._settings.block_size,
+                                  self._tokenizer if info.tokenizer else None)
             self._check_images(info)
         except IncompatibleWorker as exc:
             entry.state, entry.last_error = WorkerState.INCOMPATIBLE, str(exc)
@@ -301,16 +316,3 @@ class Registry:
         if hasattr(self._index, "remove_worker"):
             self._index.remove_worker(entry.id)
 
-
-def _reported(load: Any, entry: WorkerEntry) -> ReportedLoad:
-    if type(load) is not dict:
-        return ReportedLoad()
-    block_size = entry.info.block_size if entry.info else 1
-
-    def num(name: str) -> float:
-        value = load.get(name, 0)
-        return float(value) if isinstance(value, int | float) else 0.0
-
-    return ReportedLoad(running=int(num("running")), waiting=int(num("waiting")),
-                        pending_prefill_blocks=num("pending_prefill_tokens") / block_size,
-                        decode_blocks=num("decode_blocks"))

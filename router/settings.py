@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from router.scheduler import SchedulerConfig
+from router.worker_config import format_worker, parse_workers
 
 __all__ = ["POLICIES", "RouterSettings", "SettingsError", "load_settings"]
 
@@ -34,6 +35,7 @@ class RouterSettings:
 
     host: str = "127.0.0.1"
     port: int = 8000
+    #: Each worker in its flat text form: ``URL[,engine=...,events=...]`` (router.worker_config).
     workers: tuple[str, ...] = ()
     block_size: int = 32
     tokenizer: str | None = None
@@ -91,9 +93,10 @@ class RouterSettings:
         for ok, message in checks:
             if not ok:
                 raise SettingsError(message)
-        for url in self.workers:
-            if not url.startswith(("http://", "https://")):
-                raise SettingsError(f"worker {url!r} is not an http(s) URL")
+        try:  # each entry is a worker's flat text form (router.worker_config)
+            parse_workers(list(self.workers))
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
 
     @property
     def sessions(self) -> bool:
@@ -124,9 +127,7 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
     kind = _TYPES[name]
     try:
         if name == "workers":
-            if isinstance(value, str):
-                value = [v for v in (p.strip() for p in value.split(",")) if v]
-            return tuple(str(v).rstrip("/") for v in value)
+            return tuple(format_worker(w) for w in parse_workers(value))
         if value is None:
             return None
         if kind in ("int", "int | None"):
@@ -137,7 +138,9 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
         if kind in ("float", "float | None"):
             return float(value)
         return str(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError) as exc:
+        if name == "workers":
+            raise SettingsError(f"workers from {origin}: {exc}") from None
         raise SettingsError(f"{name} from {origin}: {value!r} is not a valid {kind}") from None
 
 
