@@ -54,8 +54,8 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
             s.start()
         for s in servers:
             s.wait_healthy()
-        router = Router("router", [], root, workers=";".join(s.worker_spec for s in servers),
-                        tokenizer=str(model), block_size=BLOCK_SIZE)
+        router = Router("router", [], root, tokenizer=str(model), block_size=BLOCK_SIZE)
+        router.env["KVROUTE_WORKERS"] = ";".join(s.worker_spec for s in servers)
         router.start()
         router.wait_ready(2)
         yield Pair(router, servers, model)
