@@ -10,7 +10,7 @@ gives the same bytes.
 The shape suits vLLM's CPU backend: head dimension 64 (its attention needs at least 64), two
 layers, 128 hidden units; about 600 thousand parameters, 2.4 MB.
 
-Run ``python -m tests.support.tiny_llama FOLDER`` to write one by hand.
+Run ``python -m bench.tiny_model FOLDER`` to write one by hand.
 """
 
 from __future__ import annotations

