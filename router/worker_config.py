@@ -24,10 +24,8 @@ Keys:
 ``replay``
     The engine's replay ROUTER endpoint (optional).
 ``block_size``
-    Tokens per KV block, for an engine that does not report it (SGLang); where the engine
-    reports it, a different value here is refused.
-``data_parallel_rank``
-    The rank whose events this entry subscribes to (default 0).
+    Tokens per KV block, for an engine that does not report it (older SGLang); where the
+    engine reports it, a different value here is refused.
 """
 
 from __future__ import annotations
@@ -41,7 +39,7 @@ __all__ = ["ENGINES", "WorkerConfig", "format_worker", "parse_worker", "parse_wo
 #: Engines a worker may name; ``kvroute`` is the bundled worker.
 ENGINES = ("kvroute", "vllm", "sglang", "trtllm")
 
-_KEYS = ("url", "engine", "events", "replay", "block_size", "data_parallel_rank")
+_KEYS = ("url", "engine", "events", "replay", "block_size")
 _SEPARATORS = re.compile(r"[,;\s]+")
 
 
@@ -54,7 +52,6 @@ class WorkerConfig:
     events: str | None = None
     replay: str | None = None
     block_size: int | None = None
-    data_parallel_rank: int = 0
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -71,8 +68,6 @@ class WorkerConfig:
             raise ValueError(f"worker {self.url}: a replay endpoint needs an events endpoint")
         if self.block_size is not None and self.block_size <= 0:
             raise ValueError(f"worker {self.url}: block_size {self.block_size} is not positive")
-        if self.data_parallel_rank < 0:
-            raise ValueError(f"worker {self.url}: data_parallel_rank must be >= 0")
         if self.engine == "kvroute" and (self.events or self.replay or self.block_size):
             raise ValueError(f"worker {self.url}: a kvroute worker describes its own events "
                              "and block size at /model_info; give them to the worker instead")
@@ -107,9 +102,8 @@ def parse_worker(value: Any) -> WorkerConfig:
             if type(value[name]) is not str:
                 raise ValueError(f"worker {url}: {name} must be a string")
             fields[name] = value[name]
-    for name in ("block_size", "data_parallel_rank"):
-        if value.get(name) is not None:
-            fields[name] = _integer(value[name], name, url)
+    if value.get("block_size") is not None:
+        fields["block_size"] = _integer(value["block_size"], "block_size", url)
     return WorkerConfig(**fields)
 
 

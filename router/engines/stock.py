@@ -145,7 +145,7 @@ class StockEngine:
             url=worker.url, model=model, block_size=block_size,
             tokenizer="", instance_id=f"{self.name}:{worker.url}",
             events_endpoint=worker.events, replay_endpoint=worker.replay,
-            data_parallel_rank=worker.data_parallel_rank, max_model_len=max_model_len,
+            max_model_len=max_model_len,
             num_blocks=capacity, lora_adapters=adapters)
 
     async def poll(self, http: httpx.AsyncClient, worker: WorkerConfig,
