@@ -12,8 +12,9 @@ prompts only.
 
 The trace's prompts are tens of thousands of tokens, its hash ids standing for 512-token
 blocks; the tiny model serves 2048. Each hash id therefore stands for its first
-``--tokens-per-block`` tokens here (16 by default: a 40k-token prompt becomes 1,250 tokens),
-which keeps the trace's sharing structure, and outputs are capped at ``--max-output`` tokens.
+``--tokens-per-block`` tokens here (32 by default, one vLLM block: a 40k-token prompt becomes
+2,510 tokens, cut to fit), which keeps the trace's sharing structure block for block, and
+outputs are capped at ``--max-output`` tokens.
 
     python -m bench.stock_live --requests 120 --rate-scale 1
 """
@@ -167,8 +168,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=120, help="trace requests (default 120)")
     p.add_argument("--rate-scale", type=float, default=1.0, help="arrival rate multiplier")
-    p.add_argument("--tokens-per-block", type=int, default=16,
-                   help="tokens each 512-token trace block stands for (default 16)")
+    p.add_argument("--tokens-per-block", type=int, default=BLOCK_SIZE,
+                   help=f"tokens each 512-token trace block stands for (default {BLOCK_SIZE})")
     p.add_argument("--max-output", type=int, default=16, help="output cap (default 16)")
     p.add_argument("--policy", action="append", choices=["kv", "round_robin", "random"],
                    help="kvroute policies to run (default: kv and round_robin)")
