@@ -140,9 +140,15 @@ def _peers(servers: list[VllmServer], log_dir: Path, bin_dir: Path
         port = free_port()
         args = ([path, "launch"] if exe == "sglang-router" else [path]) + [
             "--host", "127.0.0.1", "--port", str(port), "--policy", policy,
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
             "--worker-urls", *urls]
         peer = _Process(exe, args, {}, port, log_dir)
-        peer.wait("/health")
+        try:
+            peer.wait("/health")
+        except RuntimeError as exc:
+            peer.stop()
+            found.append((f"{exe} {policy}", f"did not start: {str(exc)[-300:]}"))
+            continue
         found.append((f"{exe} {policy}", peer))
     return found
 
