@@ -26,12 +26,12 @@ default can be overridden with ``add_special_tokens``. Pure functions: the HTTP 
 from __future__ import annotations
 
 import uuid
-from typing import Any
+from typing import Any, Literal
 
-from indexer.chat import render_chat
+from indexer.prompts import build_prompt
 from indexer.tokenizer import Tokenizer
 
-__all__ = ["detokenize", "render", "tokenize"]
+__all__ = ["detokenize", "prompt_ids", "render", "tokenize"]
 
 
 def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
@@ -42,29 +42,19 @@ def _flag(body: dict[str, Any], name: str, default: bool) -> bool:
 
 
 def prompt_ids(body: Any, tokenizer: Tokenizer) -> list[int]:
-    """The token ids of a completions or chat body, as vLLM would compute them.
+    """The token ids of a completions or chat body: the ids the router routes on and the
+    worker prefills (:func:`indexer.prompts.build_prompt`; image parts count one position).
 
     Raises:
         ValueError: the body is malformed (the message is the API error reason).
     """
     if type(body) is not dict:
         raise ValueError("request body must be a JSON object")
-    if "messages" in body:
-        text = render_chat(body["messages"], tokenizer.chat_template,
-                           _flag(body, "add_generation_prompt", True),
-                           bos_token=tokenizer.bos_token, eos_token=tokenizer.eos_token)
-        return tokenizer.encode(text, add_special_tokens=_flag(body, "add_special_tokens", False))
-    if "prompt" not in body:
+    if "messages" not in body and "prompt" not in body:
         raise ValueError("give a prompt or messages")
-    prompt = body["prompt"]
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
-        prompt = prompt[0]
-    if isinstance(prompt, str):
-        return tokenizer.encode(prompt, add_special_tokens=_flag(body, "add_special_tokens", True))
-    if isinstance(prompt, list) and prompt and all(
-            type(t) is int and 0 <= t < tokenizer.vocab_size for t in prompt):
-        return list(prompt)
-    raise ValueError("prompt must be a string or a list of token ids in the vocabulary")
+    kind: Literal["completions", "chat"] = "chat" if "messages" in body else "completions"
+    return build_prompt(body, kind, tokenizer, mm_tokens_per_image=1, max_image_bytes=1,
+                        fetch=None).token_ids
 
 
 def tokenize(body: Any, tokenizer: Tokenizer, max_model_len: int) -> dict[str, Any]:

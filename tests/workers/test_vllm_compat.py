@@ -85,10 +85,10 @@ async def test_render_endpoints_answer_in_vllms_shapes(client: httpx.AsyncClient
 
 
 @pytest.mark.parametrize("path, body, status, fragment", [
-    ("/tokenize", {"prompt": 3}, 400, "prompt must be a string"),
+    ("/tokenize", {"prompt": 3}, 400, "prompt must be a string, a list of token ids"),
     ("/tokenize", {}, 400, "give a prompt or messages"),
     ("/tokenize", {"prompt": "x", "add_special_tokens": "yes"}, 400, "must be a boolean"),
-    ("/tokenize", {"prompt": [1, 10**9]}, 400, "in the vocabulary"),
+    ("/tokenize", {"prompt": [1, 10**9]}, 400, "out of range"),
     ("/tokenize", {"model": "other", "prompt": "x"}, 404, "does not exist"),
     ("/tokenize", {"messages": [{"role": "tool", "content": "x"}]}, 400, "cannot start"),
     ("/detokenize", {"tokens": ["a"]}, 400, "list of token ids"),
@@ -116,3 +116,14 @@ async def test_peers_learn_the_model_from_server_info_and_model_info(
         assert body["max_total_num_tokens"] > 0
     model_info = (await client.get("/model_info")).json()
     assert (model_info["model_path"], model_info["tokenizer_path"]) == ("kvroute-sim", folder)
+
+
+async def test_the_worker_prefills_what_tokenize_says_special_tokens_included(
+        client: httpx.AsyncClient) -> None:
+    for extra in ({}, {"add_special_tokens": False}):
+        body = {"prompt": "hello world, hello router", **extra}
+        ids = (await client.post("/tokenize", json=body)).json()["tokens"]
+        done = (await client.post("/v1/completions", json={**body, "max_tokens": 1})).json()
+        assert done["usage"]["prompt_tokens"] == len(ids)
+    bad = await client.post("/v1/completions", json={"prompt": "x", "add_special_tokens": 1})
+    assert bad.status_code == 400
