@@ -5,7 +5,7 @@ policy (``--policy kv`` and ``round_robin`` by default) starts a kvroute router 
 them, empties both servers' prefix caches, and replays the same slice of the Mooncake trace
 through it with :func:`bench.live.replay_live` (token-id prompts, streamed, arrival times
 kept). The hit rate is what vLLM reports: cached prompt tokens over prompt tokens. With
-``--text`` every router gets each prompt as text (the tiny tokenizer's decoding of its ids),
+``--text`` every router gets each prompt as text (one whole-word token per id),
 and the peer routers (``sglang-router``, ``vllm-router``, cache-aware policy) run too where
 their executables are installed (on ``PATH`` or beside vLLM's interpreter): they route text
 prompts only.
@@ -36,13 +36,13 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import httpx
+import tokenizers
 
 from bench.live import replay_live, summarize_live
 from bench.report import table
 from bench.stock_vllm import BLOCK_SIZE, MODEL_NAME, VllmServer, find_vllm_python
 from bench.tiny_model import write_tiny_llama
 from bench.workloads import DEFAULT_TRACE, TRACE_BLOCK, WorkloadRequest, load_trace, scale_rate
-from indexer.tokenizer import load_tokenizer
 from kvroute.up import free_port
 
 __all__ = ["main", "shrink"]
@@ -164,8 +164,16 @@ def _run(label: str, url: str, servers: list[VllmServer], requests: list[Workloa
 
 
 def _text_of(model: Path) -> Callable[[Sequence[int]], str]:
-    tokenizer = load_tokenizer(str(model))
-    return lambda ids: tokenizer.decode(list(ids))
+    """Text for token-id prompts: each id becomes one of the tiny tokenizer's whole-word
+    tokens (a space and a word), so the engine tokenizes the text back to as many tokens and
+    equal id prefixes stay equal text prefixes. (Decoding the ids themselves would give
+    random bytes, which re-encode to several times as many tokens.)"""
+    vocab = tokenizers.Tokenizer.from_file(str(model / "tokenizer.json")).get_vocab()
+    words = [" " + t[1:] for t, _ in sorted(vocab.items(), key=lambda kv: kv[1])
+             if t.startswith("Ġ") and t[1:].isalpha()]
+    if not words:
+        raise ValueError(f"the tokenizer in {model} has no whole-word tokens")
+    return lambda ids: "".join(words[i % len(words)] for i in ids)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
