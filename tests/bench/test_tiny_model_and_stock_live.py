@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.stock_live import MAX_MODEL_LEN, shrink
+from bench.stock_live import MAX_MODEL_LEN, _text_of, shrink
 from bench.tiny_model import MODEL_CONFIG, write_tiny_llama
 from bench.workloads import DEFAULT_TRACE, load_trace
 from indexer.chat import render_chat
@@ -61,3 +61,11 @@ def test_shrinking_keeps_the_traces_sharing_and_fits_the_model() -> None:
     assert shared > 0
     with pytest.raises(ValueError):
         shrink(trace, 0, 8)
+
+
+def test_text_prompts_re_encode_to_as_many_tokens_and_keep_prefixes(tmp_path: Path) -> None:
+    folder = write_tiny_llama(tmp_path / "m")
+    as_text, tokenizer = _text_of(folder), load_tokenizer(str(folder))
+    ids = [4 + (7 * i) % 256 for i in range(300)]
+    assert len(tokenizer.encode(as_text(ids))) == len(ids)
+    assert as_text([*ids, 9, 10]).startswith(as_text(ids))
