@@ -163,6 +163,16 @@ def _run(label: str, url: str, servers: list[VllmServer], requests: list[Workloa
     return summarize_live(records, makespan, label)
 
 
+def _warm_up(servers: list[VllmServer], requests: list[WorkloadRequest]) -> None:
+    """A few requests straight to each server, so that no router's run pays the engines'
+    first-request costs (the runs reset the caches, so these leave no hits behind)."""
+    for s in servers:
+        for r in requests[:4]:
+            httpx.post(f"{s.url}/v1/completions", timeout=300, json={
+                "model": MODEL_NAME, "prompt": list(r.token_ids()), "max_tokens": 2,
+            }).raise_for_status()
+
+
 def _text_of(model: Path) -> Callable[[Sequence[int]], str]:
     """Text for token-id prompts: each id becomes one of the tiny tokenizer's whole-word
     tokens (a space and a word), so the engine tokenizes the text back to as many tokens and
@@ -206,6 +216,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 s.start()
             for s in servers:
                 s.wait_healthy(600)
+            _warm_up(servers, requests)
             for policy in args.policy or ["kv", "round_robin"]:
                 router = _kvroute(policy, servers, model, work)
                 try:
