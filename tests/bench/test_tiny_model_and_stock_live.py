@@ -8,9 +8,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.stock_live import MAX_MODEL_LEN, _text_of, shrink
+from bench.stock_live import MAX_MODEL_LEN, _text_of, shrink, unlimited_hit_bound
 from bench.tiny_model import MODEL_CONFIG, write_tiny_llama
-from bench.workloads import DEFAULT_TRACE, load_trace
+from bench.workloads import DEFAULT_TRACE, WorkloadRequest, load_trace
 from indexer.chat import render_chat
 from indexer.tokenizer import load_tokenizer
 
@@ -69,3 +69,10 @@ def test_text_prompts_re_encode_to_as_many_tokens_and_keep_prefixes(tmp_path: Pa
     ids = [4 + (7 * i) % 256 for i in range(300)]
     assert len(tokenizer.encode(as_text(ids))) == len(ids)
     assert as_text([*ids, 9, 10]).startswith(as_text(ids))
+
+
+def test_the_hit_bound_counts_leading_blocks_seen_before() -> None:
+    a = tuple(range(4, 68))  # two blocks of 32
+    first = WorkloadRequest("a", 0.0, (a,), 64, 1)
+    again = WorkloadRequest("b", 1.0, (a[:32], tuple(range(100, 132))), 64, 1)
+    assert unlimited_hit_bound([first, again], 32) == 32 / 128
