@@ -1,20 +1,33 @@
-# One image for the router and the workers: `kvroute router` or `kvroute worker`.
-FROM python:3.11-slim
+# One image for the router, the endpoint picker and the workers: `kvroute router`,
+# `kvroute epp` or `kvroute worker`.
+#
+# The build stage compiles the wheel (the Cython index core needs a compiler); the runtime
+# stage installs only that wheel, so no source folder sits in the working directory where
+# Python would import it ahead of the installed package (a bare native/ has no compiled core).
 
+FROM python:3.11-slim AS build
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/*
-
-WORKDIR /app
+WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
 COPY native ./native
 COPY indexer ./indexer
 COPY workers ./workers
 COPY router ./router
+COPY httpapi ./httpapi
 COPY bench ./bench
 COPY kvroute ./kvroute
-RUN pip install --no-cache-dir . \
-    && python -c "import indexer.index as i; assert i.IMPLEMENTATION == 'native'"
+RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
+
+FROM python:3.11-slim
+COPY --from=build /wheels /wheels
+RUN pip install --no-cache-dir /wheels/kvroute-*.whl \
+    && rm -rf /wheels \
+    && useradd --uid 10001 --no-create-home --shell /usr/sbin/nologin kvroute
+WORKDIR /app
+RUN python -c "import indexer.index as i; assert i.IMPLEMENTATION == 'native'"
+USER 10001:10001
 
 # Containers listen on every interface; the compose file publishes only the router.
 ENV KVROUTE_HOST=0.0.0.0 \

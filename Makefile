@@ -17,8 +17,10 @@ $(VENV)/.installed: pyproject.toml setup.py $(wildcard native/*.pyx native/*.h n
 run: setup
 	$(BIN)/kvroute up $(ARGS)
 
+# ruff over everything; mypy over the packages named in pyproject.toml ([tool.mypy] files).
 lint: setup
 	$(BIN)/ruff check .
+	$(BIN)/mypy
 
 # The torch engine's tests need PyTorch; install the CPU build only where its wheel already
 # lies on disk (the CI machine's /opt/wheels), else those tests skip.

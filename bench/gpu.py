@@ -11,11 +11,17 @@ Sections (``docs/gpu.md`` holds the figures and what they mean):
   into per-layer piecewise graphs (:mod:`workers.torch.piecewise`), in one run; and the first
   piecewise pass of three token buckets (64, 128, 2,048), which captures that bucket's graphs.
 - ``attention``: one layer's attention for one prefill chunk of n new tokens over c cached,
-  its K/V gathered from a block table first, as :meth:`Decoder.attend` runs it between the
-  piecewise graphs (ms, median of ``--repeats``, host time per call included): 64 over 8,128,
-  2,048 over 8,192 and 30,720, 8,192 over 8,192 and 24,576.
-- ``decode_context``: decode attention of all layers by batch and context, gathered (as the
-  engine runs it), over K/V already contiguous (what a paged kernel can reach) and, on CUDA,
+  as :meth:`Decoder.attend` runs it between the piecewise graphs (K/V read in place through
+  the block table) and with the blocks gathered first (ms, median of ``--repeats``, host time
+  per call included): 64 over 8,128, 2,048 over 8,192 and 30,720, 8,192 over 8,192 and
+  24,576.
+- ``paged_decode``: decode attention at batch 8 and 32 over 8k and 32k contexts, through the
+  paged kernel, flex attention and the gather, in ns per token of context against the floor
+  (one read of each token's K/V at the copy bandwidth measured in the same run); and the
+  whole decode step the worker runs at those shapes.
+- ``decode_context``: decode attention of all layers by batch and context, gathered (the
+  blocks gathered, then masked attention: what runs without the paged kernel), over K/V
+  already contiguous (what a paged kernel can reach) and, on CUDA,
   through a paged kernel (flex attention over 32-token pages), and each one's cost per token
   of context: what the simulated engine's decode cost stands for.
 - ``prefill_context``: prefill attention of all layers for n new tokens over c cached, K/V
@@ -185,10 +191,13 @@ ATTENTION_SHAPES = ((64, 8128), (2048, 8192), (2048, 30720), (8192, 8192), (8192
 
 
 def bench_attention(args: argparse.Namespace, ex: TorchExecutor) -> list[dict[str, Any]]:
-    """One layer's chunk attention by shape, gather included (ms)."""
+    """One layer's chunk attention by shape (ms): ``paged``, as :meth:`Decoder.attend` runs
+    it (:func:`workers.torch.paged.paged_attention`: K/V read in place through the table), and
+    ``gathered``, the blocks gathered first and flash attention run over them."""
     import torch
 
-    from workers.torch.model import PagedBatch, prefill_views
+    from workers.torch import paged
+    from workers.torch.model import PagedBatch, _prefill_attention, prefill_views
 
     c, kv = ex.model.config, ex.kv.layers()[0]
     gen = torch.Generator(device="cpu").manual_seed(3)
@@ -200,7 +209,7 @@ def bench_attention(args: argparse.Namespace, ex: TorchExecutor) -> list[dict[st
         table = torch.randperm(ex.kv.num_blocks, generator=gen)[:blocks].to(kv.device)
         batch = PagedBatch(token_ids=torch.empty(0), positions=torch.empty(0),
                            slot_rows=torch.empty(0), prefill=((0, cached, new, table),),
-                           decode_offset=new, decode_tables=None, decode_mask=None,
+                           decode_offset=new, decode_tables=None, decode_lens=None,
                            logit_rows=torch.empty(0))
         views = prefill_views(batch)
         q = torch.randn(new, c.num_heads, c.head_dim, generator=gen).to(kv)
@@ -210,8 +219,124 @@ def bench_attention(args: argparse.Namespace, ex: TorchExecutor) -> list[dict[st
         def attend() -> None:
             ex.model.attend(attention, q, k, k, kv, views, batch)  # noqa: B023
 
-        out.append({"new": new, "cached": cached, "ms": _median_ms(attend, args.repeats)})
+        def gathered() -> None:
+            keys = kv[:, 0].index_select(0, table).flatten(0, 1)[: new + cached]  # noqa: B023
+            values = kv[:, 1].index_select(0, table).flatten(0, 1)[: new + cached]  # noqa: B023
+            attention.copy_(_prefill_attention(q, keys, values))  # noqa: B023
+
+        row = {"new": new, "cached": cached, "ms": _median_ms(attend, args.repeats),
+               "gathered_ms": _median_ms(gathered, args.repeats)}
+        if kv.device.type == "cuda":  # the kernel's launch for a chunk, by variant
+            default = paged.PREFILL_CONFIG
+            for config in PREFILL_VARIANTS:
+                paged.PREFILL_CONFIG = config
+                row["paged_{}_{}_{}_ms".format(*config)] = _median_ms(attend, args.repeats)
+            paged.PREFILL_CONFIG = default
+        out.append(row)
     return out
+
+
+#: (query tokens, warps, stages) of the chunk kernel the attention section times.
+PREFILL_VARIANTS = ((16, 4, 2), (32, 4, 2), (32, 4, 3), (32, 8, 3), (16, 4, 3))
+
+
+#: (batch, context) shapes of the paged-decode section.
+PAGED_DECODE_SHAPES = ((8, 8192), (8, 32768), (32, 8192), (32, 32768))
+
+
+def copy_bandwidth(device: Any, gib: int = 4) -> float:
+    """Bytes/s of a device-to-device copy of ``gib`` GiB, bytes read plus written."""
+    import torch
+
+    src = torch.empty(gib << 30, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = _median_ms(lambda: dst.copy_(src), 10)
+    return 2 * (gib << 30) / (ms / 1e3)
+
+
+def bench_paged_decode(args: argparse.Namespace, ex: TorchExecutor) -> dict[str, Any]:
+    """Decode at batch 8 and 32 over 8k and 32k contexts (CUDA): the attention of every
+    layer three ways (the paged kernel, flex attention's paged decoding, the gather), each
+    in ns per token of context beside the floor (each token's K/V read once, at the copy
+    bandwidth measured here); and the whole decode step as the worker runs it (a replayed
+    CUDA graph), ms. Random block tables over a pool larger than twice the K/V read."""
+    import torch
+
+    from workers.torch.paged import paged_attention
+
+    c, device = ex.model.config, ex.kv.device
+    dtype = ex.kv.layers()[0].dtype
+    per_token = 2 * c.num_layers * c.num_kv_heads * c.head_dim * dtype.itemsize
+    bandwidth = copy_bandwidth(device)
+    torch.manual_seed(9)
+    rows = []
+    for batch, context in PAGED_DECODE_SHAPES:
+        width = -(-context // BS)
+        pool = max(4096, 2 * batch * width)
+        kv = torch.randn(pool, 2, BS, c.num_kv_heads, c.head_dim, device=device, dtype=dtype)
+        tables = torch.randint(0, pool, (batch, width), device=device)
+        lens = torch.full((batch,), context, dtype=torch.long, device=device)
+        q = torch.randn(batch, c.num_heads, c.head_dim, device=device, dtype=dtype)
+        tokens = batch * context
+        floor_ms = tokens * per_token / bandwidth * 1e3
+
+        def attend(kernel: bool) -> None:
+            for _ in range(c.num_layers):
+                paged_attention(q, kv, tables, lens, queries=1,  # noqa: B023
+                                max_context=width * BS, use_kernel=kernel)  # noqa: B023
+
+        row: dict[str, Any] = {"batch": batch, "context": context, "floor_ms": floor_ms,
+                               "kernel_eager_ms": _median_ms(lambda: attend(True), args.repeats),
+                               "kernel_ms": _median_ms(_graphed(lambda: attend(True)),
+                                                       args.repeats)}
+        try:
+            row["gathered_ms"] = _median_ms(lambda: attend(False), args.repeats)
+        except torch.cuda.OutOfMemoryError:
+            row["gathered_ms"] = None
+        torch.cuda.empty_cache()
+        try:
+            row["flex_ms"] = _paged_attention_ms(args, ex, batch, context)
+        except Exception as exc:  # a compile failure is a finding, not a stop
+            row["flex_error"] = repr(exc)[:200]
+        torch.cuda.empty_cache()
+        for key in ("kernel_ms", "kernel_eager_ms", "gathered_ms", "flex_ms"):
+            if row.get(key) is not None:
+                row[key.replace("_ms", "_ns_per_token")] = row[key] * 1e6 / tokens
+        row["floor_ns_per_token"] = floor_ms * 1e6 / tokens
+        row["kernel_over_floor"] = row["kernel_ms"] / floor_ms
+        row["step_ms"] = _decode_step_ms(args, ex, batch, context)
+        rows.append(row)
+    return {"bandwidth_gb_s": bandwidth / 1e9, "bytes_per_token": per_token, "shapes": rows}
+
+
+def _graphed(fn: Any) -> Any:
+    """``fn`` captured as a CUDA graph (after two warm-up calls); returns its replay: device
+    time without the host's launches, as the worker's decode graphs run attention."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph.replay
+
+
+def _decode_step_ms(args: argparse.Namespace, ex: TorchExecutor, batch: int,
+                    context: int) -> float:
+    """One whole decode iteration of ``batch`` requests over ``context`` tokens each, their
+    tables drawn at random from the executor's cache (ms, median)."""
+    rng = random.Random(batch * context)
+    width = -(-context // BS)
+    blocks = ex.kv.num_blocks
+    steps = [DecodeStep(f"s{i}", tuple(rng.randrange(blocks) for _ in range(width)), context,
+                        5, 0, Prompt((5,))) for i in range(batch)]
+    plan = _plan((), steps)
+    return _median_ms(lambda: ex.run(plan), args.repeats)
 
 
 #: (batch, context) shapes of the decode-context section.
@@ -221,8 +346,8 @@ DECODE_CONTEXT_SHAPES = ((8, 4096), (32, 4096), (64, 4096), (64, 8192), (128, 40
 
 def bench_decode_context(args: argparse.Namespace, ex: TorchExecutor) -> dict[str, Any]:
     """Decode attention of every layer by (batch, context), two ways (ms, median of
-    ``--repeats``, host time included): ``gathered``, as the engine runs it (each step's blocks
-    gathered from a random block table, then masked attention; :meth:`Decoder.attend`), and
+    ``--repeats``, host time included): ``gathered``, each step's blocks gathered from a random
+    block table, then masked attention (what runs without the paged kernel), and
     ``in_place``, attention over K/V already contiguous per sequence (flash attention, query
     heads folded by KV head as the engine folds them), the best a kernel that reads paged K/V
     in place can do; and on CUDA ``paged``, a real paged kernel (:func:`_paged_attention_ms`).
@@ -324,7 +449,7 @@ def _decode_attention_ms(args: argparse.Namespace, ex: TorchExecutor, batch: int
     import torch
     import torch.nn.functional as F
 
-    from workers.torch.model import PagedBatch
+    from workers.torch.paged import paged_attention
 
     c, device = ex.model.config, ex.kv.device
     on = {"device": device, "dtype": ex.kv.layers()[0].dtype}
@@ -333,21 +458,17 @@ def _decode_attention_ms(args: argparse.Namespace, ex: TorchExecutor, batch: int
     pool = max(4096, 2 * batch * width)  # blocks the tables draw from: more than the L2 holds
     kv = torch.randn(pool, 2, BS, hkv, d, **on)
     tables = torch.randint(0, pool, (batch, width), device=device)
-    step = PagedBatch(token_ids=torch.empty(0), positions=torch.empty(0),
-                      slot_rows=torch.empty(0), prefill=(), decode_offset=0,
-                      decode_tables=tables,
-                      decode_mask=torch.ones(batch, width * BS, dtype=torch.bool, device=device),
-                      logit_rows=torch.empty(0))
+    lens = torch.full((batch,), width * BS, device=device)
     q = torch.randn(batch, c.num_heads, d, **on)
-    out = torch.empty_like(q)
     # One contiguous K/V per layer, so that no layer reads what another left in the L2.
     keys = torch.randn(c.num_layers, batch, hkv, context, d, **on)
     values = torch.randn_like(keys)
     folded = q.view(batch, hkv, group, d)
 
-    def gathered() -> None:
+    def gathered() -> None:  # the blocks gathered, then masked SDPA (no paged kernel)
         for _ in range(c.num_layers):
-            ex.model.attend(out, q, q, q, kv, [], step)
+            paged_attention(q, kv, tables, lens, queries=1, max_context=width * BS,
+                            use_kernel=False)
 
     def in_place() -> None:
         for layer in range(c.num_layers):
@@ -636,6 +757,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if "prefill_context" in sections:
         result["prefill_context"] = bench_prefill_context(args, ex)
         _log(args, "prefill_context", result["prefill_context"])
+    if "paged_decode" in sections:
+        result["paged_decode"] = bench_paged_decode(args, ex)
+        _log(args, "paged_decode", result["paged_decode"])
+    if ex.memory is not None:
+        m = ex.memory
+        result["memory"] = {"budget": m.budget, "weights": m.weights, "iteration": m.iteration,
+                            "graphs_allowed": m.graphs, "graphs_measured": ex.graph_bytes,
+                            "kv_planned": m.kv, "iteration_context": m.iteration_context,
+                            "peak_reserved": torch.cuda.max_memory_reserved()}
     if "decode" in sections:
         # Eager and CUDA-graph decode side by side, in this one run (CUDA only has graphs).
         graphs = ex.graphs
@@ -706,8 +836,29 @@ def _table(result: dict[str, Any]) -> str:
                 f"{t['new_2000_first_use_ms_piecewise']:.0f} ms (buckets 64 / 128 / 2048)"
             )
     for a in result.get("attention", []):
+        variants = ", ".join(f"{k[6:-3]} {v:.3f}" for k, v in a.items()
+                             if k.startswith("paged_"))
         lines.append(f"attention, one layer: {a['new']} new over {a['cached']} cached: "
-                     f"{a['ms']:.3f} ms")
+                     f"paged {a['ms']:.3f} ms, gathered {a['gathered_ms']:.3f} ms"
+                     + (f" (kernel variants q_warps_stages: {variants})" if variants else ""))
+    pd = result.get("paged_decode")
+    if pd:
+        lines.append(f"decode attention, all layers ({pd['bytes_per_token']} bytes of K/V a "
+                     f"token, copy bandwidth {pd['bandwidth_gb_s']:.0f} GB/s), ns per token of "
+                     f"context:")
+        for r in pd["shapes"]:
+            lines.append(
+                f"  batch {r['batch']} x {r['context']}: kernel {r['kernel_ns_per_token']:.2f} "
+                f"({r['kernel_ms']:.3f} ms graphed, {r['kernel_eager_ms']:.3f} eager; "
+                f"{r['kernel_over_floor']:.2f}x floor "
+                f"{r['floor_ns_per_token']:.2f}), flex "
+                f"{r.get('flex_ns_per_token', float('nan')):.2f}, gathered "
+                f"{r.get('gathered_ns_per_token') or float('nan'):.2f}; whole step "
+                f"{r['step_ms']:.2f} ms")
+    mem = result.get("memory")
+    if mem:
+        lines.append("memory (GiB): " + ", ".join(
+            f"{k} {v / 2**30:.2f}" for k, v in mem.items() if k != "iteration_context"))
     dc = result.get("decode_context")
     if dc:
         for r in dc["shapes"]:

@@ -31,6 +31,18 @@ the same setting's TTFT p50 spread .599-.846 s over four runs on the H200 (``doc
 
 Requests longer than ``--max-model-len`` are left out of the window (and counted): the longest
 trace prompts (up to 191k tokens) would otherwise be refused by the router.
+
+``--generator long_context --requests N`` replays a generated workload instead of the trace
+(:mod:`bench.workloads`: conversations over documents, prompts 4k-64k tokens, replies of
+200-500 tokens), timed the same way.
+
+Memory: each worker takes ``--gpu-memory-utilization`` of the device (default 0.9 shared out
+among the workers) and sizes its KV cache from what its profiled worst iteration leaves
+(``--kv-memory-gb`` sets the cache instead). Reported per worker, from its ``/metrics``: the
+budget, the KV cache, PyTorch's peak reserved memory (``torch.cuda.max_memory_reserved``), the
+passes that ran out of memory and the requests recomputed or failed after a failed pass; and,
+where ``nvidia-smi`` answers, the most device memory each worker process held, sampled every
+second.
 """
 
 from __future__ import annotations
@@ -39,15 +51,25 @@ import argparse
 import asyncio
 import json
 import statistics
+import subprocess
 import sys
+import threading
 import time
 import urllib.request
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
 from bench.live import replay_live, summarize_live
-from bench.workloads import DEFAULT_TRACE, WorkloadRequest, load_trace, scale_rate
+from bench.workloads import (
+    DEFAULT_TRACE,
+    GeneratorConfig,
+    WorkloadRequest,
+    generate,
+    load_trace,
+    scale_rate,
+)
 from kvroute.up import Cluster
 
 __all__ = ["main", "run_policy", "summarize_repeats", "window"]
@@ -68,6 +90,20 @@ def window(path: Path, first: int, count: int, max_len: int,
         for r in kept
     ]
     return out, len(rows) - len(kept)
+
+
+def generated(args: argparse.Namespace) -> tuple[list[WorkloadRequest], int]:
+    """``--requests`` of generator ``--generator`` no longer than ``--max-model-len`` (prompt
+    and reply), outputs scaled by ``--output-scale``; and how many were left out for length.
+
+    Raises:
+        ValueError: an unknown generator or a bad count.
+    """
+    rows = generate(args.generator, GeneratorConfig(requests=args.requests, rate=1.0), args.seed)
+    kept = [replace(r, output_length=max(1, round(r.output_length * args.output_scale)))
+            for r in rows]
+    kept = [r for r in kept if r.input_length + r.output_length <= args.max_model_len]
+    return kept, len(rows) - len(kept)
 
 
 def _post(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
@@ -97,24 +133,73 @@ def _metric_sum(url: str, name: str) -> float:
                if line.startswith(name) and not line.startswith("#"))
 
 
+#: Worker statistics reported per run (``kvroute_worker_<name>`` in ``/metrics``).
+MEMORY_METRICS = ("memory_budget_bytes", "memory_kv_bytes", "memory_iteration_bytes",
+                  "memory_graph_bytes", "memory_peak_reserved_bytes", "out_of_memory_passes",
+                  "failed_iterations", "failure_preemptions", "failed_requests", "preemptions",
+                  "cache_releases")
+
+
+def _worker_memory(url: str) -> dict[str, float]:
+    return {name: _metric_sum(url, f"kvroute_worker_{name} ") for name in MEMORY_METRICS}
+
+
+class ProcessMemory:
+    """The most device memory each process held, sampled from ``nvidia-smi`` every second
+    in a thread (empty where ``nvidia-smi`` is missing or does not list processes)."""
+
+    def __init__(self) -> None:
+        self.peak: dict[int, int] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._poll, daemon=True)
+
+    def __enter__(self) -> ProcessMemory:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+
+    def _poll(self) -> None:
+        while not self._stop.is_set():
+            try:
+                text = subprocess.run(
+                    ["nvidia-smi", "--query-compute-apps=pid,used_memory",
+                     "--format=csv,noheader,nounits"],
+                    capture_output=True, text=True, timeout=10, check=True).stdout
+            except (OSError, subprocess.SubprocessError):
+                return
+            for line in text.splitlines():
+                pid, _, mib = line.partition(",")
+                if pid.strip().isdigit() and mib.strip().isdigit():
+                    used = int(mib) << 20
+                    self.peak[int(pid)] = max(self.peak.get(int(pid), 0), used)
+            self._stop.wait(1.0)
+
+
 def run_policy(args: argparse.Namespace, policy: str, requests: Sequence[WorkloadRequest],
                log_dir: str | None) -> dict[str, Any]:
     """Start a fresh cluster routed by ``policy``, replay ``requests``, stop it; one row."""
     worker_args = ["--engine", "torch", "--torch-model", args.model, "--device", args.device,
-                   "--max-model-len", str(args.max_model_len)]
+                   "--max-model-len", str(args.max_model_len),
+                   "--gpu-memory-utilization", str(args.gpu_memory_utilization
+                                                   or 0.9 / args.workers)]
     if args.kv_memory_gb is not None:
         worker_args += ["--kv-memory-gb", str(args.kv_memory_gb)]
     cluster = Cluster(args.workers, worker_args=worker_args,
                       router_args=["--policy", policy, "--seed", "0"], log_dir=log_dir)
     try:
-        started = time.perf_counter()
-        cluster.start(timeout=args.ready_timeout)
-        warm_up(cluster, args.warmup_tokens)
-        ready_s = time.perf_counter() - started
-        before = [_metric_sum(u, args.requests_metric) for u in _worker_urls(cluster)]
-        records, makespan = asyncio.run(replay_live(cluster.url, requests,
-                                                    concurrency=args.concurrency))
-        after = [_metric_sum(u, args.requests_metric) for u in _worker_urls(cluster)]
+        with ProcessMemory() as processes:
+            started = time.perf_counter()
+            cluster.start(timeout=args.ready_timeout)
+            warm_up(cluster, args.warmup_tokens)
+            ready_s = time.perf_counter() - started
+            before = [_metric_sum(u, args.requests_metric) for u in _worker_urls(cluster)]
+            records, makespan = asyncio.run(replay_live(cluster.url, requests,
+                                                        concurrency=args.concurrency))
+            after = [_metric_sum(u, args.requests_metric) for u in _worker_urls(cluster)]
+            memory = [_worker_memory(u) for u in _worker_urls(cluster)]
     finally:
         cluster.stop()
     row = summarize_live(records, makespan, policy)
@@ -125,6 +210,8 @@ def run_policy(args: argparse.Namespace, policy: str, requests: Sequence[Workloa
         prompt_tok_s=sum(r.prompt_tokens for r in ok) / makespan if makespan else 0.0,
         worker_requests=shares,
         request_imbalance=max(shares) / (sum(shares) / len(shares)) if sum(shares) else 0.0,
+        worker_memory=memory,
+        process_peak_bytes=sorted(processes.peak.values()),
     )
     return row
 
@@ -132,8 +219,10 @@ def run_policy(args: argparse.Namespace, policy: str, requests: Sequence[Workloa
 def _table(result: dict[str, Any]) -> str:
     head = (f"{'load':>5} {'policy':>12} {'hit':>6} {'TTFT p50':>9} {'p90':>7} {'p99':>7} "
             f"{'e2e p50':>8} {'p99':>7} {'prompt tok/s':>12} {'out tok/s':>9} {'err':>4}  shares")
-    lines = [f"{result['workers']} x {result['model']} workers, trace {result['first']}.."
-             f"{result['first'] + result['count']} ({result['requests']} requests, "
+    source = (f"generator {result['generator']}" if result["generator"] else
+              f"trace {result['first']}..{result['first'] + result['count']}")
+    lines = [f"{result['workers']} x {result['model']} workers, {source} ({result['requests']} "
+             f"requests, "
              f"{result['prompt_tokens']} prompt tokens, {result['output_tokens']} output tokens, "
              f"{result['skipped_long']} too long), "
              f"TTFT in seconds", head]
@@ -143,6 +232,21 @@ def _table(result: dict[str, Any]) -> str:
             f"{r['ttft_p90_s']:>7.3f} {r['ttft_p99_s']:>7.3f} {r['e2e_p50_s']:>8.2f} "
             f"{r['e2e_p99_s']:>7.2f} {r['prompt_tok_s']:>12.0f} {r['output_tok_s']:>9.0f} "
             f"{r['errors']:>4}  {[int(s) for s in r['worker_requests']]}")
+        gib = 2**30
+        for i, m in enumerate(r["worker_memory"]):
+            lines.append(
+                f"      worker {i}: budget {m['memory_budget_bytes'] / gib:.2f} GiB, KV "
+                f"{m['memory_kv_bytes'] / gib:.2f}, worst iteration "
+                f"{m['memory_iteration_bytes'] / gib:.2f}, graphs "
+                f"{m['memory_graph_bytes'] / gib:.2f}, peak reserved "
+                f"{m['memory_peak_reserved_bytes'] / gib:.2f} GiB; out-of-memory passes "
+                f"{m['out_of_memory_passes']:.0f}, failed iterations "
+                f"{m['failed_iterations']:.0f}, recomputed after them "
+                f"{m['failure_preemptions']:.0f}, failed requests {m['failed_requests']:.0f}, "
+                f"preemptions {m['preemptions']:.0f}, cache releases {m['cache_releases']:.0f}")
+        if r["process_peak_bytes"]:
+            lines.append("      nvidia-smi, most held per process (GiB): " + ", ".join(
+                f"{b / gib:.2f}" for b in r["process_peak_bytes"]))
     summary = result["summary"]
     if any(m["runs"] > 1 for m in summary):
         lines.append("medians over repeats (TTFT p50 range in brackets):")
@@ -185,6 +289,13 @@ def build_parser() -> argparse.ArgumentParser:
     a("--model", default="llama-1b", help="tiny, llama-1b or a local folder")
     a("--device", default="auto", help="cuda, cpu or auto")
     a("--kv-memory-gb", type=float, default=None, help="KV GiB per worker (default: sized)")
+    a("--gpu-memory-utilization", type=float, default=None,
+      help="each worker's share of the device (default 0.9 / --workers)")
+    a("--generator", default=None,
+      help="replay a generated workload (bench.workloads: long_context, multi_turn, ...) "
+      "instead of the trace")
+    a("--requests", type=int, default=400, help="requests generated (default 400)")
+    a("--seed", type=int, default=0, help="the generator's seed")
     a("--trace", type=Path, default=None,
       help="Mooncake trace (default: bench/data)")
     a("--first", type=int, default=0, help="first trace request (default 0)")
@@ -211,8 +322,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     path = args.trace or DEFAULT_TRACE
     try:
-        requests, skipped = window(path, args.first, args.count, args.max_model_len,
-                                   args.output_scale)
+        if args.generator is None:
+            requests, skipped = window(path, args.first, args.count, args.max_model_len,
+                                       args.output_scale)
+        else:
+            requests, skipped = generated(args)
         loads = [float(x) for x in args.loads.split(",")]
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
@@ -227,6 +341,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     span = requests[-1].arrival_s or 1.0
     result: dict[str, Any] = {
         "workers": args.workers, "model": args.model, "first": args.first, "count": args.count,
+        "generator": args.generator, "gpu_memory_utilization": args.gpu_memory_utilization,
         "requests": len(requests), "skipped_long": skipped, "prompt_tokens": prompt_tokens,
         "cold_rate": args.cold_rate, "kv_memory_gb": args.kv_memory_gb,
         "output_scale": args.output_scale,

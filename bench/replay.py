@@ -9,7 +9,7 @@ lags of 0, 10 ms, 100 ms and 1 s. ``--live URL`` replays against a running route
 (:mod:`bench.live`). ``--per-worker`` adds each policy's per-worker table (requests, TTFT,
 decode context: where a skewed median comes from) to the terminal and the JSON.
 
-Every run with ``kvroute`` and a peer policy in it also gets the issue's targets checked
+Every run with ``kvroute`` and a peer policy in it also gets the targets checked
 (:mod:`bench.targets`): a line under its table and ``targets`` in its JSON. ``--seeds 0-9``
 repeats the whole run at each seed (generators draw a new workload per seed; the trace is the
 same, the policies' and engines' randomness is not) and ends with the tally over all runs;
@@ -42,7 +42,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
     a("--trace", help="Mooncake JSONL trace (default: the Mooncake trace in bench/data)")
     a("--generator", default="trace",
-      choices=["trace", "system_prompt", "multi_turn", "agentic", "images"],
+      choices=["trace", "system_prompt", "multi_turn", "agentic", "images", "long_context"],
       help="workload: the trace, or a generator (default trace)")
     a("--requests", type=positive_int,
       help="requests: the trace's first N, or how many to generate (default all / 2000)")
@@ -69,13 +69,9 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
            "(workers.engine.timing.H200_LLAMA_1B_MEASURED); paged prices only decode so; "
            "calibrated is the fit as it is, whose decode concatenated K/V "
            "every step (9x dearer a token of context)")
-    a("--affinity-weight", type=positive_float, default=None,
-      help="the affinity factor of every kvroute policy, variants included (default: each "
-           "policy's own; kvroute's is the router's, 4); --timing calibrated "
-           "--affinity-weight 1 reproduces the figures measured before the eighth session")
-    a("--affinity-lead-blocks", type=positive_int, default=None,
-      help="the affinity lead of every kvroute policy, variants included (default: each "
-           "policy's own; kvroute's is the router's, 8)")
+    a("--set", dest="router_settings", action="append", default=[], metavar="NAME=VALUE",
+      help="a router setting for every kvroute policy in the run, as the router's flag "
+           "--NAME takes it (repeatable; e.g. --set queue_weight=0.5 --set sessions=off)")
     seeds = p.add_mutually_exclusive_group()
     seeds.add_argument("--seed", type=int, default=0,
                        help="seed of generators and policies (default 0)")
@@ -141,18 +137,38 @@ def _progress(total: int, desc: str, enabled: bool) -> Any:
     return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, unit="req")
 
 
+def _router_changes(items: Sequence[str]) -> dict[str, Any]:
+    """``--set NAME=VALUE`` items as typed router settings.
+
+    Raises:
+        ValueError: not NAME=VALUE, an unknown setting, or a bad value.
+    """
+    from router.settings import RouterSettings, SettingsError, load_settings
+
+    flags: dict[str, str] = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        name = name.strip().replace("-", "_")
+        if not sep or name not in RouterSettings.__dataclass_fields__:
+            raise ValueError(f"--set {item!r}: not NAME=VALUE with NAME a router setting")
+        flags[name] = value.strip()
+    try:
+        settings = load_settings(flags, env={})
+    except SettingsError as exc:
+        raise ValueError(f"--set: {exc}") from None
+    return {name: getattr(settings, name) for name in flags}
+
+
 def _policies(args: argparse.Namespace, names: str | None = None) -> list[Any]:
-    """Fresh policies for ``names`` (default ``--policies``), with ``--affinity-weight`` and
-    ``--affinity-lead-blocks`` applied to kvroute's."""
+    """Fresh policies for ``names`` (default ``--policies``), with ``--set`` applied to every
+    kvroute policy."""
     from bench.policies import KvroutePolicy, make_policies
 
-    changes = {k: v for k, v in (("affinity_weight", args.affinity_weight),
-                                 ("affinity_lead_blocks", args.affinity_lead_blocks))
-               if v is not None}
+    changes = _router_changes(args.router_settings)
     policies = make_policies(args.policies if names is None else names)
-    for p in policies:
+    for i, p in enumerate(policies):
         if changes and isinstance(p, KvroutePolicy):
-            p.config = dataclasses.replace(p.config, **changes)
+            policies[i] = p.with_settings(**changes)
     return policies
 
 
@@ -207,6 +223,7 @@ def run_bench(args: argparse.Namespace) -> int:
                              "one workload against one router")
         if not args.live:
             names = [p.name for p in make_policies(args.policies)]  # fail fast on a bad name
+            _router_changes(args.router_settings)
         lags = SENSITIVITY_LAGS_MS if args.sensitivity else (args.event_lag_ms,)
         for lag in lags:
             _sim_config(args, lag)  # a bad setting fails here, before any simulation

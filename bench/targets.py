@@ -1,4 +1,4 @@
-"""The issue's targets, checked on one run's rows, and tallied over several runs.
+"""The benchmark's targets for ``kvroute``, checked on one run's rows and tallied over runs.
 
 A run meets the targets when the ``kvroute`` policy has
 

@@ -21,6 +21,10 @@ Generators (:data:`GENERATORS`), each seeded and open-loop (arrivals do not wait
   tool call and a long tool result; steps follow each other within seconds.
 - ``images``: the system-prompt workload with a share of requests carrying one or two images
   (placeholder positions + a content digest) drawn from a Zipf-popular pool.
+- ``long_context``: conversations over a long document: a shared system prompt, a document of
+  its own (log-uniform in ``context_tokens``, 3k-48k), then turns that each add the reply
+  (200-500 tokens) and a new message, until the next prompt would pass ``max_prompt_tokens``
+  (64k less room for the reply): prompts from 4k to 64k tokens, each turn reusing the last.
 
 Output tokens are a deterministic function of the request id
 (:meth:`WorkloadRequest.output_tokens`):
@@ -195,6 +199,11 @@ class GeneratorConfig:
         image_share: share of requests that carry images (images).
         image_tokens: placeholder positions per image.
         image_pool: distinct images.
+        context_tokens: (min, max) tokens of a long-context conversation's document,
+            log-uniform (long_context).
+        context_message_tokens: (min, max) tokens of its user messages.
+        context_reply_tokens: (min, max) tokens of its replies.
+        max_prompt_tokens: a long-context prompt's most tokens; the conversation ends before.
     """
 
     requests: int = 2000
@@ -210,6 +219,10 @@ class GeneratorConfig:
     image_share: float = 0.3
     image_tokens: int = 576
     image_pool: int = 200
+    context_tokens: tuple[int, int] = (3000, 48000)
+    context_message_tokens: tuple[int, int] = (200, 2000)
+    context_reply_tokens: tuple[int, int] = (200, 500)
+    max_prompt_tokens: int = 65536 - 512
 
 
 class _Gen:
@@ -295,12 +308,39 @@ def _sessions(config: GeneratorConfig, seed: int, agentic: bool) -> list[Workloa
     return out[: config.requests]
 
 
+def _long_context(config: GeneratorConfig, seed: int) -> list[WorkloadRequest]:
+    g = _Gen(config, seed, "long_context")
+    systems = [g.fresh(g.between((1024, 2048))) for _ in range(max(1, config.system_prompts // 32))]
+    low, high = config.context_tokens
+    out: list[WorkloadRequest] = []
+    t_start, s = 0.0, 0
+    while len(out) < config.requests:
+        document = round(math.exp(g.rng.uniform(math.log(low), math.log(high))))
+        segments: list[Tokens] = [systems[g.zipf_pick(len(systems))], g.fresh(document),
+                                  g.fresh(g.between(config.context_message_tokens))]
+        t = t_start
+        for turn in range(g.between(config.turns)):
+            length = sum(len(x) for x in segments)
+            if length > config.max_prompt_tokens:
+                break
+            req = WorkloadRequest(f"l{s}.{turn}", t, tuple(segments), length,
+                                  g.between(config.context_reply_tokens), (), f"long_context{s}")
+            out.append(req)
+            segments += [req.output_tokens(), g.fresh(g.between(config.context_message_tokens))]
+            t += g.rng.expovariate(1.0 / config.turn_gap_s)
+        s += 1
+        t_start += g.rng.expovariate(config.rate)
+    out.sort(key=lambda r: r.arrival_s)
+    return out[: config.requests]
+
+
 #: Generator name -> function (config, seed) -> requests in arrival order.
 GENERATORS: dict[str, Callable[[GeneratorConfig, int], list[WorkloadRequest]]] = {
     "system_prompt": lambda c, s: _system_prompt(c, s, images=False),
     "images": lambda c, s: _system_prompt(c, s, images=True),
     "multi_turn": lambda c, s: _sessions(c, s, agentic=False),
     "agentic": lambda c, s: _sessions(c, s, agentic=True),
+    "long_context": _long_context,
 }
 
 

@@ -16,6 +16,8 @@ from e2e.harness import Router, wait_for
 
 IMAGE_A = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4
 IMAGE_B = b"\x89PNG\r\n\x1a\n" + bytes(reversed(range(256))) * 4
+#: The image server runs on loopback, which workers refuse to fetch from unless allowed.
+ALLOW_LOOPBACK = {"allow_image_hosts": "127.0.0.1"}
 LEAD = "Describe the product photo in detail, then list its defects. " * 3  # 186 bytes
 
 
@@ -73,7 +75,7 @@ def test_images_by_digest_route_to_the_holder(cluster: Any) -> None:
 
 
 def test_images_by_uuid_route_without_the_bytes(cluster: Any, image_server: str) -> None:
-    router, _ = cluster(workers=3)
+    router, _ = cluster(workers=3, worker_settings=ALLOW_LOOPBACK)
     first = chat(router, f"{image_server}/a.png", "Question one. " * 6, uuid="sku-001")
     assert first.status_code == 200, first.text
     holder = first.headers["x-kvroute-worker"]
@@ -89,7 +91,7 @@ def test_images_by_uuid_route_without_the_bytes(cluster: Any, image_server: str)
 
 def test_other_content_under_the_same_uuid_is_never_served_from_cache(
         cluster: Any, image_server: str) -> None:
-    router, _ = cluster(workers=1)
+    router, _ = cluster(workers=1, worker_settings=ALLOW_LOOPBACK)
     a = chat(router, f"{image_server}/a.png", "Question. " * 6, uuid="sku-001")
     assert a.status_code == 200
     wait_for(lambda: router.workers()[0]["blocks"]["device"] >= 7, 5, "indexed")

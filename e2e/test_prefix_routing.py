@@ -65,10 +65,9 @@ def test_queue_weight_auto_follows_eviction_pressure_a_fixed_one_does_not(cluste
     # Two workers of 64 blocks each (4,096 tokens of KV together); twelve distinct 1,000-byte
     # prompts need 372 blocks, so the caches evict and say so in their events. auto is the
     # default.
-    router, _ = cluster(workers=2, worker_settings={"num_blocks": 64, "speedup": 50},
-                        router_settings={"pressure_window": 60})
+    router, _ = cluster(workers=2, worker_settings={"num_blocks": 64, "speedup": 50})
     assert _gauge(router, "kvroute_eviction_pressure") == 0.0
-    assert _gauge(router, "kvroute_queue_weight") == 0.5  # caches warming up: today's weight
+    assert _gauge(router, "kvroute_queue_weight") == 0.5  # caches warming up
     for i in range(12):
         assert router.complete(f"{i:04d} " + "distinct prompt text " * 47).status_code == 200
     wait_for(lambda: _gauge(router, "kvroute_eviction_pressure") >= 0.5, 10,
@@ -98,9 +97,8 @@ def test_a_chat_stays_with_its_session_and_the_router_counts_it(cluster: Any) ->
     debug = router.client.post("/debug/route", json=body).json()
     assert debug["continues_session_on"] == next(
         w["id"] for w in router.workers() if w["url"] == holder)
-    # Both halves off (through the environment): no session is tracked or shown.
-    off, _ = cluster(workers=1, router_settings={"session_weight": 0,
-                                                 "session_queue_blocks": "off"})
+    # Sessions off (through the environment): no session is tracked or shown.
+    off, _ = cluster(workers=1, router_settings={"sessions": "off"})
     assert off.complete(turn).status_code == 200
     assert off.client.post("/debug/route", json=body).json()["continues_session_on"] is None
     assert "kvroute_sessions" not in off.client.get("/metrics").text

@@ -114,6 +114,7 @@ def _flatten_part(part: Any, where: str, images: list[ImageRef]) -> str:
 def _image_ref(part: dict[str, Any], where: str) -> ImageRef:
     image_url = part.get("image_url")
     # OpenAI sends {"url": ...}; a bare string is accepted as well, as vLLM does.
+    url: Any
     if isinstance(image_url, str):
         url, inner_uuid = image_url, None
     elif isinstance(image_url, dict):

@@ -1,6 +1,6 @@
 """Lenient decoding of KV event payloads from any engine into :mod:`indexer.events`.
 
-The rule (``shared/WIRE.md``): decode the envelope strictly and each event leniently.
+The rule (``docs/wire.md``): decode the envelope strictly and each event leniently.
 
 - Envelope: a msgpack array ``[ts, events]`` or ``[ts, events, rank]``. Anything else (not
   msgpack, truncated, a map, wrong types) raises :class:`MalformedBatch`, the one error type.
@@ -194,7 +194,7 @@ def _event(raw: Any, stats: DecodeStats) -> Event | None:
     if type(raw) is dict:
         kind = raw.get("type")
         known = {"BlockStored": _STORED_KEYS, "BlockRemoved": _REMOVED_KEYS,
-                 "AllBlocksCleared": _CLEARED_KEYS}.get(kind)  # type: ignore[call-overload]
+                 "AllBlocksCleared": _CLEARED_KEYS}.get(kind) if isinstance(kind, str) else None
         if known is None:
             stats.unknown_events += 1
             return None

@@ -24,10 +24,19 @@ The function, over unsigned 64-bit words (all arithmetic modulo ``2**64``):
    different scopes never share a prefix; :data:`GLOBAL_SEED` when there is no scope.
 
 Never Python's ``hash()``: values are fixed across processes, machines and versions.
+
+A cache salt enters the chain through :func:`scope_seed` as the string the engine publishes.
+kvroute workers never publish a tenant's raw salt but its tag (:func:`salt_tag`):
+``"salt:"`` + 16 hex digits of SHA-256(salt), or, when the cluster shares a secret
+(``--salt-secret``), of HMAC-SHA256(secret, salt). A plain digest of a guessable salt can be
+reversed by trying guesses; the keyed one cannot without the secret. The router computes the
+same tag for a request's salt, so both sides seed the same chain.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from collections.abc import Sequence
 
 from indexer.events import U64_MASK, Stored
@@ -35,10 +44,13 @@ from indexer.events import U64_MASK, Stored
 __all__ = [
     "GLOBAL_SEED",
     "IMAGE_WORD",
+    "SALT_TAG_HMAC",
+    "SALT_TAG_SHA256",
     "UnhashableStore",
     "block_hashes",
     "event_hash_input",
     "identity_hash",
+    "salt_tag",
     "scope_seed",
 ]
 
@@ -52,6 +64,10 @@ GLOBAL_SEED = 0x6B76726F75746500
 IMAGE_WORD = 0x696D616765000000
 _IDENTITY_SEED = 0x6964656E74697479
 _SCOPE_TAG = 0x73636F7065000000
+
+#: How a worker's ``/model_info`` names its salt tags (``salt_hashing``): unkeyed or keyed.
+SALT_TAG_SHA256 = "sha256-16"
+SALT_TAG_HMAC = "hmac-sha256-16"
 
 MmItems = Sequence[Sequence[tuple[str, int]]]
 
@@ -120,6 +136,22 @@ def scope_seed(lora: str | None, salt: str | None) -> int:
         0 if salt is None else identity_hash(salt),
     ]
     return _finish(GLOBAL_SEED, words, len(words))
+
+
+def salt_tag(salt: str, key: bytes | None = None) -> str:
+    """Return how a cache salt is published: ``"salt:"`` + 16 hex digits of its digest.
+
+    Args:
+        salt: the tenant's cache salt.
+        key: the cluster's salt secret; the digest is then HMAC-SHA256(key, salt), else
+            SHA-256(salt).
+    """
+    data = salt.encode("utf-8")
+    if key is None:
+        digest = hashlib.sha256(data).hexdigest()
+    else:
+        digest = hmac.new(key, data, hashlib.sha256).hexdigest()
+    return "salt:" + digest[:16]
 
 
 def _u64(value: object, what: str) -> int:

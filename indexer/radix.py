@@ -381,9 +381,10 @@ class PrefixIndex:
                 continue
             still = []
             for w in live:
-                holding = holders.get(w)
-                if holding is None:
+                held = holders.get(w)
+                if held is None:
                     continue
+                holding = held
                 run = runs[w]
                 run[0] = i + 1
                 if run[1] == i and holding.on(Tier.DEVICE):

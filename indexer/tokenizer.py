@@ -20,6 +20,16 @@ Notes:
     3. ``encode`` adds no special tokens unless asked: a chat template writes its own BOS, and
        a completions prompt asks for them (as vLLM does).
     4. ``decode`` drops special tokens: it turns generated ids into response text.
+    5. :attr:`Tokenizer.max_bytes_per_token` bounds the UTF-8 bytes of text one token can
+       stand for, where the tokenizer makes that provable, so that a prompt of ``n``
+       characters is known to need at least ``n / max_bytes_per_token`` tokens without
+       encoding it (every character is at least one byte). A Hugging Face tokenizer has one
+       when its model is BPE, nothing shortens the text or drops characters before the model
+       (normalizers that only prepend or replace a string by one at least as long, and only
+       the pre-tokenizers in :data:`_KEEPS_TEXT`), no run of unknown characters
+       becomes one token, and no added token absorbs the spaces around it. The bound is then
+       the longest token's UTF-8 length: a byte-level or metaspace token's text is at least as
+       long as the text it stands for.
 """
 
 from __future__ import annotations
@@ -99,6 +109,11 @@ class Tokenizer(Protocol):
         """The Jinja chat template shipped with the tokenizer, or ``None`` for the default."""
         ...
 
+    @property
+    def max_bytes_per_token(self) -> int | None:
+        """The most bytes of text one token stands for, or ``None`` when unbounded (note 5)."""
+        ...
+
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         """Return the ids of ``text``; with ``add_special_tokens``, also BOS (and so on)."""
         ...
@@ -127,6 +142,7 @@ class ByteTokenizer:
     bos_token = ""
     eos_token = ""
     chat_template = None
+    max_bytes_per_token = 1
 
     def encode(self, text: str, *, add_special_tokens: bool = False) -> list[int]:
         """Return ``[BOS]`` (if asked) then one id per UTF-8 byte of ``text``."""
@@ -216,6 +232,7 @@ class HFTokenizer:
             digest.update(len(part).to_bytes(8, "big"))
             digest.update(part)
         self.identity = "hf:" + digest.hexdigest()[:16]
+        self.max_bytes_per_token = _max_bytes_per_token(json.loads(raw))
 
     def _token_id(self, token: str | None, what: str) -> int | None:
         if token is None:
@@ -242,6 +259,59 @@ class HFTokenizer:
 
     def __repr__(self) -> str:
         return f"HFTokenizer({self._source!r}, identity={self.identity!r})"
+
+
+#: Pre-tokenizers that keep every character of the text (note 5); ``Split`` and
+#: ``Punctuation`` only while their behaviour is not ``Removed``.
+_KEEPS_TEXT = ("ByteLevel", "Metaspace", "Digits", "Split", "Punctuation")
+
+
+def _keeps_text(pre: Any) -> bool:
+    if pre is None:
+        return True
+    if not isinstance(pre, dict):
+        return False
+    if pre.get("type") == "Sequence":
+        return all(_keeps_text(p) for p in pre.get("pretokenizers") or ())
+    return pre.get("type") in _KEEPS_TEXT and pre.get("behavior") != "Removed"
+
+
+def _never_shortens(normalizer: Any) -> bool:
+    if normalizer is None:
+        return True
+    if not isinstance(normalizer, dict):
+        return False
+    kind = normalizer.get("type")
+    if kind == "Sequence":
+        return all(_never_shortens(n) for n in normalizer.get("normalizers") or ())
+    if kind == "Prepend":
+        return True
+    if kind == "Replace":  # a literal string by one at least as long (Llama's " " -> "▁")
+        pattern = normalizer.get("pattern") or {}
+        old, new = pattern.get("String"), normalizer.get("content")
+        return (isinstance(old, str) and isinstance(new, str)
+                and len(new.encode("utf-8")) >= len(old.encode("utf-8")))
+    return False
+
+
+def _max_bytes_per_token(spec: Any) -> int | None:
+    """Note 5's bound for a parsed ``tokenizer.json``, or ``None`` when none is provable."""
+    if not isinstance(spec, dict):
+        return None
+    model = spec.get("model")
+    if (not _never_shortens(spec.get("normalizer")) or not _keeps_text(spec.get("pre_tokenizer"))
+            or not isinstance(model, dict) or model.get("type") != "BPE"):
+        return None
+    if model.get("unk_token") is not None and model.get("fuse_unk"):
+        return None  # a run of unknown characters of any length may become one token
+    longest = 4  # an unknown character (at most 4 bytes) may be one token
+    for token in model.get("vocab") or {}:
+        longest = max(longest, len(token.encode("utf-8")))
+    for added in spec.get("added_tokens") or ():
+        if added.get("lstrip") or added.get("rstrip"):
+            return None  # it absorbs any number of spaces beside it
+        longest = max(longest, len(str(added.get("content", "")).encode("utf-8")))
+    return longest
 
 
 def load_tokenizer(path: str | None) -> Tokenizer:

@@ -1,10 +1,10 @@
-"""The KV event wire format as kvroute workers publish it (see ``shared/WIRE.md``).
+"""The KV event wire format as kvroute workers publish it (see ``docs/wire.md``).
 
 One definition, imported by the worker (to encode) and by the router and tools (frame
 constants). The structs reproduce vLLM 0.33's ``vllm/distributed/kv_events.py`` byte for byte:
 map-shaped events tagged by ``"type"``, fields in vLLM's order, fields that have a default
 omitted when unset, then TensorRT-LLM's ``mm_keys`` and our ``trtllm_image_routing`` extension.
-Golden vectors in ``shared/wire/`` pin the bytes.
+Golden vectors in ``tests/data/wire/`` pin the bytes.
 
 Notes:
     1. New optional fields go at the end of a struct and get a default, so old consumers keep
@@ -112,14 +112,14 @@ class AllBlocksCleared(msgspec.Struct, tag=True, omit_defaults=True):
     """Everything the publisher held is gone."""
 
 
-Event = BlockStored | BlockRemoved | AllBlocksCleared
+WireEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=False):
     """``[ts, events, data_parallel_rank]``; kvroute always sends an int rank."""
 
     ts: float
-    events: list[Event]
+    events: list[WireEvent]
     data_parallel_rank: int | None = None
 
 

@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 from kvroute import __version__
 from kvroute.argtypes import non_negative_int, positive_int
@@ -37,6 +38,27 @@ def _add_events(sub: argparse._SubParsersAction) -> None:
                       help="exit with status 3 if nothing arrives for this long")
     tail.add_argument("--json", action="store_true",
                       help="one JSON object a line (default: readable lines)")
+    tail.add_argument("--curve-secret-key", metavar="FILE",
+                      help="subscribe over CURVE with this secret certificate (a router's; "
+                      "needs --curve-server-key)")
+    tail.add_argument("--curve-server-key", metavar="FILE",
+                      help="the engine's public certificate")
+    tail.add_argument("--max-message-bytes", type=positive_int, metavar="N",
+                      help="largest message taken (default 64 MiB)")
+
+
+def _add_http_limits(a: Callable[..., Any], what: str) -> None:
+    a("--insecure-no-auth", action="store_const", const=True,
+      help=f"serve the {what}'s admin endpoints without a token on a non-loopback address "
+      "(refused otherwise: anyone who reaches the port could use them)")
+    a("--max-connections", type=positive_int,
+      help="open connections at most; a request past them is answered 503 (default 2048)")
+    a("--header-timeout", type=float,
+      help="seconds a connection has to send a request's headers (default 10)")
+    a("--keep-alive-timeout", type=float,
+      help="seconds an idle kept-alive connection stays open (default 5)")
+    a("--max-body-bytes", type=positive_int,
+      help="largest request body; a larger one is refused with 413 as it arrives (default 64 MiB)")
 
 
 def _add_worker(sub: argparse._SubParsersAction) -> None:
@@ -68,7 +90,10 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
       "priced so), or calibrated (the calibration as fitted)")
     a("--mm-tokens-per-image", type=int, help="placeholder positions per image (default 16)")
     a("--lora", dest="loras", action="append", help="serve a LoRA adapter by this name")
-    a("--admin-token", help="bearer token for reset, snapshot and fault injection")
+    a("--admin-token", help="bearer token for reset, snapshot and fault injection (visible "
+      "in ps: prefer --admin-token-file or KVROUTE_WORKER_ADMIN_TOKEN)")
+    a("--admin-token-file", metavar="PATH", help="read the admin token from this file")
+    _add_http_limits(a, "worker")
     a("--replay-buffer", type=int, help="event batches kept for replay (default 10000)")
     a("--max-pending-stored", type=int, help="stored entries per event batch at most")
     a("--no-events", dest="events_port", action="store_const", const="none",
@@ -77,12 +102,29 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
       help="never reuse KV blocks (and publish no events)")
     a("--no-images", dest="images", action="store_false", default=None,
       help="refuse image parts")
+    a("--allow-image-hosts", metavar="CIDR|HOST,...",
+      help="image URLs may reach these CIDR blocks or host names even when internal "
+      "(default: none; loopback, private, link-local, multicast and unspecified addresses "
+      "are refused)")
     a("--no-image-hints", dest="image_hints", action="store_false", default=None,
       help="publish no image UUID routing hints")
+    a("--curve-secret-key", metavar="FILE",
+      help="encrypt the event and replay ports with CURVE: this worker's secret certificate "
+      "(kvroute keys generate); needs --curve-authorized-clients")
+    a("--curve-authorized-clients", metavar="DIR",
+      help="folder of the public certificates (*.key) of the routers allowed to subscribe")
+    a("--salt-secret", help="cluster secret that keys published cache-salt tags "
+      "(HMAC-SHA256); routers need the same (default: unkeyed SHA-256 tags)")
+    a("--salt-secret-file", metavar="FILE", help="read --salt-secret from FILE")
     a("--torch-model", help="torch engine: tiny, llama-1b or a local weights folder")
     a("--device", help="torch engine: cuda, cpu or auto (default)")
+    a("--gpu-memory-utilization", type=float,
+      help="torch engine on CUDA: the share of the device's memory this worker may take, "
+      "weights, the worst iteration (profiled at start), CUDA graphs and KV cache together "
+      "(default 0.9; e.g. 0.22 each for 4 workers on one GPU)")
     a("--kv-memory-gb", "--kv-memory", dest="kv_memory_gb", type=float,
-      help="torch engine: GiB of KV cache (default: sized to fit)")
+      help="torch engine: GiB of KV cache (default: what the --gpu-memory-utilization share "
+      "leaves; refused at start if it does not fit beside the rest)")
     a("--no-cuda-graphs", dest="cuda_graphs", action="store_false", default=None,
       help="torch engine on CUDA: run every pass eagerly, not as replayed CUDA graphs "
            "(whole decode passes; per-layer pieces of passes with prefill), and skip their "
@@ -95,48 +137,92 @@ def _add_router(sub: argparse._SubParsersAction) -> None:
                        description="Runs the router: an OpenAI-compatible endpoint that sends "
                        "each request to the worker holding its prefix, weighed against load. "
                        "Every flag also reads KVROUTE_<NAME> from the environment.")
+    _add_router_flags(p)
+
+
+def _add_epp(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("epp", help="run the router's decision as a Gateway API Inference "
+                       "Extension endpoint picker (Envoy ext_proc over gRPC)",
+                       description="Serves envoy.service.ext_proc.v3.ExternalProcessor and "
+                       "grpc.health.v1 on --grpc-port: Envoy sends each request's headers and "
+                       "buffered body, the EPP names the worker the router would choose in "
+                       "the x-gateway-destination-endpoint header. Takes the router's flags "
+                       "(--port is unused). Every flag also reads KVROUTE_<NAME> from the "
+                       "environment.")
+    p.add_argument("--grpc-port", type=int, default=None, metavar="PORT",
+                   help="gRPC port (default 9002, or KVROUTE_EPP_GRPC_PORT)")
+    p.add_argument("--metrics-port", type=int, default=None, metavar="PORT",
+                   help="serve Prometheus /metrics, /ready and /health over HTTP here "
+                   "(default: not served)")
+    _add_router_flags(p)
+
+
+def _add_router_flags(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
     a("--worker", dest="workers", action="append", metavar="URL[,KEY=VALUE...]",
       help="a worker's base URL, then its options: engine=kvroute|vllm|sglang|trtllm, "
       "events=tcp://HOST:PORT, replay=tcp://HOST:PORT, block_size=N (repeatable; also "
       "KVROUTE_WORKERS='URL,engine=vllm,events=...;URL2'; docs/engines.md)")
+    a("--discover", action="append", metavar="dns:///NAME:PORT",
+      help="find workers by DNS: one worker per address NAME resolves to, re-resolved every "
+      "--discover-interval seconds (a Kubernetes headless Service); repeatable")
+    a("--discover-interval", type=float, help="seconds between DNS look-ups (default 5)")
     a("--config", help="a TOML or JSON file of settings")
     a("--host", help="bind address (default 127.0.0.1)")
     a("--port", type=int, help="port (default 8000)")
     a("--block-size", type=int, help="must equal the workers' (default 32)")
     a("--tokenizer", help="must be the workers' tokenizer (default: byte-level)")
-    a("--overlap-weight", type=float, help="prefill vs decode weight (default 32; 1 = Dynamo)")
-    a("--queue-weight", help="queued prefill vs own prefill: auto (default: 0.5 while caches "
-      "warm up, on at most the blocks the request finds cached there, then by eviction "
-      "pressure from 0.25 down to 0.1), or a fixed number")
-    a("--queue-cap-blocks", type=float,
-      help="queued prefill blocks per worker past the shortest queue counted at the queue "
-      "weight, the rest at 1 (default: 3000 under auto, no cap otherwise)")
-    a("--admission-weight", type=float,
-      help="price of waiting for a sequence slot on a full worker, in prefill blocks "
-      "while another has one free (default 1; 0 turns it off)")
-    a("--affinity-weight", type=float,
-      help="multiplies the overlap weight for a request one worker clearly leads on (a "
-      "continuing session, or a prefix only one worker holds); default 4, for engines with "
-      "paged decode attention (vLLM, TensorRT-LLM, SGLang); 1 turns it off")
-    a("--affinity-lead-blocks", type=int,
-      help="blocks the best-matched worker must lead every other by (default 8)")
+    # Routing: each flag and its reason in docs/routing.md.
+    a("--policy", choices=["kv", "dynamo", "round_robin", "random"],
+      help="kv (default): kvroute's rule; dynamo: NVIDIA Dynamo's cost rule; round_robin or "
+      "random ignore the cache (baselines)")
+    a("--overlap-weight", type=float,
+      help="price of a block to prefill against a block held by a decoding request "
+      "(default 32; 1 = Dynamo)")
+    a("--queue-weight", help="price of a block queued for prefill against one of the "
+      "request's own: auto (default: by how fast the caches evict, 0.5 down to 0.1) or a "
+      "fixed number (1 = Dynamo)")
     a("--session-weight", type=float,
-      help="price of a live chat or agent session already on a worker, in prefill blocks, "
-      "for a request that does not continue one (default 16; 0 turns it off)")
-    a("--session-queue-blocks",
-      help="a continuing session stays on its worker unless that worker's queued prefill is "
-      "this many blocks past the shortest queue (default 128; off: no stay)")
-    a("--pressure-window", type=float,
-      help="seconds of cache removals the eviction pressure counts (default 10)")
-    a("--predict-ttl", type=float, help="seconds a routed prefix counts resident (default 10)")
-    a("--host-credit", type=float, help="host-tier hit credit in [0,1] (default 0.75)")
-    a("--temperature", type=float, help="0 picks the cheapest; >0 samples (default 0)")
-    a("--policy", choices=["kv", "round_robin", "random"],
-      help="kv (default); round_robin or random ignore the cache (baselines)")
-    a("--admin-token", help="bearer token for /workers")
+      help="price of a live chat or agent session already on a worker, for a request that "
+      "continues none (default 16; 0 turns it off)")
+    a("--sessions", choices=["on", "off"],
+      help="follow conversations: a continuing turn stays on its session's worker unless that "
+      "worker's queue runs 128 blocks past the shortest (default on)")
+    a("--predict-ttl", type=float,
+      help="seconds a routed prompt counts as cached on its worker before its events arrive "
+      "(default 10)")
+    a("--admin-token", help="bearer token for /workers and /debug/* (visible in ps: prefer "
+      "--admin-token-file or KVROUTE_ADMIN_TOKEN)")
+    a("--admin-token-file", metavar="PATH", help="read the admin token from this file")
     a("--worker-admin-token", help="bearer token the workers want for /kv/snapshot")
+    a("--event-max-message-bytes", type=int,
+      help="largest event message taken from a worker; a connection carrying a larger one "
+      "is dropped, counted and reopened (default 64 MiB)")
+    a("--event-receive-hwm", type=int,
+      help="event messages queued per socket at most; more are dropped and recovered by "
+      "replay (default 4096)")
+    a("--curve-secret-key", metavar="FILE",
+      help="subscribe over CURVE: this router's secret certificate (kvroute keys generate); "
+      "needs --curve-server-key")
+    a("--curve-server-key", metavar="FILE",
+      help="the workers' public certificate (the .key of their --curve-secret-key)")
+    a("--salt-secret", help="cluster secret the workers key cache-salt tags with "
+      "(their --salt-secret)")
+    a("--salt-secret-file", metavar="FILE", help="read --salt-secret from FILE")
+    a("--worker-admin-token-file", metavar="PATH",
+      help="read the workers' admin token from this file")
+    _add_http_limits(a, "router")
     a("--health-interval", type=float, help="seconds between load polls (default 1)")
+    a("--health-timeout", type=float,
+      help="seconds a load poll may take before the worker counts as hung (default 1)")
+    a("--first-byte-floor", type=float,
+      help="shortest wait for a stream's first byte before it is retried elsewhere "
+      "(default 2)")
+    a("--first-byte-factor", type=float,
+      help="a stream's first byte may take this many times the prefill the router expects "
+      "there before it is retried elsewhere (default 4)")
+    a("--first-byte-timeout", type=float,
+      help="longest wait for any answer's first byte (default 300)")
     a("--unhealthy-grace", type=float, help="seconds before an unhealthy worker's entries go")
     a("--seed", type=int, help="seed for tie-breaking")
     a("--log-level", help="debug, info, warning (default info)")
@@ -167,11 +253,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_events(sub)
     _add_worker(sub)
     _add_router(sub)
+    _add_epp(sub)
     _add_up(sub)
-    from bench.replay import add_bench_parser
+    from kvroute.keys import add_keys_parser
 
-    add_bench_parser(sub)
+    add_keys_parser(sub)
+    _add_bench(sub)
     return parser
+
+
+def _add_bench(sub: argparse._SubParsersAction) -> None:
+    # The benchmarks load only when asked for: their flags are parsed by bench.replay itself.
+    p = sub.add_parser("bench", help="benchmarks: trace replay over routing policies",
+                       description="Benchmarks. 'kvroute bench replay --help' lists its flags.")
+    p.add_argument("bench_command", choices=["replay"], help="replay a trace over policies")
+    p.add_argument("bench_args", nargs=argparse.REMAINDER, help="flags of the benchmark")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -183,15 +279,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.from_seq is not None and not args.replay:
             print("kvroute events tail: --from-seq needs --replay", file=sys.stderr)
             return 2
+        if (args.curve_secret_key is None) != (args.curve_server_key is None):
+            print("kvroute events tail: --curve-secret-key and --curve-server-key go together",
+                  file=sys.stderr)
+            return 2
         return run_tail(args)
+    if args.command == "keys":
+        from kvroute.keys import run_keys
+
+        return run_keys(args)
     if args.command == "bench":
+        from bench.replay import build_parser as bench_parser
         from bench.replay import run_bench
 
-        return run_bench(args)
+        parser = bench_parser()
+        parser.prog = "kvroute bench replay"
+        return run_bench(parser.parse_args(args.bench_args))
     if args.command == "up":
         from kvroute.up import run_up
 
         return run_up(args)
+    if args.command == "epp":
+        from kvroute.epp import serve_epp
+
+        return serve_epp(args)
     if args.command in ("worker", "router"):
         from kvroute.serve import serve
 

@@ -12,6 +12,7 @@ from typing import Any
 
 import msgspec
 
+from router.event_transport import DEFAULT_MAX_MESSAGE_BYTES, CurveClientKeys, EventTransport
 from router.subscriber import (
     Delivered,
     EventSubscriber,
@@ -67,7 +68,20 @@ def _readable(record: dict[str, Any]) -> str:
             f"{tag}: {', '.join(parts) or 'no events'}")
 
 
-async def _tail(args: argparse.Namespace) -> int:
+def _transport(args: argparse.Namespace) -> EventTransport:
+    """The socket options the flags ask for.
+
+    Raises:
+        ValueError: a CURVE key file is missing or unusable.
+    """
+    curve = None
+    if getattr(args, "curve_secret_key", None) and getattr(args, "curve_server_key", None):
+        curve = CurveClientKeys.load(args.curve_secret_key, args.curve_server_key)
+    limit = getattr(args, "max_message_bytes", None) or DEFAULT_MAX_MESSAGE_BYTES
+    return EventTransport(max_message_bytes=limit, curve=curve)
+
+
+async def _tail(args: argparse.Namespace, transport: EventTransport) -> int:
     done = asyncio.Event()
     activity = asyncio.Event()
     batches = 0
@@ -84,7 +98,7 @@ async def _tail(args: argparse.Namespace) -> int:
                 done.set()
 
     sub = EventSubscriber(args.connect, on_notice, replay_endpoint=args.replay,
-                          topic=args.topic, from_seq=args.from_seq)
+                          topic=args.topic, from_seq=args.from_seq, transport=transport)
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, done.set)
@@ -109,6 +123,11 @@ async def _tail(args: argparse.Namespace) -> int:
 
 def run_tail(args: argparse.Namespace) -> int:
     """Run ``events tail`` until ``--count`` batches, a signal, or ``--timeout`` idle."""
+    try:
+        transport = _transport(args)
+    except ValueError as exc:
+        print(f"kvroute events tail: {exc}", file=sys.stderr)
+        return 2
     with contextlib.suppress(KeyboardInterrupt):
-        return asyncio.run(_tail(args))
+        return asyncio.run(_tail(args, transport))
     return 130

@@ -8,6 +8,8 @@ import sys
 
 import uvicorn
 
+from httpapi.server import raise_open_file_limit, server_config
+
 _OWN = ("command", "config", "events_command")
 
 
@@ -19,23 +21,23 @@ def serve(args: argparse.Namespace) -> int:
             from workers.http.api import create_app as create_worker
             from workers.settings import load_worker_settings
 
-            worker = load_worker_settings(flags)
-            app, host, port, level = create_worker(worker), worker.host, worker.port, \
-                worker.log_level
+            settings = load_worker_settings(flags)
+            app = create_worker(settings)
         else:
             from router.app import create_app as create_router
             from router.settings import load_settings
 
-            router = load_settings(flags, config_file=args.config)
-            app, host, port, level = create_router(router), router.host, router.port, \
-                router.log_level
+            settings = load_settings(flags, config_file=args.config)
+            app = create_router(settings)
     except ValueError as exc:
         print(f"kvroute {args.command}: {exc}", file=sys.stderr)
         return 2
+    level = settings.log_level
     logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: "
                         "%(message)s")
     # One line per health poll would drown everything else: control-call logs only on trouble.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
-    uvicorn.run(app, host=host, port=port, log_level=level, access_log=False,
-                timeout_graceful_shutdown=5)
+    limits = settings.connection_limits()
+    raise_open_file_limit(limits)
+    uvicorn.Server(server_config(app, settings.host, settings.port, limits, level)).run()
     return 0

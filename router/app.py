@@ -1,9 +1,15 @@
 """The router's HTTP front: OpenAI-compatible endpoints, health, metrics, debug and admin.
 
-One request's path: parse the body, :meth:`RouterService.decide`, book the load, forward
-through the :class:`~router.proxy.Proxy`, pass the answer back as it arrives. A worker that
-fails before the first byte is retried once on the next-best worker; the answer names the
-chosen worker and the matched blocks in ``x-kvroute-*`` headers.
+One request's path: read the body within its byte limit, check it against the OpenAI schema,
+:meth:`RouterService.decide`, book the load, forward through the :class:`~router.proxy.Proxy`,
+pass the answer back as it arrives. A worker that fails before the first byte is left for the
+next-best one (:mod:`router.failover`); the answer names the worker and the matched blocks in
+``x-kvroute-*`` headers.
+
+A completions prompt whose length alone proves it longer than every worker's model is refused
+before it is encoded; a body over ``TOKENIZE_OFF_LOOP_BYTES`` is encoded in a thread, not on the
+event loop. ``/workers`` and ``/debug/*`` want the admin token when one is set: the debug
+endpoints tell which prefixes are cached where.
 """
 
 from __future__ import annotations
@@ -20,14 +26,25 @@ import httpx
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
+from httpapi.auth import check_bearer
+from httpapi.body import (
+    TOKENIZE_OFF_LOOP_BYTES,
+    ClientGone,
+    read_body,
+    read_json,
+    wait_for_disconnect,
+)
+from httpapi.responses import CLIENT_GONE_STATUS, disconnect_counter, error_response
 from indexer import tokenize_api
 from indexer.openai_api import (
     ApiError,
-    check_bearer,
-    error_body,
+    fewest_prompt_tokens,
     parse_body,
-    wait_for_disconnect,
+    validate_request,
 )
+from indexer.prompts import PromptTokens
+from router.failover import send_with_failover
+from router.first_byte import FirstByteClock
 from router.metrics import RouterMetrics
 from router.proxy import Proxy, ProxyTimeouts, UpstreamAnswer, UpstreamUnavailable
 from router.registry import WorkerEntry, WorkerUnreachable
@@ -41,6 +58,8 @@ __all__ = ["create_app"]
 log = logging.getLogger(__name__)
 
 _CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+#: Bodies of the admin endpoints are a URL or nothing.
+ADMIN_BODY_BYTES = 64 * 1024
 
 
 def create_app(settings: RouterSettings) -> FastAPI:
@@ -54,7 +73,11 @@ def create_app(settings: RouterSettings) -> FastAPI:
         proxy = Proxy(ProxyTimeouts(connect=settings.connect_timeout,
                                     first_byte=settings.first_byte_timeout))
         await proxy.start()
-        state.update(service=service, proxy=proxy, metrics=RouterMetrics(service))
+        metrics = RouterMetrics(service)
+        clock = FirstByteClock(settings.first_byte_floor, settings.first_byte_factor,
+                               settings.first_byte_timeout)
+        state.update(service=service, proxy=proxy, metrics=metrics,
+                     disconnects=disconnect_counter(metrics.registry), first_byte=clock)
         await service.registry.start()
         try:
             yield
@@ -67,7 +90,12 @@ def create_app(settings: RouterSettings) -> FastAPI:
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
-        return JSONResponse(error_body(exc), status_code=exc.status)
+        return error_response(exc)
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(_: Request, exc: ClientGone) -> Response:
+        state["disconnects"].labels("body").inc()
+        return Response(status_code=CLIENT_GONE_STATUS)
 
     def service() -> RouterService:
         return state["service"]  # type: ignore[no-any-return]
@@ -77,10 +105,10 @@ def create_app(settings: RouterSettings) -> FastAPI:
 
     async def forward(request: Request, kind: str, path: str) -> Response:
         metrics: RouterMetrics = state["metrics"]
-        raw = await request.body()
-        body = parse_body(raw)
         try:
-            route = service().decide(body, kind)
+            raw = await read_body(request, settings.max_body_bytes)
+            body = parse_body(raw, settings.max_body_bytes)
+            route = await _decide(body, kind, len(raw))
         except ApiError as exc:
             metrics.request(path, exc.status)
             raise
@@ -100,34 +128,47 @@ def create_app(settings: RouterSettings) -> FastAPI:
             if watcher.done() and not watcher.cancelled():  # the client left, not a shutdown
                 service().load.finished(route.request_id)
                 this.uncancel()
-                return Response(status_code=499)
+                state["disconnects"].labels("answer").inc()
+                return Response(status_code=CLIENT_GONE_STATUS)
             raise
         finally:
             watcher.cancel()
 
+    async def _decide(body: dict[str, Any], kind: str, size: int) -> Route:
+        request = validate_request(body, kind)  # type: ignore[arg-type]
+        fewest = fewest_prompt_tokens(request, service().tokenizer.max_bytes_per_token)
+        # Refused here only when longer than every worker's model (a worker of unknown
+        # length takes anything); the service routes it to a worker it fits.
+        limits = [e.info.max_model_len if e.info else 0
+                  for e in service().registry.candidates()]
+        max_len = 0 if 0 in limits else max(limits, default=0)
+        if max_len and fewest > max_len:
+            raise ApiError(400, f"the prompt has at least {fewest} tokens, more than the "
+                           f"model's {max_len}", param="prompt", code="context_length_exceeded")
+        prompt: PromptTokens | None = None
+        if size > TOKENIZE_OFF_LOOP_BYTES:
+            prompt = await asyncio.to_thread(service().tokenize, body, kind)
+        return service().decide(body, kind, prompt)
+
     async def _exchange(request: Request, raw: bytes, stream: bool, route: Route, path: str,
                         metrics: RouterMetrics) -> Response:
-        for attempt, worker in enumerate([route.worker, *route.fallbacks()[:1]]):
-            service().dispatched(route, worker)
-            try:
-                answer = await state["proxy"].send(f"{worker.url}{path}", raw, request.headers)
-            except UpstreamUnavailable as exc:
-                service().undispatched(route)
-                metrics.upstream_failure(worker, attempt)
-                log.warning("worker %s failed before answering: %s", worker.url, exc)
-                continue
-            headers = {**answer.headers, "x-kvroute-worker": worker.url,
-                       "x-kvroute-worker-id": str(worker.id),
-                       "x-kvroute-matched-blocks": str(route.decision.chosen.matched_blocks
-                                                       if worker is route.worker else 0)}
-            metrics.request(path, answer.status)
-            if stream and answer.status == 200:
-                return StreamingResponse(_relay(answer, route, metrics), status_code=200,
-                                         headers=headers, media_type="text/event-stream")
-            return await _whole(answer, route, headers, metrics)
-        metrics.request(path, 503)
-        raise ApiError(503, "no worker could take the request (tried "
-                       f"{min(2, len(route.entries))})", "service_unavailable")
+        try:
+            sent = await send_with_failover(service(), state["proxy"], state["first_byte"],
+                                            route, path, raw, request.headers, stream,
+                                            metrics.upstream_failure)
+        except ApiError as exc:
+            metrics.request(path, exc.status)
+            raise
+        answer, worker = sent.answer, sent.worker
+        headers = {**answer.headers, "x-kvroute-worker": worker.url,
+                   "x-kvroute-worker-id": str(worker.id),
+                   "x-kvroute-matched-blocks": str(route.decision.chosen.matched_blocks
+                                                   if worker is route.worker else 0)}
+        metrics.request(path, answer.status)
+        if stream and answer.status == 200:
+            return StreamingResponse(_relay(answer, route, metrics), status_code=200,
+                                     headers=headers, media_type="text/event-stream")
+        return await _whole(answer, route, headers, metrics)
 
     async def _whole(answer: UpstreamAnswer, route: Route, headers: dict[str, str],
                      metrics: RouterMetrics) -> Response:
@@ -172,23 +213,24 @@ def create_app(settings: RouterSettings) -> FastAPI:
 
     @app.post("/debug/route")
     async def debug_route(request: Request) -> dict[str, Any]:
-        body = parse_body(await request.body())
+        admin(request)
+        raw = await read_body(request, settings.max_body_bytes)
+        body = parse_body(raw, settings.max_body_bytes)
         kind = "chat" if "messages" in body else "completions"
-        route = service().decide(body, kind)
+        route = await _decide(body, kind, len(raw))
         return {
             "chosen": route.worker.url, "chosen_id": route.decision.worker,
             "prompt_tokens": len(route.prompt.token_ids), "request_blocks": len(route.hashes),
             "decision_us": round(route.decision_seconds * 1e6, 1),
             "overlap_weight": route.decision.overlap_weight,
             "queue_weight": service().scheduler.queue_weight,
-            "queue_discount_cached_only": service().scheduler.queue_discount_cached_only,
             "continues_session_on": route.continued.worker if route.continued else None,
             "workers": [{"id": c.worker, "url": route.entries[c.worker].url,
                          "matched_blocks": c.matched_blocks,
                          "device_matched_blocks": c.device_matched_blocks,
                          "prefill_blocks": c.prefill_blocks, "decode_blocks": c.decode_blocks,
                          "active_requests": c.active_requests,
-                         "admission_blocks": c.admission_blocks, "sessions": c.sessions,
+                         "sessions": c.sessions,
                          "cost": c.cost}
                         for c in route.decision.costs],
         }
@@ -196,10 +238,15 @@ def create_app(settings: RouterSettings) -> FastAPI:
     @app.post("/tokenize")
     async def tokenize(request: Request) -> dict[str, Any]:
         """vLLM's ``/tokenize``, with the router's tokenizer: the ids it routes on."""
+        raw = await read_body(request, settings.max_body_bytes)
+        body = parse_body(raw, settings.max_body_bytes)
         lengths = [e.info.max_model_len for e in service().registry.entries() if e.info]
+        max_len = min((n for n in lengths if n), default=0)
         try:
-            return tokenize_api.tokenize(parse_body(await request.body()), service().tokenizer,
-                                         min((n for n in lengths if n), default=0))
+            if len(raw) > TOKENIZE_OFF_LOOP_BYTES:
+                return await asyncio.to_thread(tokenize_api.tokenize, body,
+                                               service().tokenizer, max_len)
+            return tokenize_api.tokenize(body, service().tokenizer, max_len)
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
 
@@ -247,7 +294,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
     @app.post("/workers", status_code=201)
     async def add_worker(request: Request) -> dict[str, Any]:
         admin(request)
-        body = parse_body(await request.body())
+        body = await read_json(request, ADMIN_BODY_BYTES)
         url = body.get("url")
         if type(url) is not str:
             raise ApiError(400, "give the worker as {\"url\": \"http://host:port\"}", param="url")
@@ -268,6 +315,7 @@ def create_app(settings: RouterSettings) -> FastAPI:
             entry: WorkerEntry = await service().registry.remove(worker_id)
         except KeyError:
             raise ApiError(404, f"no worker {worker_id}", code="not_found") from None
+        state["first_byte"].forget(worker_id)
         return entry.describe()
 
     return app

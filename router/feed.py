@@ -1,6 +1,6 @@
 """One worker's event stream feeding the index, in stream order, with resynchronisation.
 
-What each subscriber notice does (``shared/DESIGN.md``, failure rules):
+What each subscriber notice does (``docs/design.md``, failure rules):
 
 - ``Delivered``: apply the batch's events to the index for that worker (AllBlocksCleared
   clears in stream order, as one of the events). Lag = now - batch ``ts`` is recorded.
@@ -24,6 +24,7 @@ from typing import Any, Protocol
 
 from indexer.decode import DecodeStats, MalformedBatch, decode_batch
 from indexer.events import Batch, Cleared, Event
+from router.event_transport import EventTransport
 from router.subscriber import (
     Delivered,
     EventSubscriber,
@@ -60,12 +61,14 @@ class EventFeed:
         counters: a dict of counters to bump (``resyncs``, ``snapshots``, ...).
         on_events: called with the worker id and each batch's events once the index has
             applied them (the router's eviction-pressure tracker listens here).
+        transport: the event sockets' size limits and CURVE keys (defaults: no CURVE).
     """
 
     def __init__(self, worker: int, index: IndexLike, endpoint: str, replay_endpoint: str | None,
                  *, fetch_snapshot: SnapshotFetch | None, on_cleared: Callable[[int], None],
                  counters: dict[str, float],
-                 on_events: Callable[[int, list[Event]], None] | None = None) -> None:
+                 on_events: Callable[[int, list[Event]], None] | None = None,
+                 transport: EventTransport | None = None) -> None:
         self.worker = worker
         self._index = index
         self._on_events = on_events
@@ -77,7 +80,8 @@ class EventFeed:
         self.last_lag = 0.0
         self.subscriber = EventSubscriber(endpoint, self.on_notice,
                                           replay_endpoint=replay_endpoint,
-                                          from_seq=0 if replay_endpoint else None)
+                                          from_seq=0 if replay_endpoint else None,
+                                          transport=transport)
         self.decode_stats: DecodeStats = self.subscriber.decode_stats
 
     async def start(self) -> None:
@@ -156,12 +160,12 @@ class EventFeed:
             log.warning("worker %d: snapshot unusable (%s); clearing its entries",
                         self.worker, exc)
             self._clear()
-            seq, batch = -1, None
+            seq = -1
         except Exception as exc:  # network errors of any client: clear and rebuild
             self._bump("snapshot_failures")
             log.warning("worker %d: snapshot fetch failed (%s); clearing", self.worker, exc)
             self._clear()
-            seq, batch = -1, None
+            seq = -1
         else:
             self._bump("snapshots")
             self._clear()

@@ -6,12 +6,6 @@ Own accounting, updated as requests move (the router sees every byte it forwards
 - first token: its prefill is done; its blocks (prompt + expected output) count as decode.
 - finished (or failed, or cancelled): everything it held is released.
 
-Besides, until its first token a request's decode blocks (its full prompt) count as *waiting*
-(:meth:`LoadTracker.waiting_blocks`): KV the worker must hold for it to be admitted and
-prefilled, which the scheduler's admission term weighs against the worker's capacity. Not
-corrected by reports (a worker's ``/load`` has no such figure). Like ``decode_blocks`` it is a
-sum over requests: a prefix several of them share counts once per request.
-
 Correction: each worker's ``GET /load`` reports what it really has (running, waiting, pending
 prefill tokens, KV blocks in use). Requests sent by other router replicas, or straight to the
 worker, appear there and not in our books; so when the worker counts more requests than we
@@ -24,6 +18,7 @@ we saw.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 __all__ = ["LoadTracker", "ReportedLoad", "WorkerLoad"]
@@ -64,20 +59,35 @@ class _Books:
     external_active: int = 0
     external_prefill: float = 0.0
     external_decode: float = 0.0
-    waiting: float = 0.0
     requests: set[str] = field(default_factory=set)
 
 
 class LoadTracker:
-    """In-flight requests per worker, with each worker's reported load folded in."""
+    """In-flight requests per worker, with each worker's reported load folded in.
+
+    :attr:`on_change`, when set, is called with a worker's id after anything this tracker
+    reports for that worker may have changed (the routing core keeps its workers ordered by
+    load with it), and after a worker is added or removed.
+    """
 
     def __init__(self) -> None:
         self._books: dict[int, _Books] = {}
         self._requests: dict[str, _Request] = {}
+        self.on_change: Callable[[int], None] | None = None
+
+    def _changed(self, worker: int) -> None:
+        if self.on_change is not None:
+            self.on_change(worker)
 
     def add_worker(self, worker: int) -> None:
         """Start tracking ``worker`` (idempotent)."""
-        self._books.setdefault(worker, _Books())
+        if worker not in self._books:
+            self._books[worker] = _Books()
+            self._changed(worker)
+
+    def tracked(self, worker: int) -> bool:
+        """Whether ``worker`` is tracked."""
+        return worker in self._books
 
     def remove_worker(self, worker: int) -> list[str]:
         """Stop tracking ``worker``; returns the ids of its in-flight requests."""
@@ -86,6 +96,7 @@ class LoadTracker:
             return []
         for rid in books.requests:
             self._requests.pop(rid, None)
+        self._changed(worker)
         return sorted(books.requests)
 
     def routed(self, request_id: str, worker: int, prefill_blocks: float,
@@ -105,7 +116,7 @@ class LoadTracker:
         books.requests.add(request_id)
         books.active += 1
         books.prefill += prefill_blocks
-        books.waiting += decode_blocks
+        self._changed(worker)
 
     def first_token(self, request_id: str) -> None:
         """The request produced its first token: prefill done, decode begins."""
@@ -115,8 +126,8 @@ class LoadTracker:
         req.prefilled = True
         books = self._books[req.worker]
         books.prefill -= req.prefill_blocks
-        books.waiting -= req.decode_blocks
         books.decode += req.decode_blocks
+        self._changed(req.worker)
 
     def finished(self, request_id: str) -> None:
         """The request ended (success, error or cancel); releases what it held."""
@@ -132,7 +143,7 @@ class LoadTracker:
             books.decode -= req.decode_blocks
         else:
             books.prefill -= req.prefill_blocks
-            books.waiting -= req.decode_blocks
+        self._changed(req.worker)
 
     def reported(self, worker: int, load: ReportedLoad) -> None:
         """Fold in the worker's own report of its load."""
@@ -145,9 +156,10 @@ class LoadTracker:
             # worker's (a non-streamed answer shows no first token until it ends), so a
             # per-phase difference is not foreign load: count none.
             books.external_prefill = books.external_decode = 0.0
-            return
-        books.external_prefill = max(0.0, load.pending_prefill_blocks - books.prefill)
-        books.external_decode = max(0.0, load.decode_blocks - books.decode)
+        else:
+            books.external_prefill = max(0.0, load.pending_prefill_blocks - books.prefill)
+            books.external_decode = max(0.0, load.decode_blocks - books.decode)
+        self._changed(worker)
 
     def load(self, worker: int) -> WorkerLoad:
         """The load to weigh for ``worker`` (zero for an unknown worker)."""
@@ -157,13 +169,6 @@ class LoadTracker:
         return WorkerLoad(books.active + books.external_active,
                           max(0.0, books.prefill) + books.external_prefill,
                           max(0.0, books.decode) + books.external_decode)
-
-    def waiting_blocks(self, worker: int) -> float:
-        """Full blocks (the ``decode_blocks`` they were routed with) of this router's requests
-        on ``worker`` that have not produced a first token: KV the worker must find for them
-        before they run (zero for an unknown worker)."""
-        books = self._books.get(worker)
-        return 0.0 if books is None else max(0.0, books.waiting)
 
     def in_flight(self, worker: int) -> int:
         """Requests this router has in flight on ``worker``."""

@@ -23,6 +23,11 @@ __all__ = ["RouterMetrics"]
 
 _FEED_COUNTERS = ("batches", "replayed", "gaps", "history_lost", "resyncs", "snapshots", "restarts",
                   "malformed", "snapshot_failures")
+#: Counters the subscriber keeps itself, with their help texts.
+_SUBSCRIBER_COUNTERS = {
+    "oversize": "Connections dropped for a message over the event size limit, per worker",
+    "replay_retries": "Replays asked again after one that did not cover a gap, per worker",
+}
 
 
 class RouterMetrics:
@@ -47,9 +52,12 @@ class RouterMetrics:
             "kvroute_cached_tokens_error", "Reported minus predicted cached tokens, per request",
             buckets=(-4096, -1024, -256, -64, -1, 0, 1, 64, 256, 1024, 4096),
             registry=self.registry)
-        self.upstream_failures = Counter("kvroute_upstream_failures",
-                                         "Workers that failed before answering",
-                                         ["worker", "attempt"], registry=self.registry)
+        self.upstream_failures = Counter(
+            "kvroute_upstream_failures",
+            "Workers that failed before answering (the request went to the next one), by "
+            "cause: connect, status (5xx), stream_error, deadline (no first byte in time or "
+            "the worker stopped answering its health probe)",
+            ["worker", "attempt", "cause"], registry=self.registry)
         self.registry.register(_StateCollector(service))
 
     def request(self, endpoint: str, status: int) -> None:
@@ -69,9 +77,9 @@ class RouterMetrics:
         self.prediction_error.observe(cached_tokens
                                       - route.decision.chosen.matched_blocks * block)
 
-    def upstream_failure(self, worker: WorkerEntry, attempt: int) -> None:
+    def upstream_failure(self, worker: WorkerEntry, attempt: int, cause: str) -> None:
         """Count a worker failing before its first byte."""
-        self.upstream_failures.labels(worker.url, str(attempt)).inc()
+        self.upstream_failures.labels(worker.url, str(attempt), cause).inc()
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
@@ -122,10 +130,31 @@ class _StateCollector:
             if e.feed is not None:
                 lag.add_metric([e.url], e.feed.last_lag)
         yield lag
+        health = CounterMetricFamily(
+            "kvroute_health_failures",
+            "Health polls that failed (no answer in time, error status, malformed answer)",
+            labels=["worker"])
+        for e in entries:
+            health.add_metric([e.url], e.counters.get("health_failures", 0))
+        yield health
+        predicted = GaugeMetricFamily(
+            "kvroute_predicted_blocks",
+            "Blocks the router predicts resident without an event saying so yet",
+            labels=["worker"])
+        for e in entries:
+            residency = service.approximate if e.approximate else service.predicted
+            predicted.add_metric([e.url], residency.size(e.id))
+        yield predicted
         for name in _FEED_COUNTERS:
             family = CounterMetricFamily(f"kvroute_events_{name}",
                                          f"Event stream {name.replace('_', ' ')}, per worker",
                                          labels=["worker"])
             for e in entries:
                 family.add_metric([e.url], e.counters.get(name, 0))
+            yield family
+        for name, text in _SUBSCRIBER_COUNTERS.items():
+            family = CounterMetricFamily(f"kvroute_events_{name}", text, labels=["worker"])
+            for e in entries:
+                if e.feed is not None:
+                    family.add_metric([e.url], getattr(e.feed.subscriber.stats, name))
             yield family

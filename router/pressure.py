@@ -12,25 +12,16 @@ engine. So the pressure is the share of the cluster's cache evicted in the windo
 separates the benchmark's workloads cleanly (``docs/benchmarks.md``): median about 0.56-0.70
 on the synthetic trace at 0.5M tokens per worker, about 0.01 at 2M, 0 on the generators.
 
-The rule (:func:`queue_weight_for`): the scheduler's queue weight is ``high_pressure_weight``
-(0.10) at pressure >= ``high`` (0.7), ``low_pressure_weight`` (0.25) at pressure <= ``low``
-(0.3), linear between. Why: the queue weight prices waiting behind a worker's queued prefill
-against recomputing a prefix elsewhere. A recompute costs the cluster the work *and* a second
-copy of the prefix, which evicts something else; when caches churn (high pressure), that
-duplicate evicts blocks that other requests were about to hit, so waiting is worth more and
-the weight drops. When caches are roomy a duplicate is nearly free and the queue counts
-more. Paired with a cap on the discounted queue
-(:attr:`router.scheduler.SchedulerConfig.queue_cap_blocks`: only a queue's first blocks past
-the shortest queue in the cluster are discounted, the rest count at 1.0) so a low weight
-cannot pile a hot prefix's traffic behind one worker without bound.
-
-Status: measured on ``bench.replay`` over several seeds (``docs/benchmarks.md``, last
-section). Alone (the defaults here, "rule K") it meets the hit-rate target at 0.5M tokens per
-worker where a fixed 0.5 does not, but at zero pressure its 0.25 weight blew up
-``multi_turn``'s TTFT p99 at two of five seeds. The router's default
-(:data:`ROUTER_PRESSURE_RULE`, ``--queue-weight auto``) therefore keeps 0.5 while the caches
-warm up (:meth:`EvictionPressure.warming`) and applies K once they have evicted or are half
-full.
+The rule (:func:`queue_weight_for`, the router's ``--queue-weight auto``): while the caches
+warm up (no device eviction yet and under :data:`WARMUP_FILL` of the workers' device blocks
+resident, :meth:`EvictionPressure.warming`) the weight is :data:`WARMUP_WEIGHT` (0.5); after,
+it is :data:`LOW_PRESSURE_WEIGHT` (0.25) at pressure <= :data:`LOW` (0.3),
+:data:`HIGH_PRESSURE_WEIGHT` (0.10) at pressure >= :data:`HIGH` (0.7), linear between. Why:
+the queue weight prices waiting behind a worker's queued prefill against recomputing a prefix
+elsewhere. A recompute costs the cluster the work *and* a second copy of the prefix, which
+evicts something else; when caches churn, that duplicate evicts blocks other requests were
+about to hit, so waiting is worth more and the weight drops. ``docs/routing.md`` has the
+measurements.
 
 Pure: the caller passes ``now`` (seconds, any monotonic origin) with every call. No I/O.
 """
@@ -42,8 +33,21 @@ from collections.abc import Iterable
 
 from indexer.events import Cleared, Event, Removed, Stored, Tier, tier_of
 
-__all__ = ["AUTO_QUEUE_CAP_BLOCKS", "ROUTER_PRESSURE_RULE", "EvictionPressure", "PressureRule",
-           "queue_terms_for", "queue_weight_for"]
+__all__ = ["EvictionPressure", "queue_weight_for"]
+
+#: Pressure at or below which the queue weight is :data:`LOW_PRESSURE_WEIGHT`.
+LOW = 0.3
+#: Pressure at or above which the queue weight is :data:`HIGH_PRESSURE_WEIGHT`.
+HIGH = 0.7
+#: The queue weight in roomy caches.
+LOW_PRESSURE_WEIGHT = 0.25
+#: The queue weight in churning caches.
+HIGH_PRESSURE_WEIGHT = 0.10
+#: The queue weight while the caches warm up (no eviction yet, under :data:`WARMUP_FILL`).
+WARMUP_WEIGHT = 0.5
+#: The share of the workers' device blocks resident that ends the warm-up.
+WARMUP_FILL = 0.5
+
 
 
 class EvictionPressure:
@@ -122,7 +126,7 @@ class EvictionPressure:
         self._resident.pop(worker, None)
         self._peak.pop(worker, None)
 
-    def warming(self, capacity_blocks: float, fill: float) -> bool:
+    def warming(self, capacity_blocks: float, fill: float = WARMUP_FILL) -> bool:
         """True until the first device eviction and while the resident blocks are under
         ``fill`` x ``capacity_blocks`` (the workers' device blocks; 0 = unknown, then only an
         eviction ends it). Once over, it stays over: a cache that filled once is in the
@@ -132,6 +136,11 @@ class EvictionPressure:
         if not self._warmed and capacity_blocks > 0:
             self._warmed = sum(self._resident.values()) >= fill * capacity_blocks
         return not self._warmed
+
+    @property
+    def warmed(self) -> bool:
+        """Whether the warm-up has ended (:meth:`warming`)."""
+        return self._warmed
 
     def pressure(self, now: float) -> float:
         """Blocks removed in ``(now - window_s, now]`` over the sum of peak resident blocks;
@@ -155,109 +164,16 @@ class EvictionPressure:
             self._removed_in_window -= q.popleft()[1]
 
 
-class PressureRule:
-    """The pressure -> queue weight mapping's parameters (see :func:`queue_weight_for`).
-
-    Args:
-        low: pressure at or below which the weight is ``low_pressure_weight``.
-        high: pressure at or above which the weight is ``high_pressure_weight``.
-        low_pressure_weight: queue weight in roomy caches (default 0.25).
-        high_pressure_weight: queue weight in churning caches (default 0.10).
-        idle_weight: if set, the weight at pressure 0 (caches not evicting at all), rising
-            linearly to ``low_pressure_weight`` at ``idle_below``; None (default): no such
-            segment.
-        idle_below: where the idle segment ends (default 0.1, at most ``low``).
-        warmup_weight: if set, the weight while the caches warm up
-            (:meth:`EvictionPressure.warming`: no eviction yet and under ``warmup_fill`` full);
-            None (default): the pressure decides from the start.
-        warmup_fill: the fill that ends the warm-up (default 0.5).
-        warmup_cached_only: while the caches warm up, discount a queue only up to the blocks
-            the request finds cached on that worker
-            (:attr:`router.scheduler.SchedulerConfig.queue_discount_cached_only`; default
-            False). Needs ``warmup_weight``.
-
-    Raises:
-        ValueError: ``low > high``, ``idle_below`` outside ``(0, low]``, a negative value, or
-            ``warmup_cached_only`` without ``warmup_weight``.
+def queue_weight_for(pressure: float, *, warming: bool = False) -> float:
+    """Return the queue weight for an eviction ``pressure`` (module docstring):
+    :data:`WARMUP_WEIGHT` while ``warming``, else :data:`LOW_PRESSURE_WEIGHT` at
+    ``pressure <= LOW``, :data:`HIGH_PRESSURE_WEIGHT` at ``pressure >= HIGH``, linear between.
     """
-
-    __slots__ = ("high", "high_pressure_weight", "idle_below", "idle_weight", "low",
-                 "low_pressure_weight", "warmup_cached_only", "warmup_fill", "warmup_weight")
-
-    def __init__(self, low: float = 0.3, high: float = 0.7, low_pressure_weight: float = 0.25,
-                 high_pressure_weight: float = 0.10, idle_weight: float | None = None,
-                 idle_below: float = 0.1, warmup_weight: float | None = None,
-                 warmup_fill: float = 0.5, warmup_cached_only: bool = False) -> None:
-        if min(low, high, low_pressure_weight, high_pressure_weight) < 0:
-            raise ValueError("pressure bounds and weights must be >= 0")
-        if low > high:
-            raise ValueError(f"low ({low}) must not exceed high ({high})")
-        if idle_weight is not None and (idle_weight < 0 or not 0 < idle_below <= low):
-            raise ValueError(f"idle_weight must be >= 0 and idle_below in (0, {low}]")
-        self.low = low
-        self.high = high
-        self.low_pressure_weight = low_pressure_weight
-        self.high_pressure_weight = high_pressure_weight
-        if warmup_weight is not None and (warmup_weight < 0 or not 0 < warmup_fill <= 1):
-            raise ValueError("warmup_weight must be >= 0 and warmup_fill in (0, 1]")
-        self.idle_weight = idle_weight
-        self.idle_below = idle_below
-        self.warmup_weight = warmup_weight
-        self.warmup_fill = warmup_fill
-        if warmup_cached_only and warmup_weight is None:
-            raise ValueError("warmup_cached_only needs a warmup_weight (a warm-up to apply in)")
-        self.warmup_cached_only = warmup_cached_only
-
-    def __repr__(self) -> str:
-        return (f"PressureRule(low={self.low}, high={self.high}, "
-                f"low_pressure_weight={self.low_pressure_weight}, "
-                f"high_pressure_weight={self.high_pressure_weight}, "
-                f"idle_weight={self.idle_weight}, idle_below={self.idle_below}, "
-                f"warmup_weight={self.warmup_weight}, warmup_fill={self.warmup_fill}, "
-                f"warmup_cached_only={self.warmup_cached_only})")
-
-
-def queue_weight_for(pressure: float, rule: PressureRule | None = None, *,
-                     warming: bool = False) -> float:
-    """Return the queue weight for an eviction ``pressure`` (module docstring).
-
-    ``rule.low_pressure_weight`` at ``pressure <= rule.low``, ``rule.high_pressure_weight`` at
-    ``pressure >= rule.high``, linear between. Defaults: 0.25 at <= 0.3, 0.10 at >= 0.7. With
-    ``rule.idle_weight`` set, pressures below ``rule.idle_below`` run linearly from it (at 0)
-    to ``rule.low_pressure_weight``; ``warming`` (:meth:`EvictionPressure.warming`) with
-    ``rule.warmup_weight`` set gives that weight instead.
-    """
-    r = rule or _DEFAULT_RULE
-    if warming and r.warmup_weight is not None:
-        return r.warmup_weight
-    if r.idle_weight is not None and pressure < r.idle_below:
-        frac = max(pressure, 0.0) / r.idle_below
-        return r.idle_weight + frac * (r.low_pressure_weight - r.idle_weight)
-    if pressure <= r.low:
-        return r.low_pressure_weight
-    if pressure >= r.high:
-        return r.high_pressure_weight
-    frac = (pressure - r.low) / (r.high - r.low)
-    return r.low_pressure_weight + frac * (r.high_pressure_weight - r.low_pressure_weight)
-
-
-def queue_terms_for(pressure: float, rule: PressureRule | None = None, *,
-                    warming: bool = False) -> tuple[float, bool]:
-    """Return the queue weight (:func:`queue_weight_for`) and whether its discount stops at
-    the request's cached blocks (``rule.warmup_cached_only``, while ``warming``): the two
-    scheduler settings the rule sets for a decision."""
-    r = rule or _DEFAULT_RULE
-    return (queue_weight_for(pressure, r, warming=warming),
-            warming and r.warmup_cached_only)
-
-
-_DEFAULT_RULE = PressureRule()
-
-#: The router's rule under ``--queue-weight auto``: today's 0.5 while the caches warm up (no
-#: eviction yet, under half full), discounting a queue only up to the request's cached blocks
-#: there, then rule K, 0.25 at pressure <= 0.3 down to 0.10 at >= 0.7 (``docs/benchmarks.md``,
-#: "an eviction-pressure queue weight" and "The queue discount while the caches warm up").
-ROUTER_PRESSURE_RULE = PressureRule(warmup_weight=0.5, warmup_fill=0.5,
-                                    warmup_cached_only=True)
-#: Pending-prefill blocks per worker discounted at the queue weight under ``auto``.
-AUTO_QUEUE_CAP_BLOCKS = 3000.0
+    if warming:
+        return WARMUP_WEIGHT
+    if pressure <= LOW:
+        return LOW_PRESSURE_WEIGHT
+    if pressure >= HIGH:
+        return HIGH_PRESSURE_WEIGHT
+    frac = (pressure - LOW) / (HIGH - LOW)
+    return LOW_PRESSURE_WEIGHT + frac * (HIGH_PRESSURE_WEIGHT - LOW_PRESSURE_WEIGHT)

@@ -10,21 +10,28 @@ workers' events use:
   else the content digest of an inline image. An image the router cannot identify (a remote
   URL it does not fetch) ends the matchable prefix there.
 - Scope: the LoRA adapter (when the request's model names one) and the cache salt, hashed as
-  the worker publishes it (``"salt:" + sha256(salt)[:16]`` for kvroute workers, raw for
-  engines that publish it raw).
+  the worker publishes it (:func:`indexer.hashing.salt_tag` for kvroute workers, keyed by the
+  cluster's salt secret when they say ``hmac-sha256-16``; raw for engines that publish it
+  raw).
 """
 
 from __future__ import annotations
 
-import hashlib
+import functools
+import logging
 from dataclasses import dataclass
 
+from indexer.hashing import SALT_TAG_HMAC, SALT_TAG_SHA256, salt_tag
 from indexer.index import block_hashes, scope_seed
 from indexer.prompts import PromptTokens
 
 __all__ = ["HashingTerms", "published_salt", "request_hashes"]
 
-SALT_SHA256_16 = "sha256-16"
+log = logging.getLogger(__name__)
+
+SALT_SHA256_16 = SALT_TAG_SHA256
+#: What a keyed salt stands for when the router lacks the secret: a scope no worker publishes.
+_UNKEYED = "salt:no-secret"
 
 
 @dataclass(frozen=True, slots=True)
@@ -34,14 +41,35 @@ class HashingTerms:
     block_size: int
     by_uuid: bool = False
     salt_hashing: str | None = SALT_SHA256_16
+    salt_key: bytes | None = None
 
 
-def published_salt(salt: str | None, salt_hashing: str | None) -> str | None:
-    """The cache salt as the worker writes it into its events."""
+@functools.cache
+def _warn_no_secret() -> None:
+    log.warning("workers key their salt tags but the router has no --salt-secret: salted "
+                "requests match nothing cached")
+
+
+def published_salt(salt: str | None, salt_hashing: str | None,
+                   salt_key: bytes | None = None) -> str | None:
+    """The cache salt as the worker writes it into its events.
+
+    Args:
+        salt: the request's cache salt.
+        salt_hashing: the worker's ``salt_hashing`` (``sha256-16``, ``hmac-sha256-16``, or
+            None for engines that publish the salt raw).
+        salt_key: the cluster's salt secret, for ``hmac-sha256-16``. Without it a salted
+            request matches nothing cached (no salt tag can be computed).
+    """
     if salt is None:
         return None
-    if salt_hashing == SALT_SHA256_16:
-        return "salt:" + hashlib.sha256(salt.encode()).hexdigest()[:16]
+    if salt_hashing == SALT_TAG_SHA256:
+        return salt_tag(salt)
+    if salt_hashing == SALT_TAG_HMAC:
+        if salt_key is None:
+            _warn_no_secret()
+            return _UNKEYED
+        return salt_tag(salt, salt_key)
     return salt
 
 
@@ -59,7 +87,8 @@ def request_hashes(prompt: PromptTokens, terms: HashingTerms, lora: str | None =
             against the vocabulary; the worker does).
     """
     size = terms.block_size
-    seed = scope_seed(lora, published_salt(prompt.cache_salt, terms.salt_hashing))
+    seed = scope_seed(lora, published_salt(prompt.cache_salt, terms.salt_hashing,
+                                           terms.salt_key))
     if not prompt.images:  # the common case: hash the token list as it is, no copy
         hashes = block_hashes(prompt.token_ids, size, seed=seed)  # checks every full block
         for t in prompt.token_ids[len(hashes) * size:]:  # and the partial tail, here

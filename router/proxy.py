@@ -5,11 +5,17 @@ it does not send you there"). Forwarding uses one pooled aiohttp ``ClientSession
 here, FastAPI forwarding through httpx's AsyncClient served 324 req/s against aiohttp's 2,928
 req/s on the same box, so httpx stays for control calls and tests, never the hot path.
 
-Failure rules (``shared/DESIGN.md``):
+Failure rules:
 
-- A worker that fails before any byte of its answer (refused, reset, timed out connecting or
-  waiting for headers, or a 5xx status) raises :class:`UpstreamUnavailable`; the caller may
-  retry once on the next-best worker.
+- A worker that fails before the first byte of its answer raises :class:`UpstreamUnavailable`
+  and the caller retries on the next-best worker. Failing means: refused, reset, timed out
+  connecting, a 5xx status, a stream whose first event is an error (the engine failed the
+  request before its first token), or no first byte by the request's deadline. The first byte
+  of a stream is its first body chunk, not its headers (an HTTP server sends those before the
+  engine has produced anything). The deadline is the caller's (what it expects the worker to
+  need, see :mod:`router.first_byte`), capped by ``ProxyTimeouts.first_byte``; and every wait
+  is registered in the worker's :class:`FirstByteWaits`, which the health poll ends at once
+  when the worker stops answering (a paused or wedged process).
 - A failure after the first byte cannot be retried: a streaming answer ends with an SSE error
   event (``data: {"error": ...}``) and ``data: [DONE]``, never a silent truncation.
 - Closing the returned stream (a client that went away) closes the upstream connection, which
@@ -21,13 +27,18 @@ Exceptions from aiohttp are translated here and nowhere else.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
-from collections.abc import AsyncIterator, Mapping
+import re
+from collections.abc import AsyncIterator, Iterator, Mapping
 from dataclasses import dataclass
 
 import aiohttp
 
-__all__ = ["Proxy", "ProxyTimeouts", "UpstreamAnswer", "UpstreamUnavailable"]
+__all__ = ["FirstByteWaits", "Proxy", "ProxyTimeouts", "UpstreamAnswer", "UpstreamUnavailable"]
+
+# A stream that opens with an error event failed before its first token.
+_SSE_ERROR = re.compile(rb'\s*data:\s*\{\s*"error"')
 
 # Hop-by-hop and length headers are the proxy's own business, never copied through.
 _DROP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length",
@@ -36,7 +47,51 @@ _DROP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "con
 
 
 class UpstreamUnavailable(Exception):
-    """The worker failed before sending any byte of its answer: safe to retry elsewhere."""
+    """The worker failed before sending any byte of its answer: safe to retry elsewhere.
+
+    Attributes:
+        cause: ``connect`` (refused, reset, closed), ``deadline`` (no first byte in time, or
+            given up by the health poll), ``status`` (5xx) or ``stream_error`` (a stream that
+            opened with an error event).
+    """
+
+    def __init__(self, message: str, cause: str) -> None:
+        super().__init__(message)
+        self.cause = cause
+
+
+class FirstByteWaits:
+    """The sends to one worker still waiting for their first byte.
+
+    :meth:`give_up` ends every such wait at once: each send then raises
+    :class:`UpstreamUnavailable` as if its deadline had passed, and its caller retries
+    elsewhere. The health poll calls it when the worker stops answering.
+    """
+
+    def __init__(self) -> None:
+        self._waits: set[asyncio.Timeout] = set()
+
+    def __len__(self) -> int:
+        return len(self._waits)
+
+    @contextlib.contextmanager
+    def waiting(self, timeout: asyncio.Timeout) -> Iterator[None]:
+        """Register ``timeout`` (an entered ``asyncio.timeout``) for the block's duration."""
+        self._waits.add(timeout)
+        try:
+            yield
+        finally:
+            self._waits.discard(timeout)
+
+    def give_up(self) -> int:
+        """Expire every registered wait now; returns how many."""
+        now = asyncio.get_running_loop().time()
+        ended = 0
+        for timeout in list(self._waits):
+            if not timeout.expired():
+                timeout.reschedule(now)
+                ended += 1
+        return ended
 
 
 #: Seconds an idle pooled connection is kept. Below uvicorn's (and so vLLM's) 5 s server-side
@@ -58,12 +113,14 @@ class ProxyTimeouts:
 
 @dataclass(slots=True)
 class UpstreamAnswer:
-    """A worker's answer whose status and headers arrived; the body is read by the caller."""
+    """A worker's answer whose status and headers arrived (and, for a stream, its first
+    chunk); the body is read by the caller."""
 
     status: int
     headers: dict[str, str]
     response: aiohttp.ClientResponse
     timeouts: ProxyTimeouts
+    first_chunk: bytes = b""
 
     async def read(self) -> bytes:
         """Read the whole body (non-streaming answers), then release the connection.
@@ -75,7 +132,8 @@ class UpstreamAnswer:
             async with asyncio.timeout(self.timeouts.first_byte):
                 return await self.response.read()
         except (aiohttp.ClientError, TimeoutError) as exc:
-            raise UpstreamUnavailable(f"worker failed while sending its answer: {exc}") from exc
+            raise UpstreamUnavailable(f"worker failed while sending its answer: {exc}",
+                                      "connect") from exc
         finally:
             self.response.release()
 
@@ -85,6 +143,8 @@ class UpstreamAnswer:
         Closing the generator early closes the upstream connection.
         """
         try:
+            if self.first_chunk:
+                yield self.first_chunk
             while True:
                 async with asyncio.timeout(self.timeouts.between_chunks):
                     chunk = await self.response.content.readany()
@@ -138,23 +198,58 @@ class Proxy:
             await self._session.close()
             self._session = None
 
-    async def send(self, url: str, body: bytes, headers: Mapping[str, str]) -> UpstreamAnswer:
-        """POST ``body`` to ``url`` and wait for the status line and headers.
+    async def send(self, url: str, body: bytes, headers: Mapping[str, str], *,
+                   stream: bool = False, first_byte: float | None = None,
+                   waits: FirstByteWaits | None = None) -> UpstreamAnswer:
+        """POST ``body`` to ``url`` and wait for its first byte: the status line and headers,
+        and for a ``stream`` its first chunk too.
+
+        Args:
+            url: the worker's endpoint.
+            body: the request body, forwarded as is.
+            headers: the client's headers (hop-by-hop ones are dropped).
+            stream: whether the answer is a stream (its first chunk is awaited and checked).
+            first_byte: seconds to wait for the first byte (capped by the proxy's own).
+            waits: the worker's registry of waits, through which the health poll can end
+                this one early.
 
         Raises:
-            UpstreamUnavailable: no answer began (connection failed, timed out, or 5xx).
+            UpstreamUnavailable: no answer began (connection failed, deadline passed or the
+                wait was given up, 5xx, or a stream that opened with an error event).
         """
         if self._session is None:
             raise RuntimeError("proxy is not started")
         forward = {k: v for k, v in headers.items() if k.lower() not in _DROP_HEADERS}
+        limit = self.timeouts.first_byte if first_byte is None else min(
+            first_byte, self.timeouts.first_byte)
+        response: aiohttp.ClientResponse | None = None
+        first = b""
         try:
-            async with asyncio.timeout(self.timeouts.first_byte):
-                response = await self._session.post(url, data=body, headers=forward)
+            async with asyncio.timeout(limit) as timeout:
+                with waits.waiting(timeout) if waits is not None else contextlib.nullcontext():
+                    response = await self._session.post(url, data=body, headers=forward)
+                    if stream and response.status == 200:
+                        first = await response.content.readany()
         except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
-            raise UpstreamUnavailable(f"{url}: {type(exc).__name__}: {exc}") from exc
+            if response is not None:
+                response.close()
+            if isinstance(exc, TimeoutError):
+                raise UpstreamUnavailable(
+                    f"{url}: no first byte within {limit:.1f}s, or the worker stopped "
+                    f"answering its health probe", "deadline") from exc
+            raise UpstreamUnavailable(f"{url}: {type(exc).__name__}: {exc}", "connect") from exc
+        except asyncio.CancelledError:  # the client went away, or shutdown
+            if response is not None:
+                response.close()
+            raise
         if response.status >= 500:
             detail = (await response.read())[:200].decode(errors="replace")
             response.release()
-            raise UpstreamUnavailable(f"{url}: status {response.status}: {detail}")
+            raise UpstreamUnavailable(f"{url}: status {response.status}: {detail}", "status")
+        if stream and response.status == 200 and (not first or _SSE_ERROR.match(first)):
+            response.close()
+            detail = first[:200].decode(errors="replace").strip() or "an empty stream"
+            raise UpstreamUnavailable(f"{url}: the stream failed before its first token: "
+                                      f"{detail}", "stream_error")
         kept = {k: v for k, v in response.headers.items() if k.lower() not in _DROP_HEADERS}
-        return UpstreamAnswer(response.status, kept, response, self.timeouts)
+        return UpstreamAnswer(response.status, kept, response, self.timeouts, first)

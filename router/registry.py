@@ -7,7 +7,12 @@ incompatible one loudly, subscribes to its events (or, with no event endpoint, m
 approximate: the index learns from routing decisions alone), and polls its health and load
 through the adapter every ``health_interval`` seconds:
 
-- a failed poll takes the worker out of the candidate set at once;
+- a failed poll (no answer within ``health_timeout``, an error status, or an answer that is
+  not a well-formed load report) takes the worker out of the candidate set at once, with the
+  reason in ``last_error`` (``GET /workers``); when the worker did not answer at all, every
+  request still waiting for its first byte there is given up and sent elsewhere
+  (:class:`~router.proxy.FirstByteWaits`), so a hung worker costs them one probe timeout, not
+  the proxy's first-byte ceiling;
 - after ``unhealthy_grace`` seconds unhealthy, its index entries go too (they would only
   attract requests to a worker that cannot serve them), and its subscription stops;
 - when it answers again, it is described anew: a new ``instance_id`` means a restart, so its
@@ -15,6 +20,11 @@ through the adapter every ``health_interval`` seconds:
   show on the event stream);
 - a configured worker that is not up yet is retried on every poll (compose starts the router
   and workers together).
+
+Every answer is untrusted input, parsed by the adapter (kvroute's worker by
+:mod:`router.worker_answers`, stock engines by :mod:`router.engines.stock`). Whatever goes wrong
+with one worker (a malformed answer, or any exception at all) marks that worker unhealthy with
+the reason; the poll loop itself never ends but by :meth:`Registry.stop`.
 """
 
 from __future__ import annotations
@@ -30,9 +40,11 @@ from typing import Any
 import httpx
 
 from indexer.events import Event
+from router.discovery import Discovery
 from router.engines import EngineAdapter, PollFailed, WorkerUnreachable, adapter_for
 from router.feed import EventFeed, IndexLike
 from router.load import LoadTracker
+from router.proxy import FirstByteWaits
 from router.settings import RouterSettings
 from router.worker_config import WorkerConfig, parse_worker, parse_workers
 from router.worker_table import IncompatibleWorker, WorkerInfo, WorkerState
@@ -55,6 +67,8 @@ class WorkerEntry:
     last_error: str | None = None
     indexed: bool = False
     counters: dict[str, float] = field(default_factory=dict)
+    #: Requests sent here still waiting for their first byte (given up when it turns unhealthy).
+    waits: FirstByteWaits = field(default_factory=FirstByteWaits)
     config: WorkerConfig | None = None
 
     @property
@@ -113,6 +127,7 @@ class Registry:
                  http: httpx.AsyncClient,
                  on_events: Callable[[int, list[Event]], None] | None = None) -> None:
         self._settings = settings
+        self._event_transport = settings.event_transport()
         self._on_events = on_events
         self._index = index
         self._load = load
@@ -123,6 +138,8 @@ class Registry:
         self._next_id = 0
         self._poll: asyncio.Task[None] | None = None
         self.mm_tokens_per_image: int | None = None
+        #: Workers found by DNS (``settings.discover``), from :meth:`start` on.
+        self.discovery: Discovery | None = None
 
     # -- membership -------------------------------------------------------------------------
 
@@ -140,8 +157,9 @@ class Registry:
         return next((e for e in self._entries.values() if e.url == url), None)
 
     def candidates(self) -> list[WorkerEntry]:
-        """Workers that may take a request now."""
-        return [e for e in self.entries() if e.state is WorkerState.HEALTHY]
+        """Workers that may take a request now, in id order (the order of insertion: ids only
+        grow), without sorting on every request."""
+        return [e for e in self._entries.values() if e.state is WorkerState.HEALTHY]
 
     async def add(self, worker: str | WorkerConfig, *, must_answer: bool = True
                   ) -> WorkerEntry:
@@ -202,10 +220,16 @@ class Registry:
                 await self.add(worker, must_answer=False)
             except (IncompatibleWorker, ValueError) as exc:
                 log.error("not routing to %s: %s", worker.url, exc)
+        if self._settings.discover:
+            self.discovery = Discovery(self._settings.discover,
+                                       self._settings.discover_interval, self)
+            await self.discovery.start()
         self._poll = asyncio.create_task(self._poll_forever(), name="kvroute-health")
 
     async def stop(self) -> None:
-        """Stop polling and every feed."""
+        """Stop polling, discovery and every feed."""
+        if self.discovery is not None:
+            await self.discovery.stop()
         if self._poll is not None:
             self._poll.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -217,13 +241,43 @@ class Registry:
                 entry.feed = None
 
     async def _poll_forever(self) -> None:
-        while True:
-            await asyncio.sleep(self._settings.health_interval)
-            await self.poll_once()
+        # Each worker's check is a task of its own, started every interval unless the last
+        # one is still running: a worker slow to answer delays no other worker's check.
+        checks: dict[int, asyncio.Task[None]] = {}
+        try:
+            while True:
+                await asyncio.sleep(self._settings.health_interval)
+                try:
+                    for entry in list(self._entries.values()):
+                        task = checks.get(entry.id)
+                        if task is None or task.done():
+                            checks[entry.id] = asyncio.create_task(
+                                self._check_guarded(entry), name=f"kvroute-health-{entry.id}")
+                    for worker in checks.keys() - self._entries.keys():
+                        checks.pop(worker).cancel()  # removed
+                except Exception:  # a bug here must not end failure detection for good
+                    log.exception("health poll round failed; polling goes on")
+        finally:
+            for task in checks.values():
+                task.cancel()
+            await asyncio.gather(*checks.values(), return_exceptions=True)
 
     async def poll_once(self) -> None:
-        """Poll every worker's load once (health), concurrently."""
-        await asyncio.gather(*(self._check(e) for e in list(self._entries.values())))
+        """Poll every worker's load once (health), concurrently, and wait for every answer.
+        An exception while checking one worker marks that worker unhealthy and touches no
+        other."""
+        await asyncio.gather(*(self._check_guarded(e) for e in list(self._entries.values())))
+
+    async def _check_guarded(self, entry: WorkerEntry) -> None:
+        try:
+            await self._check(entry)
+        except Exception as exc:
+            log.error("checking worker %s failed", entry.url, exc_info=exc)
+            try:
+                await self._mark_unhealthy(
+                    entry, f"health check failed: {type(exc).__name__}: {exc}")
+            except Exception:
+                log.exception("marking worker %s unhealthy failed", entry.url)
 
     # -- internals --------------------------------------------------------------------------
 
@@ -231,9 +285,10 @@ class Registry:
         if entry.state is WorkerState.INCOMPATIBLE:
             return
         try:
-            load = await entry.adapter.poll(self._http, entry.worker_config, entry.info)
+            load = await entry.adapter.poll(self._http, entry.worker_config, entry.info,
+                                            self._settings.health_timeout)
         except PollFailed as exc:
-            await self._mark_unhealthy(entry, str(exc))
+            await self._mark_unhealthy(entry, str(exc), gone=exc.gone)
             return
         if entry.state is not WorkerState.HEALTHY:
             try:
@@ -243,12 +298,20 @@ class Registry:
                 return
         self._load.reported(entry.id, load)
 
-    async def _mark_unhealthy(self, entry: WorkerEntry, reason: str) -> None:
+    async def _mark_unhealthy(self, entry: WorkerEntry, reason: str, gone: bool = False
+                              ) -> None:
+        """Take ``entry`` out of the candidate set; ``gone``: it did not answer at all (hung,
+        dead or unreachable), so requests waiting for its first byte are sent elsewhere."""
         now = time.monotonic()
+        entry.counters["health_failures"] = entry.counters.get("health_failures", 0) + 1
         if entry.state is WorkerState.HEALTHY:
             log.warning("worker %s unhealthy: %s", entry.url, reason)
             entry.state = WorkerState.UNHEALTHY
             entry.unhealthy_since = now
+        given_up = entry.waits.give_up() if gone else 0
+        if given_up:
+            log.warning("worker %s: %d requests waiting for a first byte sent elsewhere",
+                        entry.url, given_up)
         entry.last_error = reason
         since = entry.unhealthy_since or now
         if entry.indexed and now - since >= self._settings.unhealthy_grace:
@@ -281,7 +344,8 @@ class Registry:
             entry.feed = EventFeed(entry.id, self._index, info.events_endpoint,
                                    info.replay_endpoint, fetch_snapshot=fetch,
                                    on_cleared=self._forget, counters=entry.counters,
-                                   on_events=self._on_events)
+                                   on_events=self._on_events,
+                                   transport=self._event_transport)
             await entry.feed.start()
         entry.indexed = True
         entry.state, entry.unhealthy_since, entry.last_error = WorkerState.HEALTHY, None, None

@@ -11,7 +11,9 @@ Two uses, one structure:
   (minutes, as SGLang's gateway does) and a bound on entries, learned from routing alone.
 
 Pure: the caller passes ``now``. Matching extends the index's leading run: blocks past the run
-the index reports count only while they are predicted here too.
+the index reports count only while they are predicted here too. :meth:`holders` names the
+workers a prompt's first block is predicted on without asking each worker, so the routing core
+prices only the workers that may hold some of a prompt.
 """
 
 from __future__ import annotations
@@ -36,16 +38,43 @@ class PredictedResidency:
         self.ttl = ttl
         self.max_blocks = max_blocks
         self._by_worker: dict[int, OrderedDict[int, float]] = {}
+        # A routed prompt's first block -> the workers it was predicted on (a superset: an
+        # entry goes when its prediction is dropped, and holders() checks the expiry).
+        self._first: dict[int, set[int]] = {}
 
     def predict(self, worker: int, hashes: Sequence[int], now: float) -> None:
         """Record that ``worker`` holds ``hashes`` as of ``now``."""
+        if not hashes:
+            return
         entries = self._by_worker.setdefault(worker, OrderedDict())
         expiry = now + self.ttl
         for h in hashes:
             entries[h] = expiry
             entries.move_to_end(h)
+        self._first.setdefault(hashes[0], set()).add(worker)
         while len(entries) > self.max_blocks:
-            entries.popitem(last=False)
+            self._dropped(worker, entries.popitem(last=False)[0])
+
+    def _dropped(self, worker: int, block: int) -> None:
+        workers = self._first.get(block)
+        if workers is not None:
+            workers.discard(worker)
+            if not workers:
+                del self._first[block]
+
+    def holders(self, first: int, now: float) -> list[int]:
+        """Workers on which a prompt whose first block is ``first`` is predicted at ``now``
+        (every worker :meth:`extend` would extend from 0 for such a prompt)."""
+        workers = self._first.get(first)
+        if not workers:
+            return []
+        out = []
+        for w in workers:
+            entries = self._by_worker.get(w)
+            expiry = entries.get(first) if entries else None
+            if expiry is not None and expiry > now:
+                out.append(w)
+        return out
 
     def extend(self, worker: int, hashes: Sequence[int], start: int, now: float) -> int:
         """Return how far the leading run of ``hashes`` reaches on ``worker``, continuing from
@@ -67,16 +96,39 @@ class PredictedResidency:
 
     def forget(self, worker: int) -> None:
         """Drop every prediction for ``worker`` (cleared, restarted, removed)."""
-        self._by_worker.pop(worker, None)
+        entries = self._by_worker.pop(worker, None)
+        if entries:
+            for block in [b for b, ws in self._first.items() if worker in ws]:
+                self._dropped(worker, block)
+
+    def withdraw(self, worker: int, hashes: Sequence[int]) -> None:
+        """Drop the predictions of ``hashes`` on ``worker`` (it refused the request that made
+        them; a sibling's prediction of the same blocks goes too)."""
+        entries = self._by_worker.get(worker)
+        if entries:
+            for h in hashes:
+                if entries.pop(h, None) is not None:
+                    self._dropped(worker, h)
 
     def expire(self, now: float) -> int:
-        """Drop expired predictions; returns how many went."""
+        """Drop expired predictions; returns how many went.
+
+        Cheap enough to call per request: every prediction lives the same ``ttl`` and
+        :meth:`predict` moves each to the end, so each worker's entries are in expiry order
+        and only the expired ones at the front are looked at.
+        """
         dropped = 0
-        for entries in self._by_worker.values():
-            stale = [h for h, t in entries.items() if t <= now]
-            for h in stale:
+        for worker in list(self._by_worker):
+            entries = self._by_worker[worker]
+            while entries:
+                h, expiry = next(iter(entries.items()))
+                if expiry > now:
+                    break
                 del entries[h]
-            dropped += len(stale)
+                self._dropped(worker, h)
+                dropped += 1
+            if not entries:
+                del self._by_worker[worker]
         return dropped
 
     def size(self, worker: int) -> int:

@@ -1,44 +1,38 @@
 """The router's state and its one question: for this request, which worker?
 
-:class:`RouterService` owns the index, the load books, the predicted residency and the
-registry, and answers :meth:`RouterService.decide` (tokenize, hash, match, score). Sending is
-the app's business (:mod:`router.app` with :mod:`router.proxy`).
+:class:`RouterService` owns the index, the registry and the routing core
+(:class:`router.core.RoutingCore`: load books, predicted residency, sessions, eviction
+pressure), and answers :meth:`RouterService.decide`: parse, tokenize and hash the request,
+match it in the index, and ask the core. Sending is the app's business (:mod:`router.app`
+with :mod:`router.proxy`).
 """
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
-import math
 import os
 import random
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal, cast
 
 import httpx
 
-from indexer.events import Cleared, Event
+from indexer.events import Event
 from indexer.index import PrefixIndex
 from indexer.openai_api import ApiError
 from indexer.prompts import PromptTokens, build_prompt
 from indexer.tokenizer import Tokenizer, load_tokenizer
-from router.load import LoadTracker
-from router.pressure import (
-    AUTO_QUEUE_CAP_BLOCKS,
-    ROUTER_PRESSURE_RULE,
-    EvictionPressure,
-    queue_terms_for,
-    queue_weight_for,
-)
+from router.core import RoutingCore, WorkerFacts
 from router.prompt_path import HashingTerms, request_hashes
 from router.registry import Registry, WorkerEntry
-from router.residency import PredictedResidency
-from router.scheduler import Candidate, Decision, choose
-from router.sessions import Continuation, SessionTracker
+from router.scheduler import Decision, SchedulerConfig
+from router.sessions import Continuation
 from router.settings import RouterSettings
 
 __all__ = ["Route", "RouterService"]
+
+PromptKind = Literal["completions", "chat"]
 
 
 @dataclass(slots=True)
@@ -66,6 +60,22 @@ class Route:
                 if c.worker != self.decision.worker]
 
 
+class _Fleet:
+    """The candidates for one model, and what a decision reads of them."""
+
+    __slots__ = ("by_id", "entries", "ids", "max_model_len", "min_model_len")
+
+    def __init__(self, entries: list[WorkerEntry]) -> None:
+        self.entries = entries
+        self.ids = [e.id for e in entries]
+        self.by_id = {e.id: e for e in entries}
+        # A prompt no longer than the shortest limit fits every worker (0: none is known);
+        # a longer one goes to the workers it fits, up to the longest.
+        limits = [e.info.max_model_len for e in entries if e.info and e.info.max_model_len]
+        self.min_model_len = min(limits, default=0)
+        self.max_model_len = max(limits, default=0)
+
+
 class RouterService:
     """Everything the router knows, and the routing decision.
 
@@ -78,21 +88,14 @@ class RouterService:
         self.settings = settings
         self.tokenizer: Tokenizer = load_tokenizer(settings.tokenizer)
         self.index = PrefixIndex(settings.block_size)
-        self.load = LoadTracker()
-        self.predicted = PredictedResidency(settings.predict_ttl)
-        self.approximate = PredictedResidency(settings.approximate_ttl, max_blocks=1 << 22)
-        # The queue weight: fixed when set, else by eviction pressure (router.pressure).
-        self.pressure = EvictionPressure(settings.pressure_window)
-        self.pressure_rule = ROUTER_PRESSURE_RULE
-        fixed, cap = settings.queue_weight, settings.queue_cap_blocks
-        if cap is None:  # the rule's cap under auto; none with a fixed weight
-            cap = AUTO_QUEUE_CAP_BLOCKS if fixed is None else math.inf
-        self.scheduler = settings.scheduler_config(
-            queue_weight=queue_weight_for(0.0, self.pressure_rule, warming=True)
-            if fixed is None else fixed,
-            queue_cap_blocks=cap)
+        self.core = RoutingCore(settings.core_settings(), facts=self._facts,
+                                capacity=self._capacity)
+        self.load = self.core.load
+        self.predicted = self.core.predicted
+        self.approximate = self.core.approximate
+        self.pressure = self.core.pressure
+        self.sessions = self.core.sessions
         self.rng = random.Random(settings.seed)
-        self.sessions = SessionTracker() if settings.sessions else None
         self.registry = Registry(settings, self.index, self.load, self.tokenizer.identity,
                                  self.forget, http, on_events=self._observe)
         self.counters: dict[str, float] = {}
@@ -100,80 +103,93 @@ class RouterService:
         self._ids = itertools.count()
         self._turns = itertools.count()
         self._id_prefix = os.urandom(4).hex()
+        self._fleet_key: list[WorkerEntry] | None = None
+        self._fleets: dict[str | None, _Fleet] = {}
+        self._fleet_capacity = 0.0
+
+    @property
+    def scheduler(self) -> SchedulerConfig:
+        """The cost rule's settings of the last decision (the queue terms follow the
+        eviction pressure under ``auto``)."""
+        return self.core.config
+
+    def _facts(self, worker: int) -> WorkerFacts | None:
+        entry = self.registry.get(worker)
+        if entry is None:
+            return None
+        return WorkerFacts(entry.approximate)
+
+    def _capacity(self) -> float:
+        """The healthy workers' device blocks (as of the last decision's candidates)."""
+        return self._fleet_capacity
 
     def forget(self, worker: int) -> None:
         """Drop every prediction about ``worker`` (its entries were cleared). A worker still
         registered (restarted, or unhealthy) keeps its peak as the pressure's capacity; a
         removed one leaves the pressure entirely."""
-        self.predicted.forget(worker)
-        self.approximate.forget(worker)
-        if self.sessions is not None:
-            self.sessions.forget(worker)
-        if self.registry.get(worker) is None:
-            self.pressure.forget(worker)
-        else:
-            self.pressure.observe(worker, [Cleared()], time.monotonic())
+        self._fleet_key = None  # a restart may bring other model info
+        self.core.forget(worker, time.monotonic(), self.registry.get(worker) is not None)
 
     def _observe(self, worker: int, events: list[Event]) -> None:
-        self.pressure.observe(worker, events, time.monotonic())
+        self.core.observe(worker, events, time.monotonic())
 
     def queue_weight(self, now: float) -> float:
         """The queue weight a decision at ``now`` uses (fixed, or by eviction pressure)."""
-        return self.queue_terms(now)[0]
-
-    def queue_terms(self, now: float) -> tuple[float, bool]:
-        """The queue weight a decision at ``now`` uses, and whether its discount stops at the
-        request's cached blocks (under ``auto``, while the caches warm up; the scheduler's
-        ``queue_discount_cached_only``)."""
-        if self.settings.queue_weight is not None:
-            return self.settings.queue_weight, False
-        rule, warming = self.pressure_rule, False
-        if rule.warmup_weight is not None:
-            capacity = sum(e.info.num_blocks for e in self.registry.entries() if e.info)
-            warming = self.pressure.warming(capacity, rule.warmup_fill)
-        return queue_terms_for(self.pressure.pressure(now), rule, warming=warming)
+        return self.core.queue_weight(now)
 
     def models(self) -> list[str]:
         """Models served by healthy workers."""
-        names = set()
+        names: set[str] = set()
         for e in self.registry.candidates():
             if e.info:
                 names.update((e.info.model, *e.info.lora_adapters))
         return sorted(names)
 
-    def decide(self, body: Any, kind: str) -> Route:
-        """Tokenize, hash, match and score one request body.
+    def tokenize(self, body: Any, kind: str) -> PromptTokens:
+        """Turn a request body into its prompt tokens, as the workers will. Reads only the
+        tokenizer and settings, so it may run in a worker thread for a large body.
+
+        Raises:
+            ApiError: the body is invalid (400).
+        """
+        try:
+            return build_prompt(body, cast(PromptKind, kind), self.tokenizer,
+                                mm_tokens_per_image=self.registry.mm_tokens_per_image or 1,
+                                max_image_bytes=self.settings.max_image_bytes, fetch=None,
+                                check_token_ids=False)
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+
+    def decide(self, body: Any, kind: str, prompt: PromptTokens | None = None) -> Route:
+        """Tokenize (unless ``prompt`` is given, from :meth:`tokenize`), hash, match and score
+        one request body (``kind``: ``completions`` or ``chat``, the endpoint it came to).
 
         Raises:
             ApiError: the body is invalid (400), names an unknown model (404), or no worker
                 can take it (503).
         """
         started = time.perf_counter()
-        entries = self.registry.candidates()
-        if not entries:
-            raise ApiError(503, "no worker is available", "service_unavailable")
+        if kind not in ("completions", "chat"):
+            raise ValueError(f"kind must be 'completions' or 'chat', not {kind!r}")
         model = body.get("model") if isinstance(body, dict) else None
-        if model is not None:
-            entries = [e for e in entries if e.info and e.info.serves(model)]
+        fleet = self._fleet(self.registry.candidates(), model)
+        entries, ids, by_id = fleet.entries, fleet.ids, fleet.by_id
+        if prompt is None:
+            prompt = self.tokenize(body, kind)
+        # Only workers the prompt fits are candidates; 400 when it fits none.
+        size = len(prompt.token_ids)
+        if fleet.min_model_len and size > fleet.min_model_len:
+            entries = [e for e in entries if not (e.info and e.info.max_model_len)
+                       or size <= e.info.max_model_len]
             if not entries:
-                raise ApiError(404, f"the model {model!r} does not exist", "invalid_request_error",
-                               "model", "model_not_found")
-        try:
-            prompt = build_prompt(body, kind, self.tokenizer,
-                                  mm_tokens_per_image=self.registry.mm_tokens_per_image or 1,
-                                  max_image_bytes=self.settings.max_image_bytes, fetch=None,
-                                  check_token_ids=False)
-        except ValueError as exc:
-            raise ApiError(400, str(exc)) from None
-        max_len = min((e.info.max_model_len for e in entries if e.info and e.info.max_model_len),
-                      default=0)
-        if max_len and len(prompt.token_ids) > max_len:
-            raise ApiError(400, f"the prompt has {len(prompt.token_ids)} tokens, more than the "
-                           f"model's {max_len}", param="prompt", code="context_length_exceeded")
+                raise ApiError(400, f"the prompt has {size} tokens, more than the model's "
+                               f"{fleet.max_model_len}", param="prompt",
+                               code="context_length_exceeded")
+            ids, by_id = [e.id for e in entries], {e.id: e for e in entries}
         first = entries[0].info
         assert first is not None, "a candidate always has model info"
         terms = HashingTerms(self.settings.block_size, by_uuid=first.image_routing_version == 1,
-                             salt_hashing=first.salt_hashing)
+                             salt_hashing=first.salt_hashing, salt_key=self.settings.salt_key)
         lora = model if model is not None and model != first.model else None
         try:
             hashes = request_hashes(prompt, terms, lora)
@@ -181,26 +197,42 @@ class RouterService:
             raise ApiError(400, f"the prompt's token ids are invalid: {exc}", param="prompt"
                            ) from None
         now = time.monotonic()
-        weight, cached_only = self.queue_terms(now)
-        if (weight, cached_only) != (self.scheduler.queue_weight,
-                                     self.scheduler.queue_discount_cached_only):
-            self.scheduler = dataclasses.replace(self.scheduler, queue_weight=weight,
-                                                 queue_discount_cached_only=cached_only)
-        sessions = self.sessions
-        continued = home = None
-        rate = 0.0
-        if sessions is not None:
-            continued = sessions.continuation(hashes, now, len(prompt.token_ids))
-            rate = sessions.continue_rate
-            if continued is not None and self.settings.session_queue_blocks is not None:
-                home = continued.worker
-        decision = choose(len(hashes), self._candidates(entries, hashes, now), self.scheduler,
-                          self.rng, home=home, continue_rate=rate)
-        if self.settings.policy != "kv":
+        matches = self.index.match(hashes) if hashes else {}
+        workers = None if len(entries) == self.core.workers() else ids
+        routed = self.core.decide(hashes, matches, now, self.rng, workers=workers,
+                                  tokens=len(prompt.token_ids))
+        decision = routed.decision
+        if self.settings.policy in ("round_robin", "random"):
             decision = self._baseline(decision, entries)
         request_id = f"{self._id_prefix}-{next(self._ids)}"
-        return Route(request_id, prompt, hashes, decision, {e.id: e for e in entries}, now,
-                     time.perf_counter() - started, continued)
+        return Route(request_id, prompt, hashes, decision, by_id, now,
+                     time.perf_counter() - started, routed.continued)
+
+    def _fleet(self, candidates: list[WorkerEntry], model: str | None) -> _Fleet:
+        """The candidates for ``model``, with what a decision reads of them, computed once
+        per list of candidates (a fleet of 1,024 workers would otherwise cost a decision
+        several hundred µs of filtering). The list compares by identity first, in C; a
+        worker's model info changes only across a restart, which :meth:`forget` hears of.
+
+        Raises:
+            ApiError: no candidate (503), or none serves ``model`` (404).
+        """
+        if not candidates:
+            raise ApiError(503, "no worker is available", "service_unavailable")
+        if candidates != self._fleet_key:
+            self._fleet_key, self._fleets = candidates, {}
+            self._fleet_capacity = sum(e.info.num_blocks for e in candidates if e.info)
+        fleet = self._fleets.get(model)
+        if fleet is None:
+            entries = candidates if model is None else [
+                e for e in candidates if e.info and e.info.serves(model)]
+            if not entries:
+                raise ApiError(404, f"the model {model!r} does not exist",
+                               "invalid_request_error", "model", "model_not_found")
+            if len(self._fleets) >= 64:  # models asked for that no worker serves, say
+                self._fleets.clear()
+            fleet = self._fleets[model] = _Fleet(entries)
+        return fleet
 
     def _baseline(self, decision: Decision, entries: list[WorkerEntry]) -> Decision:
         # Cache-blind baselines: the costs stay (for /debug/route and fallbacks), the choice
@@ -209,52 +241,25 @@ class RouterService:
             worker = entries[next(self._turns) % len(entries)].id
         else:
             worker = self.rng.choice(entries).id
-        return Decision(worker, decision.costs, decision.overlap_weight)
-
-    def _candidates(self, entries: list[WorkerEntry], hashes: list[int], now: float
-                    ) -> list[Candidate]:
-        matches = self.index.match(hashes) if hashes else {}
-        admission = self.scheduler.admission_weight > 0
-        sessions = self.sessions
-        out = []
-        for e in entries:
-            matched, device = matches.get(e.id, (0, 0))
-            residency = self.approximate if e.approximate else self.predicted
-            extended = residency.extend(e.id, hashes, matched, now)
-            device += extended - matched
-            load = self.load.load(e.id)
-            live = sessions.live(e.id) if sessions is not None else 0
-            if not admission:
-                out.append(Candidate(e.id, extended, device, load.pending_prefill_blocks,
-                                     load.decode_blocks, load.active_requests, sessions=live))
-                continue
-            # The admission term's slot half (router.scheduler): blocks in flight per request
-            # from the books, the engine's sequence limit from /model_info. Its KV half stays
-            # off (capacity 0): the books sum prompts, so shared prefixes count once per
-            # request and the term would fire on KV that is not held.
-            limit = e.info.max_num_seqs if e.info else 0
-            held = (load.decode_blocks + self.load.waiting_blocks(e.id)
-                    if 0 < limit <= load.active_requests else 0.0)  # read only when full
-            out.append(Candidate(e.id, extended, device, load.pending_prefill_blocks,
-                                 load.decode_blocks, load.active_requests, held, 0.0, 0.0,
-                                 limit, live))
-        return out
+        return Decision(worker, None, decision.overlap_weight,
+                        explain=lambda: decision.costs)
 
     def dispatched(self, route: Route, worker: WorkerEntry) -> None:
         """Book a request as sent to ``worker``: load, predicted residency, and its session
         (now living on ``worker``; a fallback moves it again, without counting it twice)."""
-        cost = next(c for c in route.decision.costs if c.worker == worker.id)
-        blocks = len(route.hashes)
-        self.load.routed(route.request_id, worker.id, blocks - cost.credited_blocks,
-                         max(blocks, 1))
-        residency = self.approximate if worker.approximate else self.predicted
-        now = time.monotonic()
-        residency.predict(worker.id, route.hashes, now)
-        if self.sessions is not None:
-            self.sessions.routed(route.hashes, worker.id, now, route.continued,
-                                 len(route.prompt.token_ids))
-            route.continued = None
+        credited = self.core.credited(route.decision, worker.id)
+        self.core.routed(route.request_id, worker.id, route.hashes, credited, time.monotonic(),
+                         route.continued, len(route.prompt.token_ids))
+        route.continued = None
 
-    def undispatched(self, route: Route) -> None:
-        """The send failed before the worker took the request: release its booking."""
+    def undispatched(self, route: Route, worker: WorkerEntry | None = None) -> None:
+        """The send failed before the worker took the request: release its load and, given
+        the ``worker``, the blocks predicted there for it."""
         self.load.finished(route.request_id)
+        if worker is not None:
+            self.refused(route, worker)
+
+    def refused(self, route: Route, worker: WorkerEntry) -> None:
+        """``worker`` refused the request: withdraw the blocks predicted there for it."""
+        residency = self.approximate if worker.approximate else self.predicted
+        residency.withdraw(worker.id, route.hashes)

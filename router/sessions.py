@@ -30,7 +30,7 @@ about 240 bytes a head, so 63 MB at the default bound of 262,144 live heads).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 __all__ = ["Continuation", "SessionTracker"]
@@ -79,6 +79,13 @@ class SessionTracker:
         self._gap: float | None = None
         self._continued = 0.0
         self._ended = 0.0
+        #: Called with a worker's id after its live sessions changed (the routing core keeps
+        #: its workers ordered by them).
+        self.on_change: Callable[[int], None] | None = None
+
+    def _changed(self, worker: int) -> None:
+        if self.on_change is not None:
+            self.on_change(worker)
 
     @property
     def mean_gap(self) -> float | None:
@@ -134,6 +141,7 @@ class SessionTracker:
             if head is not None and head[1] == continued.routed_at:
                 del self._heads[continued.key]
                 self._live[head[0]] -= 1
+                self._changed(head[0])
             gap = now - continued.routed_at
             self._gap = gap if self._gap is None else (
                 (1 - self.gap_smoothing) * self._gap + self.gap_smoothing * gap)
@@ -144,8 +152,10 @@ class SessionTracker:
         old = self._heads.get(key)
         if old is not None:  # the same prompt again: one head, now here
             self._live[old[0]] -= 1
+            self._changed(old[0])
         self._heads[key] = (worker, now, tokens)
         self._live[worker] = self._live.get(worker, 0) + 1
+        self._changed(worker)
         self._order.append((now, key))
         while len(self._heads) > self.max_heads:
             self._drop_oldest()
@@ -156,7 +166,8 @@ class SessionTracker:
         keys = [k for k, head in self._heads.items() if head[0] == worker]
         for k in keys:
             del self._heads[k]
-        self._live.pop(worker, None)
+        if self._live.pop(worker, None):
+            self._changed(worker)
 
     def _expire(self, now: float) -> None:
         cutoff = now - self.expiry_s
@@ -170,6 +181,7 @@ class SessionTracker:
         if head is not None and head[1] == routed_at:  # else continued or replaced since
             del self._heads[key]
             self._live[head[0]] -= 1
+            self._changed(head[0])
             self._outcome(continued=False)
 
     def _outcome(self, continued: bool) -> None:

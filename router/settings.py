@@ -7,22 +7,39 @@ Precedence: command-line flag > environment (``KVROUTE_*``) > config file (TOML 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import tomllib
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from httpapi.auth import check_bind, read_token_file
+from httpapi.server import DEFAULT_LIMITS, ConnectionLimits
+from indexer.openai_api import MAX_BODY_BYTES
+from router.core import CoreSettings
+from router.discovery import parse_target
+from router.event_transport import (
+    DEFAULT_MAX_MESSAGE_BYTES,
+    DEFAULT_RECEIVE_HWM,
+    CurveClientKeys,
+    EventTransport,
+)
 from router.scheduler import SchedulerConfig
 from router.worker_config import format_worker, parse_workers
 
 __all__ = ["POLICIES", "RouterSettings", "SettingsError", "load_settings"]
 
-#: ``kv``: prefix hits weighed against load (the point of kvroute). ``round_robin`` and
-#: ``random`` ignore the cache: baselines to measure against, one flag away.
-POLICIES = ("kv", "round_robin", "random")
+#: ``kv``: prefix hits weighed against load (the point of kvroute). ``dynamo``: NVIDIA Dynamo's
+#: cost rule (:meth:`router.scheduler.SchedulerConfig.dynamo`; ``--overlap-weight`` still
+#: applies). ``round_robin`` and ``random`` ignore the cache: baselines to measure against.
+POLICIES = ("kv", "dynamo", "round_robin", "random")
+
+#: The cost rule's defaults, defined once (:class:`router.scheduler.SchedulerConfig`).
+_RULE = SchedulerConfig()
+_CORE = CoreSettings()
 
 
 class SettingsError(ValueError):
@@ -39,29 +56,44 @@ class RouterSettings:
     workers: tuple[str, ...] = ()
     block_size: int = 32
     tokenizer: str | None = None
-    overlap_weight: float = 32.0
-    queue_weight: float | None = None
-    queue_cap_blocks: float | None = None
-    admission_weight: float = 1.0
-    affinity_weight: float = 4.0
-    affinity_lead_blocks: int = 8
-    session_weight: float = 16.0
-    session_queue_blocks: float | None = 128.0
-    pressure_window: float = 10.0
-    host_credit: float = 0.75
-    temperature: float = 0.0
     policy: str = "kv"
-    predict_ttl: float = 10.0
-    approximate_ttl: float = 120.0
+    overlap_weight: float = _RULE.overlap_weight
+    #: None: ``auto`` (by eviction pressure, :mod:`router.pressure`).
+    queue_weight: float | None = None
+    session_weight: float = _RULE.session_weight
+    sessions: bool = _CORE.sessions
+    predict_ttl: float = _CORE.predict_ttl
+    approximate_ttl: float = _CORE.approximate_ttl
     health_interval: float = 1.0
     unhealthy_grace: float = 5.0
+    health_timeout: float = 1.0
     connect_timeout: float = 2.0
     first_byte_timeout: float = 300.0
+    first_byte_floor: float = 2.0
+    first_byte_factor: float = 4.0
     max_image_bytes: int = 20 * 1024 * 1024
     admin_token: str | None = None
     worker_admin_token: str | None = None
     seed: int | None = None
     log_level: str = "info"
+    # event plane: message limits, CURVE keys, the salt-tag secret
+    event_max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    event_receive_hwm: int = DEFAULT_RECEIVE_HWM
+    curve_secret_key: str | None = None
+    curve_server_key: str | None = None
+    salt_secret: str | None = field(default=None, repr=False)
+    salt_secret_file: str | None = None
+    # The HTTP boundary: admin token sources, open-bind consent, connection limits.
+    admin_token_file: str | None = None
+    worker_admin_token_file: str | None = None
+    insecure_no_auth: bool = False
+    max_connections: int = DEFAULT_LIMITS.max_connections
+    header_timeout: float = DEFAULT_LIMITS.header_timeout
+    keep_alive_timeout: float = DEFAULT_LIMITS.keep_alive_timeout
+    max_body_bytes: int = MAX_BODY_BYTES
+    #: DNS names whose addresses are workers (``dns:///NAME:PORT``; router.discovery).
+    discover: tuple[str, ...] = ()
+    discover_interval: float = 5.0
 
     def __post_init__(self) -> None:
         checks = [
@@ -70,57 +102,102 @@ class RouterSettings:
             (self.overlap_weight >= 0, "overlap_weight must be >= 0"),
             (self.queue_weight is None or self.queue_weight >= 0,
              "queue_weight must be >= 0 (or auto: by eviction pressure)"),
-            (self.queue_cap_blocks is None or self.queue_cap_blocks >= 0,
-             "queue_cap_blocks must be >= 0"),
-            (self.pressure_window > 0, "pressure_window must be positive"),
-            (self.admission_weight >= 0, "admission_weight must be >= 0"),
-            (self.affinity_weight > 0, "affinity_weight must be > 0 (1 = no change)"),
-            (self.affinity_lead_blocks >= 1, "affinity_lead_blocks must be >= 1"),
             (self.session_weight >= 0, "session_weight must be >= 0 (0 = no session term)"),
-            (self.session_queue_blocks is None or self.session_queue_blocks >= 0,
-             "session_queue_blocks must be >= 0 (or off: continuations are not kept home)"),
-            (0 <= self.host_credit <= 1, "host_credit must be in [0, 1]"),
-            (self.temperature >= 0, "temperature must be >= 0"),
             (self.policy in POLICIES,
              f"policy {self.policy!r} is not one of {', '.join(POLICIES)}"),
             (self.predict_ttl > 0 and self.approximate_ttl > 0, "ttls must be positive"),
             (self.health_interval > 0, "health_interval must be positive"),
             (self.unhealthy_grace >= 0, "unhealthy_grace must be >= 0"),
-            (self.connect_timeout > 0 and self.first_byte_timeout > 0,
-             "timeouts must be positive"),
+            (self.connect_timeout > 0 and self.first_byte_timeout > 0
+             and self.health_timeout > 0, "timeouts must be positive"),
+            (0 < self.first_byte_floor <= self.first_byte_timeout,
+             "first_byte_floor must be positive and at most first_byte_timeout"),
+            (self.first_byte_factor >= 1, "first_byte_factor must be >= 1"),
             (self.max_image_bytes > 0, "max_image_bytes must be positive"),
+            (self.event_max_message_bytes > 0, "event_max_message_bytes must be positive"),
+            (self.event_receive_hwm > 0, "event_receive_hwm must be positive"),
+            ((self.curve_secret_key is None) == (self.curve_server_key is None),
+             "curve_secret_key and curve_server_key go together"),
+            (self.max_body_bytes > 0, "max_body_bytes must be positive"),
+            (self.discover_interval > 0, "discover_interval must be positive"),
         ]
         for ok, message in checks:
             if not ok:
                 raise SettingsError(message)
+        if self.salt_secret_file is not None:  # read once; the file wins over salt_secret
+            try:
+                secret = Path(self.salt_secret_file).read_text().strip()
+            except OSError as exc:
+                raise SettingsError(f"salt_secret_file {self.salt_secret_file}: "
+                                    f"{exc.strerror}") from None
+            object.__setattr__(self, "salt_secret", secret)
+        if self.salt_secret is not None and not self.salt_secret:
+            raise SettingsError("salt_secret is empty")
+        if self.curve_secret_key is not None:
+            self.event_transport()  # unreadable keys fail at start-up, not at first connect
+        try:
+            self.connection_limits()
+            check_bind(self.host, self.admin_token, self.insecure_no_auth, "router")
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
         try:  # each entry is a worker's flat text form (router.worker_config)
             parse_workers(list(self.workers))
         except ValueError as exc:
             raise SettingsError(str(exc)) from None
+        for target in self.discover:
+            try:
+                parse_target(target)
+            except ValueError as exc:
+                raise SettingsError(f"discover: {exc}") from None
+
+    def connection_limits(self) -> ConnectionLimits:
+        """The HTTP server's connection limits and timeouts."""
+        return ConnectionLimits(self.max_connections, self.header_timeout,
+                                self.keep_alive_timeout)
 
     @property
-    def sessions(self) -> bool:
-        """Whether the router tracks sessions (either session setting is on)."""
-        return self.session_weight > 0 or self.session_queue_blocks is not None
+    def salt_key(self) -> bytes | None:
+        """The cluster secret that keys salt tags, or None (unkeyed tags)."""
+        return None if self.salt_secret is None else self.salt_secret.encode()
 
-    def scheduler_config(self, **changes: float) -> SchedulerConfig:
-        """The scheduler settings these settings give (the queue weight and cap are the
-        scheduler's defaults unless ``changes`` set them: the service derives them from
-        ``queue_weight`` and ``queue_cap_blocks``, which may be ``auto``)."""
-        fields_ = {"overlap_weight": self.overlap_weight, "host_credit": self.host_credit,
-                   "temperature": self.temperature, "admission_weight": self.admission_weight,
-                   "affinity_weight": self.affinity_weight,
-                   "affinity_lead_blocks": self.affinity_lead_blocks,
-                   "session_weight": self.session_weight, **changes}
-        if self.session_queue_blocks is not None:
-            fields_.setdefault("session_queue_blocks", self.session_queue_blocks)
-        return SchedulerConfig(**fields_)  # type: ignore[arg-type]
+    def event_transport(self) -> EventTransport:
+        """The event sockets' limits and CURVE keys (read from their files).
+
+        Raises:
+            SettingsError: a CURVE key file is missing or unusable.
+        """
+        curve = None
+        if self.curve_secret_key is not None and self.curve_server_key is not None:
+            try:
+                curve = CurveClientKeys.load(self.curve_secret_key, self.curve_server_key)
+            except ValueError as exc:
+                raise SettingsError(str(exc)) from None
+        return EventTransport(self.event_max_message_bytes, self.event_receive_hwm, curve)
+
+    def core_settings(self) -> CoreSettings:
+        """The routing core's settings these give (``policy`` ``dynamo``: Dynamo's rule at
+        this overlap weight, the queue weight fixed at 1 unless set, no sessions)."""
+        if self.policy == "dynamo":
+            rule = dataclasses.replace(SchedulerConfig.dynamo(),
+                                       overlap_weight=self.overlap_weight,
+                                       queue_weight=1.0 if self.queue_weight is None
+                                       else self.queue_weight)
+            return CoreSettings(rule, auto_queue=False, predict_ttl=self.predict_ttl,
+                                approximate_ttl=self.approximate_ttl, sessions=False)
+        rule = dataclasses.replace(
+            _RULE, overlap_weight=self.overlap_weight,
+            queue_weight=_RULE.queue_weight if self.queue_weight is None else self.queue_weight,
+            session_weight=self.session_weight if self.sessions else 0.0)
+        return CoreSettings(rule, auto_queue=self.queue_weight is None,
+                            predict_ttl=self.predict_ttl, approximate_ttl=self.approximate_ttl,
+                            sessions=self.sessions)
 
 
 _TYPES = {f.name: f.type for f in fields(RouterSettings)}
-#: The words an optional number takes for "none": ``auto`` where the router then derives it
-#: (the default), ``off`` where none means the feature is off.
-_NONE_WORDS = {"session_queue_blocks": ("off", "none", "")}
+_TRUE, _FALSE = {"1", "true", "yes", "on"}, {"0", "false", "no", "off"}
+#: Settings read from a file named by another setting (a token kept out of ``ps``).
+_TOKEN_FILES = {"admin_token_file": "admin_token",
+                "worker_admin_token_file": "worker_admin_token"}
 
 
 def _coerce(name: str, value: Any, origin: str) -> Any:
@@ -128,12 +205,20 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
     try:
         if name == "workers":
             return tuple(format_worker(w) for w in parse_workers(value))
+        if name == "discover":
+            if isinstance(value, str):
+                value = [v for v in (p.strip() for p in value.split(",")) if v]
+            return tuple(str(v).rstrip("/") for v in value)
         if value is None:
             return None
+        if kind == "bool":
+            text = str(value).strip().lower()
+            if isinstance(value, bool) or text in _TRUE | _FALSE:
+                return value if isinstance(value, bool) else text in _TRUE
+            raise ValueError
         if kind in ("int", "int | None"):
             return int(value)
-        if kind == "float | None" and str(value).strip().lower() in _NONE_WORDS.get(
-                name, ("auto", "none", "")):
+        if kind == "float | None" and str(value).strip().lower() in ("auto", "none", ""):
             return None
         if kind in ("float", "float | None"):
             return float(value)
@@ -187,4 +272,12 @@ def load_settings(flags: Mapping[str, Any], env: Mapping[str, str] | None = None
         for name, value in values.items():
             if name in _TYPES:
                 merged[name] = _coerce(name, value, origin)
+    for file_setting, setting in _TOKEN_FILES.items():
+        if merged.get(file_setting):
+            if merged.get(setting):
+                raise SettingsError(f"give {setting} or {file_setting}, not both")
+            try:
+                merged[setting] = read_token_file(merged[file_setting])
+            except ValueError as exc:
+                raise SettingsError(str(exc)) from None
     return RouterSettings(**merged)

@@ -1,30 +1,20 @@
 """Subscribes to one engine's KV event stream, in order, recovering loss by replay.
 
 Per worker rank: a SUB socket on the live stream and, when the engine offers one, a DEALER on
-its replay endpoint (``shared/WIRE.md``). The subscriber tracks the sequence number and turns
-what it sees into :data:`Notice` values handed, in order, to one callback:
+its replay endpoint (``docs/wire.md``). This module is the socket shell: it receives frames,
+reads the clock, and hands both to :class:`~router.sequencer.StreamSequencer`, which decides
+what they mean (the notices are described there); it sends the replay requests the sequencer
+asks for and passes each notice, in order, to one callback.
 
-- ``Delivered``: a batch, decoded; every seq exactly once, ascending, live or replayed.
-- ``GapDetected``: a live seq jumped; a replay from the last seq + 1 is asked for. Live batches
-  arriving meanwhile are held back and merged after the replay; duplicates are dropped.
-- ``HistoryLost``: replay could not cover a gap (its first batch was above the seq asked for,
-  it timed out, or there is no replay endpoint), or a catch-up replay asked for at start timed
-  out. The caller must resynchronise that worker.
-- ``Restarted``: the seq went backwards outside a replay: a new engine instance. The caller
-  clears what it knew; the subscriber then expects seq 0 again.
-- ``MalformedInput``: a frame or payload that could not be used; counted and skipped.
-
-Loss at the end of a burst shows no gap until the next batch arrives, which may be long on an
-idle engine. So when the live stream has been quiet for ``probe_interval`` seconds, the
-subscriber asks for a replay from its last seq + 1 (a probe): an empty answer costs one round
-trip, and batches the socket dropped arrive as a normal replay. A probe that goes unanswered
-(a replay port that is wrong, firewalled or hung) is counted, not reported: nothing is known
-lost, and a ``HistoryLost`` would have the router drop that worker's index at every quiet
-spell. A live batch that continues the stream ends a probe at once, since it proves nothing
-was lost before it.
+Each socket has a monitor. libzmq drops a connection that carries a message over
+``max_message_bytes`` and, unlike a connection the publisher closed, does not reconnect it; a
+drop that no reconnect attempt follows within :data:`RECONNECT_GRACE` seconds is counted
+(``stats.oversize``) and the socket reconnected, and the batches lost with the connection come
+back as a gap, by replay. A failed handshake (CURVE keys the publisher refuses) is counted
+(``stats.handshake_failures``) and tried again every :data:`HANDSHAKE_RETRY` seconds.
 
 The subscriber never dies of input: every frame goes through one ``try`` that counts and skips.
-:meth:`EventSubscriber.stop` cancels the task and closes both sockets.
+:meth:`EventSubscriber.stop` cancels the task and closes the sockets.
 """
 
 from __future__ import annotations
@@ -34,14 +24,25 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from typing import NamedTuple
 
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
-from indexer.decode import DecodeStats, MalformedBatch, decode_batch
-from indexer.events import Batch
-from indexer.wire import REPLAY_END_SEQ, pack_seq, unpack_seq
+from indexer.wire import pack_seq
+from router.event_transport import EventTransport
+from router.sequencer import (
+    Action,
+    Delivered,
+    GapDetected,
+    HistoryLost,
+    MalformedInput,
+    Notice,
+    ReplayRequest,
+    Restarted,
+    StreamSequencer,
+    SubscriberStats,
+)
 
 __all__ = [
     "Delivered",
@@ -51,65 +52,84 @@ __all__ = [
     "MalformedInput",
     "Notice",
     "Restarted",
+    "SubscriberStats",
 ]
 
 log = logging.getLogger(__name__)
 
-
-class Delivered(NamedTuple):
-    seq: int
-    batch: Batch
-    replayed: bool
-
-
-class GapDetected(NamedTuple):
-    expected: int
-    received: int
+#: Seconds after a dropped connection within which libzmq announces its own reconnect; without
+#: one the drop was libzmq refusing a message (over the size limit) and the shell reconnects.
+RECONNECT_GRACE = 0.2
+#: Seconds before trying again after a failed handshake (keys the peer refuses).
+HANDSHAKE_RETRY = 2.0
 
 
-class HistoryLost(NamedTuple):
-    first_missing: int
-    resumed_at: int | None
-    reason: str
+class _Link:
+    """One connected socket, its endpoint and its monitor.
 
+    libzmq does not reconnect a connection it dropped for a protocol error: a message over
+    ``MAXMSGSIZE``, or a failed handshake (a CURVE key the peer refuses). The link sees both
+    on its monitor and tells the shell when to reconnect (:meth:`due`).
+    """
 
-class Restarted(NamedTuple):
-    last_seq: int
-    seq: int
+    _HANDSHAKE_FAILED = (zmq.EVENT_HANDSHAKE_FAILED_NO_DETAIL
+                         | zmq.EVENT_HANDSHAKE_FAILED_PROTOCOL | zmq.EVENT_HANDSHAKE_FAILED_AUTH)
+    _WATCHED = (zmq.EVENT_DISCONNECTED | zmq.EVENT_CONNECT_RETRIED
+                | zmq.EVENT_HANDSHAKE_SUCCEEDED | _HANDSHAKE_FAILED)
 
+    def __init__(self, sock: zmq.asyncio.Socket, endpoint: str) -> None:
+        self.sock = sock
+        self.endpoint = endpoint
+        self.monitor: zmq.asyncio.Socket = sock.get_monitor_socket(self._WATCHED)
+        self.dropped_at: float | None = None  # a drop libzmq may yet announce a retry for
+        self.retry_at: float | None = None  # reconnect then, after a failed handshake
+        self._handshake_failed = False
+        sock.connect(endpoint)
 
-class MalformedInput(NamedTuple):
-    seq: int | None
-    reason: str
+    def watch(self, event: int, now: float, stats: SubscriberStats) -> None:
+        if event & self._HANDSHAKE_FAILED:
+            stats.handshake_failures += 1
+            if not self._handshake_failed:
+                log.warning("handshake with %s failed (event %#x): check the CURVE keys",
+                            self.endpoint, event)
+            self._handshake_failed = True
+        elif event == zmq.EVENT_DISCONNECTED:
+            if self._handshake_failed:
+                self.retry_at = now + HANDSHAKE_RETRY
+            else:
+                self.dropped_at = now
+        elif event == zmq.EVENT_CONNECT_RETRIED:
+            self.dropped_at = None  # libzmq reconnects by itself: the peer went away
+        elif event == zmq.EVENT_HANDSHAKE_SUCCEEDED:
+            self._handshake_failed = False
 
+    def due(self) -> float | None:
+        """When :meth:`check` has something to do."""
+        times = [t for t in (self.retry_at,
+                             None if self.dropped_at is None
+                             else self.dropped_at + RECONNECT_GRACE) if t is not None]
+        return min(times) if times else None
 
-Notice = Delivered | GapDetected | HistoryLost | Restarted | MalformedInput
+    def check(self, now: float, stats: SubscriberStats, limit: int) -> None:
+        """Reconnect a connection libzmq dropped and will not reopen."""
+        if self.dropped_at is not None and now >= self.dropped_at + RECONNECT_GRACE:
+            stats.oversize += 1
+            log.warning("%s sent a message over %d bytes; reconnecting", self.endpoint, limit)
+            self._reconnect()
+        elif self.retry_at is not None and now >= self.retry_at:
+            self._reconnect()
 
+    def _reconnect(self) -> None:
+        self.dropped_at = self.retry_at = None
+        with contextlib.suppress(zmq.ZMQError):
+            self.sock.disconnect(self.endpoint)
+        self.sock.connect(self.endpoint)
 
-class SubscriberStats:
-    """Counters of one subscription."""
-
-    __slots__ = (
-        "callback_errors",
-        "delivered",
-        "duplicates",
-        "gaps",
-        "history_lost",
-        "malformed",
-        "probe_timeouts",
-        "probes",
-        "replayed",
-        "replays",
-        "restarts",
-    )
-
-    def __init__(self) -> None:
-        for name in self.__slots__:
-            setattr(self, name, 0)
-
-    def as_dict(self) -> dict[str, int]:
-        """Return the counters by name."""
-        return {name: getattr(self, name) for name in self.__slots__}
+    def close(self) -> None:
+        with contextlib.suppress(zmq.ZMQError):
+            self.sock.disable_monitor()
+        self.monitor.close(linger=0)
+        self.sock.close(linger=0)
 
 
 class EventSubscriber:
@@ -125,7 +145,10 @@ class EventSubscriber:
         replay_timeout: seconds to wait for a replay's end marker before giving up on it.
         probe_interval: quiet seconds after which a replay probe checks for trailing loss;
             ``None`` disables probing.
+        transport: size limits and CURVE keys of the sockets.
         context: a ZeroMQ asyncio context; a private one by default.
+        **sequencing: further :class:`~router.sequencer.StreamSequencer` settings (replay
+            retry delays and attempts).
     """
 
     def __init__(
@@ -138,52 +161,46 @@ class EventSubscriber:
         from_seq: int | None = None,
         replay_timeout: float = 2.0,
         probe_interval: float | None = 1.0,
+        transport: EventTransport | None = None,
         context: zmq.asyncio.Context | None = None,
+        **sequencing: float,
     ) -> None:
         self.endpoint = endpoint
         self.replay_endpoint = replay_endpoint
         self._on_notice = on_notice
         self._topic = topic.encode()
         self._from_seq = from_seq
-        self._replay_timeout = replay_timeout
-        self._probe_interval = probe_interval
-        self._quiet_since = time.monotonic()
+        self._transport = transport or EventTransport()
         self._own_context = context is None
         self._context = context or zmq.asyncio.Context()
-        self._sub: zmq.asyncio.Socket | None = None
-        self._dealer: zmq.asyncio.Socket | None = None
+        self._sub: _Link | None = None
+        self._dealer: _Link | None = None
         self._task: asyncio.Task[None] | None = None
-        self._last: int | None = None
-        self._replay_from: int | None = None  # seq asked for, while a replay is in flight
-        self._probing = False  # the replay in flight is a probe
-        self._replay_deadline = 0.0
-        self._held: dict[int, bytes] = {}  # live batches held back during a replay
-        self.stats = SubscriberStats()
-        self.decode_stats = DecodeStats()
+        self._sequencer = StreamSequencer(replay=replay_endpoint is not None,
+                                          replay_timeout=replay_timeout,
+                                          probe_interval=probe_interval,
+                                          **sequencing)  # type: ignore[arg-type]
+        self.stats: SubscriberStats = self._sequencer.stats
+        self.decode_stats = self._sequencer.decode_stats
 
     @property
     def last_seq(self) -> int | None:
         """The last seq delivered, or ``None`` before the first."""
-        return self._last
+        return self._sequencer.last_seq
 
     async def start(self) -> None:
         """Connect and start the receiving task."""
         if self._task is not None:
             raise RuntimeError("subscriber already started")
         sub = self._context.socket(zmq.SUB)
-        sub.setsockopt(zmq.LINGER, 0)
-        sub.setsockopt(zmq.RCVHWM, 0)
+        self._transport.apply(sub)
         sub.setsockopt(zmq.SUBSCRIBE, self._topic)
-        sub.connect(self.endpoint)
-        self._sub = sub
+        self._sub = _Link(sub, self.endpoint)
         if self.replay_endpoint is not None:
             dealer = self._context.socket(zmq.DEALER)
-            dealer.setsockopt(zmq.LINGER, 0)
-            dealer.connect(self.replay_endpoint)
-            self._dealer = dealer
-        if self._from_seq is not None:
-            self._last = self._from_seq - 1
-            await self._ask_replay(self._from_seq)
+            self._transport.apply(dealer)
+            self._dealer = _Link(dealer, self.replay_endpoint)
+        await self._act(self._sequencer.begin(time.monotonic(), self._from_seq))
         self._task = asyncio.create_task(self._run(), name=f"kv-sub {self.endpoint}")
 
     async def stop(self) -> None:
@@ -193,9 +210,9 @@ class EventSubscriber:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._task
             self._task = None
-        for sock in (self._sub, self._dealer):
-            if sock is not None:
-                sock.close(linger=0)
+        for link in (self._sub, self._dealer):
+            if link is not None:
+                link.close()
         self._sub = self._dealer = None
         if self._own_context:
             self._context.term()
@@ -203,183 +220,68 @@ class EventSubscriber:
 
     async def request_replay(self, from_seq: int) -> None:
         """Ask for a replay from ``from_seq`` now (e.g. after the caller lost its state)."""
-        self._last = from_seq - 1
-        await self._ask_replay(from_seq)
+        await self._act(self._sequencer.replay_from(from_seq, time.monotonic()))
 
     # -- the loop ---------------------------------------------------------------------------
 
     async def _run(self) -> None:
-        poller = zmq.asyncio.Poller()
         assert self._sub is not None, "run before start"
-        poller.register(self._sub, zmq.POLLIN)
-        if self._dealer is not None:
-            poller.register(self._dealer, zmq.POLLIN)
+        links = [link for link in (self._sub, self._dealer) if link is not None]
+        poller = zmq.asyncio.Poller()
+        for link in links:
+            poller.register(link.sock, zmq.POLLIN)
+            poller.register(link.monitor, zmq.POLLIN)
         while True:
-            deadline = self._next_deadline()
+            deadlines = [d for d in (self._sequencer.deadline, *(ln.due() for ln in links))
+                         if d is not None]
             timeout_ms = None
-            if deadline is not None:
-                timeout_ms = max(0, int((deadline - time.monotonic()) * 1000) + 1)
+            if deadlines:
+                timeout_ms = max(0, int((min(deadlines) - time.monotonic()) * 1000) + 1)
             ready = dict(await poller.poll(timeout_ms))
-            if self._sub in ready:
-                self._quiet_since = time.monotonic()
-                await self._drain(self._sub, self._on_live)
-            if self._dealer is not None and self._dealer in ready:
-                await self._drain(self._dealer, self._on_replay)
-            if self._replay_from is not None and time.monotonic() >= self._replay_deadline:
-                await self._give_up_replay("replay timed out")
-            elif self._probe_due():
-                self.stats.probes += 1
-                self._quiet_since = time.monotonic()
-                await self._ask_replay(self._last + 1, probe=True)  # type: ignore[operator]
+            for link in links:
+                if link.monitor in ready:
+                    await self._watch(link)
+            if self._sub.sock in ready:
+                await self._drain(self._sub.sock, self._sequencer.live)
+            if self._dealer is not None and self._dealer.sock in ready:
+                await self._drain(self._dealer.sock, self._sequencer.replayed)
+            now = time.monotonic()
+            for link in links:
+                link.check(now, self.stats, self._transport.max_message_bytes)
+            await self._act(self._sequencer.tick(now))
 
-    def _next_deadline(self) -> float | None:
-        if self._replay_from is not None:
-            return self._replay_deadline
-        if self._dealer is None or self._probe_interval is None or self._last is None:
-            return None
-        return self._quiet_since + self._probe_interval
+    async def _watch(self, link: _Link) -> None:
+        while True:
+            try:
+                frames = await link.monitor.recv_multipart(flags=zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            try:
+                event = parse_monitor_message(frames)
+            except (ValueError, IndexError, TypeError):
+                continue
+            link.watch(int(event["event"]), time.monotonic(), self.stats)
 
-    def _probe_due(self) -> bool:
-        deadline = self._next_deadline()
-        return (self._replay_from is None and deadline is not None
-                and time.monotonic() >= deadline)
-
-    async def _drain(self, sock: zmq.asyncio.Socket, handle: Callable[[list[bytes]], object]
-                     ) -> None:
+    async def _drain(self, sock: zmq.asyncio.Socket,
+                     handle: Callable[[list[bytes], float], list[Action]]) -> None:
         while True:
             try:
                 frames = await sock.recv_multipart(flags=zmq.NOBLOCK)
             except zmq.Again:
                 return
             try:
-                step = handle(frames)
-                if asyncio.iscoroutine(step):
-                    await step
+                await self._act(handle(frames, time.monotonic()))
             except Exception as exc:  # input must never stop the subscriber
                 self.stats.malformed += 1
                 log.warning("skipping unusable frames from %s: %s", self.endpoint, exc)
 
-    async def _on_live(self, frames: list[bytes]) -> None:
-        if len(frames) != 3 or len(frames[1]) != 8:
-            self._malformed(None, f"live message of {len(frames)} frames")
-            return
-        seq, payload = unpack_seq(frames[1]), frames[2]
-        if self._replay_from is not None:
-            if self._probing and not self._held and self._last is not None \
-                    and seq == self._last + 1:
-                self._end_replay()  # the stream goes on where it was: nothing was lost
+    async def _act(self, actions: list[Action]) -> None:
+        for action in actions:
+            if isinstance(action, ReplayRequest):
+                assert self._dealer is not None, "replay requested without a replay socket"
+                await self._dealer.sock.send_multipart((b"", pack_seq(action.start)))
             else:
-                self._held[seq] = payload
-                return
-        last = self._last
-        if last is None or seq == last + 1:
-            self._deliver(seq, payload, replayed=False)
-        elif seq <= last:
-            self.stats.restarts += 1
-            self._notify(Restarted(last, seq))
-            self._last = None
-            if seq == 0:
-                self._deliver(seq, payload, replayed=False)
-            else:
-                await self._gap(0, seq, payload)
-        else:
-            await self._gap(last + 1, seq, payload)
-
-    async def _gap(self, expected: int, seq: int, payload: bytes) -> None:
-        self.stats.gaps += 1
-        self._notify(GapDetected(expected, seq))
-        if self._dealer is None:
-            self._lost(expected, seq, "no replay endpoint")
-            self._deliver(seq, payload, replayed=False)
-            return
-        self._last = expected - 1
-        self._held[seq] = payload
-        await self._ask_replay(expected)
-
-    async def _ask_replay(self, start: int, *, probe: bool = False) -> None:
-        if self._dealer is None:
-            return
-        if not probe:
-            self.stats.replays += 1
-        self._replay_from = start
-        self._probing = probe
-        self._replay_deadline = time.monotonic() + self._replay_timeout
-        await self._dealer.send_multipart((b"", pack_seq(start)))
-
-    async def _on_replay(self, frames: list[bytes]) -> None:
-        if self._replay_from is None:
-            return  # the tail of a replay we gave up on
-        if len(frames) < 3 or frames[0] != b"":
-            self._malformed(None, f"replay reply of {len(frames)} frames")
-            return
-        seq_frame, payload = frames[-2], frames[-1]
-        if seq_frame == REPLAY_END_SEQ:
-            self._end_replay()
-            await self._merge_held()
-            return
-        seq = unpack_seq(seq_frame)
-        expected = (self._last + 1) if self._last is not None else self._replay_from
-        if seq < expected:
-            self.stats.duplicates += 1
-            return
-        if seq > expected:
-            self._lost(expected, seq, "replay buffer no longer holds it")
-        self.stats.replayed += 1
-        self._deliver(seq, payload, replayed=True)
-
-    def _end_replay(self) -> None:
-        self._replay_from = None
-        self._probing = False
-
-    async def _give_up_replay(self, reason: str) -> None:
-        expected = (self._last + 1) if self._last is not None else 0
-        probing = self._probing
-        self._end_replay()
-        resumed = min(self._held) if self._held else None
-        if probing and (resumed is None or resumed == expected):
-            # A probe's question went unanswered and no batch says anything is missing.
-            self.stats.probe_timeouts += 1
-            self._quiet_since = time.monotonic()  # the next probe after another quiet spell
-        elif resumed is None or resumed > expected:
-            self._lost(expected, resumed, reason)
-            self._last = None if resumed is None else resumed - 1
-        await self._merge_held()
-
-    async def _merge_held(self) -> None:
-        held, self._held = self._held, {}
-        for seq in sorted(held):
-            last = self._last
-            if last is not None and seq <= last:
-                self.stats.duplicates += 1
-            elif last is None or seq == last + 1:
-                self._deliver(seq, held[seq], replayed=False)
-            else:
-                # Live batches were lost after the replay's snapshot: replay again from there.
-                self._held = {s: p for s, p in held.items() if s >= seq}
-                self.stats.gaps += 1
-                self._notify(GapDetected(last + 1, seq))
-                await self._ask_replay(last + 1)
-                return
-
-    # -- outputs ----------------------------------------------------------------------------
-
-    def _deliver(self, seq: int, payload: bytes, *, replayed: bool) -> None:
-        self._last = seq
-        try:
-            batch = decode_batch(payload, self.decode_stats)
-        except MalformedBatch as exc:
-            self._malformed(seq, str(exc))
-            return
-        self.stats.delivered += 1
-        self._notify(Delivered(seq, batch, replayed))
-
-    def _lost(self, first_missing: int, resumed_at: int | None, reason: str) -> None:
-        self.stats.history_lost += 1
-        self._notify(HistoryLost(first_missing, resumed_at, reason))
-
-    def _malformed(self, seq: int | None, reason: str) -> None:
-        self.stats.malformed += 1
-        self._notify(MalformedInput(seq, reason))
+                self._notify(action)
 
     def _notify(self, notice: Notice) -> None:
         try:

@@ -1,6 +1,7 @@
 """What the router knows of one worker: its ``/model_info``, and whether it may join.
 
-Pure values and checks; the polling shell is :mod:`router.registry`.
+Pure values and checks; the polling shell is :mod:`router.registry`, and the worker's JSON
+answers are parsed in :mod:`router.worker_answers`.
 
 A worker whose block size or tokenizer differs from the router's would be indexed under hashes
 no request can ever match ("overlap always 0", the commonest silent failure in peers' issue
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-__all__ = ["IncompatibleWorker", "WorkerInfo", "WorkerState", "parse_model_info"]
+__all__ = ["IncompatibleWorker", "WorkerInfo", "WorkerState", "resolve_endpoint"]
 
 _WILDCARD_HOSTS = frozenset({"*", "0.0.0.0", "::", "[::]", ""})
 
@@ -75,7 +76,17 @@ class WorkerInfo:
                 f"the same tokenizer")
 
 
-def _endpoint(value: Any, worker_url: str, name: str) -> str | None:
+def resolve_endpoint(value: Any, worker_url: str, name: str) -> str | None:
+    """Return the event endpoint ``value`` a worker advertised, as the router can reach it.
+
+    Args:
+        value: the advertised endpoint (``None``: none).
+        worker_url: the worker's base URL; a wildcard host is replaced by its host.
+        name: the field's name, for the error.
+
+    Raises:
+        IncompatibleWorker: ``value`` is not an endpoint.
+    """
     if value is None:
         return None
     if type(value) is not str or "://" not in value:
@@ -89,44 +100,3 @@ def _endpoint(value: Any, worker_url: str, name: str) -> str | None:
             host = f"[{host}]"
         return f"tcp://{host}:{port}"
     return value
-
-
-def parse_model_info(url: str, body: Any) -> WorkerInfo:
-    """Check a ``/model_info`` answer and return it as a :class:`WorkerInfo`.
-
-    Raises:
-        IncompatibleWorker: a required field is missing or has the wrong type.
-    """
-    if type(body) is not dict:
-        raise IncompatibleWorker(f"worker {url}: /model_info did not answer a JSON object")
-
-    def need(name: str, kind: type) -> Any:
-        value = body.get(name)
-        if type(value) is not kind:
-            raise IncompatibleWorker(f"worker {url}: /model_info lacks {kind.__name__} {name!r}")
-        return value
-
-    block_size = need("block_size", int)
-    if block_size <= 0:
-        raise IncompatibleWorker(f"worker {url}: block_size {block_size} is not positive")
-    extra = body.get("extra") if type(body.get("extra")) is dict else {}
-    routing = extra.get("trtllm_image_routing_version")
-    capacity = body.get("capacity") if type(body.get("capacity")) is dict else {}
-    return WorkerInfo(
-        url=url,
-        model=need("model", str),
-        block_size=block_size,
-        tokenizer=need("tokenizer", str),
-        instance_id=need("instance_id", str),
-        events_endpoint=_endpoint(body.get("events_endpoint"), url, "events_endpoint"),
-        replay_endpoint=_endpoint(body.get("replay_endpoint"), url, "replay_endpoint"),
-        data_parallel_rank=int(body.get("data_parallel_rank") or 0),
-        mm_tokens_per_image=int(body.get("mm_tokens_per_image") or 0),
-        image_routing_version=routing if type(routing) is int else None,
-        salt_hashing=body.get("salt_hashing") if type(body.get("salt_hashing")) is str else None,
-        snapshot=bool(body.get("kv_snapshot", False)),
-        max_model_len=int(body.get("max_model_len") or 0),
-        num_blocks=int(capacity.get("num_blocks") or 0),
-        max_num_seqs=int(capacity.get("max_num_seqs") or 0),
-        lora_adapters=tuple(a for a in body.get("lora_adapters") or () if type(a) is str),
-    )

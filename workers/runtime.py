@@ -9,6 +9,7 @@ import time
 import uuid
 from typing import Any
 
+from indexer.hashing import SALT_TAG_HMAC, SALT_TAG_SHA256
 from indexer.tokenizer import BYTE_OFFSET, ByteTokenizer, Tokenizer, load_tokenizer
 from workers.cache.block_keys import Prompt
 from workers.cache.cache_manager import CacheManager
@@ -22,8 +23,6 @@ from workers.engine.timing import TIMING_MODELS
 from workers.settings import WorkerSettings
 
 __all__ = ["WorkerRuntime"]
-
-SALT_HASHING = "sha256-16"
 
 
 def sim_vocab(tokenizer: Tokenizer) -> range:
@@ -44,17 +43,21 @@ class WorkerRuntime:
         self.started_at = int(time.time())
         self._loras = {name: i + 1 for i, name in enumerate(settings.loras)}
         num_blocks = settings.num_blocks
+        iteration_context = None
         if settings.engine == "torch":  # the KV cache is sized from its memory budget
-            from workers.torch.engine import kv_blocks_for
+            from workers.torch.engine import memory_plan_for
 
-            num_blocks = kv_blocks_for(settings)
+            plan = memory_plan_for(settings)
+            num_blocks, iteration_context = plan.num_blocks, plan.iteration_context
         self.cache = CacheManager(num_blocks, settings.block_size, settings.host_blocks)
         self.batcher = Batcher(self.cache, max_num_batched_tokens=settings.max_num_batched_tokens,
                                max_num_seqs=settings.max_num_seqs,
-                               max_model_len=settings.max_model_len)
+                               max_model_len=settings.max_model_len,
+                               max_iteration_context=iteration_context)
         self.executor = self._executor()
         hints = ImageHints(settings.image_hint_capacity) if settings.image_hints else None
-        self.sink = EventSink(max_pending_stored=settings.max_pending_stored, hints=hints)
+        self.sink = EventSink(max_pending_stored=settings.max_pending_stored, hints=hints,
+                              salt_key=settings.salt_key)
         self.publisher: EventPublisher | None = None
         if settings.events_enabled:
             rank = settings.data_parallel_rank
@@ -65,7 +68,8 @@ class WorkerRuntime:
                 replay = f"tcp://{host}:{_shift(settings.replay_port, rank)}"
             self.publisher = EventPublisher(f"tcp://{host}:{_shift(settings.events_port, rank)}",
                                             replay, topic=settings.topic,
-                                            buffer_batches=settings.replay_buffer)
+                                            buffer_batches=settings.replay_buffer,
+                                            curve=settings.curve_keys)
         self.engine = Engine(self.cache, self.batcher, self.executor, self.sink, self.publisher,
                              rank=settings.data_parallel_rank)
 
@@ -140,7 +144,7 @@ class WorkerRuntime:
             "capacity": {"num_blocks": self.cache.pool.num_blocks, "host_blocks": s.host_blocks,
                          "max_num_seqs": s.max_num_seqs},
             "max_model_len": s.max_model_len,
-            "salt_hashing": SALT_HASHING,
+            "salt_hashing": SALT_TAG_HMAC if s.salt_key is not None else SALT_TAG_SHA256,
             "kv_snapshot": pub is not None,
             "lora_adapters": list(s.loras),
             "extra": extra,

@@ -8,10 +8,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
+from httpapi.auth import check_bind, read_token_file
+from httpapi.server import DEFAULT_LIMITS, ConnectionLimits
+from indexer.openai_api import MAX_BODY_BYTES
+from workers.cache.publisher import CurveServerKeys
 from workers.engine.timing import DEFAULT_TIMING, TIMING_MODELS
+from workers.http.image_policy import ImageHostPolicy
 
 __all__ = ["WorkerSettings", "WorkerSettingsError", "load_worker_settings"]
 
@@ -51,6 +57,12 @@ class WorkerSettings:
     image_hint_capacity: int = 4096
     max_image_bytes: int = 20 * 1024 * 1024
     image_fetch_timeout: float = 5.0
+    allow_image_hosts: tuple[str, ...] = ()
+    # event-plane security: CURVE on the event sockets, a keyed salt tag
+    curve_secret_key: str | None = None
+    curve_authorized_clients: str | None = None
+    salt_secret: str | None = field(default=None, repr=False)
+    salt_secret_file: str | None = None
     replay_buffer: int = 10_000
     max_pending_stored: int = 4096
     loras: tuple[str, ...] = ()
@@ -62,18 +74,29 @@ class WorkerSettings:
     device: str = "auto"
     kv_memory_gb: float | None = None
     cuda_graphs: bool = True
+    # The HTTP boundary: admin token source, open-bind consent, connection limits.
+    admin_token_file: str | None = None
+    insecure_no_auth: bool = False
+    max_connections: int = DEFAULT_LIMITS.max_connections
+    header_timeout: float = DEFAULT_LIMITS.header_timeout
+    keep_alive_timeout: float = DEFAULT_LIMITS.keep_alive_timeout
+    max_body_bytes: int = MAX_BODY_BYTES
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self) -> None:
         positive = ("port", "block_size", "num_blocks", "max_num_batched_tokens",
                     "max_num_seqs", "max_model_len", "mm_tokens_per_image",
                     "image_hint_capacity", "max_image_bytes", "replay_buffer",
-                    "max_pending_stored")
+                    "max_pending_stored", "max_body_bytes")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise WorkerSettingsError(f"{name} must be positive, got {getattr(self, name)}")
         for name in ("host_blocks", "data_parallel_rank"):
             if getattr(self, name) < 0:
                 raise WorkerSettingsError(f"{name} must be >= 0, got {getattr(self, name)}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise WorkerSettingsError(
+                f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.speedup <= 0:
             raise WorkerSettingsError(f"speedup must be positive, got {self.speedup}")
         if self.timing not in TIMING_MODELS:
@@ -83,6 +106,32 @@ class WorkerSettings:
             raise WorkerSettingsError(f"engine must be 'sim' or 'torch', got {self.engine!r}")
         if self.max_num_batched_tokens < self.block_size:
             raise WorkerSettingsError("max_num_batched_tokens must be at least block_size")
+        try:
+            ImageHostPolicy.parse(self.allow_image_hosts)
+        except ValueError as exc:
+            raise WorkerSettingsError(f"allow_image_hosts: {exc}") from None
+        if (self.curve_secret_key is None) != (self.curve_authorized_clients is None):
+            raise WorkerSettingsError("curve_secret_key and curve_authorized_clients go "
+                                      "together: CURVE without authorized clients admits anyone")
+        if self.curve_secret_key is not None:
+            try:
+                CurveServerKeys.load(self.curve_secret_key, self.curve_authorized_clients or "")
+            except ValueError as exc:
+                raise WorkerSettingsError(str(exc)) from None
+        if self.salt_secret_file is not None:  # read once; the file wins over salt_secret
+            object.__setattr__(self, "salt_secret", _read_secret(self.salt_secret_file))
+        if self.salt_secret is not None and not self.salt_secret:
+            raise WorkerSettingsError("salt_secret is empty")
+        try:
+            self.connection_limits()
+            check_bind(self.host, self.admin_token, self.insecure_no_auth, "worker")
+        except ValueError as exc:
+            raise WorkerSettingsError(str(exc)) from None
+
+    def connection_limits(self) -> ConnectionLimits:
+        """The HTTP server's connection limits and timeouts."""
+        return ConnectionLimits(self.max_connections, self.header_timeout,
+                                self.keep_alive_timeout)
 
     @property
     def events_enabled(self) -> bool:
@@ -90,10 +139,29 @@ class WorkerSettings:
         return self.events_port is not None and self.prefix_caching
 
     @property
+    def curve_keys(self) -> CurveServerKeys | None:
+        """The event sockets' CURVE keys, read from their files; None without CURVE."""
+        if self.curve_secret_key is None or self.curve_authorized_clients is None:
+            return None
+        return CurveServerKeys.load(self.curve_secret_key, self.curve_authorized_clients)
+
+    @property
+    def salt_key(self) -> bytes | None:
+        """The cluster secret that keys published salt tags, or None (unkeyed tags)."""
+        return None if self.salt_secret is None else self.salt_secret.encode()
+
+    @property
     def image_routing_version(self) -> int | None:
         """1 when events, block reuse, images and hints are all on; else None."""
         on = self.events_enabled and self.images and self.image_hints
         return 1 if on else None
+
+
+def _read_secret(path: str) -> str:
+    try:
+        return Path(path).read_text().strip()
+    except OSError as exc:
+        raise WorkerSettingsError(f"salt_secret_file {path}: {exc.strerror}") from None
 
 
 _FIELDS = {f.name: f.type for f in fields(WorkerSettings)}
@@ -106,7 +174,7 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
         if value is None or (isinstance(value, str) and value.lower() in ("none", "")
                              and "None" in kind):
             return None
-        if name == "loras":
+        if name in ("loras", "allow_image_hosts"):
             items = value.split(",") if isinstance(value, str) else value
             return tuple(s.strip() for s in items if s.strip())
         if kind == "bool":
@@ -146,4 +214,11 @@ def load_worker_settings(flags: Mapping[str, Any], env: Mapping[str, str] | None
         # ``--engine torch --model llama-1b|PATH`` names the weights, as vLLM's --model does;
         # the served name is the same string.
         merged["torch_model"] = merged["model"]
+    if merged.get("admin_token_file"):
+        if merged.get("admin_token"):
+            raise WorkerSettingsError("give admin_token or admin_token_file, not both")
+        try:
+            merged["admin_token"] = read_token_file(merged["admin_token_file"])
+        except ValueError as exc:
+            raise WorkerSettingsError(str(exc)) from None
     return WorkerSettings(**merged)

@@ -1,7 +1,9 @@
 """Routing policies for the benchmark: one interface (:mod:`.base`), one file per policy.
 
-:data:`POLICIES` maps each name to a factory of a fresh policy with its documented defaults;
-:data:`VARIANTS` holds experimental variants, run by name, never by ``all``.
+:data:`POLICIES` maps each name to a factory of a fresh policy with its documented defaults.
+Besides those names, ``kvroute[NAME=VALUE,...]`` runs the router's core with router settings
+changed (:class:`router.settings.RouterSettings` field names, the values as a flag takes
+them), e.g. ``kvroute[queue_weight=0.5]`` or ``kvroute[sessions=off]``.
 """
 
 from __future__ import annotations
@@ -10,35 +12,19 @@ from collections.abc import Callable
 
 from bench.policies.base import ClusterView, Policy, RouteRequest, WorkerMetrics
 from bench.policies.dynamo import Dynamo
-from bench.policies.kvroute_affinity import KvrouteAffinity, KvrouteAffinity1
-from bench.policies.kvroute_load_variants import LOAD_VARIANTS
-from bench.policies.kvroute_policy import KvroutePolicy, KvrouteUntuned
-from bench.policies.kvroute_pressure import (
-    ADMIT_VARIANTS,
-    KvrouteAuto,
-    KvrouteNoSessions,
-    KvroutePressure,
-    KvroutePressureBalanced,
-    KvroutePressureCap1500,
-    KvroutePressureHalf,
-    KvroutePressureIdle,
-    KvroutePressureSmooth,
-    KvrouteWholeQueue,
-)
+from bench.policies.kvroute_policy import KvroutePolicy
 from bench.policies.least_loaded import LeastLoaded
 from bench.policies.llmd_precise import LlmdPrecise
 from bench.policies.random_policy import RandomPolicy
 from bench.policies.round_robin import RoundRobin
 from bench.policies.sglang_cache_aware import SglangCacheAware
+from router.settings import SettingsError, load_settings
 
 __all__ = [
     "POLICIES",
-    "VARIANTS",
     "ClusterView",
     "Dynamo",
     "KvroutePolicy",
-    "KvroutePressure",
-    "KvrouteUntuned",
     "LeastLoaded",
     "LlmdPrecise",
     "Policy",
@@ -47,6 +33,7 @@ __all__ = [
     "RouteRequest",
     "SglangCacheAware",
     "WorkerMetrics",
+    "kvroute_with",
     "make_policies",
 ]
 
@@ -58,26 +45,47 @@ POLICIES: dict[str, Callable[[], Policy]] = {
     "sglang_cache_aware": SglangCacheAware,
     "llmd_precise": LlmdPrecise,
     "dynamo": Dynamo,
-    "kvroute": KvrouteAuto,
-    "kvroute_fixed": KvroutePolicy,
-    "kvroute_untuned": KvrouteUntuned,
-    "kvroute_pressure": KvroutePressure,
+    "kvroute": KvroutePolicy,
 }
 
-#: Variants run by name only (not in ``all``): experiments around ``kvroute_pressure``.
-VARIANTS: dict[str, Callable[[], Policy]] = {
-    "kvroute_pressure_cap1500": KvroutePressureCap1500,
-    "kvroute_pressure_smooth": KvroutePressureSmooth,
-    "kvroute_pressure_half": KvroutePressureHalf,
-    "kvroute_pressure_idle": KvroutePressureIdle,
-    "kvroute_pressure_balanced": KvroutePressureBalanced,
-    **ADMIT_VARIANTS,
-    **LOAD_VARIANTS,
-    "kvroute_affinity4": KvrouteAffinity,
-    "kvroute_affinity1": KvrouteAffinity1,
-    "kvroute_nosessions": KvrouteNoSessions,
-    "kvroute_wholequeue": KvrouteWholeQueue,
-}
+
+def kvroute_with(name: str) -> KvroutePolicy:
+    """The ``kvroute`` policy a name ``kvroute[NAME=VALUE,...]`` asks for.
+
+    Raises:
+        ValueError: not of that form, an unknown setting, or a bad value.
+    """
+    if not (name.startswith("kvroute[") and name.endswith("]")):
+        raise ValueError(f"{name!r} is not kvroute[NAME=VALUE,...]")
+    flags: dict[str, str] = {}
+    for item in filter(None, (i.strip() for i in name[8:-1].split(","))):
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ValueError(f"{item!r} in {name!r} is not NAME=VALUE")
+        flags[key.strip()] = value.strip()
+    known = set(load_settings({}, env={}).__dataclass_fields__)
+    unknown = sorted(set(flags) - known)
+    if unknown:
+        raise ValueError(f"{name!r}: unknown router settings {unknown}")
+    try:
+        settings = load_settings(flags, env={})
+    except SettingsError as exc:
+        raise ValueError(f"{name!r}: {exc}") from None
+    return KvroutePolicy(settings, name)
+
+
+def _split(names: str) -> list[str]:
+    """Split a comma-separated list of names, keeping commas inside brackets."""
+    out, depth, current = [], 0, ""
+    for ch in names:
+        depth += (ch == "[") - (ch == "]")
+        if ch == "," and depth == 0:
+            out.append(current.strip())
+            current = ""
+        else:
+            current += ch
+    out.append(current.strip())
+    return [n for n in out if n]
 
 
 def make_policies(names: str) -> list[Policy]:
@@ -86,10 +94,9 @@ def make_policies(names: str) -> list[Policy]:
     Raises:
         ValueError: an unknown name.
     """
-    wanted = list(POLICIES) if names.strip() == "all" else [
-        n.strip() for n in names.split(",") if n.strip()]
-    known = {**POLICIES, **VARIANTS}
-    unknown = [n for n in wanted if n not in known]
+    wanted = list(POLICIES) if names.strip() == "all" else _split(names)
+    unknown = [n for n in wanted if n not in POLICIES and not n.startswith("kvroute[")]
     if unknown or not wanted:
-        raise ValueError(f"unknown policies {unknown}; choose from {list(known)} or 'all'")
-    return [known[n]() for n in wanted]
+        raise ValueError(f"unknown policies {unknown}; choose from {list(POLICIES)}, "
+                         "kvroute[NAME=VALUE,...] or 'all'")
+    return [POLICIES[n]() if n in POLICIES else kvroute_with(n) for n in wanted]

@@ -24,7 +24,7 @@ from router.load import ReportedLoad
 from router.worker_config import WorkerConfig
 from router.worker_table import WorkerInfo
 
-__all__ = ["EngineAdapter", "PollFailed", "WorkerUnreachable"]
+__all__ = ["EngineAdapter", "PollFailed", "WorkerUnreachable", "poll_failed"]
 
 
 class WorkerUnreachable(Exception):
@@ -32,7 +32,32 @@ class WorkerUnreachable(Exception):
 
 
 class PollFailed(Exception):
-    """A health or load poll failed; the message is the reason ``/workers`` shows."""
+    """A health or load poll failed; the message is the reason ``/workers`` shows.
+
+    Args:
+        reason: why, as ``/workers`` shows it.
+        gone: the worker did not answer at all (timed out, refused, reset): requests waiting
+            for its first byte are sent elsewhere.
+    """
+
+    def __init__(self, reason: str, *, gone: bool = False) -> None:
+        super().__init__(reason)
+        self.gone = gone
+
+
+def poll_failed(what: str, exc: httpx.HTTPError, timeout: float) -> PollFailed:
+    """The :class:`PollFailed` for an HTTP error during a poll: no answer within ``timeout``
+    and transport errors mean the worker is gone; an error status does not.
+
+    Args:
+        what: what was being asked (``"load poll"``, ``"health check"``...).
+        exc: the client's error.
+        timeout: the poll's timeout in seconds (named in the reason).
+    """
+    if isinstance(exc, httpx.TimeoutException):
+        return PollFailed(f"{what} failed: no answer within {timeout}s", gone=True)
+    return PollFailed(f"{what} failed: {type(exc).__name__}: {exc}",
+                      gone=isinstance(exc, httpx.TransportError))
 
 
 class EngineAdapter(Protocol):
@@ -57,13 +82,14 @@ class EngineAdapter(Protocol):
         ...
 
     async def poll(self, http: httpx.AsyncClient, worker: WorkerConfig,
-                   info: WorkerInfo | None) -> ReportedLoad:
+                   info: WorkerInfo | None, timeout: float = 2.0) -> ReportedLoad:
         """Check health and read the worker's load.
 
         Args:
             http: the router's client for control calls.
             worker: the worker's configuration.
             info: what :meth:`describe` last returned (``None`` before it succeeded).
+            timeout: seconds to wait for each answer (the router's ``health_timeout``).
 
         Raises:
             PollFailed: the worker is not healthy now, or answered something unusable.

@@ -30,7 +30,7 @@ from typing import Any
 
 import httpx
 
-from router.engines.base import PollFailed, WorkerUnreachable
+from router.engines.base import PollFailed, WorkerUnreachable, poll_failed
 from router.engines.prometheus import MetricsError, Samples, parse_metrics
 from router.load import ReportedLoad
 from router.worker_config import WorkerConfig
@@ -130,7 +130,7 @@ class StockEngine:
         models = await self._get_json(http, worker, "/v1/models")
         model, adapters, max_model_len = _read_models(worker.url, models)
         try:
-            samples = await self._scrape(http, worker)
+            samples = await self._scrape(http, worker, 5.0)
             reported = self.metrics.block_size(samples)
         except PollFailed as exc:
             raise WorkerUnreachable(f"{worker.url}: {exc}") from None
@@ -149,16 +149,16 @@ class StockEngine:
             num_blocks=capacity, lora_adapters=adapters)
 
     async def poll(self, http: httpx.AsyncClient, worker: WorkerConfig,
-                   info: WorkerInfo | None) -> ReportedLoad:
+                   info: WorkerInfo | None, timeout: float = 2.0) -> ReportedLoad:
         """``GET /health``, then the metrics (see
         :class:`~router.engines.base.EngineAdapter`)."""
         try:
-            health = await http.get(f"{worker.url}/health", timeout=2.0)
+            health = await http.get(f"{worker.url}/health", timeout=timeout)
         except httpx.HTTPError as exc:
-            raise PollFailed(f"health check failed: {type(exc).__name__}: {exc}") from None
+            raise poll_failed("health check", exc, timeout) from None
         if health.status_code != 200:
             raise PollFailed(f"/health answered {health.status_code}")
-        samples = await self._scrape(http, worker)
+        samples = await self._scrape(http, worker, timeout)
         m = self.metrics
         try:
             running = samples.total(m.running) or 0.0
@@ -172,13 +172,14 @@ class StockEngine:
         return ReportedLoad(running=int(running), waiting=int(waiting),
                             decode_blocks=usage * blocks)
 
-    async def _scrape(self, http: httpx.AsyncClient, worker: WorkerConfig) -> Samples:
+    async def _scrape(self, http: httpx.AsyncClient, worker: WorkerConfig, timeout: float
+                      ) -> Samples:
         url = f"{worker.url}{self.metrics.path}"
         try:
-            response = await http.get(url, timeout=2.0)
+            response = await http.get(url, timeout=timeout)
             response.raise_for_status()
         except httpx.HTTPError as exc:
-            raise PollFailed(f"metrics scrape failed: {type(exc).__name__}: {exc}") from None
+            raise poll_failed("metrics scrape", exc, timeout) from None
         try:
             return parse_metrics(response.text)
         except MetricsError as exc:

@@ -19,7 +19,6 @@ from bench.policies import (
 from indexer.index import GLOBAL_SEED, block_hashes
 from indexer.prompts import PromptTokens
 from router.prompt_path import HashingTerms, request_hashes
-from router.scheduler import SchedulerConfig
 from tests.support.policies import BS, FakeCluster
 
 
@@ -135,7 +134,8 @@ def test_dynamo_trades_overlap_against_prefill_and_decode_blocks() -> None:
 
 def test_kvroute_predicts_residency_before_events_arrive() -> None:
     cluster = FakeCluster()
-    p = KvroutePolicy(predict_ttl=2.0)  # predictions live 2 s
+    (p,) = make_policies("kvroute[predict_ttl=2]")  # predictions live 2 s
+    assert isinstance(p, KvroutePolicy)
     p.start(cluster)
     first = p.route(rr("a", PROMPT), 0.0)
     p.first_token("a", 0.05)
@@ -144,63 +144,58 @@ def test_kvroute_predicts_residency_before_events_arrive() -> None:
     assert p.route(rr("b", PROMPT), 0.2) == first
     p.finished("b", 0.3)
     # ... until the prediction expires (2 s).
-    assert p.candidates(rr("c", PROMPT).hashes, 2.5)[first].matched_blocks == 0
+    hashes = rr("c", PROMPT).hashes
+    assert p.core.candidates([first], hashes, {}, 2.5)[0].matched_blocks == 0
 
 
 def test_make_policies_knows_all_and_rejects_unknown_names() -> None:
     names = [p.name for p in make_policies("all")]
     assert names == ["round_robin", "random", "least_loaded", "sglang_cache_aware",
-                     "llmd_precise", "dynamo", "kvroute", "kvroute_fixed", "kvroute_untuned",
-                     "kvroute_pressure"]
+                     "llmd_precise", "dynamo", "kvroute"]
     with pytest.raises(ValueError, match="unknown"):
         make_policies("round_robin,nope")
+    with pytest.raises(ValueError, match="unknown router settings"):
+        make_policies("kvroute[temperature=1]")
+    with pytest.raises(ValueError, match="queue_weight"):
+        make_policies("kvroute[queue_weight=heavy]")
+    (a, b) = make_policies("kvroute[queue_weight=0.5,sessions=off],dynamo")
+    assert a.name == "kvroute[queue_weight=0.5,sessions=off]" and b.name == "dynamo"
 
 
 @pytest.mark.parametrize(("queue_weight", "expected"), [(1.0, 1), (0.25, 0)])
 def test_kvroute_queue_weight_trades_waiting_against_recomputing(queue_weight: float,
                                                                  expected: int) -> None:
     cluster = FakeCluster()
-    p = KvroutePolicy(SchedulerConfig(overlap_weight=1.0, queue_weight=queue_weight))
+    (p,) = make_policies(f"kvroute[policy=dynamo,overlap_weight=1,queue_weight={queue_weight}]")
     p.start(cluster)
     req = rr("a", PROMPT)
     cluster.index.store_hashes(0, req.hashes)  # worker 0 holds all 10 blocks ...
-    p._load.routed("queued", 0, 20.0, 20)  # ... behind 20 blocks of pending prefill
+    p.core.load.routed("queued", 0, 20.0, 20)  # ... behind 20 blocks of pending prefill
     # Weight 1: 0 + 20 > 10 + 0, recompute on worker 1. Weight 0.25: 0 + 5 < 10, wait on 0.
     assert p.route(req, 0.0) == expected
 
 
 def test_kvroute_decides_with_the_routers_default_settings() -> None:
     from bench.policies import POLICIES
-    from router.pressure import AUTO_QUEUE_CAP_BLOCKS, ROUTER_PRESSURE_RULE
     from router.settings import RouterSettings
 
-    d, p = RouterSettings(), POLICIES["kvroute"]()
-    assert d.queue_weight is None and p.rule is ROUTER_PRESSURE_RULE  # auto
-    assert (p.config.overlap_weight, p.config.host_credit, p.config.admission_weight,
-            p.config.queue_cap_blocks, p.predict_ttl, p.window_s, p.config.affinity_weight,
-            p.config.affinity_lead_blocks) == (
-        d.overlap_weight, d.host_credit, d.admission_weight, AUTO_QUEUE_CAP_BLOCKS,
-        d.predict_ttl, d.pressure_window, d.affinity_weight, d.affinity_lead_blocks)
-    fixed = POLICIES["kvroute_fixed"]()  # --queue-weight 0.5: no cap
-    assert (fixed.config.queue_weight, fixed.config.queue_cap_blocks) == (0.5, float("inf"))
+    p = POLICIES["kvroute"]()
+    assert isinstance(p, KvroutePolicy)
+    p.start(FakeCluster())
+    assert p.settings == RouterSettings()
+    assert p.core.settings == RouterSettings().core_settings()
+    assert p.core.settings.auto_queue
 
 
-@pytest.mark.parametrize(("policy", "expected"), [("kvroute", 1), ("kvroute_wholequeue", 0)])
-def test_kvroute_discounts_only_cached_blocks_while_caches_warm_up(policy: str,
-                                                                   expected: int) -> None:
-    # A prompt nobody holds; worker 0 has 20 blocks of prefill queued, worker 1 decodes 500.
-    # Whole queue at 0.5: 32 * (10 + 10) = 640 < 32 * 10 + 500 = 820, so worker 0. Cached
-    # blocks only (none): 32 * 30 = 960 > 820, so worker 1.
+@pytest.mark.parametrize(("policy", "weight"), [("kvroute", 0.5),
+                                                ("kvroute[queue_weight=0.3]", 0.3)])
+def test_kvroute_weighs_queues_at_the_routers_weight(policy: str, weight: float) -> None:
     cluster = FakeCluster()
     (p,) = make_policies(policy)
     assert isinstance(p, KvroutePolicy)
     p.start(cluster)
-    p._load.routed("queued", 0, 20.0, 20)
-    p._load.routed("decoding", 1, 0.0, 500)
-    p.first_token("decoding", 0.0)
-    assert p.route(rr("cold", PROMPT), 0.0) == expected
-    assert p.config.queue_weight == 0.5  # both are warming up
-    assert p.config.queue_discount_cached_only is (policy == "kvroute")
+    p.route(rr("cold", PROMPT), 0.0)
+    assert p.core.config.queue_weight == weight  # auto: 0.5 while the caches warm up
 
 
 def _decoding_on_worker_0(policy: str) -> tuple[FakeCluster, KvroutePolicy]:
@@ -208,53 +203,27 @@ def _decoding_on_worker_0(policy: str) -> tuple[FakeCluster, KvroutePolicy]:
     (p,) = make_policies(policy)
     assert isinstance(p, KvroutePolicy)
     p.start(cluster)
-    p._load.routed("decoding", 0, 0.0, 300)  # worker 0 decodes 300 blocks of context
+    p.core.load.routed("decoding", 0, 0.0, 300)  # worker 0 decodes 300 blocks of context
     p.first_token("decoding", 0.0)
     return cluster, p
 
 
-@pytest.mark.parametrize(("policy", "held_by_1", "expected"), [
-    # lead 8 (worker 1 holds the first 2 blocks): at kvroute's lead and over the variants' 4
-    ("kvroute_affinity1", 2, 1), ("kvroute_affinity4", 2, 0), ("kvroute", 2, 0),
-    # lead 5: under kvroute's 8, over kvroute_affinity4's 4
-    ("kvroute_affinity1", 5, 1), ("kvroute", 5, 1), ("kvroute_affinity4", 5, 0)])
-def test_affinity_keeps_a_continuing_session_on_its_worker_from_its_lead(
-        policy: str, held_by_1: int, expected: int) -> None:
-    cluster, p = _decoding_on_worker_0(policy)
-    req = rr("turn", PROMPT)
-    # Worker 0 holds all 10 blocks and decodes 300; leaving it costs 32 x (10 - held_by_1)
-    # at weight 32 (256 or 160: it moves) and 4 x that with the factor applied (1024 or 640:
-    # it stays).
-    cluster.index.store_hashes(0, req.hashes)
-    cluster.index.store_hashes(1, req.hashes[:held_by_1])
-    assert p.route(req, 0.0) == expected
-
-
-@pytest.mark.parametrize("policy", ["kvroute", "kvroute_affinity1"])
-def test_affinity_prices_a_request_without_a_clear_lead_as_kvroute(policy: str) -> None:
-    cluster, p = _decoding_on_worker_0(policy)
-    req = rr("new", PROMPT)
-    # Worker 0 holds 8 blocks, worker 1 5: a lead of 3, under the variant's 4. At weight 32,
-    # 32 x 2 + 300 = 364 against 160, worker 1; the weight x 4 would pick 0 (556 < 640).
-    cluster.index.store_hashes(0, req.hashes[:8])
-    cluster.index.store_hashes(1, req.hashes[:5])
-    assert p.route(req, 0.0) == 1
-
-
-@pytest.mark.parametrize(("policy", "stays"), [("kvroute", True), ("kvroute_nosessions", False)])
+@pytest.mark.parametrize(("policy", "stays"), [("kvroute", True),
+                                               ("kvroute[sessions=off]", False)])
 def test_kvroute_keeps_a_continuing_session_home_until_its_queue_runs_away(
         policy: str, stays: bool) -> None:
     cluster = FakeCluster()
     (p,) = make_policies(policy)
+    assert isinstance(p, KvroutePolicy)
     p.start(cluster)
     home = p.route(rr("turn1", PROMPT), 0.0)
     p.first_token("turn1", 0.1)
     p.finished("turn1", 0.2)
-    p._load.routed("long-decode", home, 0.0, 3000)  # 3,000 blocks decoding at home
+    p.core.load.routed("long-decode", home, 0.0, 3000)  # 3,000 blocks decoding at home
     p.first_token("long-decode", 0.3)
-    # Leaving costs 4 x 32 x 10 = 1,280; staying 3,000 of decode: by cost, the turn leaves.
+    # Leaving costs 32 x 10 = 320; staying 3,000 of decode: by cost, the turn leaves.
     turn2 = PROMPT + tuple(range(60, 68))
     assert (p.route(rr("turn2", turn2), 1.0) == home) is stays
     if stays:  # 200 blocks queued at home, past the 128 allowed: the next turn leaves
-        p._load.routed("queued", home, 200.0, 200)
+        p.core.load.routed("queued", home, 200.0, 200)
         assert p.route(rr("turn3", turn2 + tuple(range(70, 78))), 2.0) != home

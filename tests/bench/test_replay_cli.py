@@ -32,7 +32,7 @@ def test_short_run_writes_json_table_and_plots(tmp_path: Path,
     (run,) = doc["runs"]
     assert [r["policy"] for r in run["rows"]] == [
         "round_robin", "random", "least_loaded", "sglang_cache_aware", "llmd_precise",
-        "dynamo", "kvroute", "kvroute_fixed", "kvroute_untuned", "kvroute_pressure"]
+        "dynamo", "kvroute"]
     for row in run["rows"]:
         assert set(METRIC_KEYS) <= set(row)
         assert row["requests"] == 12
@@ -100,33 +100,30 @@ def test_measured_timing_is_the_default_and_prices_cached_attention_cheaper(
     assert (e2e[None], ttft[None]) == (e2e["measured"], ttft["measured"])
 
 
-def test_affinity_weight_flag_sets_every_kvroute_policys_factor() -> None:
+def test_set_changes_every_kvroute_policys_router_settings() -> None:
     from bench.replay import _policies, build_parser
 
-    names = ["--policies", "kvroute,kvroute_affinity4,kvroute_affinity1,round_robin"]
+    names = ["--policies", "kvroute,kvroute[session_weight=1],round_robin"]
     default = _policies(build_parser().parse_args(names))
-    assert [getattr(p, "config", None) and p.config.affinity_weight for p in default] == [
-        4.0, 4.0, 1.0, None]
-    forced = _policies(build_parser().parse_args([*names, "--affinity-weight", "1"]))
-    assert [getattr(p, "config", None) and p.config.affinity_weight for p in forced] == [
-        1.0, 1.0, 1.0, None]
-    leads = [p.config.affinity_lead_blocks for p in default[:3]]
-    assert leads == [8, 4, 4]  # kvroute's is the router's; the variants' as measured
-    forced = _policies(build_parser().parse_args([*names, "--affinity-lead-blocks", "2"]))
-    assert [p.config.affinity_lead_blocks for p in forced[:3]] == [2, 2, 2]
-    assert [p.config.affinity_weight for p in forced[:3]] == [4.0, 4.0, 1.0]
+    assert [getattr(p, "settings", None) and p.settings.session_weight for p in default] == [
+        16.0, 1.0, None]
+    forced = _policies(build_parser().parse_args([*names, "--set", "session_weight=2",
+                                                  "--set", "sessions=off"]))
+    assert [p.settings.session_weight for p in forced[:2]] == [2.0, 2.0]
+    assert [p.settings.sessions for p in forced[:2]] == [False, False]
+    assert [p.name for p in forced] == ["kvroute", "kvroute[session_weight=1]", "round_robin"]
 
 
-@pytest.mark.parametrize(("flag", "value"), [
-    ("--affinity-weight", "0"), ("--affinity-weight", "-1"), ("--affinity-weight", "nan"),
-    ("--affinity-weight", "four"), ("--affinity-lead-blocks", "0"),
-    ("--affinity-lead-blocks", "2.5")])
-def test_bad_affinity_settings_are_usage_errors(flag: str, value: str,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
-    with pytest.raises(SystemExit) as exc:
-        main([flag, value, "--no-progress"])
-    assert exc.value.code == 2
-    assert flag in capsys.readouterr().err
+@pytest.mark.parametrize(("value", "fragment"), [
+    ("session_weight=-1", "session_weight must be >= 0"),
+    ("session_weight=four", "session_weight from flag: 'four'"),
+    ("temperature=1", "not NAME=VALUE with NAME a router setting"),
+    ("sessions", "not NAME=VALUE")])
+def test_bad_router_settings_are_errors(value: str, fragment: str, tmp_path: Path,
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--trace", str(tiny_trace(tmp_path / "t.jsonl")), "--set", value,
+                 "--no-progress"]) == 2
+    assert fragment in capsys.readouterr().err
 
 
 def test_unknown_timing_model_is_a_usage_error(tmp_path: Path,
@@ -141,7 +138,7 @@ def test_seeds_run_each_seed_with_a_verdict_and_tally(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out, serial = tmp_path / "out.json", tmp_path / "serial.json"
     common = ["--generator", "system_prompt", "--requests", "60", "--workers", "2",
-              "--policies", "kvroute,kvroute_fixed,round_robin", "--seeds", "0-1,3",
+              "--policies", "kvroute,kvroute[queue_weight=0.5],round_robin", "--seeds", "0-1,3",
               "--no-progress"]
     assert main([*common, "--jobs", "2", "--json", str(out)]) == 0
     printed = capsys.readouterr().out
@@ -152,7 +149,7 @@ def test_seeds_run_each_seed_with_a_verdict_and_tally(
     assert len({r["bounds"]["prompt_tokens"] for r in doc["runs"]}) == 3
     for run, ref in zip(doc["runs"], one["runs"], strict=True):
         assert run["targets"]["policy"] == "kvroute"
-        assert run["targets"]["p50"]["peer"] == "round_robin"  # kvroute_fixed is ours
+        assert run["targets"]["p50"]["peer"] == "round_robin"  # kvroute[...] is ours
         # processes give the same simulation as one process
         for a, b in zip(run["rows"], ref["rows"], strict=True):
             assert a["ttft_p99_s"] == b["ttft_p99_s"] and a["hit_rate"] == b["hit_rate"]

@@ -80,7 +80,7 @@ def test_sessions_keep_continuing_turns_on_their_worker_under_load() -> None:
         requests=400, rate=40.0, system_prompts=4, system_tokens=(1024, 2048),
         user_tokens=(128, 512), output_tokens=(64, 256), turn_gap_s=0.3), seed=1)
     moved, turns, policy = _moved_turns(reqs, "kvroute")
-    moved_before, _, _ = _moved_turns(reqs, "kvroute_nosessions")
+    moved_before, _, _ = _moved_turns(reqs, "kvroute[sessions=off]")
     assert turns > 300 and moved_before > 0
     assert moved < moved_before
-    assert policy._sessions is not None and policy._sessions.continue_rate > 0.5
+    assert policy.core.sessions is not None and policy.core.sessions.continue_rate > 0.5

@@ -1,4 +1,4 @@
-"""The issue's targets on one run's rows: who the peers are, each target's edge, the tally."""
+"""The benchmark targets on one run's rows: who the peers are, each target's edge, the tally."""
 
 from __future__ import annotations
 
@@ -45,10 +45,10 @@ def test_hit_and_imbalance_edges() -> None:
 
 
 def test_kvroute_variants_are_not_peers() -> None:
-    rows = [row("kvroute", p50=0.03), row("kvroute_affinity1", p50=0.01), row("dynamo", 0.04)]
+    rows = [row("kvroute", p50=0.03), row("kvroute[sessions=off]", p50=0.01), row("dynamo", 0.04)]
     v = verdict(rows)
     assert v is not None and v["met"] and v["p50"]["peer"] == "dynamo"
-    assert verdict([row("kvroute"), row("kvroute_fixed")]) is None  # no peer ran
+    assert verdict([row("kvroute"), row("kvroute[queue_weight=0.5]")]) is None  # no peer ran
     assert verdict([row("dynamo"), row("round_robin")]) is None  # kvroute did not run
 
 

@@ -8,7 +8,15 @@ import types
 import pytest
 
 from indexer.events import MmItem, Stored
-from indexer.hashing import GLOBAL_SEED, UnhashableStore, event_hash_input
+from indexer.hashing import (
+    GLOBAL_SEED,
+    SALT_TAG_HMAC,
+    SALT_TAG_SHA256,
+    UnhashableStore,
+    event_hash_input,
+    salt_tag,
+)
+from router.prompt_path import published_salt
 
 U64 = 2**64 - 1
 DIGEST = "3f" * 32
@@ -142,6 +150,33 @@ def test_request_and_event_agree_on_lora_and_salt(impl: types.SimpleNamespace) -
                    lora_id=7)
     assert _event_hashes(impl, by_id) == _request_hashes(impl, tokens, lora="id:7")
     assert len({tuple(_event_hashes(impl, e)) for e in (vllm, sglang, by_id)}) == 3
+
+
+def test_salt_tags_golden_and_keyed(impl: types.SimpleNamespace) -> None:
+    # Unkeyed: "salt:" + SHA-256(salt)[:16], the tag workers have always published.
+    assert salt_tag("tenant-a") == "salt:80a707af7dc77ee1"
+    # Keyed by the cluster's secret: HMAC-SHA256(secret, salt)[:16]; a guess at the salt
+    # cannot be checked against the tag without the secret.
+    keyed = salt_tag("tenant-a", b"cluster-secret")
+    assert keyed == "salt:ec93422ca7936794"
+    assert salt_tag("tenant-a", b"other-secret") not in (keyed, salt_tag("tenant-a"))
+    assert impl.scope_seed(None, keyed) == 0x3845E1F3CD31B947
+    # The router tags a request's salt as the worker says it does.
+    assert published_salt("tenant-a", SALT_TAG_SHA256) == salt_tag("tenant-a")
+    assert published_salt("tenant-a", SALT_TAG_HMAC, b"cluster-secret") == keyed
+    assert published_salt("tenant-a", None) == "tenant-a"  # engines that publish it raw
+    assert published_salt("tenant-a", SALT_TAG_HMAC) not in (keyed, salt_tag("tenant-a"))
+
+
+def test_request_and_event_agree_on_a_keyed_salt(impl: types.SimpleNamespace) -> None:
+    tokens = [5, 6, 7, 8]
+    key = b"cluster-secret"
+    event = Stored(block_hashes=[1], parent_block_hash=None, token_ids=tokens, block_size=4,
+                   extra_keys=[[salt_tag("tenant-a", key)]])
+    request = _request_hashes(impl, tokens, salt=published_salt("tenant-a", SALT_TAG_HMAC, key))
+    assert _event_hashes(impl, event) == request
+    unkeyed = _request_hashes(impl, tokens, salt=published_salt("tenant-a", SALT_TAG_SHA256))
+    assert unkeyed != request
 
 
 def _image_event(uuid: str | None, version: int | None) -> Stored:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import shutil
 import subprocess
@@ -78,10 +79,10 @@ def test_every_environment_variable_is_a_setting_the_code_reads(
 
 
 def test_a_wildcard_event_endpoint_is_reached_at_the_workers_service_name() -> None:
-    from router.worker_table import parse_model_info
+    from router.worker_answers import parse_model_info
 
-    info = parse_model_info("http://worker-1:8100", {
+    info = parse_model_info("http://worker-1:8100", json.dumps({
         "model": "m", "block_size": 32, "tokenizer": "bytes-v1", "instance_id": "i",
-        "events_endpoint": "tcp://0.0.0.0:5557", "replay_endpoint": "tcp://*:5558"})
+        "events_endpoint": "tcp://0.0.0.0:5557", "replay_endpoint": "tcp://*:5558"}).encode())
     assert info.events_endpoint == "tcp://worker-1:5557"
     assert info.replay_endpoint == "tcp://worker-1:5558"

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import sys
+from pathlib import Path
 
 from indexer.wire import BlockRemoved, BlockStored, KVEventBatch
 from workers.cache.publisher import EventPublisher
@@ -74,3 +75,29 @@ async def test_tail_times_out_when_nothing_arrives() -> None:
     code, lines, err = await run_tail("--connect", pub.endpoint, "--timeout", "0.5")
     await pub.close()
     assert code == 3 and lines == [] and "nothing for 0.5s" in err
+
+
+async def test_tail_over_curve(tmp_path: Path) -> None:
+    from kvroute.keys import generate_keypair
+    from workers.cache.publisher import CurveServerKeys
+
+    server_pub, server_secret = generate_keypair(tmp_path / "server", "worker")
+    _, client_secret = generate_keypair(tmp_path / "clients", "tail")
+    pub = EventPublisher("tcp://127.0.0.1:*", "tcp://127.0.0.1:*",
+                         curve=CurveServerKeys.load(server_secret, tmp_path / "clients"))
+    await pub.start()
+    await pub.publish(KVEventBatch(1.5, [], 0))
+    code, lines, err = await run_tail("--connect", pub.endpoint, "--replay", pub.replay_endpoint,
+                                      "--from-seq", "0", "--count", "1", "--json",
+                                      "--timeout", "15", "--curve-secret-key",
+                                      str(client_secret), "--curve-server-key", str(server_pub))
+    assert code == 0, err
+    assert [json.loads(line)["seq"] for line in lines] == [0]
+    code, _, err = await run_tail("--connect", pub.endpoint, "--curve-secret-key",
+                                  str(tmp_path / "missing"), "--curve-server-key",
+                                  str(server_pub))
+    assert code == 2 and "CURVE key file" in err
+    code, _, err = await run_tail("--connect", pub.endpoint, "--curve-server-key",
+                                  str(server_pub))
+    await pub.close()
+    assert code == 2 and "go together" in err

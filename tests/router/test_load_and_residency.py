@@ -93,18 +93,22 @@ def test_predictions_are_bounded_oldest_first_and_forgettable() -> None:
     assert p.workers() == []
 
 
-def test_waiting_blocks_are_full_prompts_until_the_first_token() -> None:
-    t = LoadTracker()
-    t.add_worker(0)
-    t.routed("a", 0, prefill_blocks=2, decode_blocks=10)  # 8 of 10 cached
-    t.routed("b", 0, prefill_blocks=5, decode_blocks=5)
-    assert t.waiting_blocks(0) == 15.0
-    assert t.load(0) == WorkerLoad(2, 7.0, 0.0), "load() is unchanged by the new books"
-    t.first_token("a")
-    assert t.waiting_blocks(0) == 5.0
-    t.first_token("a")
-    assert t.waiting_blocks(0) == 5.0
-    t.finished("b")  # failed before its first token
-    assert t.waiting_blocks(0) == 0.0
-    t.finished("a")
-    assert t.waiting_blocks(0) == 0.0 and t.waiting_blocks(7) == 0.0
+def test_expiry_drops_only_the_expired_front_and_empty_workers() -> None:
+    p = PredictedResidency(ttl=10.0)
+    p.predict(0, [1, 2], now=0.0)
+    p.predict(0, [3], now=5.0)
+    p.predict(0, [1], now=6.0)  # 1 again: lives to 16, behind 3
+    p.predict(1, [9], now=1.0)
+    assert p.expire(now=10.0) == 1  # 2 went; 3 (15) and 1 (16) stay
+    assert p.extend(0, [3], 0, now=10.0) == 1 and p.extend(0, [1], 0, now=10.0) == 1
+    assert p.size(0) == 2 and p.workers() == [0, 1]
+    assert p.expire(now=16.0) == 3
+    assert p.workers() == [] and p.size(0) == p.size(1) == 0
+
+
+def test_withdrawn_predictions_are_gone() -> None:
+    p = PredictedResidency(ttl=10.0)
+    p.predict(0, [1, 2, 3], now=0.0)
+    p.withdraw(0, [2, 3, 4])
+    p.withdraw(5, [1])  # a worker with nothing predicted
+    assert p.extend(0, [1, 2], 0, now=1.0) == 1 and p.size(0) == 1

@@ -3,15 +3,10 @@ scheduler's queue cap."""
 
 from __future__ import annotations
 
-import math
-import random
-import time
-
 import pytest
 
 from indexer.events import Cleared, Removed, Stored
-from router.pressure import EvictionPressure, PressureRule, queue_weight_for
-from router.scheduler import Candidate, SchedulerConfig, choose, cost_of
+from router.pressure import EvictionPressure, queue_weight_for
 
 
 def stored(n: int, medium: str | None = None) -> Stored:
@@ -101,98 +96,10 @@ def test_queue_weight_is_flat_outside_the_band_and_linear_inside(pressure: float
     assert queue_weight_for(pressure) == pytest.approx(weight)
 
 
-def test_queue_weight_rule_is_configurable_and_validated() -> None:
-    rule = PressureRule(low=0.5, high=0.5, low_pressure_weight=1.0, high_pressure_weight=0.0)
-    assert queue_weight_for(0.49, rule) == 1.0 and queue_weight_for(0.5, rule) == 1.0
-    assert queue_weight_for(0.51, rule) == 0.0
-    with pytest.raises(ValueError):
-        PressureRule(low=0.8, high=0.2)
-    with pytest.raises(ValueError):
-        PressureRule(high_pressure_weight=-0.1)
-
-
-def test_queue_cap_weights_only_the_first_blocks_of_a_queue() -> None:
-    capped = SchedulerConfig(overlap_weight=1.0, queue_weight=0.1, queue_cap_blocks=3000)
-    plain = SchedulerConfig(overlap_weight=1.0, queue_weight=0.1)
-    short, long_ = Candidate(0, pending_prefill_blocks=2000), Candidate(1,
-                                                                     pending_prefill_blocks=5000)
-    assert cost_of(short, 10, capped).cost == pytest.approx(10 + 200)
-    assert cost_of(long_, 10, capped).cost == pytest.approx(10 + 300 + 2000)
-    assert cost_of(long_, 10, plain).cost == pytest.approx(10 + 500)
-
-
-def test_queue_cap_changes_the_choice_between_waiting_and_recomputing() -> None:
-    # Worker 0 holds the whole 1,000-block prompt behind a 6,000-block queue; worker 1 is idle.
-    cands = [Candidate(0, 1000, 1000, pending_prefill_blocks=6000), Candidate(1)]
-    rng = random.Random(0)
-    uncapped = SchedulerConfig(queue_weight=0.1)
-    assert choose(1000, cands, uncapped, rng).worker == 0  # 600 queued < 1,000 to recompute
-    capped = SchedulerConfig(queue_weight=0.1, queue_cap_blocks=3000)
-    assert choose(1000, cands, capped, rng).worker == 1  # 300 + 3,000 queued > 1,000
-
-
-def test_queue_cap_counts_from_the_shortest_queue() -> None:
-    # Every worker is backlogged: worker 0 holds the 1,000-block prompt behind 6,000 queued
-    # blocks, worker 1 holds nothing behind 4,000. Counted from zero the cap would send the
-    # request to worker 1 (300 + 3,000 against 1,000 + 300 + 1,000); counted from the shortest
-    # queue (4,000), worker 0's whole queue is discounted: 600 against 1,400.
-    capped = SchedulerConfig(overlap_weight=1.0, queue_weight=0.1, queue_cap_blocks=3000)
-    cands = [Candidate(0, 1000, 1000, pending_prefill_blocks=6000),
-             Candidate(1, pending_prefill_blocks=4000)]
-    decision = choose(1000, cands, capped, random.Random(0))
-    assert decision.worker == 0
-    assert {c.worker: c.cost for c in decision.costs} == pytest.approx({0: 600, 1: 1400})
-    # A queue that runs away from the others' is still capped: 9,000 is 2,000 past 4,000 + 3,000.
-    cands[0] = Candidate(0, 1000, 1000, pending_prefill_blocks=9000)
-    decision = choose(1000, cands, capped, random.Random(0))
-    assert decision.worker == 1
-    assert {c.worker: c.cost for c in decision.costs} == pytest.approx({0: 2700, 1: 1400})
-
-
-def test_default_cap_is_unbounded_and_bad_caps_are_rejected() -> None:
-    assert SchedulerConfig().queue_cap_blocks == math.inf
-    c = Candidate(0, pending_prefill_blocks=1e9)
-    assert cost_of(c, 0, SchedulerConfig()).prefill_blocks == 0.5 * 1e9
-    assert cost_of(c, 0, SchedulerConfig(queue_cap_blocks=0)).prefill_blocks == 1e9
-    for bad in (-1.0, math.nan):
-        with pytest.raises(ValueError, match="queue_cap_blocks"):
-            SchedulerConfig(queue_cap_blocks=bad)
-
-
-def test_the_idle_segment_runs_from_its_weight_at_zero_to_the_low_weight() -> None:
-    rule = PressureRule(idle_weight=0.5, idle_below=0.1)
-    assert queue_weight_for(0.0, rule) == 0.5
-    assert queue_weight_for(0.05, rule) == pytest.approx(0.375)
-    assert queue_weight_for(0.1, rule) == 0.25  # K from here on
-    assert queue_weight_for(0.5, rule) == pytest.approx(0.175)
-    assert queue_weight_for(0.9, rule) == pytest.approx(0.10)
-    assert queue_weight_for(0.0) == 0.25  # without the segment: K at zero pressure
-    with pytest.raises(ValueError, match="idle_below"):
-        PressureRule(idle_weight=0.5, idle_below=0.5)  # past low (0.3)
-
-
-async def test_a_removed_worker_leaves_the_routers_pressure_a_restarted_one_keeps_its_peak(
-) -> None:
-    import httpx
-
-    from router.service import RouterService
-    from router.settings import RouterSettings
-    from router.worker_table import WorkerInfo
-
-    async with httpx.AsyncClient() as http:
-        service = RouterService(RouterSettings(), http)
-        for w in range(2):
-            service.registry.adopt(WorkerInfo(url=f"http://w{w}", model="m", block_size=32,
-                                              tokenizer="bytes-v1", instance_id=f"i{w}"))
-        service._observe(0, [stored(100)])
-        service._observe(1, [stored(300), removed(60)])
-        now = time.monotonic()
-        assert service.pressure.pressure(now) == pytest.approx(60 / 400)
-        service.forget(1)  # restarted: its cache is empty, its capacity is not
-        assert service.pressure.peak(1) == 300 and service.pressure.resident(1) == 0
-        await service.registry.remove(1)  # removed: its capacity leaves the denominator
-        assert service.pressure.peak(1) == 0
-        assert service.pressure.pressure(time.monotonic()) == pytest.approx(60 / 100)
+def test_while_warming_the_weight_is_half_whatever_the_pressure() -> None:
+    assert queue_weight_for(0.9, warming=True) == 0.5
+    assert queue_weight_for(0.9) == pytest.approx(0.10)
+    assert queue_weight_for(0.0, warming=True) == 0.5
 
 
 def test_warm_up_ends_at_the_fill_or_the_first_eviction() -> None:

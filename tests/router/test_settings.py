@@ -27,45 +27,52 @@ def test_queue_weight_is_auto_unless_a_number_is_given() -> None:
     assert load_settings({"queue_weight": "0.25"}, env={}).queue_weight == 0.25
 
 
-def test_sessions_are_on_by_default_and_each_half_turns_off() -> None:
+def test_sessions_are_on_by_default_and_off_turns_both_halves_off() -> None:
     s = load_settings({}, env={})
-    assert (s.session_weight, s.session_queue_blocks, s.sessions) == (16.0, 128.0, True)
-    assert s.scheduler_config().session_weight == 16.0
-    assert s.scheduler_config().session_queue_blocks == 128.0
-    off = load_settings({"session_weight": 0.0, "session_queue_blocks": "off"}, env={})
-    assert (off.session_queue_blocks, off.sessions) == (None, False)
-    assert off.scheduler_config().session_weight == 0.0
-    stay_only = load_settings({"session_weight": 0.0}, env={})
-    assert stay_only.sessions
+    assert (s.session_weight, s.sessions) == (16.0, True)
+    assert s.core_settings().scheduler.session_weight == 16.0 and s.core_settings().sessions
+    off = load_settings({"sessions": "off"}, env={})
+    assert not off.sessions and not off.core_settings().sessions
+    assert off.core_settings().scheduler.session_weight == 0.0
+    assert load_settings({}, env={"KVROUTE_SESSIONS": "on"}).sessions
+
+
+def test_the_routing_defaults_are_the_schedulers() -> None:
+    from router.scheduler import SchedulerConfig
+
+    rule, core = SchedulerConfig(), RouterSettings().core_settings()
+    assert core.scheduler == rule  # one source: the settings hold no defaults of their own
+    assert core.auto_queue
+
+
+def test_dynamo_is_one_flag_away() -> None:
+    core = load_settings({"policy": "dynamo"}, env={}).core_settings()
+    assert (core.scheduler.overlap_weight, core.scheduler.queue_weight) == (32.0, 1.0)
+    assert (core.scheduler.session_weight, core.sessions, core.auto_queue) == (0.0, False, False)
+    dynamo = load_settings({"policy": "dynamo", "overlap_weight": 1.0}, env={}).core_settings()
+    assert dynamo.scheduler == __import__("router.scheduler").scheduler.SchedulerConfig.dynamo()
 
 
 def test_json_config_files_work_too(tmp_path: Path) -> None:
     config = tmp_path / "router.json"
-    config.write_text('{"overlap_weight": 2.5, "temperature": 0.1}')
+    config.write_text('{"overlap_weight": 2.5, "sessions": false}')
     s = load_settings({}, env={}, config_file=str(config))
-    assert (s.overlap_weight, s.temperature) == (2.5, 0.1)
+    assert (s.overlap_weight, s.sessions) == (2.5, False)
 
 
 @pytest.mark.parametrize("flags, env, fragment", [
     ({"port": 0}, {}, "port 0"),
     ({}, {"KVROUTE_PORT": "eighty"}, "port from environment"),
-    ({"host_credit": 1.5}, {}, "host_credit"),
     ({"workers": ("ftp://x",)}, {}, "not an http(s) URL"),
     ({"block_size": -4}, {}, "block_size"),
-    ({"temperature": -1.0}, {}, "temperature"),
+    ({"sessions": "sometimes"}, {}, "sessions from flag: 'sometimes' is not a valid bool"),
     ({}, {"KVROUTE_POLICY": "least_cost"}, "policy 'least_cost' is not one of kv"),
     ({"queue_weight": "heavy"}, {}, "queue_weight from flag: 'heavy' is not a valid float"),
     ({"queue_weight": "-1"}, {}, "queue_weight must be >= 0"),
-    ({"pressure_window": 0.0}, {}, "pressure_window must be positive"),
-    ({"affinity_weight": 0.0}, {}, "affinity_weight must be > 0"),
-    ({}, {"KVROUTE_AFFINITY_WEIGHT": "nan"}, "affinity_weight must be > 0"),
-    ({}, {"KVROUTE_AFFINITY_LEAD_BLOCKS": "2.5"}, "affinity_lead_blocks from environment"),
-    ({"affinity_lead_blocks": 0}, {}, "affinity_lead_blocks must be >= 1"),
+    ({"overlap_weight": -1.0}, {}, "overlap_weight must be >= 0"),
     ({"session_weight": -1.0}, {}, "session_weight must be >= 0"),
     ({}, {"KVROUTE_SESSION_WEIGHT": "lots"}, "session_weight from environment"),
-    ({"session_queue_blocks": "-5"}, {}, "session_queue_blocks must be >= 0"),
-    ({"session_queue_blocks": "never"}, {}, "session_queue_blocks from flag: 'never'"),
-    ({"session_queue_blocks": "auto"}, {}, "session_queue_blocks from flag: 'auto'"),
+    ({"predict_ttl": "0"}, {}, "ttls must be positive"),
     ({"queue_weight": "off"}, {}, "queue_weight from flag: 'off'"),
 ])
 def test_bad_router_settings_are_refused_with_the_reason(flags: dict, env: dict,
@@ -78,6 +85,7 @@ def test_bad_router_settings_are_refused_with_the_reason(flags: dict, env: dict,
     ("port = ", "r.toml", "not valid"),
     ("{]", "r.json", "not valid"),
     ("[router]\nbogus = 1\n", "r.toml", "unknown settings"),
+    ("[router]\ntemperature = 0.1\n", "r.toml", r"unknown settings \['temperature'\]"),
     ("[1, 2]", "r.json", "table of settings"),
 ])
 def test_bad_config_files_are_refused(tmp_path: Path, content: str, name: str,
@@ -131,8 +139,9 @@ def test_torch_engine_model_names_the_weights_unless_torch_model_does() -> None:
 
 @pytest.mark.parametrize("args, fragment", [
     (["router", "--port", "x"], "invalid int value"),
-    (["router", "--host-credit", "2"], "host_credit must be in [0, 1]"),
-    (["router", "--affinity-weight", "-4"], "affinity_weight must be > 0"),
+    (["router", "--temperature", "0.5"], "unrecognized arguments: --temperature"),
+    (["router", "--sessions", "maybe"], "invalid choice"),
+    (["router", "--session-weight", "-4"], "session_weight must be >= 0"),
     (["worker", "--engine", "tpu"], "invalid choice"),
     (["worker", "--num-blocks", "0"], "num_blocks must be positive"),
     (["events", "tail", "--connect", "tcp://127.0.0.1:1", "--count", "0"], "must be >= 1"),
@@ -144,20 +153,20 @@ def test_bad_cli_flags_exit_2_with_the_reason(args: list[str], fragment: str) ->
     assert fragment in result.stderr
 
 
-async def test_the_router_schedules_with_its_affinity_settings(tmp_path: Path) -> None:
+async def test_the_router_schedules_with_its_configured_weights(tmp_path: Path) -> None:
     import httpx
 
     from router.service import RouterService
 
     config = tmp_path / "r.toml"
-    config.write_text("[router]\naffinity_weight = 2\naffinity_lead_blocks = 6\n")
+    config.write_text("[router]\nsession_weight = 2\nqueue_weight = 0.3\n")
     settings = load_settings({}, env={}, config_file=str(config))
     async with httpx.AsyncClient() as http:
         scheduler = RouterService(settings, http).scheduler
-    assert (scheduler.affinity_weight, scheduler.affinity_lead_blocks) == (2.0, 6)
+    assert (scheduler.session_weight, scheduler.queue_weight) == (2.0, 0.3)
     async with httpx.AsyncClient() as http:
         default = RouterService(RouterSettings(), http).scheduler
-    assert (default.affinity_weight, default.affinity_lead_blocks) == (4.0, 8)
+    assert (default.session_weight, default.queue_weight) == (16.0, 0.5)
 
 
 @pytest.mark.parametrize("timing", ["calibrated", "paged", "measured"])

@@ -1,8 +1,10 @@
 """Real HTTP servers for tests, on 127.0.0.1 with free ports, started and stopped cleanly.
 
-- :class:`UvicornServer` serves an ASGI app (the router or a worker app) in this event loop.
-- :class:`ScriptedWorker` is a worker that misbehaves on purpose (refuses, dies mid-stream,
-  streams slowly) so the router's failure rules can be tested; it speaks just enough of the
+- :class:`UvicornServer` serves an ASGI app (the router or a worker app) in this event loop,
+  configured as ``kvroute router`` and ``kvroute worker`` serve theirs.
+- :class:`ScriptedWorker` is a worker that misbehaves on purpose (refuses, fails a stream
+  before its first token, dies mid-stream, streams slowly, answers garbage or nothing to its
+  control calls) so the router's failure rules can be tested; it speaks just enough of the
   worker API (``/model_info``, ``/load``, ``/v1/completions``) and publishes no events, so
   the router treats it as an approximate-mode worker.
 """
@@ -17,16 +19,18 @@ from typing import Any
 import uvicorn
 from aiohttp import web
 
+from httpapi.server import DEFAULT_LIMITS, ConnectionLimits, server_config
 from kvroute.up import free_port
 
 
 class UvicornServer:
     """An ASGI app served by uvicorn on 127.0.0.1 inside the running event loop."""
 
-    def __init__(self, app: Any, port: int | None = None) -> None:
+    def __init__(self, app: Any, port: int | None = None,
+                 limits: ConnectionLimits = DEFAULT_LIMITS) -> None:
         self.port = port or free_port()
-        config = uvicorn.Config(app, host="127.0.0.1", port=self.port, log_level="warning",
-                                lifespan="on", access_log=False)
+        config = server_config(app, "127.0.0.1", self.port, limits, log_level="warning",
+                               lifespan="on")
         self.server = uvicorn.Server(config)
         self._task: asyncio.Task[None] | None = None
 
@@ -53,13 +57,30 @@ class UvicornServer:
 
 class ScriptedWorker:
     """A worker whose completions follow ``mode``: "ok", "refuse" (HTTP 503 before any byte),
-    "die_mid_stream" (two chunks, then the connection drops), "slow" (one chunk every 50 ms
-    for 10 s, recording when the client goes away)."""
+    "reject" (HTTP 400, as for a prompt longer than the worker takes),
+    "fail_stream" (a stream whose first event is the engine's error), "stall" (takes the
+    request, sends a stream's headers, then nothing until the client goes away),
+    "die_mid_stream" (two chunks, then the connection drops), "slow" (one chunk every 50 ms for
+    10 s, recording when the client goes away).
+
+    Its control answers can be set while it runs: ``load_answer`` (the raw bytes ``/load``
+    answers), ``model_info_extra`` (fields merged into ``/model_info``),
+    ``model_info_hangs`` (set: ``/model_info`` waits until :meth:`resume`; ``model_info_calls``
+    counts the calls begun and ``model_info_ended`` those that ended) and :meth:`pause` (every
+    call waits until :meth:`resume`, as a paused process would)."""
 
     def __init__(self, mode: str = "ok", *, block_size: int = 32, model: str = "kvroute-sim",
-                 tokenizer: str = "bytes-v1", max_num_seqs: int = 0) -> None:
+                 tokenizer: str = "bytes-v1", max_num_seqs: int = 0,
+                 max_model_len: int = 100000) -> None:
         self.mode = mode
         self.max_num_seqs = max_num_seqs
+        self.max_model_len = max_model_len
+        self.load_answer = b'{"running": 0, "waiting": 0}'
+        self.model_info_extra: dict[str, Any] = {}
+        self.hang = False
+        self.model_info_hangs = False
+        self.model_info_calls = self.model_info_ended = 0
+        self._resumed = asyncio.Event()
         self.block_size = block_size
         self.model = model
         self.tokenizer = tokenizer
@@ -84,25 +105,57 @@ class ScriptedWorker:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        self.resume()
         if self._runner is not None:
             await self._runner.cleanup()
 
+    def pause(self) -> None:
+        """Stop answering (every call waits), as SIGSTOP would."""
+        self.hang = True
+        self._resumed.clear()
+
+    def hang_model_info(self) -> None:
+        """Let ``/model_info`` wait (until :meth:`resume`); the other calls answer."""
+        self.model_info_hangs = True
+        self._resumed.clear()
+
+    def resume(self) -> None:
+        """Answer again; the calls that waited go on."""
+        self.hang = self.model_info_hangs = False
+        self._resumed.set()
+
+    async def _wait_if_paused(self) -> None:
+        if self.hang:
+            await self._resumed.wait()
+
     async def _model_info(self, _: web.Request) -> web.Response:
+        self.model_info_calls += 1
+        try:
+            await self._wait_if_paused()
+            if self.model_info_hangs:
+                await self._resumed.wait()
+        finally:
+            self.model_info_ended += 1
         info = {"model": self.model, "block_size": self.block_size, "tokenizer": self.tokenizer,
                 "instance_id": self.instance_id, "events_endpoint": None,
-                "max_model_len": 100000}
+                "max_model_len": self.max_model_len}
         if self.max_num_seqs:
             info["capacity"] = {"max_num_seqs": self.max_num_seqs}
-        return web.json_response(info)
+        return web.json_response({**info, **self.model_info_extra})
 
     async def _load(self, _: web.Request) -> web.Response:
-        return web.json_response({"running": 0, "waiting": 0})
+        await self._wait_if_paused()
+        return web.Response(body=self.load_answer, content_type="application/json")
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.requests.append(body)
+        await self._wait_if_paused()
         if self.mode == "refuse":
             return web.json_response({"error": {"message": "overloaded"}}, status=503)
+        if self.mode == "reject":
+            return web.json_response({"error": {"message": "too long",
+                                                "code": "context_length_exceeded"}}, status=400)
         chunk = b'data: {"choices":[{"index":0,"text":"x"}]}\n\n'
         if not body.get("stream") and self.mode == "slow":
             try:
@@ -116,6 +169,16 @@ class ScriptedWorker:
                                                 "prompt_tokens_details": {"cached_tokens": 0}}})
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
+        if self.mode == "stall":
+            try:
+                await asyncio.Event().wait()
+            except asyncio.CancelledError:
+                self.cancelled.set()
+                raise
+        if self.mode == "fail_stream":
+            await response.write(b'data: {"error": {"message": "the engine failed the request",'
+                                 b' "type": "server_error", "code": 500}}\n\ndata: [DONE]\n\n')
+            return response
         if self.mode == "die_mid_stream":
             await response.write(chunk)
             await response.write(chunk)

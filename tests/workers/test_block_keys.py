@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import hmac
 
 import pytest
 
@@ -99,9 +100,11 @@ def test_scope_rejects(scope: dict[str, object], message: str) -> None:
 def test_published_scope_never_shows_the_salt() -> None:
     tag = "salt:" + hashlib.sha256(b"tenant-a").hexdigest()[:16]
     assert salt_tag("tenant-a") == tag
-    assert Scope(lora_id=7, lora_name="sql", salt="tenant-a").published_keys == ["sql", tag]
-    assert Scope(salt=2**63).published_keys == [salt_tag(str(2**63))]
-    assert Scope(lora_id=7).published_keys is None
+    assert Scope(lora_id=7, lora_name="sql", salt="tenant-a").published_keys() == ["sql", tag]
+    assert Scope(salt=2**63).published_keys() == [salt_tag(str(2**63))]
+    assert Scope(lora_id=7).published_keys() is None
+    keyed = "salt:" + hmac.new(b"cluster", b"tenant-a", hashlib.sha256).hexdigest()[:16]
+    assert Scope(salt="tenant-a").published_keys(b"cluster") == [keyed] != [tag]
 
 
 def test_image_digest() -> None:

@@ -37,6 +37,7 @@ from typing import Annotated
 
 import msgspec
 
+from indexer import hashing
 from indexer.images import ImageSpan, image_digest
 
 __all__ = [
@@ -73,13 +74,14 @@ def wire_hash(key: BlockKey) -> int:
     return int.from_bytes(key[:8], "big")
 
 
-def salt_tag(salt: str | int) -> str:
-    """Return how a cache salt is published: ``"salt:"`` + 16 hex digits of SHA-256(str(salt)).
+def salt_tag(salt: str | int, key: bytes | None = None) -> str:
+    """Return how a cache salt is published (:func:`indexer.hashing.salt_tag` of ``str(salt)``:
+    ``"salt:"`` + 16 hex digits of SHA-256, or of HMAC-SHA256 under the cluster's ``key``).
 
     The raw salt never leaves the worker: anyone reading the event stream could otherwise
     learn tenants' salts.
     """
-    return "salt:" + hashlib.sha256(str(salt).encode("utf-8")).hexdigest()[:16]
+    return hashing.salt_tag(str(salt), key)
 
 
 def _check_u64(name: str, value: int) -> None:
@@ -132,14 +134,17 @@ class Scope:
             h.update(_STR + _U64.pack(len(raw)) + raw)
         return h.digest()
 
-    @cached_property
-    def published_keys(self) -> list[str] | None:
-        """The ``extra_keys`` entry of a chain's first block: LoRA name, then salt tag."""
+    def published_keys(self, salt_key: bytes | None = None) -> list[str] | None:
+        """The ``extra_keys`` entry of a chain's first block: LoRA name, then salt tag.
+
+        Args:
+            salt_key: the cluster's salt secret, which keys the tag; None for an unkeyed tag.
+        """
         keys = []
         if self.lora_name is not None:
             keys.append(self.lora_name)
         if self.salt is not None:
-            keys.append(salt_tag(self.salt))
+            keys.append(salt_tag(self.salt, salt_key))
         return keys or None
 
 

@@ -7,7 +7,7 @@ tier it is first offloaded there (the engine copies it), so a later prefix hit c
 (onboard) instead of recomputing it.
 
 The pool does no I/O. Every change a consumer of the event stream must know about is appended
-to a list of facts (:class:`BlocksStored`, :class:`BlocksRemoved`, :class:`CacheCleared`) that
+to a list of facts (:class:`BlockStored`, :class:`BlockRemoved`, :class:`AllBlocksCleared`) that
 the caller drains with :meth:`BlockPool.take_events` and hands to the event sink. Copies the
 engine must perform are returned as :class:`BlockCopy` values.
 """
@@ -22,17 +22,17 @@ from indexer.wire import MEDIUM_CPU, MEDIUM_GPU
 from workers.cache.block_keys import BlockKey, KeyedBlock
 
 __all__ = [
+    "AllBlocksCleared",
     "BlockCopy",
     "BlockPool",
-    "BlocksRemoved",
-    "BlocksStored",
-    "CacheCleared",
+    "BlockRemoved",
+    "BlockStored",
     "CacheEvent",
 ]
 
 
 @dataclass(frozen=True, slots=True)
-class BlocksStored:
+class BlockStored:
     """Blocks committed on ``medium``, a chain run: each block's parent is the one before it."""
 
     medium: str
@@ -40,7 +40,7 @@ class BlocksStored:
 
 
 @dataclass(frozen=True, slots=True)
-class BlocksRemoved:
+class BlockRemoved:
     """Blocks that left ``medium``, in the order they left."""
 
     medium: str
@@ -48,11 +48,11 @@ class BlocksRemoved:
 
 
 @dataclass(frozen=True, slots=True)
-class CacheCleared:
+class AllBlocksCleared:
     """Every committed block, on every tier, is gone."""
 
 
-CacheEvent = BlocksStored | BlocksRemoved | CacheCleared
+CacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
 
 
 @dataclass(frozen=True, slots=True)
@@ -253,7 +253,7 @@ class BlockPool:
                     self._evictable[b] = None
 
     def reset(self) -> bool:
-        """Forget every committed block on both tiers and record :class:`CacheCleared`.
+        """Forget every committed block on both tiers and record :class:`AllBlocksCleared`.
 
         Returns:
             ``False``, changing nothing, when a request still holds a device block.
@@ -268,7 +268,7 @@ class BlockPool:
         self._host_by_key.clear()
         self._host_lru.clear()
         self._host_free = deque(range(self.host_blocks))
-        self._events.append(CacheCleared())
+        self._events.append(AllBlocksCleared())
         return True
 
     def take_events(self) -> list[CacheEvent]:
@@ -280,15 +280,15 @@ class BlockPool:
 
     def _flush_run(self, medium: str, run: list[KeyedBlock]) -> None:
         if run:
-            self._events.append(BlocksStored(medium, tuple(run)))
+            self._events.append(BlockStored(medium, tuple(run)))
             run.clear()
 
     def _record_removed(self, medium: str, key: BlockKey) -> None:
         last = self._events[-1] if self._events else None
-        if isinstance(last, BlocksRemoved) and last.medium == medium:
+        if isinstance(last, BlockRemoved) and last.medium == medium:
             last.keys.append(key)
         else:
-            self._events.append(BlocksRemoved(medium, [key]))
+            self._events.append(BlockRemoved(medium, [key]))
 
     def _evict(self, b: int, pinned: set[int], copies: list[BlockCopy]) -> None:
         kb = self._committed[b]
@@ -304,7 +304,7 @@ class BlockPool:
                 self._host_lru[h] = None
                 self.offloads += 1
                 copies.append(BlockCopy(b, h))
-                self._events.append(BlocksStored(MEDIUM_CPU, (kb,)))
+                self._events.append(BlockStored(MEDIUM_CPU, (kb,)))
         self._record_removed(MEDIUM_GPU, kb.key)
 
     def _take_host_block(self, pinned: set[int]) -> int | None:

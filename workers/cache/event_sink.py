@@ -8,7 +8,7 @@ The sink keeps the consumer's view: which (medium, block) pairs a router that re
 batch so far believes resident. It publishes only what such a consumer can apply, and can
 re-state that view for a router that lost track (:meth:`EventSink.snapshot_events`).
 
-Wire shape (``shared/WIRE.md``, "What kvroute workers publish"): block hash = first 8 bytes of
+Wire shape (``docs/wire.md``, "What kvroute workers publish"): block hash = first 8 bytes of
 the engine key; image positions carry the digest; ``mm_keys`` lists the images of each block,
 with the routing hint when :class:`~workers.cache.image_hints.ImageHints` has one; a chain's first
 block carries the scope in ``extra_keys`` (LoRA name, then the salt's tag, never the raw salt).
@@ -24,12 +24,13 @@ from indexer.wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    Event,
     KVEventBatch,
     MmKey,
+    WireEvent,
 )
+from workers.cache import block_pool as pool
 from workers.cache.block_keys import BlockKey, KeyedBlock, wire_hash
-from workers.cache.block_pool import BlocksRemoved, BlocksStored, CacheCleared, CacheEvent
+from workers.cache.block_pool import CacheEvent
 from workers.cache.image_hints import ImageHints
 
 __all__ = ["DROP_CAP", "DROP_ORPHAN", "EventSink", "SinkStats"]
@@ -62,6 +63,7 @@ class EventSink:
         max_pending_stored: most stored blocks one batch may hold.
         hints: the publisher's image routing hints; ``None`` disables them (no ``uuid`` in
             ``mm_keys``, no ``trtllm_image_routing``).
+        salt_key: the cluster's salt secret, which keys published salt tags; None: unkeyed.
 
     Notes:
         1. Facts are published in the order captured.
@@ -73,16 +75,18 @@ class EventSink:
         4. A block stored and removed on one medium within a batch publishes nothing.
         5. A removal is published only for a block the consumer was told about: a dropped
            block's removal would name a hash the consumer never saw.
-        6. ``CacheCleared`` publishes ``AllBlocksCleared`` in place, after everything captured
+        6. The pool's ``AllBlocksCleared`` is published in place, after everything captured
            before it and outside the cap, and empties the view, so the same prefix is reported
            again once it is cached again.
     """
 
-    def __init__(self, *, max_pending_stored: int = 4096, hints: ImageHints | None = None) -> None:
+    def __init__(self, *, max_pending_stored: int = 4096, hints: ImageHints | None = None,
+                 salt_key: bytes | None = None) -> None:
         if max_pending_stored < 1:
             raise ValueError(f"max_pending_stored must be at least 1, got {max_pending_stored}")
         self.max_pending_stored = max_pending_stored
         self.hints = hints
+        self._salt_key = salt_key
         self.stats = SinkStats()
         self._pending: list[CacheEvent] = []
         self._pending_stored = 0
@@ -112,7 +116,7 @@ class EventSink:
     def capture(self, events: Iterable[CacheEvent]) -> None:
         """Take cache facts (from ``CacheManager.take_events``) into the pending batch."""
         for event in events:
-            if not isinstance(event, BlocksStored):
+            if not isinstance(event, pool.BlockStored):
                 self._pending.append(event)
                 continue
             if self.hints is not None:
@@ -123,7 +127,7 @@ class EventSink:
             kept = event.blocks[:room]
             self.stats.dropped[DROP_CAP] += len(event.blocks) - len(kept)
             if kept:
-                self._pending.append(BlocksStored(event.medium, kept))
+                self._pending.append(pool.BlockStored(event.medium, kept))
                 self._pending_stored += len(kept)
 
     def next_batch(self, ts: float, rank: int) -> KVEventBatch | None:
@@ -138,17 +142,17 @@ class EventSink:
         """
         facts, self._pending, self._pending_stored = self._pending, [], 0
         cancelled = self._coalesce(facts)
-        out: list[Event] = []
+        out: list[WireEvent] = []
         for i, fact in enumerate(facts):
-            if isinstance(fact, BlocksStored):
+            if isinstance(fact, pool.BlockStored):
                 self._publish_stored(i, fact, cancelled, out)
-            elif isinstance(fact, BlocksRemoved):
+            elif isinstance(fact, pool.BlockRemoved):
                 hashes = [wire_hash(k) for k in fact.keys if self._forget(fact.medium, k)]
                 if hashes:
                     out.append(BlockRemoved(block_hashes=hashes, medium=fact.medium, group_idx=0))
                     self.stats.removed += len(hashes)
             else:
-                assert isinstance(fact, CacheCleared), f"unknown cache fact {fact!r}"
+                assert isinstance(fact, pool.AllBlocksCleared), f"unknown cache fact {fact!r}"
                 out.append(AllBlocksCleared())
                 self._resident.clear()
                 self._known.clear()
@@ -197,10 +201,10 @@ class EventSink:
         open_stores: dict[tuple[str, BlockKey], tuple[int, int]] = {}
         cancelled: set[tuple[int, int]] = set()
         for i, fact in enumerate(facts):
-            if isinstance(fact, BlocksStored):
+            if isinstance(fact, pool.BlockStored):
                 for j, kb in enumerate(fact.blocks):
                     open_stores[(fact.medium, kb.key)] = (i, j)
-            elif isinstance(fact, BlocksRemoved):
+            elif isinstance(fact, pool.BlockRemoved):
                 for key in fact.keys:
                     at = open_stores.pop((fact.medium, key), None)
                     if at is not None:
@@ -211,7 +215,7 @@ class EventSink:
         return cancelled
 
     def _publish_stored(
-        self, i: int, fact: BlocksStored, cancelled: set[tuple[int, int]], out: list[Event]
+        self, i: int, fact: pool.BlockStored, cancelled: set[tuple[int, int]], out: list[WireEvent]
     ) -> None:
         run: list[KeyedBlock] = []
         for j, kb in enumerate(fact.blocks):
@@ -249,7 +253,7 @@ class EventSink:
         first = blocks[0]
         scope = first.scope
         # The scope goes on a chain's first block only, as vLLM puts it there.
-        extra = [_first_block_keys(kb) for kb in blocks]
+        extra = [_first_block_keys(kb, self._salt_key) for kb in blocks]
         mm_keys = None
         if any(kb.images for kb in blocks):
             lookup = self.hints.lookup if self.hints is not None else (lambda _d: None)
@@ -278,6 +282,6 @@ class EventSink:
         )
 
 
-def _first_block_keys(kb: KeyedBlock) -> list[str] | None:
-    keys = kb.scope.published_keys if kb.parent is None else None
+def _first_block_keys(kb: KeyedBlock, salt_key: bytes | None) -> list[str] | None:
+    keys = kb.scope.published_keys(salt_key) if kb.parent is None else None
     return list(keys) if keys else None

@@ -4,7 +4,7 @@ A worker publishes an image's UUID next to its digest (``mm_keys[...].uuid``) so
 can match a later request that names the image by UUID without sending its bytes. The UUID is a
 hint only: the worker's reuse decision stays on content digests (:mod:`workers.cache.block_keys`).
 
-Rules (``trtllm_image_routing`` version 1, ``shared/WIRE.md``):
+Rules (``trtllm_image_routing`` version 1, ``docs/wire.md``):
     1. At most ``capacity`` digests are remembered; the least recently used is forgotten first.
     2. A UUID longer than 256 UTF-8 bytes is ignored.
     3. A digest seen with two different UUIDs becomes ambiguous: no hint is given for it until

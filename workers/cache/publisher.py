@@ -1,4 +1,4 @@
-"""ZeroMQ publisher of KV event batches, in vLLM 0.33's transport form (``shared/WIRE.md``).
+"""ZeroMQ publisher of KV event batches, in vLLM 0.33's transport form (``docs/wire.md``).
 
 Two sockets per data-parallel rank:
 
@@ -15,6 +15,13 @@ Notes:
     4. :meth:`EventPublisher.drop_next` withholds batches from the live socket while still
        numbering and buffering them: the fault a consumer sees when a PUB socket drops at its
        high-water mark. Tests and the worker's fault-injection endpoint use it.
+    5. Batches carry raw token ids: whoever reaches these ports reads every tenant's prompts.
+       With :class:`CurveServerKeys` both sockets are CURVE servers: traffic is encrypted and
+       a ZAP authenticator on the publisher's context admits only the client public keys in
+       ``authorized_clients`` (a folder of ZeroMQ certificates). The authenticator is one per
+       context, so a publisher with CURVE needs a context no other authenticator serves.
+    6. Inbound messages (subscriptions, replay requests) are tiny; ``MAXMSGSIZE`` of
+       :data:`MAX_INBOUND_BYTES` makes libzmq drop a peer that sends more.
 """
 
 from __future__ import annotations
@@ -23,19 +30,53 @@ import asyncio
 import collections
 import contextlib
 import logging
+from dataclasses import dataclass, field
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import zmq
 import zmq.asyncio
+import zmq.auth
+from zmq.auth.asyncio import AsyncioAuthenticator
 
 from indexer.wire import REPLAY_END_SEQ, KVEventBatch, encode_batch, pack_seq, unpack_seq
 
-__all__ = ["EventPublisher", "shift_port"]
+__all__ = ["CurveServerKeys", "EventPublisher", "shift_port"]
 
 log = logging.getLogger(__name__)
 
 DEFAULT_BUFFER_BATCHES = 10_000
 DEFAULT_HWM = 100_000
+MAX_INBOUND_BYTES = 4096
+ZAP_DOMAIN = b"kvroute-events"
+
+
+@dataclass(frozen=True, slots=True)
+class CurveServerKeys:
+    """The publisher's CURVE keypair (Z85 bytes) and the folder of admitted client keys."""
+
+    public: bytes
+    secret: bytes = field(repr=False)
+    authorized_clients: Path = Path()
+
+    @classmethod
+    def load(cls, secret_file: str | Path, authorized_clients: str | Path) -> CurveServerKeys:
+        """Read the publisher's secret certificate; check the client key folder.
+
+        Raises:
+            ValueError: the file is missing or holds no secret key, or the folder is missing
+                or holds no ``*.key`` certificate.
+        """
+        try:
+            public, secret = zmq.auth.load_certificate(secret_file)
+        except (OSError, ValueError) as exc:
+            raise ValueError(f"CURVE key file: {exc}") from None
+        if secret is None:
+            raise ValueError(f"{secret_file} holds no secret key (use the .key_secret file)")
+        folder = Path(authorized_clients)
+        if not folder.is_dir() or not any(folder.glob("*.key")):
+            raise ValueError(f"{folder} is not a folder of client public keys (*.key)")
+        return cls(public, secret, folder)
 
 
 def shift_port(endpoint: str, rank: int) -> str:
@@ -67,6 +108,7 @@ class EventPublisher:
         topic: the topic frame sent with every batch.
         buffer_batches: how many sent batches replay can serve.
         hwm: the PUB socket's send high-water mark.
+        curve: CURVE keys: encrypt both sockets and admit only the authorized clients.
         context: a ZeroMQ asyncio context to use; a private one by default.
     """
 
@@ -78,6 +120,7 @@ class EventPublisher:
         topic: str = "",
         buffer_batches: int = DEFAULT_BUFFER_BATCHES,
         hwm: int = DEFAULT_HWM,
+        curve: CurveServerKeys | None = None,
         context: zmq.asyncio.Context | None = None,
     ) -> None:
         if buffer_batches < 1:
@@ -86,6 +129,8 @@ class EventPublisher:
         self.replay_endpoint = replay_endpoint
         self._topic = topic.encode()
         self._hwm = hwm
+        self._curve = curve
+        self._auth: AsyncioAuthenticator | None = None
         self._own_context = context is None
         self._context = context or zmq.asyncio.Context()
         self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(
@@ -109,15 +154,20 @@ class EventPublisher:
     async def start(self) -> None:
         """Bind the sockets and start serving replays. Binding ``:0`` picks a free port, and
         :attr:`endpoint` / :attr:`replay_endpoint` then name the bound address."""
+        if self._curve is not None:
+            self._auth = AsyncioAuthenticator(self._context)
+            self._auth.start()
+            self._auth.configure_curve(domain=ZAP_DOMAIN.decode(),
+                                       location=str(self._curve.authorized_clients))
         pub = self._context.socket(zmq.PUB)
         pub.setsockopt(zmq.SNDHWM, self._hwm)
-        pub.setsockopt(zmq.LINGER, 0)
+        self._secure(pub)
         pub.bind(self.endpoint)
         self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
         self._pub = pub
         if self.replay_endpoint is not None:
             router = self._context.socket(zmq.ROUTER)
-            router.setsockopt(zmq.LINGER, 0)
+            self._secure(router)
             router.bind(self.replay_endpoint)
             self.replay_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)
             self._router = router
@@ -134,8 +184,21 @@ class EventPublisher:
             if sock is not None:
                 sock.close(linger=0)
         self._pub = self._router = None
+        if self._auth is not None:
+            self._auth.stop()
+            self._auth = None
         if self._own_context:
             self._context.term()
+            self._own_context = False
+
+    def _secure(self, sock: zmq.asyncio.Socket) -> None:
+        sock.setsockopt(zmq.LINGER, 0)
+        sock.setsockopt(zmq.MAXMSGSIZE, MAX_INBOUND_BYTES)
+        if self._curve is not None:
+            sock.setsockopt(zmq.CURVE_SERVER, 1)
+            sock.setsockopt(zmq.CURVE_PUBLICKEY, self._curve.public)
+            sock.setsockopt(zmq.CURVE_SECRETKEY, self._curve.secret)
+            sock.setsockopt(zmq.ZAP_DOMAIN, ZAP_DOMAIN)
 
     def drop_next(self, batches: int) -> None:
         """Withhold the next ``batches`` batches from the live socket (they keep their seq and

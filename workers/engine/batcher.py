@@ -20,6 +20,15 @@ The rules, in the order one :meth:`~Batcher.schedule` applies them:
    fewer than ``max_num_seqs`` run. A cached prefix is not recomputed: prefill starts after it.
 5. The tokens of one iteration (one per decode, the chunk sizes) never exceed
    ``max_num_batched_tokens``, so a long prompt spans several iterations (chunked prefill).
+6. The context one iteration touches (each decode step's context, each chunk's start plus its
+   new tokens) stays under ``max_iteration_context`` when set: the most the engine profiled
+   (:mod:`workers.torch.memory`). A step or chunk that would pass it waits for the next
+   iteration; a waiting request is admitted only if its whole prompt fits what is left.
+7. When an iteration fails (:meth:`Batcher.recover`: the device ran out of memory, say), its
+   requests are preempted as in rule 2 and the next iterations are capped at half its tokens
+   and requests, until :data:`RECOVERY_ITERATIONS` iterations have passed; a request whose
+   iteration held it alone, at the smallest size (a decode step, or a chunk of at most one
+   block), fails instead: it cannot run even alone.
 
 :meth:`~Batcher.add` refuses a request that could not run even alone in the cache, so rule 2
 always ends with a request that fits: there is no deadlock.
@@ -38,6 +47,7 @@ from workers.engine.executor import BlockTransfer, DecodeStep, IterationPlan, Pr
 __all__ = [
     "FINISH_LENGTH",
     "FINISH_STOP",
+    "RECOVERY_ITERATIONS",
     "Batcher",
     "BatcherStats",
     "EngineRequest",
@@ -48,6 +58,8 @@ __all__ = [
 FINISH_LENGTH = "length"
 #: Finish reason: the request sampled its end-of-sequence token.
 FINISH_STOP = "stop"
+#: Iterations after a failed one that keep its halved caps (rule 7), then each doubles them.
+RECOVERY_ITERATIONS = 32
 
 
 @dataclass(frozen=True)
@@ -116,6 +128,9 @@ class BatcherStats:
     waiting: int
     pending_prefill_tokens: int
     decode_blocks: int
+    failed_iterations_recovered: int = 0
+    failure_preemptions: int = 0
+    failed_requests: int = 0
 
 
 @dataclass(slots=True, eq=False)
@@ -144,6 +159,8 @@ class Batcher:
         max_num_seqs: most requests running (holding blocks) at once.
         max_model_len: most positions a request may reach (prompt plus ``max_tokens``);
             by default what the whole cache holds.
+        max_iteration_context: most context tokens one iteration may touch (rule 6), at
+            least ``max_model_len``; ``None`` for no limit.
 
     Notes:
         1. A request is in exactly one place: waiting (holds no blocks) or running (holds
@@ -164,6 +181,7 @@ class Batcher:
         max_num_batched_tokens: int = 8192,
         max_num_seqs: int = 256,
         max_model_len: int | None = None,
+        max_iteration_context: int | None = None,
     ) -> None:
         capacity = cache.pool.num_blocks * cache.block_size
         if max_num_batched_tokens < 1:
@@ -178,6 +196,17 @@ class Batcher:
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.max_model_len = capacity if max_model_len is None else max_model_len
+        if max_iteration_context is not None and max_iteration_context < self.max_model_len:
+            raise ValueError(
+                f"max_iteration_context ({max_iteration_context}) must hold one request of "
+                f"max_model_len ({self.max_model_len})")
+        self.max_iteration_context = max_iteration_context
+        self._cap_tokens = max_num_batched_tokens  # rule 7's caps
+        self._cap_requests = max_num_seqs
+        self._calm = 0  # successful iterations since the last failure
+        self._recovered = 0
+        self._failure_preemptions = 0
+        self._failed_requests = 0
         self._requests: dict[str, _Sequence] = {}
         self._waiting: deque[_Sequence] = deque()
         self._running: dict[str, _Sequence] = {}  # in admission order
@@ -248,6 +277,9 @@ class Batcher:
             waiting=self.waiting,
             pending_prefill_tokens=self.pending_prefill_tokens,
             decode_blocks=self.decode_blocks,
+            failed_iterations_recovered=self._recovered,
+            failure_preemptions=self._failure_preemptions,
+            failed_requests=self._failed_requests,
         )
 
     # -- changes ---------------------------------------------------------------------------
@@ -312,7 +344,9 @@ class Batcher:
                 f"plan {self._in_flight.serial} is still in flight; complete it "
                 f"before scheduling again"
             )
-        budget = self.max_num_batched_tokens
+        budget = min(self.max_num_batched_tokens, self._cap_tokens)
+        context = self.max_iteration_context  # what is left of rule 6's budget, or None
+        slots = self._cap_requests  # requests this iteration may still take (rule 7)
         prefill: list[PrefillChunk] = []
         decode: list[DecodeStep] = []
         transfers: list[BlockTransfer] = []
@@ -320,10 +354,14 @@ class Batcher:
         preempted = False
 
         for rid, seq in list(self._running.items()):
-            if budget == 0:
+            if budget == 0 or slots == 0:
                 break
             if rid not in self._running or seq.prefilling:
                 continue  # preempted for an older request's growth, or not decoding yet
+            if context is not None:
+                if self.cache.num_tokens(rid) + 1 > context:
+                    continue  # over rule 6's budget: it decodes next iteration
+                context -= self.cache.num_tokens(rid) + 1
             growth = self.cache.append_tokens(rid, [seq.outputs[-1]])
             while growth is None:
                 victim = next(reversed(self._running.values()))
@@ -347,18 +385,28 @@ class Batcher:
                 )
             )
             budget -= 1
+            slots -= 1
 
         for seq in self._running.values():
-            if budget == 0:
+            if budget == 0 or slots == 0:
                 break
             if seq.prefilling:
                 chunk = self._chunk(seq, seq.num_computed, budget, ())
+                touched = chunk.start + chunk.num_new_tokens
+                if context is not None:
+                    if touched > context:
+                        continue  # rule 6: it continues next iteration
+                    context -= touched
                 prefill.append(chunk)
                 budget -= chunk.num_new_tokens
+                slots -= 1
 
-        while not preempted and budget and self._waiting and len(self._running) < self.max_num_seqs:
+        while (not preempted and budget and slots and self._waiting
+               and len(self._running) < self.max_num_seqs):
             seq = self._waiting[0]
             rid = seq.request.request_id
+            if context is not None and len(seq.prompt.token_ids) > context:
+                break  # rule 6: its first chunk may touch the whole prompt
             alloc = self.cache.allocate(rid, seq.prompt)
             if alloc is None:
                 break
@@ -374,6 +422,9 @@ class Batcher:
             chunk = self._chunk(seq, alloc.num_cached_tokens, budget, alloc.onboard)
             prefill.append(chunk)
             budget -= chunk.num_new_tokens
+            slots -= 1
+            if context is not None:
+                context -= chunk.start + chunk.num_new_tokens
 
         if not prefill and not decode:
             assert not self._requests, (
@@ -429,7 +480,45 @@ class Batcher:
             seq = self._running[step.request_id]
             seq.num_computed += 1
             outputs.append(self._take_token(seq, sampled[step.request_id]))
+        self._calm += 1
+        if self._calm >= RECOVERY_ITERATIONS:  # rule 7: the caps grow back
+            self._cap_tokens = min(self.max_num_batched_tokens, 2 * self._cap_tokens)
+            self._cap_requests = min(self.max_num_seqs, 2 * self._cap_requests)
         return outputs
+
+    def recover(self, plan: IterationPlan) -> list[str]:
+        """The plan in flight failed (nothing of it was computed): preempt its requests for
+        recompute and cap the next iterations, or fail a request that cannot run even alone
+        (rule 7). The failed requests are forgotten, their blocks freed.
+
+        Returns:
+            The ids of the requests that failed (the caller tells their clients).
+
+        Raises:
+            ValueError: ``plan`` is not the plan in flight.
+        """
+        if plan is not self._in_flight:
+            raise ValueError(f"plan {plan.serial} is not the plan in flight")
+        self._in_flight = None
+        ids = list(dict.fromkeys([c.request_id for c in plan.prefill]
+                                 + [d.request_id for d in plan.decode]))
+        live = [rid for rid in ids if rid in self._running]
+        self._recovered += 1
+        self._calm = 0
+        smallest = bool(plan.decode) or plan.num_tokens <= self.cache.block_size
+        if len(ids) == 1 and smallest:
+            for rid in live:
+                del self._running[rid]
+                del self._requests[rid]
+                self.cache.free(rid)
+                self._failed_requests += 1
+            return live
+        self._cap_tokens = max(self.cache.block_size, plan.num_tokens // 2)
+        self._cap_requests = max(1, len(ids) // 2)
+        for rid in reversed(live):  # each goes to the front: the plan's order is kept
+            self._preempt(self._running[rid], counted=False)
+            self._failure_preemptions += 1
+        return []
 
     # -- internals -------------------------------------------------------------------------
 
@@ -451,7 +540,7 @@ class Batcher:
             prompt=seq.request.prompt,
         )
 
-    def _preempt(self, seq: _Sequence) -> None:
+    def _preempt(self, seq: _Sequence, *, counted: bool = True) -> None:
         rid = seq.request.request_id
         del self._running[rid]
         self.cache.free(rid)
@@ -461,7 +550,7 @@ class Batcher:
         )
         seq.num_computed = 0
         self._waiting.appendleft(seq)
-        self._preemptions += 1
+        self._preemptions += counted
 
     def _take_token(self, seq: _Sequence, token: int) -> Output:
         request = seq.request

@@ -29,7 +29,7 @@ import logging
 import time
 from collections.abc import Callable
 
-from indexer.wire import Event, KVEventBatch
+from indexer.wire import KVEventBatch, WireEvent
 from workers.cache.cache_manager import CacheManager
 from workers.cache.event_sink import EventSink
 from workers.cache.publisher import EventPublisher
@@ -251,7 +251,7 @@ class Engine:
         The two agree: a consumer that applies the batch can continue at seq + 1.
         """
         seq = self.publisher.next_seq - 1 if self.publisher is not None else -1
-        events: list[Event] = list(self.sink.snapshot_events())
+        events: list[WireEvent] = list(self.sink.snapshot_events())
         return seq, KVEventBatch(ts=self._clock(), events=events, data_parallel_rank=self.rank)
 
     def load(self) -> dict[str, int | float]:
@@ -273,6 +273,9 @@ class Engine:
         out: dict[str, int | float] = dict(dataclasses.asdict(self.batcher.stats()))
         out["busy_seconds"] = self._busy_seconds
         out["failed_iterations"] = self._failed_iterations
+        executor_stats = getattr(self.executor, "stats", None)
+        if callable(executor_stats):  # a real device's memory and failures
+            out.update(executor_stats())
         for name, value in dataclasses.asdict(self.cache.stats()).items():
             out[f"cache_{name}"] = value
         sink = self.sink.stats
@@ -303,9 +306,9 @@ class Engine:
                 sampled, seconds = await self.executor.execute(plan)
                 outputs = self.batcher.complete(plan, sampled)
                 self._busy_seconds += seconds
-            except Exception as exc:  # one bad iteration fails its requests, not the engine
+            except Exception as exc:  # its requests are recomputed in smaller iterations
                 log.exception("iteration %d failed", plan.serial)
-                self._fail(plan, RequestFailed(f"iteration failed: {exc}"))
+                self._recover(plan, exc)
             try:
                 async with self._publish_lock:
                     await self._publish_pending()
@@ -340,15 +343,13 @@ class Engine:
             if output.finished:
                 del self._handles[output.request_id]
 
-    def _fail(self, plan: IterationPlan, error: RequestFailed) -> None:
+    def _recover(self, plan: IterationPlan, exc: Exception) -> None:
+        # The batcher preempts the plan's requests for recompute in smaller iterations; only
+        # one that failed alone at the smallest size is failed (Batcher.recover).
         self._failed_iterations += 1
-        ids = {c.request_id for c in plan.prefill} | {d.request_id for d in plan.decode}
-        for rid in ids:
-            if rid in self.batcher:
-                self.batcher.abort(rid)
-                self._handles.pop(rid)._close(error)
-        if self.batcher.in_flight is plan:
-            self.batcher.complete(plan, {})  # every request in it is aborted: a no-op
+        for rid in self.batcher.recover(plan):
+            self._handles.pop(rid)._close(
+                RequestFailed(f"request {rid!r} failed even alone in an iteration: {exc}"))
 
     def _cancel(self, handle: RequestHandle) -> None:
         rid = handle.request_id

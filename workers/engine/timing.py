@@ -15,7 +15,7 @@ the iteration only prefills, ``decode_base_ms`` if it only decodes, the larger o
 it mixes (one pass pays one overhead). The ``d`` term is attention over the cached prefix; the
 ``e`` and ``g`` terms are reading cached KV.
 
-The coefficients are fitted (:func:`fit_timing`) to ``shared/calibration/h200_llama1b_random.json``
+The coefficients are fitted (:func:`fit_timing`) to ``bench/data/h200_llama1b_random.json``
 (a 1.1B Llama-shaped model on one H200) by least squares on relative error, so every point
 weighs alike whatever its size, with every coefficient kept non-negative (a negative one is
 dropped and the rest refitted: a cost never falls as work grows). The fitted values are
@@ -150,7 +150,7 @@ class TimingModel:
         return nbytes / (self.host_to_device_gb_per_s * 1e9) * 1e3
 
 
-#: Fitted to ``shared/calibration/h200_llama1b_random.json`` by :func:`fit_timing`.
+#: Fitted to ``bench/data/h200_llama1b_random.json`` by :func:`fit_timing`.
 H200_LLAMA_1B = TimingModel(
     prefill_base_ms=3.218364991338901,
     prefill_per_token_ms=0.0019411825946605587,
@@ -181,7 +181,7 @@ H200_LLAMA_1B_PAGED = replace(H200_LLAMA_1B, decode_per_context_ms=8.94e-6)
 #: and no cost a cached token on its own above the noise (fitted -9.5e-6 ms), against the
 #: calibration's 2.37e-4 (1.9 ms for 8k cached tokens; its cached prefills ran a masked
 #: attention that was not flash). Here a cached token costs 8.94e-6 ms, one read of its K/V,
-#: as a token of decode context does. The default since the ninth session.
+#: as a token of decode context does. The default (:data:`DEFAULT_TIMING`).
 H200_LLAMA_1B_MEASURED = replace(H200_LLAMA_1B_PAGED, prefill_per_token_cached_ms=4.43e-7,
                                  prefill_per_cached_ms=8.94e-6)
 
@@ -193,14 +193,14 @@ TIMING_MODELS: dict[str, TimingModel] = {"calibrated": H200_LLAMA_1B,
 #: The simulated engine's default: ``measured``, because the engines a router fronts (vLLM,
 #: TensorRT-LLM, SGLang) attend over cached K/V with paged or flash kernels, which the H200
 #: measured at 9x less a token of decode context than the calibration's concatenating decode
-#: (``paged``, the default in the eighth session) and at about 1/25 of its price for a cached
-#: token of a prefill. ``paged`` and ``calibrated`` stay selectable and reproduce every figure
-#: measured while they were the default.
+#: and at about 1/25 of its price for a cached token of a prefill. ``paged`` (decode priced as
+#: measured, cached prefill as calibrated) and ``calibrated`` (the fit as is) stay selectable
+#: and reproduce the figures measured with them.
 DEFAULT_TIMING = "measured"
 
 
 def fit_timing(path: str | Path) -> TimingModel:
-    """Fit a timing model to a calibration file (the format of ``shared/calibration/``).
+    """Fit a timing model to a calibration file (``bench/data/h200_llama1b_random.json``'s format).
 
     Args:
         path: the calibration JSON.

@@ -7,7 +7,11 @@ and ``POST /debug/drop_events`` (fault injection: withhold the next N event batc
 live socket, as a PUB socket at its high-water mark would).
 
 Every malformed request gets an OpenAI-style JSON error with a 4xx status and the reason, and
-is refused before the engine sees it: nothing half-applied stays in the cache.
+is refused before the engine sees it: nothing half-applied stays in the cache. A body is read
+within its byte limit and checked against the OpenAI schema
+(:func:`indexer.openai_api.validate_request`) first; a completions prompt whose length alone
+proves it too long for the model is refused before it is encoded, and a large body is encoded
+in a thread rather than on the event loop.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import functools
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -24,12 +29,21 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from httpapi.auth import check_bearer
+from httpapi.body import (
+    TOKENIZE_OFF_LOOP_BYTES,
+    ClientGone,
+    read_body,
+    read_json,
+    wait_for_disconnect,
+)
+from httpapi.responses import CLIENT_GONE_STATUS, disconnect_counter, error_response
 from indexer.openai_api import (
     ApiError,
-    check_bearer,
     error_body,
+    fewest_prompt_tokens,
     parse_body,
-    wait_for_disconnect,
+    validate_request,
 )
 from indexer.prompts import build_prompt
 from indexer.wire import encode_batch
@@ -47,26 +61,8 @@ __all__ = ["create_app"]
 DEFAULT_MAX_TOKENS = 16
 
 
-def _max_tokens(body: dict[str, Any]) -> int:
-    value = body.get("max_completion_tokens", body.get("max_tokens", DEFAULT_MAX_TOKENS))
-    if value is None:
-        return DEFAULT_MAX_TOKENS
-    if type(value) is not int or value < 1:
-        raise ApiError(400, f"max_tokens must be a positive integer, got {value!r}",
-                       param="max_tokens")
-    return value
-
-
-def _check_common(body: dict[str, Any]) -> None:
-    n = body.get("n", 1)
-    if n != 1:
-        raise ApiError(400, f"only n=1 is supported, got {n!r}", param="n")
-    salt = body.get("cache_salt")
-    if salt is not None and (type(salt) is not str or not salt):
-        raise ApiError(400, "cache_salt must be a non-empty string", param="cache_salt")
-    options = body.get("stream_options")
-    if options is not None and type(options) is not dict:
-        raise ApiError(400, "stream_options must be an object", param="stream_options")
+#: Bodies of the admin endpoints are a number or nothing.
+ADMIN_BODY_BYTES = 64 * 1024
 
 
 def create_app(settings: WorkerSettings) -> FastAPI:
@@ -86,39 +82,50 @@ def create_app(settings: WorkerSettings) -> FastAPI:
     app.state.runtime = runtime
     register_vllm_compat(app, runtime)  # /tokenize, render, /server_info: for peer routers
 
+    disconnects = disconnect_counter(metrics.registry)
+
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
         metrics.refused.labels(str(exc.status)).inc()
-        return JSONResponse(error_body(exc), status_code=exc.status)
+        return error_response(exc)
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(_: Request, exc: ClientGone) -> Response:
+        disconnects.labels("body").inc()
+        return Response(status_code=CLIENT_GONE_STATUS)
 
     def admin(request: Request) -> None:
         check_bearer(request.headers.get("authorization"), settings.admin_token)
 
     async def generate(request: Request, chat: bool) -> Response:
-        body = parse_body(await request.body())
-        _check_common(body)
-        model = body.get("model", settings.model)
+        raw = await read_body(request, settings.max_body_bytes)
+        body = parse_body(raw, settings.max_body_bytes)
+        checked = validate_request(body, "chat" if chat else "completions")
+        if checked.n not in (None, 1):
+            raise ApiError(400, f"only n=1 is supported, got {checked.n}", param="n")
+        model = settings.model if checked.model is None else checked.model
         lora = runtime.lora_scope(model)
         if model != settings.model and lora is None:
             raise ApiError(404, f"the model {model!r} does not exist", param="model",
                            code="model_not_found")
         if chat and not settings.images and _has_images(body):
             raise ApiError(400, "this worker does not take images", param="messages")
+        max_tokens = checked.output_limit or DEFAULT_MAX_TOKENS
+        _check_length(fewest_prompt_tokens(checked, runtime.tokenizer.max_bytes_per_token),
+                      max_tokens, settings.max_model_len, at_least=True)
         fetched = await fetch_remote_images(body, settings) if chat else {}
+        encode = functools.partial(
+            build_prompt, body, "chat" if chat else "completions", runtime.tokenizer,
+            mm_tokens_per_image=settings.mm_tokens_per_image,
+            max_image_bytes=settings.max_image_bytes, fetch=fetched.get)
         try:
-            tokens = build_prompt(body, "chat" if chat else "completions", runtime.tokenizer,
-                                  mm_tokens_per_image=settings.mm_tokens_per_image,
-                                  max_image_bytes=settings.max_image_bytes,
-                                  fetch=fetched.get)
+            tokens = (await asyncio.to_thread(encode) if len(raw) > TOKENIZE_OFF_LOOP_BYTES
+                      else encode())
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
         if any(span.digest is None for span in tokens.images):
             raise ApiError(400, "an image could not be fetched or decoded", param="messages")
-        max_tokens = _max_tokens(body)
-        if len(tokens.token_ids) + max_tokens > settings.max_model_len:
-            raise ApiError(400, f"the prompt ({len(tokens.token_ids)} tokens) plus max_tokens "
-                           f"({max_tokens}) exceeds the model length {settings.max_model_len}",
-                           param="prompt", code="context_length_exceeded")
+        _check_length(len(tokens.token_ids), max_tokens, settings.max_model_len)
         scope = Scope(lora_id=lora[0] if lora else None, lora_name=lora[1] if lora else None,
                       salt=runtime.scope_salt(tokens.cache_salt))
         try:
@@ -129,9 +136,9 @@ def create_app(settings: WorkerSettings) -> FastAPI:
         reply = Completion(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model, chat,
                            int(time.time()), len(tokens.token_ids))
         metrics.requests.labels("chat" if chat else "completions").inc()
-        if body.get("stream"):
-            usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return StreamingResponse(_stream(handle, reply, usage), media_type="text/event-stream")
+        if checked.stream:
+            return StreamingResponse(_stream(handle, reply, checked.include_usage),
+                                     media_type="text/event-stream")
         return await _whole(request, handle, reply)
 
     async def _whole(request: Request, handle: Any, reply: Completion) -> JSONResponse:
@@ -144,7 +151,8 @@ def create_app(settings: WorkerSettings) -> FastAPI:
         if not collect.done():
             collect.cancel()
             handle.cancel()
-            return JSONResponse({"error": "client went away"}, status_code=499)
+            disconnects.labels("answer").inc()
+            return JSONResponse({"error": "client went away"}, status_code=CLIENT_GONE_STATUS)
         try:
             ids, reason = collect.result()
         except RequestFailed as exc:
@@ -227,7 +235,7 @@ def create_app(settings: WorkerSettings) -> FastAPI:
     @app.post("/debug/drop_events")
     async def drop_events(request: Request) -> dict[str, Any]:
         admin(request)
-        body = parse_body(await request.body())
+        body = await read_json(request, ADMIN_BODY_BYTES)
         batches = body.get("batches")
         if type(batches) is not int or batches < 0:
             raise ApiError(400, "give {\"batches\": N} with N >= 0", param="batches")
@@ -235,6 +243,14 @@ def create_app(settings: WorkerSettings) -> FastAPI:
         return {"dropping": batches}
 
     return app
+
+
+def _check_length(prompt_tokens: int, max_tokens: int, max_model_len: int,
+                  at_least: bool = False) -> None:
+    if prompt_tokens + max_tokens > max_model_len:
+        raise ApiError(400, f"the prompt ({'at least ' if at_least else ''}{prompt_tokens} "
+                       f"tokens) plus max_tokens ({max_tokens}) exceeds the model length "
+                       f"{max_model_len}", param="prompt", code="context_length_exceeded")
 
 
 def _has_images(body: dict[str, Any]) -> bool:

@@ -13,13 +13,20 @@ and KV modules (which import it at the top) only from there, so a worker without
 the sim engine and names the missing extra only when asked for the torch engine.
 
 Memory: the KV cache's size is decided before the cache manager exists
-(:func:`kv_blocks_for`): ``--kv-memory-gb`` when given, else a share of the device's free
-memory left after the weights (:data:`CUDA_KV_SHARE`), or :data:`CPU_KV_BYTES` on the CPU.
+(:func:`kv_blocks_for`). On CUDA that builds the model, profiles the worst iteration and sizes
+the cache from what is left of the worker's ``--gpu-memory-utilization`` share
+(:mod:`workers.torch.memory`); the model is kept for :func:`build_torch_executor`. On the CPU
+it is ``--kv-memory-gb``, or :data:`CPU_KV_BYTES`.
+
+A failed pass (CUDA out of memory above all) raises out of :meth:`TorchExecutor.execute` after
+the allocator's cache is emptied; the engine loop preempts the pass's requests and recomputes
+them in smaller batches (:meth:`workers.engine.batcher.Batcher.recover`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import time
 from collections.abc import Sequence
@@ -36,28 +43,27 @@ if TYPE_CHECKING:
 
     from workers.torch.graphs import DecodeGraphs
     from workers.torch.kv import PagedKV
+    from workers.torch.memory import MemoryPlan
     from workers.torch.model import Decoder, ModelConfig, PagedBatch
     from workers.torch.piecewise import PiecewiseGraphs
 
 __all__ = [
     "CPU_KV_BYTES",
-    "CUDA_KV_SHARE",
     "INSTALL_HINT",
     "TorchEngineError",
     "TorchExecutor",
     "build_torch_executor",
     "capture_at_start",
     "kv_blocks_for",
+    "memory_plan_for",
     "resolve_model",
 ]
 
 log = logging.getLogger(__name__)
 
 INSTALL_HINT = "pip install 'kvroute[torch]'"
-#: Share of the CUDA device's free memory, after weights and activation headroom, for KV.
-CUDA_KV_SHARE = 0.8
-#: Activation headroom kept free on CUDA: an 8k-token prefill of the 1B model needs ~1.5 GiB.
-CUDA_RESERVE_BYTES = 4 << 30
+#: Allowed beyond the CUDA graphs' measured memory (their second capture may round apart).
+GRAPH_MARGIN_BYTES = 256 << 20
 #: KV cache bytes on the CPU when ``--kv-memory-gb`` is not given.
 CPU_KV_BYTES = 512 << 20
 
@@ -122,15 +128,32 @@ def _dtype(device: torch.device) -> torch.dtype:
 
 
 def kv_blocks_for(settings: WorkerSettings) -> int:
-    """How many device KV blocks the torch engine's memory budget holds.
-
-    ``settings.kv_memory_gb`` GiB when set; else :data:`CUDA_KV_SHARE` of the CUDA device's
-    free memory after the weights and :data:`CUDA_RESERVE_BYTES`; else :data:`CPU_KV_BYTES`.
+    """How many device KV blocks the torch engine's memory budget holds
+    (:func:`memory_plan_for`).
 
     Raises:
-        TorchEngineError: bad model or device, or a budget under one block.
+        TorchEngineError: bad model or device, or a budget that does not fit.
+    """
+    return memory_plan_for(settings).num_blocks
+
+
+# The model :func:`memory_plan_for` built and profiled, kept for :func:`build_torch_executor`
+# (settings, model, plan): a worker builds its model once.
+_prepared: list[tuple[WorkerSettings, Decoder, MemoryPlan]] = []
+
+
+def memory_plan_for(settings: WorkerSettings) -> MemoryPlan:
+    """The worker's device memory by use (:mod:`workers.torch.memory`): on CUDA the model is
+    built and the worst iteration profiled (once; the model is kept for
+    :func:`build_torch_executor`); on the CPU the KV cache is ``--kv-memory-gb`` or
+    :data:`CPU_KV_BYTES` and nothing else is counted.
+
+    Raises:
+        TorchEngineError: bad model or device, or a budget that does not fit (the message
+            says which setting to change).
     """
     from workers.torch.kv import bytes_per_block
+    from workers.torch.memory import MemoryPlan, iteration_context, plan_memory
 
     config, _ = resolve_model(settings.torch_model)
     device = resolve_device(settings.device)
@@ -138,21 +161,104 @@ def kv_blocks_for(settings: WorkerSettings) -> int:
     per_block = bytes_per_block(
         config.num_layers, settings.block_size, config.num_kv_heads, config.head_dim, dtype
     )
-    if settings.kv_memory_gb is not None:
-        budget = int(settings.kv_memory_gb * 2**30)
-    elif device.type == "cuda":
-        free, _ = _torch().cuda.mem_get_info(device)
-        weights = config.num_params * dtype.itemsize
-        budget = int((free - weights - CUDA_RESERVE_BYTES) * CUDA_KV_SHARE)
-    else:
-        budget = CPU_KV_BYTES
-    blocks = budget // per_block
-    if blocks < 1:
+    context = iteration_context(settings)
+    if device.type != "cuda":
+        kv = (CPU_KV_BYTES if settings.kv_memory_gb is None
+              else int(settings.kv_memory_gb * 2**30))
+        if kv // per_block < 1:
+            raise TorchEngineError(
+                f"a KV budget of {kv / 2**30:.3f} GiB holds no {per_block}-byte block of "
+                f"{config.name}; raise --kv-memory-gb")
+        return MemoryPlan(budget=0, weights=0, iteration=0, graphs=0, context=0,
+                          kv=kv // per_block * per_block, num_blocks=kv // per_block,
+                          iteration_context=context)
+    for held, _, plan in _prepared:
+        if held == settings:
+            return plan
+    model = _build_model(settings, config, device)
+    iteration = _profile(model, settings)
+    graphs = _graph_pool(model, settings) + GRAPH_MARGIN_BYTES if settings.cuda_graphs else 0
+    total = _torch().cuda.mem_get_info(device)[1]
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    kv_bytes = None if settings.kv_memory_gb is None else int(settings.kv_memory_gb * 2**30)
+    try:
+        plan = plan_memory(total=total, utilization=settings.gpu_memory_utilization,
+                           weights=weights, iteration=iteration, graphs=graphs,
+                           block_bytes=per_block, kv_bytes=kv_bytes, iteration_tokens=context)
+    except ValueError as exc:
+        raise TorchEngineError(str(exc)) from None
+    log.info("device memory plan: %s", plan.describe())
+    _prepared[:] = [(settings, model, plan)]
+    return plan
+
+
+def _graph_pool(model: Decoder, settings: WorkerSettings) -> int:
+    """The memory the worker's CUDA graphs hold: every graph captured over a cache of one
+    block, measured, and released (the worker captures them again over its real cache)."""
+    torch = _torch()
+    from workers.torch.kv import PagedKV
+
+    c = model.config
+    started = time.perf_counter()
+    kv = PagedKV(num_layers=c.num_layers, block_size=settings.block_size,
+                 kv_heads=c.num_kv_heads, head_dim=c.head_dim, num_blocks=1, host_blocks=0,
+                 dtype=model.dtype, device=model.device)
+    executor = TorchExecutor(model, kv, cuda_graphs=True)
+    try:
+        capture_at_start(executor, settings)
+        measured = executor.graph_bytes
+    finally:
+        del executor, kv
+        gc.collect()  # the captured pieces refer to the executor: free the graphs' pools now
+        torch.cuda.empty_cache()
+    log.info("the CUDA graphs hold %.2f GiB (measured over a one-block cache in %.1f s)",
+             measured / 2**30, time.perf_counter() - started)
+    return measured
+
+
+def _profile(model: Decoder, settings: WorkerSettings) -> int:
+    """The worst iteration's working memory (:func:`workers.torch.memory.profile_iteration`),
+    run over a cache of one block."""
+    torch = _torch()
+    from workers.torch.kv import PagedKV
+    from workers.torch.memory import profile_iteration, worst_case_plans
+
+    c = model.config
+    kv = PagedKV(num_layers=c.num_layers, block_size=settings.block_size,
+                 kv_heads=c.num_kv_heads, head_dim=c.head_dim, num_blocks=1, host_blocks=0,
+                 dtype=model.dtype, device=model.device)
+    executor = TorchExecutor(model, kv, cuda_graphs=False)
+    try:
+        with torch.inference_mode():
+            return profile_iteration(executor.run, worst_case_plans(settings, 0), model.device)
+    except torch.cuda.OutOfMemoryError:
         raise TorchEngineError(
-            f"a KV budget of {budget / 2**30:.3f} GiB holds no {per_block}-byte block of "
-            f"{config.name}; raise --kv-memory-gb"
-        )
-    return blocks
+            f"CUDA ran out of memory running the worst iteration ({settings.max_num_batched_tokens}"
+            f" tokens over {settings.max_model_len} of context): lower --max-num-batched-tokens "
+            f"or --max-model-len") from None
+    finally:
+        del executor, kv
+        torch.cuda.empty_cache()
+
+
+def _build_model(settings: WorkerSettings, config: ModelConfig, device: torch.device) -> Decoder:
+    torch = _torch()
+    from workers.torch.model import Decoder, load_checkpoint
+
+    _, folder = resolve_model(settings.torch_model)
+    try:
+        model = Decoder(config, _dtype(device), device)
+    except torch.cuda.OutOfMemoryError:
+        raise TorchEngineError(f"{config.name}'s weights do not fit on {device}") from None
+    if folder is None:
+        model.init_random(settings.seed)
+    else:
+        try:
+            load_checkpoint(model, folder)
+        except ValueError as exc:
+            raise TorchEngineError(str(exc)) from None
+    model.eval()
+    return model
 
 
 def build_torch_executor(
@@ -167,9 +273,7 @@ def build_torch_executor(
         TorchEngineError: no PyTorch, unknown model or device, a tokenizer that does not fit
             the model, or too little memory.
     """
-    torch = _torch()
     from workers.torch.kv import PagedKV
-    from workers.torch.model import Decoder, load_checkpoint
 
     config, folder = resolve_model(settings.torch_model)
     device = resolve_device(settings.device)
@@ -180,19 +284,11 @@ def build_torch_executor(
             f"the tokenizer has {tokenizer.vocab_size} ids but {config.name} embeds only "
             f"{config.vocab_size}"
         )
+    plan = memory_plan_for(settings) if device.type == "cuda" else None
+    held = [m for s, m, _ in _prepared if s == settings]
+    _prepared.clear()
+    model = held[0] if held else _build_model(settings, config, device)
     dtype = _dtype(device)
-    try:
-        model = Decoder(config, dtype, device)
-    except torch.cuda.OutOfMemoryError:
-        raise TorchEngineError(f"{config.name}'s weights do not fit on {device}") from None
-    if folder is None:
-        model.init_random(settings.seed)
-    else:
-        try:
-            load_checkpoint(model, folder)
-        except ValueError as exc:
-            raise TorchEngineError(str(exc)) from None
-    model.eval()
     try:
         kv = PagedKV(
             num_layers=config.num_layers,
@@ -207,7 +303,8 @@ def build_torch_executor(
     except ValueError as exc:
         raise TorchEngineError(str(exc)) from None
     executor = TorchExecutor(model, kv, vocab_limit=tokenizer.vocab_size,
-                             cuda_graphs=settings.cuda_graphs and device.type == "cuda")
+                             cuda_graphs=settings.cuda_graphs and device.type == "cuda",
+                             memory=plan)
     capture_at_start(executor, settings)
     return executor
 
@@ -220,6 +317,8 @@ def capture_at_start(executor: TorchExecutor, settings: WorkerSettings) -> None:
         TorchEngineError: CUDA ran out of memory while capturing.
     """
     torch = _torch()
+    device = executor.kv.device
+    before = torch.cuda.memory_reserved(device) if device.type == "cuda" else 0
     try:
         if executor.piecewise is not None:
             started = time.perf_counter()
@@ -238,6 +337,23 @@ def capture_at_start(executor: TorchExecutor, settings: WorkerSettings) -> None:
             f"cache: lower --kv-memory-gb, or --max-num-seqs / --max-model-len, or pass "
             f"--no-cuda-graphs"
         ) from None
+    if device.type != "cuda":
+        return
+    # The captures' warm-up passes leave eager memory cached: give it back, so that what stays
+    # reserved beyond ``before`` is the graphs' own pool and static buffers.
+    torch.cuda.empty_cache()
+    executor.graph_bytes = torch.cuda.memory_reserved(device) - before
+    plan = executor.memory
+    if plan is None:
+        return
+    # What a pass may still take beside everything reserved now: the worst iteration.
+    need = torch.cuda.memory_reserved(device) + plan.iteration + plan.context
+    if need > plan.budget:
+        raise TorchEngineError(
+            f"the CUDA graphs took {executor.graph_bytes / 2**30:.2f} GiB (allowed "
+            f"{plan.graphs / 2**30:.2f}), leaving the worst iteration no room in the worker's "
+            f"{plan.budget / 2**30:.2f} GiB: lower --kv-memory-gb or --max-num-seqs, or pass "
+            f"--no-cuda-graphs")
 
 
 def _check_tokenizer(folder: Path, settings: WorkerSettings, tokenizer: Tokenizer) -> None:
@@ -275,9 +391,18 @@ class TorchExecutor:
     """
 
     def __init__(self, model: Decoder, kv: PagedKV, *, vocab_limit: int | None = None,
-                 cuda_graphs: bool = False) -> None:
+                 cuda_graphs: bool = False, memory: MemoryPlan | None = None) -> None:
         self.model = model
         self.kv = kv
+        self.memory = memory
+        self.graph_bytes = 0  # the graph pool, measured at capture
+        self.out_of_memory = 0  # passes that ran out of device memory
+        self.cache_releases = 0  # times the allocator's cache was emptied after a pass
+        # Reserved memory past which the allocator's cache is emptied after a pass: then the
+        # next pass, which needs at most the profiled worst iteration, stays in the budget
+        # however the cache fragments.
+        self._release_above = (None if memory is None
+                               else memory.budget - memory.context - memory.iteration)
         self.block_size = kv.block_size
         self.vocab_limit = model.config.vocab_size if vocab_limit is None else vocab_limit
         self._layers = kv.layers()
@@ -285,12 +410,14 @@ class TorchExecutor:
         self.graphs: DecodeGraphs | None = None
         self.piecewise: PiecewiseGraphs | None = None
         if cuda_graphs:
-            from workers.torch.graphs import DecodeGraphs
+            from workers.torch.graphs import MAX_SLOTS, DecodeGraphs
+            from workers.torch.paged import kernel_available
             from workers.torch.piecewise import PiecewiseGraphs
 
             capture = kv.device.type == "cuda"
-            self.graphs = DecodeGraphs(model, self._layers, self._rows, kv.scratch_block,
-                                       kv.block_size, capture=capture)
+            self.graphs = DecodeGraphs(
+                model, self._layers, self._rows, kv.scratch_block, kv.block_size,
+                capture=capture, max_slots=None if kernel_available(kv.device) else MAX_SLOTS)
             self.piecewise = PiecewiseGraphs(model, self._layers, self._rows, kv.scratch_block,
                                              kv.block_size, capture=capture)
 
@@ -303,15 +430,46 @@ class TorchExecutor:
         return await asyncio.to_thread(self.run, plan)
 
     def run(self, plan: IterationPlan) -> tuple[dict[str, int], float]:
-        """:meth:`execute`, synchronously."""
+        """:meth:`execute`, synchronously.
+
+        Raises:
+            torch.cuda.OutOfMemoryError: the pass ran out of device memory (the allocator's
+                cache is emptied first, so a smaller pass can run next).
+        """
+        torch = _torch()
         started = time.perf_counter()
-        logits = self.logits(plan)
+        try:
+            logits = self.logits(plan)
+        except torch.cuda.OutOfMemoryError:
+            self.out_of_memory += 1
+            if self.kv.device.type == "cuda":
+                torch.cuda.empty_cache()
+            raise
+        if (self._release_above is not None
+                and torch.cuda.memory_reserved(self.kv.device) > self._release_above):
+            torch.cuda.empty_cache()
+            self.cache_releases += 1
         sampled: dict[str, int] = {}
         if logits:
             ids = list(logits)
             best = self._stack(logits, ids)[:, : self.vocab_limit].argmax(dim=-1).tolist()
             sampled = dict(zip(ids, best, strict=True))
         return sampled, time.perf_counter() - started
+
+    def stats(self) -> dict[str, int]:
+        """Memory by use (bytes; ``memory_*``, CUDA only) and passes that ran out of it."""
+        torch = _torch()
+        out = {"out_of_memory_passes": self.out_of_memory, "cache_releases": self.cache_releases}
+        device = self.kv.device
+        if device.type == "cuda":
+            out["memory_reserved_bytes"] = torch.cuda.memory_reserved(device)
+            out["memory_peak_reserved_bytes"] = torch.cuda.max_memory_reserved(device)
+            out["memory_graph_bytes"] = self.graph_bytes
+            if self.memory is not None:
+                out["memory_budget_bytes"] = self.memory.budget
+                out["memory_kv_bytes"] = self.memory.kv
+                out["memory_iteration_bytes"] = self.memory.iteration
+        return out
 
     def logits(self, plan: IterationPlan) -> dict[str, torch.Tensor]:
         """Perform the plan's copies, compute it, and return each sampling request's logits
@@ -358,15 +516,15 @@ class TorchExecutor:
                 rows.append(len(tokens) - 1)
                 ids.append(c.request_id)
         decode_offset = len(tokens)
-        tables = mask = None
+        tables = lens = None
+        width = 0
         if plan.decode:
             width = max(-(-d.context_len // bs) for d in plan.decode)
             padded = [list(d.block_ids[: -(-d.context_len // bs)]) for d in plan.decode]
             tables = torch.tensor(
                 [t + [0] * (width - len(t)) for t in padded], dtype=torch.long
             ).to(device)
-            lens = torch.tensor([d.context_len for d in plan.decode]).to(device)
-            mask = torch.arange(width * bs, device=device)[None, :] < lens[:, None]
+            lens = torch.tensor([d.context_len for d in plan.decode], dtype=torch.long).to(device)
             for d in plan.decode:
                 p = d.context_len - 1
                 rows.append(len(tokens))
@@ -387,7 +545,8 @@ class TorchExecutor:
             prefill=tuple(prefill),
             decode_offset=decode_offset,
             decode_tables=tables,
-            decode_mask=mask,
+            decode_lens=lens,
             logit_rows=torch.tensor(rows, dtype=torch.long).to(device),
+            decode_max_context=width * bs,
         )
         return batch, ids

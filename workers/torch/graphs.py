@@ -18,8 +18,11 @@ shared by every shape (they replay one at a time; the logits are cloned before t
 replay). With ``capture=False`` the same padded forward runs eagerly: the CPU tests check it
 against the unpadded forward, and with it the padding rules the graphs rely on.
 
-Shapes whose gathered context would exceed :data:`MAX_SLOTS` positions (batch x width x block
-size) are not padded: :meth:`DecodeGraphs.fits` says no and the executor runs them eagerly.
+Where attention gathers the context (no paged kernel: :func:`workers.torch.paged.
+kernel_available`), shapes whose gathered context would exceed :data:`MAX_SLOTS` positions
+(batch x width x block size) are not padded: :meth:`DecodeGraphs.fits` says no and the executor
+runs them eagerly. The paged kernel's memory does not grow with the context, so with it every
+shape up to the worker's limits is captured.
 """
 
 from __future__ import annotations
@@ -38,7 +41,8 @@ __all__ = ["BATCH_BUCKETS", "MAX_SLOTS", "MIN_WIDTH", "DecodeGraphs", "capture_g
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MIN_WIDTH = 8
-#: Gathered context positions per step at most (1M: 1 GiB of K per layer for the 1B model).
+#: Gathered context positions per padded step at most, where attention gathers (1M: 1 GiB of
+#: K per layer for the 1B model).
 MAX_SLOTS = 1 << 20
 
 
@@ -67,16 +71,19 @@ def capture_graphs(
     return captured
 
 
-def decode_shapes(max_batch: int, max_context: int, block_size: int) -> list[tuple[int, int]]:
+def decode_shapes(max_batch: int, max_context: int, block_size: int,
+                  max_slots: int | None = MAX_SLOTS) -> list[tuple[int, int]]:
     """Every (batch, width) shape that decode steps of at most ``max_batch`` requests over
     contexts of at most ``max_context`` tokens can be padded to (what a worker captures at
-    start), smallest first; shapes :meth:`DecodeGraphs.fits` refuses are left out."""
+    start), smallest first; shapes over ``max_slots`` positions (None: no limit), which
+    :meth:`DecodeGraphs.fits` refuses, are left out."""
     top_batch = _round_up(min(max_batch, BATCH_BUCKETS[-1]), BATCH_BUCKETS)
     top_width = _width(-(-max_context // block_size))
     shapes = []
     for batch in BATCH_BUCKETS[: BATCH_BUCKETS.index(top_batch) + 1]:
         width = MIN_WIDTH
-        while width <= top_width and batch * width * block_size <= MAX_SLOTS:
+        while width <= top_width and (max_slots is None
+                                      or batch * width * block_size <= max_slots):
             shapes.append((batch, width))
             width *= 2
     return shapes
@@ -108,15 +115,19 @@ class DecodeGraphs:
         scratch_block: a device block no request owns (padding writes and reads it).
         block_size: tokens per block.
         capture: capture CUDA graphs (CUDA only); False runs the padded forward eagerly.
+        max_slots: padded positions (batch x width x block size) per shape at most, None for
+            no limit (module docstring).
     """
 
     def __init__(self, model: Decoder, kv_layers: list[Tensor], kv_rows: Tensor,
-                 scratch_block: int, block_size: int, *, capture: bool) -> None:
+                 scratch_block: int, block_size: int, *, capture: bool,
+                 max_slots: int | None = MAX_SLOTS) -> None:
         self.model = model
         self.kv_layers, self.kv_rows = kv_layers, kv_rows
         self.scratch = scratch_block
         self.block_size = block_size
         self.capture = capture
+        self.max_slots = max_slots
         self.device = kv_rows.device
         self._row_stride = 2 * model.config.num_layers * block_size
         self._shapes: dict[tuple[int, int], _Shape] = {}
@@ -131,8 +142,11 @@ class DecodeGraphs:
         """Whether these decode steps run padded (else the caller runs them eagerly)."""
         if not steps or len(steps) > BATCH_BUCKETS[-1]:
             return False
+        if self.max_slots is None:
+            return True
         blocks = max(-(-s.context_len // self.block_size) for s in steps)
-        return _round_up(len(steps), BATCH_BUCKETS) * _width(blocks) * self.block_size <= MAX_SLOTS
+        slots = _round_up(len(steps), BATCH_BUCKETS) * _width(blocks) * self.block_size
+        return slots <= self.max_slots
 
     def capture_shapes(self, max_batch: int, max_context: int) -> int:
         """Capture, now, every shape of :func:`decode_shapes` (``max_batch`` requests, contexts
@@ -145,7 +159,8 @@ class DecodeGraphs:
             return 0
         before = self.captured
         with torch.inference_mode():
-            for batch, width in decode_shapes(max_batch, max_context, self.block_size):
+            for batch, width in decode_shapes(max_batch, max_context, self.block_size,
+                                              self.max_slots):
                 self._shape(batch, width)
         return self.captured - before
 
@@ -203,8 +218,9 @@ class DecodeGraphs:
             prefill=(),
             decode_offset=0,
             decode_tables=x[4 * b :].view(b, w),
-            decode_mask=torch.arange(w * bs, device=self.device)[None, :] < lens[:, None],
+            decode_lens=lens,
             logit_rows=self._rows[:b],
+            decode_max_context=w * bs,
         )
         return self.model.forward_paged(batch, self.kv_layers, self.kv_rows)
 

@@ -9,8 +9,9 @@ Two forwards compute the same function:
 
 - :meth:`Decoder.forward_paged` runs one engine iteration over a flat batch of tokens from many
   sequences (:class:`PagedBatch`): each token's K/V is written into its slot of the paged cache
-  before attention, and each sequence attends to its whole context gathered from its block
-  table. A prefill chunk over a cached prefix thus computes only its new tokens.
+  before attention, and each sequence attends to its whole context read through its block
+  table (:mod:`workers.torch.paged`). A prefill chunk over a cached prefix thus computes only
+  its new tokens.
 - :meth:`Decoder.forward_dense` runs one sequence from scratch with no cache: the reference the
   tests compare the paged forward against.
 
@@ -19,9 +20,12 @@ Notes:
        (:meth:`Decoder.init_random`: every tensor's generator is seeded from the seed and the
        tensor's name, so two processes with the same config, seed and device type get the same
        weights), or from a local folder (:func:`load_checkpoint`). Nothing is ever downloaded.
-    2. Attention is PyTorch's SDPA: causal over the fresh K/V for a prefill from position 0,
-       an explicit mask over the gathered context otherwise; decode steps run as one padded
-       batch, each query-head group folded into the query length so K/V are never repeated.
+    2. Attention: a prefill from position 0 runs PyTorch's SDPA causally over its fresh K/V
+       (flash attention on CUDA); a chunk over a cached prefix gathers its context and runs
+       the same kernel bottom-right causal (:data:`CHUNKS_IN_PLACE` says why); the decode
+       steps (one padded batch) read their context in place through the block tables
+       (:func:`workers.torch.paged.paged_attention`: a Triton kernel on CUDA, a gather and
+       SDPA on the CPU).
     3. Images have no vision tower here: an image's positions are its placeholder tokens.
 """
 
@@ -39,7 +43,10 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.bias import causal_lower_right
 
+from workers.torch.paged import paged_attention
+
 __all__ = [
+    "CHUNKS_IN_PLACE",
     "CONFIGS",
     "FUSE_MAX_TOKENS",
     "Decoder",
@@ -234,9 +241,11 @@ class PagedBatch:
         prefill: per chunk, (first flat index, start position, new tokens, block table of the
             whole context [ceil((start + new) / block_size)]).
         decode_offset: flat index of the first decode token.
-        decode_tables: [B, max blocks] decode block tables, padded with block 0.
-        decode_mask: [B, max blocks * block_size] which gathered positions each step attends.
+        decode_tables: [B, max blocks] decode block tables, padded with any valid block.
+        decode_lens: [B] each decode step's context length (its own token included).
         logit_rows: [S] flat indices whose logits are wanted, in order.
+        decode_max_context: an upper bound of ``decode_lens`` known on the host (the tables'
+            width in positions).
     """
 
     token_ids: Tensor
@@ -245,8 +254,9 @@ class PagedBatch:
     prefill: tuple[tuple[int, int, int, Tensor], ...]
     decode_offset: int
     decode_tables: Tensor | None
-    decode_mask: Tensor | None
+    decode_lens: Tensor | None
     logit_rows: Tensor
+    decode_max_context: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,20 +267,28 @@ class PrefillView:
         first: flat index of the chunk's first token.
         new: its tokens.
         context: positions its last token sees (start + new).
-        table: block table of the whole context; None when the chunk starts at position 0
-            (then it attends causally over its own fresh K/V).
+        table: block table of the whole context ``[1, blocks]``; None when the chunk starts at
+            position 0 (then it attends causally over its own fresh K/V).
+        lens: ``[1]`` the context on the table's device (None with no table).
     """
 
     first: int
     new: int
     context: int
     table: Tensor | None
+    lens: Tensor | None
 
 
 def prefill_views(batch: PagedBatch) -> list[PrefillView]:
     """The batch's prefill chunks as attention reads them."""
-    return [PrefillView(first, n, start + n, table if start else None)
-            for first, start, n, table in batch.prefill]
+    views = []
+    for first, start, n, table in batch.prefill:
+        if not start:
+            views.append(PrefillView(first, n, n, None, None))
+            continue
+        lens = torch.full((1,), start + n, dtype=torch.long).to(table.device, non_blocking=True)
+        views.append(PrefillView(first, n, start + n, table[None], lens))
+    return views
 
 
 class _RMSNorm(nn.Module):
@@ -285,6 +303,16 @@ class _RMSNorm(nn.Module):
         # rounding back, where Hugging Face's rounds, then multiplies (a bf16 ulp apart).
         return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
 
+
+#: Whether a prefill chunk over a cached prefix reads its context in place (the paged kernel)
+#: rather than gathered into one tensor for flash attention. Measured on the H200 (one layer,
+#: llama-1b; ``python -m bench.gpu --sections attention``), gathered + flash against the best
+#: launch of the paged kernel: 64 new over 8,128 cached 0.16 / 0.24 ms, 2,048 over 30,720
+#: 2.14 / 2.78, 8,192 over 24,576 6.8 / 9.3. The gather's memory is bounded by one request's
+#: context (``--max-model-len``: 128 MiB a layer at 64k for llama-1b) and is in the profiled
+#: worst iteration (:mod:`workers.torch.memory`), so chunks gather; decode steps, whose
+#: gathered context grows with the batch, read in place.
+CHUNKS_IN_PLACE = False
 
 #: Passes of more tokens use the projections one by one. Fused, a pass launches 128 kernels
 #: fewer (~0.2 ms in a graph) but an 8k cold pass measured 5% slower (~0.3 µs a token,
@@ -450,21 +478,27 @@ class Decoder(nn.Module):
     def attend(out: Tensor, q: Tensor, k: Tensor, v: Tensor, kv: Tensor,
                prefill: list[PrefillView], batch: PagedBatch) -> None:
         """Attention of one layer into ``out``'s rows of real tokens: each prefill chunk over
-        its fresh K/V (from position 0) or its gathered context, the decode steps as one
-        padded batch. ``kv`` is the layer's blocks; rows past the batch's are left alone."""
+        its fresh K/V (from position 0) or, read in place, its cached context; the decode
+        steps as one padded batch. ``kv`` is the layer's blocks; rows past the batch's are
+        left alone."""
         for view in prefill:
             rows = slice(view.first, view.first + view.new)
             if view.table is None:
                 out[rows] = _prefill_attention(q[rows], k[rows], v[rows])
+            elif CHUNKS_IN_PLACE:
+                assert view.lens is not None, "a chunk over a cached prefix has its length"
+                out[rows] = paged_attention(q[rows], kv, view.table, view.lens,
+                                            queries=view.new, max_context=view.context)
             else:
-                keys = kv[:, 0].index_select(0, view.table).flatten(0, 1)[: view.context]
-                values = kv[:, 1].index_select(0, view.table).flatten(0, 1)[: view.context]
+                keys = kv[:, 0].index_select(0, view.table[0]).flatten(0, 1)[: view.context]
+                values = kv[:, 1].index_select(0, view.table[0]).flatten(0, 1)[: view.context]
                 out[rows] = _prefill_attention(q[rows], keys, values)
         if batch.decode_tables is not None:
-            assert batch.decode_mask is not None, "decode tables without a mask"
+            assert batch.decode_lens is not None, "decode tables without their lengths"
             n = batch.decode_tables.shape[0]
             rows = slice(batch.decode_offset, batch.decode_offset + n)
-            out[rows] = _decode_attention(q[rows], kv, batch.decode_tables, batch.decode_mask)
+            out[rows] = paged_attention(q[rows], kv, batch.decode_tables, batch.decode_lens,
+                                        queries=1, max_context=batch.decode_max_context)
 
     def layer_output(self, i: int, x: Tensor, attention: Tensor) -> Tensor:
         """Layer ``i`` after attention: output projection, residual, MLP, residual."""
@@ -549,20 +583,6 @@ def _prefill_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
         enable_gqa=True,
     )
     return out[0].transpose(0, 1)
-
-
-def _decode_attention(q: Tensor, kv: Tensor, tables: Tensor, mask: Tensor) -> Tensor:
-    """Decode steps as one padded batch: q ``[B, Hq, D]``, each step's context gathered from
-    its block table. Query heads of a group share a KV head, so they are folded into the query
-    length (``[B, Hkv, G, D]``) and K/V are never repeated. Returns ``[B, Hq, D]``."""
-    b, hq, d = q.shape
-    hkv = kv.shape[3]
-    keys = kv[:, 0][tables].flatten(1, 2).transpose(1, 2)  # [B, Hkv, S, D]
-    values = kv[:, 1][tables].flatten(1, 2).transpose(1, 2)
-    out = F.scaled_dot_product_attention(
-        q.view(b, hkv, hq // hkv, d), keys, values, attn_mask=mask[:, None, None, :]
-    )
-    return out.reshape(b, hq, d)
 
 
 def load_checkpoint(model: Decoder, folder: Path) -> None:

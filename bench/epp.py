@@ -1,0 +1,338 @@
+"""The endpoint picker's cost: Envoy + ``kvroute epp`` against a worker directly and against
+the HTTP router.
+
+One sim worker answers every path (``max_tokens`` 1, a huge ``--speedup``: the worker costs
+almost nothing), so the differences are the front door's. Three paths to the same worker:
+
+- ``direct``: the client talks to the worker;
+- ``router``: ``kvroute router`` decides and proxies;
+- ``epp``: Envoy (the shipped ``deploy/envoy/envoy.yaml``, one worker thread) asks ``kvroute
+  epp`` over ext_proc (headers + buffered body), then forwards to the worker it named.
+
+Figures, all with 16 connections kept busy (closed loop): latency p50/p99 per path and the
+added latency (path minus direct), requests per second per path, and the EPP process's CPU
+seconds per request from ``/proc``; the same added latency over one connection (requests one
+after another); and ``exchange_cpu_us_per_request``, the EPP's own work per request without
+gRPC (parse, decide, book, answer, release), measured in this process. On a machine where
+the client, Envoy, the EPP and the worker share a few cores, the chain's requests per second
+is bounded by all of them together;
+``epp_rps_per_core`` (requests divided by the EPP's CPU seconds) is what one EPP process
+handles when it has a core to itself. ``wrk`` is the load generator when installed (its
+``--latency`` percentiles), else aiohttp (slower: it takes CPU from the servers).
+
+CPU per request is the figure to compare changes by: on a busy machine latency and requests
+per second swing with the neighbours, CPU time per request much less. It still varies from
+run to run (more wake-ups per request when the process is starved), so the run ends with
+``--rounds`` alternating runs of the EPP and of :mod:`bench.ext_proc_floor`, a do-nothing
+ext_proc server on the same runtime behind its own Envoy, and prints the medians
+(``epp_cpu_us_per_request_median``, ``floor_cpu_us_per_request_median``). The floor is most of
+the EPP's cost: grpcio's asyncio server hands every completion of a call from its polling
+thread to the event loop, some forty system calls per request (eventfd writes, socket reads,
+epoll waits, futexes) around two ``sendmsg`` and two ``recvmsg`` of traffic. The
+conversation is already the shortest that routes (request headers and buffered body; see
+``deploy/envoy/envoy.yaml``); grpcio's synchronous server costs more than the asyncio one for
+the same do-nothing work. More decisions per second come from more EPP processes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import grpc
+import httpx
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from bench.envoy import envoy_command, render_envoy_config
+from bench.figures import percentile, print_figures
+from bench.http_load import latency, spawn, stop
+from kvroute.up import free_port
+
+BODY = {"model": "kvroute-sim", "prompt": "a small prompt for the picker", "max_tokens": 1}
+CONNECTIONS = 16
+
+
+def _cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def _closed_loop(url: str, requests: int) -> tuple[list[float], float, int]:
+    connector = aiohttp.TCPConnector(limit=CONNECTIONS)
+    times: list[float] = []
+    failed = 0
+    remaining = requests
+
+    async def loop(session: aiohttp.ClientSession) -> None:
+        nonlocal remaining, failed
+        while remaining > 0:
+            remaining -= 1
+            started = time.perf_counter()
+            async with session.post(url, json=BODY) as r:
+                await r.read()
+                failed += r.status != 200
+            times.append(time.perf_counter() - started)
+
+    async with aiohttp.ClientSession(connector=connector) as session:
+        started = time.perf_counter()
+        await asyncio.gather(*(loop(session) for _ in range(CONNECTIONS)))
+        elapsed = time.perf_counter() - started
+    return times, len(times) / elapsed, failed
+
+
+_WRK_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
+
+
+def _wrk(url: str, seconds: float) -> tuple[float, float, float]:
+    """(p50 s, p99 s, requests/s) measured by wrk with 16 connections."""
+    script = (f"wrk.method = 'POST'\nwrk.body = {json.dumps(json.dumps(BODY))}\n"
+              "wrk.headers['Content-Type'] = 'application/json'\n")
+    with tempfile.NamedTemporaryFile("w", suffix=".lua") as f:
+        f.write(script)
+        f.flush()
+        out = subprocess.run(["wrk", "-t2", f"-c{CONNECTIONS}", f"-d{max(1, round(seconds))}s",
+                              "--latency", "-s", f.name, url], capture_output=True, text=True,
+                             timeout=120, check=True).stdout
+    if "Non-2xx" in out:
+        raise RuntimeError(f"wrk saw failed requests:\n{out}")
+
+    def pct(q: str) -> float:
+        found = re.search(rf"^\s+{q}%\s+([\d.]+)(us|ms|s)\s*$", out, re.M)
+        assert found, f"no {q}% line in wrk's output:\n{out}"
+        return float(found.group(1)) * _WRK_UNITS[found.group(2)]
+
+    rps = re.search(r"Requests/sec:\s+([\d.]+)", out)
+    assert rps, out
+    return pct("50"), pct("99"), float(rps.group(1))
+
+
+def _measure(url: str, requests: int, seconds: float) -> dict[str, float]:
+    one = latency(url, BODY, min(requests, 1000), warmup=100)
+    if shutil.which("wrk"):
+        p50, p99, rps = _wrk(url, seconds)
+    else:
+        times, rps, failed = asyncio.run(_closed_loop(url, requests))
+        if failed:
+            raise RuntimeError(f"{failed} requests to {url} failed")
+        p50, p99 = percentile(times, 50), percentile(times, 99)
+    return {"p50": p50, "p99": p99, "rps": rps, "one_p50": percentile(one, 50),
+            "one_p99": percentile(one, 99)}
+
+
+def _measure_epp(url: str, requests: int, seconds: float, pid: int
+                 ) -> tuple[dict[str, float], float, float]:
+    """The Envoy + EPP path's figures, and the EPP's CPU seconds and the wall seconds of the
+    16-connection part alone."""
+    one = latency(url, BODY, min(requests, 1000), warmup=100)
+    cpu_before, started = _cpu_seconds(pid), time.perf_counter()
+    if shutil.which("wrk"):
+        p50, p99, rps = _wrk(url, seconds)
+    else:
+        times, rps, failed = asyncio.run(_closed_loop(url, requests))
+        if failed:
+            raise RuntimeError(f"{failed} requests to {url} failed")
+        p50, p99 = percentile(times, 50), percentile(times, 99)
+    elapsed, cpu = time.perf_counter() - started, _cpu_seconds(pid) - cpu_before
+    return ({"p50": p50, "p99": p99, "rps": rps, "one_p50": percentile(one, 50),
+             "one_p99": percentile(one, 99)}, cpu, elapsed)
+
+
+def _cpu_us_per_request(url: str, pid: int, requests: int, seconds: float) -> float:
+    """CPU microseconds of process ``pid`` per request, over one closed-loop run at ``url``."""
+    cpu_before = _cpu_seconds(pid)
+    if shutil.which("wrk"):
+        served = _wrk(url, seconds)[2] * seconds
+    else:
+        times, _, failed = asyncio.run(_closed_loop(url, requests))
+        if failed:
+            raise RuntimeError(f"{failed} requests to {url} failed")
+        served = len(times)
+    return (_cpu_seconds(pid) - cpu_before) / served * 1e6
+
+
+def _wait_grpc_ready(port: int, proc: subprocess.Popen[bytes], timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"kvroute epp exited with {proc.returncode}")
+        try:
+            with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
+                reply = health_pb2_grpc.HealthStub(channel).Check(
+                    health_pb2.HealthCheckRequest(service="readiness"), timeout=1)
+            if reply.status == health_pb2.HealthCheckResponse.SERVING:
+                return
+        except grpc.RpcError:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"kvroute epp was not ready in {timeout}s")
+
+
+def run(requests: int, seconds: float, rounds: int = 3) -> dict[str, Any]:
+    """Start the worker, router, EPP, the ext_proc floor and an Envoy in front of each;
+    measure the three paths, then the EPP's and the floor's CPU per request in ``rounds``
+    alternating runs; stop everything."""
+    worker_port, router_port, epp_port = free_port(), free_port(), free_port()
+    envoy_port, admin_port = free_port(), free_port()
+    floor_port, floor_envoy_port, floor_admin_port = free_port(), free_port(), free_port()
+    worker_url = f"http://127.0.0.1:{worker_port}"
+    procs: list[subprocess.Popen[bytes]] = []
+    with tempfile.TemporaryDirectory() as scratch:
+        config = Path(scratch) / "envoy.yaml"
+        config.write_text(render_envoy_config(envoy_port, admin_port, epp_port))
+        floor_config = Path(scratch) / "floor.yaml"
+        floor_config.write_text(render_envoy_config(floor_envoy_port, floor_admin_port,
+                                                     floor_port))
+        try:
+            procs.append(spawn(["worker", "--port", str(worker_port), "--events-port",
+                                str(free_port()), "--replay-port", str(free_port()),
+                                "--speedup", "1e9"], worker_url))
+            procs.append(spawn(["router", "--port", str(router_port), "--worker", worker_url],
+                               f"http://127.0.0.1:{router_port}", health="/ready"))
+            epp = subprocess.Popen([sys.executable, "-m", "kvroute.cli", "epp", "--grpc-port",
+                                    str(epp_port), "--worker", worker_url, "--log-level",
+                                    "warning"], stdout=subprocess.DEVNULL,
+                                   stderr=subprocess.DEVNULL, start_new_session=True)
+            procs.append(epp)
+            _wait_grpc_ready(epp_port, epp)
+            procs.append(spawn_envoy(config, admin_port))
+            direct = _measure(f"{worker_url}/v1/completions", requests, seconds)
+            routed = _measure(f"http://127.0.0.1:{router_port}/v1/completions", requests,
+                              seconds)
+            epp_url = f"http://127.0.0.1:{envoy_port}/v1/completions"
+            picked, epp_cpu, elapsed = _measure_epp(epp_url, requests, seconds, epp.pid)
+            floor = subprocess.Popen([sys.executable, "-m", "bench.ext_proc_floor",
+                                      "--grpc-port", str(floor_port), "--endpoint",
+                                      f"127.0.0.1:{worker_port}"], stdout=subprocess.DEVNULL,
+                                     stderr=subprocess.DEVNULL, start_new_session=True)
+            procs.append(floor)
+            _wait_grpc_ready(floor_port, floor)
+            procs.append(spawn_envoy(floor_config, floor_admin_port))
+            floor_url = f"http://127.0.0.1:{floor_envoy_port}/v1/completions"
+            latency(floor_url, BODY, 100, warmup=0)  # Envoy's connections are open
+            epp_rounds, floor_rounds = [], []
+            for _ in range(rounds):  # alternating: a busy machine weighs on both alike
+                epp_rounds.append(_cpu_us_per_request(epp_url, epp.pid, requests, seconds))
+                floor_rounds.append(_cpu_us_per_request(floor_url, floor.pid, requests,
+                                                        seconds))
+        finally:
+            for proc in reversed(procs):
+                stop(proc)
+    served = picked["rps"] * seconds if shutil.which("wrk") else requests
+    ms = 1e3
+    return {
+        "one_connection_direct_p50_ms": round(direct["one_p50"] * 1e3, 3),
+        "one_connection_router_added_p50_ms": round((routed["one_p50"] - direct["one_p50"])
+                                                    * 1e3, 3),
+        "one_connection_epp_added_p50_ms": round((picked["one_p50"] - direct["one_p50"])
+                                                 * 1e3, 3),
+        "one_connection_epp_added_p99_ms": round((picked["one_p99"] - direct["one_p99"])
+                                                 * 1e3, 3),
+        "connections": CONNECTIONS,
+        "load_generator": "wrk" if shutil.which("wrk") else "aiohttp",
+        "direct_p50_ms": round(direct["p50"] * ms, 3),
+        "direct_p99_ms": round(direct["p99"] * ms, 3),
+        "router_p50_ms": round(routed["p50"] * ms, 3),
+        "router_p99_ms": round(routed["p99"] * ms, 3),
+        "epp_p50_ms": round(picked["p50"] * ms, 3),
+        "epp_p99_ms": round(picked["p99"] * ms, 3),
+        "router_added_p50_ms": round((routed["p50"] - direct["p50"]) * ms, 3),
+        "router_added_p99_ms": round((routed["p99"] - direct["p99"]) * ms, 3),
+        "epp_added_p50_ms": round((picked["p50"] - direct["p50"]) * ms, 3),
+        "epp_added_p99_ms": round((picked["p99"] - direct["p99"]) * ms, 3),
+        "direct_rps": round(direct["rps"]),
+        "router_rps": round(routed["rps"]),
+        "epp_path_rps": round(picked["rps"]),
+        "epp_cpu_us_per_request": round(epp_cpu / served * 1e6, 1),
+        "epp_rps_per_core": round(served / epp_cpu) if epp_cpu else None,
+        "epp_cpu_share": round(epp_cpu / elapsed, 2),
+        "epp_cpu_us_per_request_median": round(statistics.median(epp_rounds), 1),
+        "floor_cpu_us_per_request_median": round(statistics.median(floor_rounds), 1),
+        "cpu_rounds": rounds,
+        "cpus": os.cpu_count(),
+    }
+
+
+def spawn_envoy(config: Path, admin_port: int, timeout: float = 30
+                ) -> subprocess.Popen[bytes]:
+    """Start Envoy with ``config`` and wait until its admin port says it is ready."""
+    import urllib.request
+
+    proc = subprocess.Popen(envoy_command(config), stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL, start_new_session=True)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"envoy exited with {proc.returncode}")
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/ready", timeout=1) as r:
+                if r.status == 200:
+                    return proc
+        except OSError:
+            pass
+        time.sleep(0.1)
+    stop(proc)
+    raise RuntimeError(f"envoy was not ready in {timeout}s")
+
+
+def exchange_cpu_us(requests: int = 3000) -> float:
+    """CPU microseconds per request of the EPP's own work, no transport: one ext_proc
+    exchange (headers, buffered body: parse, decide, book, answer; then release) against a
+    RouterService with three adopted workers."""
+    from envoy.config.core.v3 import base_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
+    from router.epp.exchange import Exchange
+    from router.epp.picker import Picker
+    from router.service import RouterService
+    from router.settings import RouterSettings
+    from router.worker_table import WorkerInfo
+
+    service = RouterService(RouterSettings(seed=1), httpx.AsyncClient())
+    for w in range(3):
+        service.registry.adopt(WorkerInfo(url=f"http://10.0.0.{w + 1}:8000",
+                                          model="kvroute-sim", block_size=32,
+                                          tokenizer="bytes-v1", instance_id=f"i{w}",
+                                          max_model_len=100_000))
+    picker = Picker(service)
+    headers = ep.ProcessingRequest(request_headers=ep.HttpHeaders(headers=base_pb2.HeaderMap(
+        headers=[base_pb2.HeaderValue(key=":path", raw_value=b"/v1/completions")])))
+    body = ep.ProcessingRequest(request_body=ep.HttpBody(body=json.dumps(BODY).encode(),
+                                                         end_of_stream=True))
+    started = time.process_time()
+    for _ in range(requests):
+        exchange = Exchange(picker)
+        exchange.on_message(headers)
+        exchange.on_message(body)
+        exchange.close()
+    return (time.process_time() - started) / requests * 1e6
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--quick", action="store_true", help="a small, fast run")
+    parser.add_argument("--seconds", type=float, default=10.0,
+                        help="seconds per path under wrk (default 10)")
+    parser.add_argument("--rounds", type=int, default=3,
+                        help="alternating EPP / floor runs for the CPU medians (default 3)")
+    args = parser.parse_args(argv)
+    seconds = 2.0 if args.quick else args.seconds
+    figures = {"exchange_cpu_us_per_request": round(exchange_cpu_us(), 1)}
+    figures |= run(500 if args.quick else 5000, seconds, max(1, args.rounds))
+    print_figures(figures, args.json)
+
+
+if __name__ == "__main__":
+    main()

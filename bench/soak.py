@@ -1,0 +1,303 @@
+"""Soak: a real router and three sim workers under mixed good and bad traffic while workers
+fail, with the figures a long run needs.
+
+``python -m bench.soak --minutes N`` starts three sim workers and a router on 127.0.0.1 (child
+processes, :func:`bench.http_load.spawn`) and keeps ``--concurrency`` clients busy with a mix
+of valid completions, chats and streams over a few shared prefixes, and bad requests:
+malformed JSON, JSON that is not a request, prompts longer than any worker takes, and 60,000
+token prompts whose output would not fit (the router passes them, the worker refuses). Meanwhile
+(unless ``--no-faults``) worker 0 is killed (SIGKILL) at 20% of the run and restarted at 35%,
+and worker 1 is paused (SIGSTOP) at 55% and resumed (SIGCONT) at 65%.
+
+It prints, at the end:
+
+- requests by kind and outcome; a good request fails when it gets anything but 200 or a
+  stream ends with an error event, a bad one when it gets anything but a 4xx; failures are
+  grouped by cause;
+- router and worker RSS over time (``/proc/<pid>/status``) and the router's growth per 10,000
+  requests after the first tenth of the run (the warm-up);
+- the router's event-loop lag, as the time a ``GET /health`` takes (sent every 100 ms): p50,
+  p99 and max.
+
+Every loop ends at the deadline, every request has a timeout, and every child is stopped on
+the way out, whatever happened.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from bench.http_load import spawn, stop
+from kvroute.up import free_port
+
+__all__ = ["main"]
+
+MODEL = "kvroute-sim"
+PREFIXES = [f"Shared system prompt {i}: you are a careful assistant for team {i}. " * 12
+            for i in range(8)]
+#: Longer than the sim worker's default 65,536-token limit (one token a byte).
+OVERSIZE = "x" * 70_000
+#: Within that limit, but not with 8,000 tokens of output on top.
+LONG = "y" * 60_000
+REQUEST_TIMEOUT_S = 30.0
+
+
+@dataclass
+class Tally:
+    """What the clients saw."""
+
+    outcomes: Counter[tuple[str, str]] = field(default_factory=Counter)
+    failures: Counter[str] = field(default_factory=Counter)
+    health_s: list[float] = field(default_factory=list)
+    health_failed: int = 0
+    rss: list[tuple[float, int, dict[str, int], int]] = field(default_factory=list)
+    faults: list[tuple[float, str]] = field(default_factory=list)
+
+    @property
+    def requests(self) -> int:
+        return sum(self.outcomes.values())
+
+
+class Worker:
+    """A sim worker with fixed ports, so that a restart comes back at the same address."""
+
+    def __init__(self, index: int, extra: list[str]) -> None:
+        self.name = f"worker-{index}"
+        self.port = free_port()
+        self.args = ["worker", "--port", str(self.port), "--events-port", str(free_port()),
+                     "--replay-port", str(free_port()), *extra]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def start(self) -> None:
+        self.proc = spawn(self.args, self.url)
+
+    def signal(self, sig: int) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            os.killpg(self.proc.pid, sig)
+
+
+def rss_kib(pid: int) -> int:
+    """Resident set size of ``pid`` in KiB (0 when it is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
+
+
+def _request(rng: random.Random) -> tuple[str, str, bytes, bool]:
+    """One request of the mix: (kind, path, body, good)."""
+    roll = rng.random()
+    prefix = rng.choice(PREFIXES)
+    tail = f"question {rng.randrange(10**6)} " * 8  # about four blocks of its own
+    if roll < 0.35:
+        body = {"model": MODEL, "prompt": prefix + tail, "max_tokens": rng.randint(1, 16)}
+        return "completion", "/v1/completions", json.dumps(body).encode(), True
+    if roll < 0.55:
+        body = {"model": MODEL, "max_tokens": rng.randint(1, 16),
+                "messages": [{"role": "system", "content": prefix},
+                             {"role": "user", "content": tail}]}
+        return "chat", "/v1/chat/completions", json.dumps(body).encode(), True
+    if roll < 0.80:
+        body = {"model": MODEL, "prompt": prefix + tail, "max_tokens": rng.randint(4, 32),
+                "stream": True}
+        return "stream", "/v1/completions", json.dumps(body).encode(), True
+    if roll < 0.88:
+        return "malformed", "/v1/completions", b'{"model": "kvroute-sim", "prompt": ', False
+    if roll < 0.96:
+        garbage = rng.choice([b"[1, 2, 3]", b'{"prompt": 5}', b'{"messages": "hi"}', b"null",
+                              b'{"model": "kvroute-sim", "prompt": "x", "max_tokens": -4}'])
+        path = "/v1/chat/completions" if b"messages" in garbage else "/v1/completions"
+        return "garbage", path, garbage, False
+    if roll < 0.98:
+        body = {"model": MODEL, "prompt": OVERSIZE, "max_tokens": 4}
+        return "oversize", "/v1/completions", json.dumps(body).encode(), False
+    # Fits the router's check but not the worker's (prompt plus max_tokens): the worker
+    # refuses it, after the router booked it there.
+    body = {"model": MODEL, "prompt": f"{rng.randrange(10**9)} " + LONG, "max_tokens": 8000}
+    return "refused", "/v1/completions", json.dumps(body).encode(), False
+
+
+async def _one(session: aiohttp.ClientSession, base: str, rng: random.Random,
+               tally: Tally) -> None:
+    kind, path, body, good = _request(rng)
+    try:
+        async with session.post(base + path, data=body,
+                                headers={"Content-Type": "application/json"}) as r:
+            text = await r.read()
+            status = r.status
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        tally.outcomes[(kind, "no answer")] += 1
+        tally.failures[f"{kind}: {type(exc).__name__}"] += 1
+        return
+    errored = kind == "stream" and status == 200 and b'"error"' in text
+    tally.outcomes[(kind, f"{status}{' error event' if errored else ''}")] += 1
+    if good and (status != 200 or errored):
+        cause = "stream ended with an error event" if errored else f"status {status}"
+        tally.failures[f"{kind}: {cause}"] += 1
+    elif not good and not 400 <= status < 500:
+        tally.failures[f"{kind}: status {status} (a 4xx was due)"] += 1
+
+
+async def _clients(base: str, concurrency: int, deadline: float, seed: int, tally: Tally
+                   ) -> None:
+    timeout = aiohttp.ClientTimeout(total=REQUEST_TIMEOUT_S)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        async def loop(i: int) -> None:
+            rng = random.Random(seed * 1000 + i)
+            while time.monotonic() < deadline:
+                await _one(session, base, rng, tally)
+        await asyncio.gather(*(loop(i) for i in range(concurrency)))
+
+
+async def _health(base: str, deadline: float, tally: Tally) -> None:
+    timeout = aiohttp.ClientTimeout(total=5)
+    async with aiohttp.ClientSession(timeout=timeout) as session:
+        while time.monotonic() < deadline:
+            started = time.perf_counter()
+            try:
+                async with session.get(base + "/health") as r:
+                    await r.read()
+                tally.health_s.append(time.perf_counter() - started)
+            except (aiohttp.ClientError, TimeoutError):
+                tally.health_failed += 1
+            await asyncio.sleep(0.1)
+
+
+async def _watch(router: subprocess.Popen[bytes], workers: list[Worker], started: float,
+                 deadline: float, every: float, tally: Tally) -> None:
+    while True:
+        now = time.monotonic()
+        tally.rss.append((now - started, rss_kib(router.pid),
+                          {w.name: rss_kib(w.proc.pid) if w.proc else 0 for w in workers},
+                          tally.requests))
+        if now >= deadline:
+            return
+        await asyncio.sleep(min(every, max(0.0, deadline - now)))
+
+
+async def _faults(workers: list[Worker], started: float, seconds: float, tally: Tally) -> None:
+    plan = [(0.20, workers[0], "SIGKILL"), (0.35, workers[0], "restart"),
+            (0.55, workers[1], "SIGSTOP"), (0.65, workers[1], "SIGCONT")]
+    for at, worker, action in plan:
+        await asyncio.sleep(max(0.0, started + at * seconds - time.monotonic()))
+        tally.faults.append((time.monotonic() - started, f"{action} {worker.name}"))
+        if action == "restart":
+            if worker.proc is not None:
+                await asyncio.to_thread(worker.proc.wait, 10)
+            await asyncio.to_thread(worker.start)
+        else:
+            worker.signal(getattr(signal, action))
+
+
+def _percentile(values: list[float], q: float) -> float:
+    if not values:
+        return float("nan")
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def report(tally: Tally, seconds: float) -> str:
+    """The run's figures as text."""
+    lines = [f"{tally.requests} requests in {seconds:.0f}s "
+             f"({tally.requests / max(seconds, 1e-9):.0f}/s)", "", "requests by kind and answer:"]
+    for (kind, answer), n in sorted(tally.outcomes.items()):
+        lines.append(f"  {kind:<11} {answer:<22} {n}")
+    lines += ["", f"failed: {sum(tally.failures.values())}"]
+    lines += [f"  {cause}: {n}" for cause, n in tally.failures.most_common()]
+    lines += ["", "faults:"] + [f"  {t:7.1f}s  {what}" for t, what in tally.faults]
+    names = list(tally.rss[0][2]) if tally.rss else []
+    lines += ["", "RSS (MiB) over time:",
+              f"  {'t (s)':>7} {'requests':>9} {'router':>7} " + " ".join(f"{n:>9}" for n in names)]
+    for t, router, workers, done in tally.rss:
+        lines.append(f"  {t:7.1f} {done:>9} {router / 1024:7.1f} "
+                     + " ".join(f"{workers[n] / 1024:9.1f}" for n in names))
+    warm = next((s for s in tally.rss if s[0] >= seconds / 10), None)
+    if warm is not None and tally.rss[-1][3] > warm[3]:
+        grown = (tally.rss[-1][1] - warm[1]) / 1024
+        per = grown / (tally.rss[-1][3] - warm[3]) * 10_000
+        lines.append(f"router RSS after warm-up: {grown:+.1f} MiB over "
+                     f"{tally.rss[-1][3] - warm[3]} requests ({per:+.2f} MiB per 10k)")
+    h = tally.health_s
+    lines += ["", f"event-loop lag (GET /health, {len(h)} probes, {tally.health_failed} failed): "
+              f"p50 {_percentile(h, 0.5) * 1e3:.1f} ms, p99 {_percentile(h, 0.99) * 1e3:.1f} ms, "
+              f"max {max(h, default=float('nan')) * 1e3:.1f} ms"]
+    return "\n".join(lines)
+
+
+async def soak(seconds: float, concurrency: int, faults: bool, seed: int,
+               worker_args: list[str], router_args: list[str]) -> Tally:
+    """Run the soak for ``seconds`` and return what was seen (children stopped on return)."""
+    workers = [Worker(i, worker_args) for i in range(3)]
+    router: subprocess.Popen[bytes] | None = None
+    tally = Tally()
+    try:
+        for w in workers:
+            await asyncio.to_thread(w.start)
+        port = free_port()
+        base = f"http://127.0.0.1:{port}"
+        args = ["router", "--port", str(port), *router_args]
+        for w in workers:
+            args += ["--worker", w.url]
+        router = await asyncio.to_thread(spawn, args, base)
+        started = time.monotonic()
+        deadline = started + seconds
+        tasks = [_clients(base, concurrency, deadline, seed, tally),
+                 _health(base, deadline, tally),
+                 _watch(router, workers, started, deadline, max(seconds / 12, 0.5), tally)]
+        if faults:
+            tasks.append(_faults(workers, started, seconds, tally))
+        await asyncio.gather(*tasks)
+    finally:
+        for w in workers:
+            w.signal(signal.SIGCONT)
+        for proc in [router, *(w.proc for w in workers)]:
+            if proc is not None:
+                stop(proc)
+    return tally
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.soak``: run, print the figures."""
+    p = argparse.ArgumentParser(prog="python -m bench.soak", description=__doc__.split("\n\n")[0])
+    p.add_argument("--minutes", type=float, default=2.0, help="run length (default 2)")
+    p.add_argument("--seconds", type=float, help="run length in seconds (overrides --minutes)")
+    p.add_argument("--concurrency", type=int, default=8, help="clients in flight (default 8)")
+    p.add_argument("--no-faults", dest="faults", action="store_false",
+                   help="no kill, restart or pause: traffic only")
+    p.add_argument("--seed", type=int, default=0, help="the traffic mix's seed")
+    p.add_argument("--worker-arg", action="append", default=[], metavar="FLAG",
+                   help="an extra flag for every worker (repeatable)")
+    p.add_argument("--router-arg", action="append", default=[], metavar="FLAG",
+                   help="an extra flag for the router (repeatable)")
+    args = p.parse_args(argv)
+    seconds = args.seconds if args.seconds is not None else args.minutes * 60
+    if not seconds > 0 or args.concurrency < 1:
+        p.error("the run length and --concurrency must be positive")
+    tally = asyncio.run(soak(seconds, args.concurrency, args.faults, args.seed,
+                             args.worker_arg, args.router_arg))
+    print(report(tally, seconds))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,86 @@
+"""Admin access: the bearer token check, where a token comes from, and when one is required.
+
+Rules:
+    1. With a token configured, an admin endpoint wants ``Authorization: Bearer <token>``
+       (compared in constant time); without one it is open.
+    2. Open admin endpoints are only acceptable when nobody else can reach the port: a server
+       bound to anything but a loopback address refuses to start without a token, unless the
+       operator says ``--insecure-no-auth`` (:func:`check_bind`). Anyone who reaches an open
+       router can register a worker of their own and receive every prompt.
+    3. A token can be read from a file, so that it does not show in ``ps`` (a flag) or in the
+       process environment of a child.
+"""
+
+from __future__ import annotations
+
+import hmac
+import ipaddress
+from pathlib import Path
+
+from indexer.openai_api import ApiError
+
+__all__ = ["BindError", "check_bearer", "check_bind", "is_loopback", "read_token_file"]
+
+
+class BindError(ValueError):
+    """The bind address and the admin settings together would expose open admin endpoints."""
+
+
+def check_bearer(authorization: str | None, token: str | None) -> None:
+    """Refuse a request whose ``Authorization`` header does not carry ``token`` (rule 1).
+
+    Raises:
+        ApiError: 401 when a token is configured and the header does not match it.
+    """
+    if token is None:
+        return
+    given = (authorization or "").encode()
+    if not hmac.compare_digest(given, f"Bearer {token}".encode()):
+        raise ApiError(401, "this endpoint needs 'Authorization: Bearer <token>'",
+                       "authentication_error")
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names only this machine (``localhost`` or a loopback address)."""
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name other than localhost may resolve anywhere
+        return False
+
+
+def check_bind(host: str, token: str | None, insecure_no_auth: bool, what: str) -> None:
+    """Refuse to serve open admin endpoints beyond this machine (rule 2).
+
+    Args:
+        host: the bind address.
+        token: the admin token, if any.
+        insecure_no_auth: the operator accepts open admin endpoints on a public address.
+        what: the server's name for the message (``router``, ``worker``).
+
+    Raises:
+        BindError: ``host`` is not loopback, no token is set and ``insecure_no_auth`` is off.
+    """
+    if token or insecure_no_auth or is_loopback(host):
+        return
+    raise BindError(
+        f"the {what} would listen on {host} with no admin token: anyone who reaches the port "
+        "could use the admin endpoints (a router would let them add a worker of their own and "
+        "receive every request). Set an admin token (--admin-token-file, or the environment), "
+        "bind 127.0.0.1, or pass --insecure-no-auth to accept the risk")
+
+
+def read_token_file(path: str) -> str:
+    """Return the token held in ``path`` (surrounding whitespace removed).
+
+    Raises:
+        ValueError: the file cannot be read or holds no token.
+    """
+    try:
+        token = Path(path).read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ValueError(f"admin token file {path}: {exc}") from None
+    if not token:
+        raise ValueError(f"admin token file {path} is empty")
+    return token

@@ -1,0 +1,28 @@
+"""How both apps answer a refusal and count clients that left before their answer."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter
+from starlette.responses import JSONResponse
+
+from httpapi.body import BodyTooLarge
+from indexer.openai_api import ApiError, error_body
+
+__all__ = ["CLIENT_GONE_STATUS", "disconnect_counter", "error_response"]
+
+#: The status logged for a request whose client left (nginx's convention; nobody reads it).
+CLIENT_GONE_STATUS = 499
+
+
+def error_response(error: ApiError) -> JSONResponse:
+    """The OpenAI-style JSON answer for ``error``; a 413 also closes the connection."""
+    headers = error.headers if isinstance(error, BodyTooLarge) else None
+    return JSONResponse(error_body(error), status_code=error.status, headers=headers)
+
+
+def disconnect_counter(registry: CollectorRegistry) -> Counter:
+    """The ``kvroute_client_disconnects_total`` counter on ``registry``: one count per client
+    that left before its answer, in place of a logged traceback for each."""
+    return Counter("kvroute_client_disconnects",
+                   "Clients that closed their connection before their answer, by stage",
+                   ["stage"], registry=registry)

@@ -1,0 +1,180 @@
+"""The uvicorn server both apps run on, with limits on connections and on slow or idle clients.
+
+Rules:
+    1. At most ``max_connections`` connections are served; a request that arrives while that
+       many are open (idle ones included) is answered 503 at once (uvicorn's
+       ``limit_concurrency``), and a connection past twice the limit is closed as soon as it is
+       accepted, so idle sockets cannot use up the process's file descriptors.
+    2. A connection must deliver a request's headers within ``header_timeout`` seconds of
+       opening (or of the request's first byte, on a kept-alive connection), or it is closed:
+       uvicorn by itself waits forever for a client that connects and says nothing.
+    3. A kept-alive connection idle for ``keep_alive_timeout`` seconds between requests is
+       closed (uvicorn's ``timeout_keep_alive``).
+    4. A connection closed while the client is still sending a body (an upload refused with
+       413) is closed gently: the answer is sent with a FIN, and what the client goes on sending
+       is read and dropped for up to ``LINGER_SECONDS`` or ``LINGER_BYTES``. Closing a socket
+       with unread data makes the kernel send a reset, which can destroy the answer before the
+       client reads it (nginx's "lingering close").
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import resource
+from dataclasses import dataclass
+from typing import Any, cast
+
+import uvicorn
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+__all__ = ["DEFAULT_LIMITS", "ConnectionLimits", "raise_open_file_limit", "server_config"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class ConnectionLimits:
+    """The limits of the module docstring's rules, in connections and seconds."""
+
+    max_connections: int = 2048
+    header_timeout: float = 10.0
+    keep_alive_timeout: float = 5.0
+
+    def __post_init__(self) -> None:
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be positive, got {self.max_connections}")
+        if self.header_timeout <= 0 or self.keep_alive_timeout <= 0:
+            raise ValueError("header_timeout and keep_alive_timeout must be positive")
+
+
+DEFAULT_LIMITS = ConnectionLimits()
+#: Rule 4's bounds on reading a refused upload's remainder.
+LINGER_SECONDS = 2.0
+LINGER_BYTES = 8 * 1024 * 1024
+
+
+class _LingeringTransport:
+    """The connection's transport, except that :meth:`close` follows rule 4 while the request
+    body is still arriving. Everything else is the real transport's."""
+
+    def __init__(self, transport: asyncio.Transport, protocol: _GuardedProtocol) -> None:
+        self._transport = transport
+        self._protocol = protocol
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def close(self) -> None:
+        protocol = self._protocol
+        cycle = protocol.cycle
+        if (protocol.lingering or cycle is None or not cycle.more_body
+                or self._transport.is_closing() or not self._transport.can_write_eof()):
+            self._transport.close()
+            return
+        protocol.linger(self._transport)
+
+
+class _GuardedProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with rule 1's hard cap and rule 2's header timer."""
+
+    limits = DEFAULT_LIMITS
+    lingering = False
+    _header_timer: asyncio.TimerHandle | None = None
+    _linger_timer: asyncio.TimerHandle | None = None
+    _lingered = 0
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(_LingeringTransport(transport, self))  # type: ignore[arg-type]
+        if len(self.connections) > 2 * self.limits.max_connections:
+            transport.abort()
+            return
+        self._arm_header_timer()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_header_timer()
+        if self._linger_timer is not None:
+            self._linger_timer.cancel()
+        super().connection_lost(exc)
+
+    def linger(self, transport: asyncio.Transport) -> None:
+        """Send what is buffered and a FIN, then drop what arrives until the client closes,
+        or rule 4's bounds are reached."""
+        self.lingering = True
+        transport.write_eof()
+        transport.resume_reading()
+        self._linger_timer = self.loop.call_later(LINGER_SECONDS, transport.close)
+
+    def data_received(self, data: bytes) -> None:
+        if not self.lingering:
+            super().data_received(data)
+            return
+        self._lingered += len(data)
+        if self._lingered > LINGER_BYTES:
+            self.transport.close()
+
+    def eof_received(self) -> None:
+        if self.lingering:
+            self.transport.close()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        if self._header_timer is None:
+            self._arm_header_timer()
+
+    def on_headers_complete(self) -> None:
+        self._disarm_header_timer()
+        super().on_headers_complete()
+
+    def _arm_header_timer(self) -> None:
+        self._header_timer = self.loop.call_later(self.limits.header_timeout,
+                                                  self._headers_too_slow)
+
+    def _disarm_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _headers_too_slow(self) -> None:
+        self._header_timer = None
+        if not self.transport.is_closing():
+            self.transport.close()
+
+
+def server_config(app: Any, host: str, port: int, limits: ConnectionLimits,
+                  log_level: str = "info", **extra: Any) -> uvicorn.Config:
+    """A uvicorn configuration serving ``app`` under ``limits`` (the module's rules).
+
+    Args:
+        app: the ASGI app.
+        host: the bind address.
+        port: the port (0: any free one).
+        limits: connection limits and timeouts.
+        log_level: uvicorn's log level.
+        extra: further ``uvicorn.Config`` arguments.
+    """
+    protocol = type("GuardedHttpProtocol", (_GuardedProtocol,), {"limits": limits})
+    options: dict[str, Any] = {"access_log": False, "timeout_graceful_shutdown": 5, **extra}
+    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol,
+                          limit_concurrency=limits.max_connections,
+                          # uvicorn types it int but sleeps any number of seconds
+                          timeout_keep_alive=cast(int, limits.keep_alive_timeout), **options)
+
+
+def raise_open_file_limit(limits: ConnectionLimits) -> None:
+    """Raise this process's soft file-descriptor limit to its hard limit, and warn when even
+    that is too low for rule 1's cap (each connection is one descriptor; a router's request
+    holds a second one to its worker)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 65536)
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (ValueError, OSError):
+            pass
+    needed = 4 * limits.max_connections + 256
+    if soft < needed:
+        log.warning("the open file limit (%d) is below %d, what %d connections may need; "
+                    "lower --max-connections or raise the limit", soft, needed,
+                    limits.max_connections)

@@ -1,0 +1,141 @@
+"""One HTTP request's ext_proc conversation, as a state machine with no I/O.
+
+Envoy opens one ``Process`` stream per HTTP request and sends its phases in order; an
+:class:`Exchange` takes each :class:`ProcessingRequest` and returns the answers to send:
+
+1. ``request_headers``: remember the path (completions or chat) and the subset hint. Under
+   ``BUFFERED`` the headers are let through at once; under ``FULL_DUPLEX_STREAMED`` they are
+   held, because the destination header must ride on the headers answer. A request without a
+   body (``GET /v1/models``) is sent at once to the least busy worker, unbooked.
+2. ``request_body``: under ``BUFFERED`` one message with the whole body; under
+   ``FULL_DUPLEX_STREAMED`` chunks, held until ``end_of_stream`` (or the request trailers).
+   Then the body is parsed, :meth:`Picker.pick` decides and books, and the answer names the
+   endpoint (header, ``envoy.lb`` metadata, route cache cleared). Under
+   ``FULL_DUPLEX_STREAMED`` the held body is sent back whole after the headers answer. An
+   invalid body gets an immediate 400 (or the picker's 404/503).
+3. ``response_headers`` / ``response_body``: the first response body chunk marks the end of
+   prefill; the last one, or the stream's end (:meth:`Exchange.close`), releases the booking.
+
+Invariant: a booking is released exactly once, whichever of the response's end or the
+stream's close comes first (:meth:`Picker.release` is idempotent).
+"""
+
+from __future__ import annotations
+
+import logging
+
+from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
+from indexer.openai_api import ApiError, parse_body
+from router.epp import messages
+from router.epp.picker import ENDPOINT, Pick, Picker
+
+__all__ = ["Exchange", "kind_for_path"]
+
+log = logging.getLogger(__name__)
+
+_FULL_DUPLEX = processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+
+
+def kind_for_path(path: str | None) -> str | None:
+    """``"chat"`` or ``"completions"`` for an OpenAI path, ``None`` for any other."""
+    path = (path or "").split("?", 1)[0].rstrip("/")
+    if path.endswith("/chat/completions"):
+        return "chat"
+    if path.endswith("/completions"):
+        return "completions"
+    return None
+
+
+class Exchange:
+    """The EPP's side of one ext_proc stream.
+
+    Args:
+        picker: decides and books.
+    """
+
+    def __init__(self, picker: Picker) -> None:
+        self._picker = picker
+        self._kind: str | None = None
+        self._subset: frozenset[str] | None = None
+        self._duplex = False
+        self._held: list[bytes] = []
+        self._streamed_response = False
+        self.pick: Pick | None = None
+
+    def on_message(self, request: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
+        """The answers to one message from Envoy (none while a full-duplex body is held)."""
+        if request.HasField("protocol_config"):
+            self._duplex = request.protocol_config.request_body_mode == _FULL_DUPLEX
+        if self._subset is None:
+            self._subset = messages.subset_hint(request)
+        phase = request.WhichOneof("request")
+        if phase == "request_headers":
+            headers = request.request_headers
+            self._kind = kind_for_path(messages.header(headers, ":path"))
+            if headers.end_of_stream:  # no body to route by: any worker answers alike
+                try:
+                    endpoint = self._picker.pick_any(self._subset)
+                except ApiError as exc:
+                    return [messages.immediate_error(exc)]
+                return [messages.routed(endpoint, "request_headers")]
+            return [] if self._duplex else [messages.continue_headers()]
+        if phase == "request_body":
+            return self._on_body(request.request_body)
+        if phase == "response_headers":
+            return [messages.continue_response_headers()]
+        if phase == "response_body":
+            chunk = request.response_body
+            if self.pick is not None:
+                if not self._streamed_response:
+                    self._streamed_response = True
+                    self._picker.first_byte(self.pick)
+                if chunk.end_of_stream:
+                    self._picker.release(self.pick)
+            return [messages.continue_response_body()]
+        if phase == "request_trailers":
+            trailers = ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
+            if self._duplex and self.pick is None:  # the body ended with trailers: decide now
+                return [*self._decide(last=False), trailers]
+            return [trailers]
+        if phase == "response_trailers":
+            if self.pick is not None:
+                self._picker.release(self.pick)
+            return [ep.ProcessingResponse(response_trailers=ep.TrailersResponse())]
+        log.warning("ext_proc message with no phase (%s): ignored", phase)
+        return []
+
+    def close(self) -> None:
+        """The stream ended: whatever was booked and not yet released is released."""
+        if self.pick is not None:
+            self._picker.release(self.pick)
+
+    def _on_body(self, body: ep.HttpBody) -> list[ep.ProcessingResponse]:
+        if self.pick is not None:  # a body chunk after the decision (trailing, duplex)
+            return [messages.continue_body()]
+        self._held.append(body.body)
+        if not body.end_of_stream:
+            return [] if self._duplex else [messages.continue_body()]
+        return self._decide(last=True)
+
+    def _decide(self, last: bool) -> list[ep.ProcessingResponse]:
+        raw = b"".join(self._held)
+        self._held.clear()
+        try:
+            parsed = parse_body(raw)
+        except ApiError as exc:
+            self._picker.metrics.request(ENDPOINT, exc.status)
+            return [messages.immediate_error(exc)]
+        kind = self._kind or ("chat" if "messages" in parsed else "completions")
+        try:
+            self.pick = self._picker.pick(parsed, kind, self._subset)
+        except ApiError as exc:  # counted by the picker
+            return [messages.immediate_error(exc)]
+        endpoint = self.pick.endpoint
+        if not self._duplex:
+            return [messages.routed(endpoint, "request_body")]
+        return [messages.routed(endpoint, "request_headers"),
+                ep.ProcessingResponse(request_body=ep.BodyResponse(response=ep.CommonResponse(
+                    body_mutation=ep.BodyMutation(streamed_response=ep.StreamedBodyResponse(
+                        body=raw, end_of_stream=last)))))]

@@ -1,0 +1,124 @@
+"""The endpoint picker's one seam onto the router: decide, book, release.
+
+Everything the EPP needs from :class:`~router.service.RouterService` goes through
+:class:`Picker`: the same :meth:`~router.service.RouterService.decide` the HTTP router calls,
+the same booking (load, predicted residency, session) when the request is handed to Envoy,
+and the same release when it ends. Nothing here scores a worker; a change to the routing core
+shows up in the EPP with no change in this package beyond this module.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+from typing import Any
+from urllib.parse import urlsplit
+
+from indexer.openai_api import ApiError
+from router.metrics import RouterMetrics
+from router.registry import WorkerEntry
+from router.service import Route, RouterService
+
+__all__ = ["ENDPOINT", "Pick", "Picker", "endpoint_of"]
+
+#: The endpoint label of the EPP's decisions in ``kvroute_requests`` (status 200: routed).
+ENDPOINT = "ext_proc"
+
+
+@functools.lru_cache(maxsize=4096)
+def endpoint_of(url: str) -> str:
+    """A worker's base URL as the ``host:port`` Envoy's original-destination cluster dials.
+
+    Raises:
+        ValueError: the URL names no port and no http(s) scheme to imply one.
+    """
+    parts = urlsplit(url)
+    port = parts.port or {"http": 80, "https": 443}.get(parts.scheme)
+    if not parts.hostname or port is None:
+        raise ValueError(f"worker URL {url!r} names no host and port")
+    host = f"[{parts.hostname}]" if ":" in parts.hostname else parts.hostname
+    return f"{host}:{port}"
+
+
+@dataclass(slots=True)
+class Pick:
+    """One request handed to Envoy: where it goes and what was booked for it."""
+
+    route: Route
+    worker: WorkerEntry
+    endpoint: str
+    ended: bool = False
+
+
+class Picker:
+    """Chooses a worker for a request body and keeps the router's books for it.
+
+    Args:
+        service: the router's state, built exactly as the HTTP router builds it.
+        metrics: where decisions and answers are counted (the HTTP router's metrics, under
+            the endpoint name ``ext_proc``); a fresh set when not given.
+    """
+
+    def __init__(self, service: RouterService, metrics: RouterMetrics | None = None) -> None:
+        self.service = service
+        self.metrics = metrics if metrics is not None else RouterMetrics(service)
+
+    def ready(self) -> bool:
+        """Whether any worker may take a request now."""
+        return bool(self.service.registry.candidates())
+
+    def pick(self, body: Any, kind: str, subset: frozenset[str] | None = None) -> Pick:
+        """Decide where ``body`` goes and book it there.
+
+        Args:
+            body: the parsed request body.
+            kind: ``"completions"`` or ``"chat"``.
+            subset: ``host:port`` endpoints the data plane allows (the GIE subset hint);
+                ``None`` allows every worker. The router's choice is kept when allowed, else
+                its best-ranked allowed alternative.
+
+        Raises:
+            ApiError: the body is invalid (400), names an unknown model (404), or no
+                (allowed) worker can take it (503).
+        """
+        try:
+            route = self.service.decide(body, kind)
+        except ApiError as exc:
+            self.metrics.request(ENDPOINT, exc.status)
+            raise
+        ranked = [route.worker, *route.fallbacks()]
+        for worker in ranked:
+            endpoint = endpoint_of(worker.url)
+            if subset is None or endpoint in subset:
+                self.service.dispatched(route, worker)
+                self.metrics.decided(route)
+                self.metrics.request(ENDPOINT, 200)
+                return Pick(route, worker, endpoint)
+        self.metrics.request(ENDPOINT, 503)
+        raise ApiError(503, "no worker in the gateway's endpoint subset is available",
+                       "service_unavailable")
+
+    def pick_any(self, subset: frozenset[str] | None = None) -> str:
+        """A worker for a request with no body to route by (``GET /v1/models``): the allowed
+        healthy worker with the fewest requests in flight, as ``host:port``; nothing booked.
+
+        Raises:
+            ApiError: no (allowed) worker is healthy (503).
+        """
+        load = self.service.load
+        allowed = [(load.in_flight(e.id), e.id, endpoint_of(e.url))
+                   for e in self.service.registry.candidates()]
+        allowed = [a for a in allowed if subset is None or a[2] in subset]
+        if not allowed:
+            raise ApiError(503, "no worker is available", "service_unavailable")
+        return min(allowed)[2]
+
+    def first_byte(self, pick: Pick) -> None:
+        """The worker started answering: its prefill is done."""
+        self.service.load.first_token(pick.route.request_id)
+
+    def release(self, pick: Pick) -> None:
+        """The request ended (answered, failed or abandoned); idempotent."""
+        if not pick.ended:
+            pick.ended = True
+            self.service.load.finished(pick.route.request_id)

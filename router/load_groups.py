@@ -1,0 +1,227 @@
+"""Workers grouped by the load a cost sees, and the choice made without pricing every worker.
+
+A worker that holds none of a prompt (no index match, no predicted residency of its first
+block) is priced on its load alone: pending prefill, decode blocks, active requests and live
+sessions. Two such workers with equal
+figures cost the same, so :class:`LoadGroups` keeps every worker in a group keyed by those
+figures, updated as they change (the load books and the session tracker call back), and the
+groups sorted by pending prefill. :func:`choose_fast` prices the workers that hold some of the
+prompt one by one, as :func:`router.scheduler.choose` does, and the rest once per group, in
+order of pending prefill, stopping where no later group can cost less than the best so far:
+a group's cost is at least ``weight * (B + queue_weight * pending)`` plus the least decode
+load of any worker (the session term is never negative). An idle fleet is one group; a
+loaded one is priced only as far as its queues are short.
+
+Exact, not approximate: the choice, its ties and the random draws that break them are those of
+:func:`router.scheduler.choose` over every worker (``tests/router/test_load_groups.py`` checks
+random states).
+"""
+
+from __future__ import annotations
+
+import bisect
+import math
+import random
+from collections.abc import Sequence
+
+from router.scheduler import Candidate, SchedulerConfig, WorkerCost, cost_of, stays_home
+
+__all__ = ["FastChoice", "LoadGroups", "LoadKey", "choose_fast"]
+
+#: (pending prefill, decode, active requests, live sessions).
+LoadKey = tuple[float, float, int, float]
+
+# A lower bound computed in another order of operations may exceed the cost it bounds by a
+# few ulps; the pruning keeps this much relative slack.
+_SLACK = 1e-9
+
+
+class LoadGroups:
+    """Every tracked worker in the group of its :data:`LoadKey`, groups sorted by key.
+
+    Invariants:
+        1. Each tracked worker is in exactly one group, the one of its last :meth:`update`.
+        2. ``_order`` holds each non-empty group's key once, sorted (pending prefill first).
+        3. ``_decode`` and ``_sessions`` hold each tracked worker's figure once, sorted.
+    """
+
+    def __init__(self) -> None:
+        self._key: dict[int, LoadKey] = {}
+        self._members: dict[LoadKey, list[int]] = {}  # worker ids, sorted
+        self._order: list[LoadKey] = []
+        self._decode: list[float] = []
+        self._sessions: list[float] = []
+
+    def __len__(self) -> int:
+        return len(self._key)
+
+    def __contains__(self, worker: object) -> bool:
+        return worker in self._key
+
+    def key(self, worker: int) -> LoadKey:
+        """The figures ``worker`` is priced on."""
+        return self._key[worker]
+
+    def update(self, worker: int, key: LoadKey) -> None:
+        """Put ``worker`` in the group of ``key`` (tracking it if new)."""
+        old = self._key.get(worker)
+        if old == key:
+            return
+        if old is not None:
+            self._leave(worker, old)
+        self._key[worker] = key
+        members = self._members.get(key)
+        if members is None:
+            self._members[key] = [worker]
+            bisect.insort(self._order, key)
+        else:
+            bisect.insort(members, worker)
+        bisect.insort(self._decode, key[1])
+        bisect.insort(self._sessions, key[3])
+
+    def remove(self, worker: int) -> None:
+        """Stop tracking ``worker`` (a no-op for an unknown one)."""
+        old = self._key.pop(worker, None)
+        if old is not None:
+            self._leave(worker, old)
+
+    def _leave(self, worker: int, key: LoadKey) -> None:
+        members = self._members[key]
+        del members[bisect.bisect_left(members, worker)]
+        if not members:
+            del self._members[key]
+            del self._order[bisect.bisect_left(self._order, key)]
+        del self._decode[bisect.bisect_left(self._decode, key[1])]
+        del self._sessions[bisect.bisect_left(self._sessions, key[3])]
+
+    @property
+    def shortest_queue(self) -> float:
+        """The least pending prefill of any tracked worker."""
+        return self._order[0][0]
+
+    @property
+    def fewest_sessions(self) -> float:
+        """The fewest live sessions of any tracked worker."""
+        return self._sessions[0]
+
+    @property
+    def least_decode(self) -> float:
+        """The least decode load of any tracked worker."""
+        return self._decode[0]
+
+    def groups(self) -> list[tuple[LoadKey, list[int]]]:
+        """Each group's key and members (sorted ids), by pending prefill (a snapshot)."""
+        return [(k, self._members[k]) for k in self._order]
+
+
+def candidate_of(worker: int, key: LoadKey, matched: int = 0, device: int = 0) -> Candidate:
+    """The scheduler's view of a worker with these load figures."""
+    return Candidate(worker, matched, device, key[0], key[1], key[2], key[3])
+
+
+class FastChoice:
+    """What :func:`choose_fast` found: the worker, its cost terms, the weight they were
+    priced at, and whether it stayed home."""
+
+    __slots__ = ("chosen", "overlap_weight", "stayed", "worker")
+
+    def __init__(self, worker: int, chosen: WorkerCost, overlap_weight: float,
+                 stayed: bool) -> None:
+        self.worker = worker
+        self.chosen = chosen
+        self.overlap_weight = overlap_weight
+        self.stayed = stayed
+
+
+def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadGroups,
+                config: SchedulerConfig, rng: random.Random, home: int | None = None,
+                continue_rate: float = 1.0) -> FastChoice:
+    """:func:`router.scheduler.choose` over every worker in ``groups``, pricing one by one
+    only ``holders`` (the workers that match some of the request, with their matches; every
+    one of them tracked in ``groups``) and the rest once per group.
+
+    Raises:
+        ValueError: no tracked worker, or a negative block count.
+    """
+    if not len(groups):
+        raise ValueError("no candidate workers")
+    if request_blocks < 0:
+        raise ValueError(f"request_blocks must be >= 0, got {request_blocks}")
+    held = {c.worker: c for c in holders}
+    if home is not None and home in groups:
+        key = groups.key(home)
+        if stays_home(key[0], groups.shortest_queue, config):
+            c = held.get(home) or candidate_of(home, key)
+            return FastChoice(home, cost_of(c, request_blocks, config),
+                              config.overlap_weight, True)
+    session_price = fewest = 0.0
+    sessions = config.session_weight > 0
+    if sessions:
+        fewest = groups.fewest_sessions
+        session_price = config.overlap_weight * (config.session_weight * continue_rate)
+    priced: list[WorkerCost] = []
+    for c in holders:
+        wc = cost_of(c, request_blocks, config)
+        if sessions:
+            wc.cost += session_price * (wc.sessions - fewest)
+        priced.append(wc)
+    best = min(((wc.cost, wc.active_requests) for wc in priced), default=(math.inf, 0))
+    # The rest, a group at a time, while a group could still cost no more than the best.
+    factor = config.queue_weight
+    floor = groups.least_decode
+    weight = config.overlap_weight
+    tied_groups: list[tuple[WorkerCost, list[int]]] = []
+    for key, members in groups.groups():
+        bound = weight * (request_blocks + factor * key[0]) + floor
+        if bound - best[0] > _SLACK * (abs(best[0]) + 1.0):
+            break
+        if len(members) <= len(held) and all(w in held for w in members):
+            continue
+        wc = cost_of(candidate_of(-1, key), request_blocks, config)
+        if sessions:
+            wc.cost += session_price * (wc.sessions - fewest)
+        rank = (wc.cost, wc.active_requests)
+        if rank < best:
+            best, tied_groups = rank, [(wc, members)]
+        elif rank == best:
+            tied_groups.append((wc, members))
+    tied = [wc.worker for wc in priced if (wc.cost, wc.active_requests) == best]
+    if len(tied_groups) == 1 and not tied:
+        template, members = tied_groups[0]
+        worker = _pick(members, held, rng)
+    else:
+        for _, members in tied_groups:
+            tied.extend(w for w in members if w not in held)
+        tied.sort()
+        worker = tied[0] if len(tied) == 1 else rng.choice(tied)
+        template = next((wc for wc in priced if wc.worker == worker), None) or next(
+            wc for wc, members in tied_groups if _has(members, worker))
+    chosen = template if template.worker == worker else _renamed(template, worker)
+    return FastChoice(worker, chosen, config.overlap_weight, False)
+
+
+def _pick(members: list[int], excluded: dict[int, Candidate], rng: random.Random) -> int:
+    """``rng.choice`` over the sorted ``members`` not in ``excluded`` (the draw consumed
+    exactly as over that list), without building it."""
+    inside = sorted(w for w in excluded if _has(members, w))
+    count = len(members) - len(inside)
+    if count == 1 and not inside:
+        return members[0]
+    index = 0 if count == 1 else rng.choice(range(count))
+    for w in inside:  # the index-th kept member: step over each excluded one before it
+        if bisect.bisect_left(members, w) <= index:
+            index += 1
+        else:
+            break
+    return members[index]
+
+
+def _has(members: list[int], worker: int) -> bool:
+    i = bisect.bisect_left(members, worker)
+    return i < len(members) and members[i] == worker
+
+
+def _renamed(wc: WorkerCost, worker: int) -> WorkerCost:
+    return WorkerCost(worker, wc.matched_blocks, wc.device_matched_blocks, wc.credited_blocks,
+                      wc.prefill_blocks, wc.decode_blocks, wc.active_requests, wc.cost,
+                      wc.sessions)

@@ -1,0 +1,172 @@
+"""The router's control plane and failover against real HTTP peers on 127.0.0.1: garbage
+control answers, hung workers, a worker too small for a prompt, failures before the first
+byte."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Any
+
+import httpx
+
+from tests.router.test_router_service import BODY, router_for
+from tests.support.servers import ScriptedWorker, sse_events
+
+
+def counted(metrics: str, name: str, label: str) -> float:
+    """The sum of ``name``'s samples whose labels hold ``label``."""
+    return sum(float(line.rsplit(" ", 1)[1]) for line in metrics.splitlines()
+               if line.startswith(name + "{") and label in line)
+
+
+async def described(client: httpx.AsyncClient, worker: ScriptedWorker) -> dict[str, Any]:
+    workers = (await client.get("/workers")).json()["workers"]
+    return next(w for w in workers if w["url"] == worker.url)  # type: ignore[no-any-return]
+
+
+async def wait_state(client: httpx.AsyncClient, worker: ScriptedWorker, state: str,
+                     timeout: float = 10.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        entry = await described(client, worker)
+        if entry["state"] == state:
+            return entry
+        await asyncio.sleep(0.02)
+    raise AssertionError(f"{worker.url} never became {state}: {entry}")
+
+
+async def test_a_load_answer_out_of_range_marks_that_worker_and_polling_goes_on() -> None:
+    async with (
+        ScriptedWorker() as bad,
+        ScriptedWorker() as good,
+        router_for(bad, good, ready=2) as client,
+    ):
+        bad.load_answer = b'{"running": 1e999}'
+        entry = await wait_state(client, bad, "unhealthy")
+        assert "running" in entry["last_error"], entry["last_error"]
+        # the poll loop still runs: the other worker's hang is seen
+        good.pause()
+        await wait_state(client, good, "unhealthy")
+        # and the garbage one comes back once it answers sensibly
+        bad.load_answer = b'{"running": 0}'
+        await wait_state(client, bad, "healthy")
+        metrics = (await client.get("/metrics")).text
+    assert counted(metrics, "kvroute_health_failures_total", f'worker="{bad.url}"') >= 1
+    assert counted(metrics, "kvroute_health_failures_total", f'worker="{good.url}"') >= 1
+
+
+async def test_a_malformed_model_info_on_reconnect_marks_that_worker_and_polling_goes_on(
+) -> None:
+    async with (
+        ScriptedWorker() as bad,
+        ScriptedWorker() as good,
+        router_for(bad, good, ready=2) as client,
+    ):
+        bad.load_answer = b"not json"
+        await wait_state(client, bad, "unhealthy")
+        bad.model_info_extra = {"data_parallel_rank": "x"}
+        bad.load_answer = b'{"running": 0}'
+        # reconnecting reads /model_info anew: the bad rank keeps it out, with the reason
+        deadline = time.monotonic() + 10
+        while "data_parallel_rank" not in ((await described(client, bad))["last_error"] or ""):
+            assert time.monotonic() < deadline, await described(client, bad)
+            await asyncio.sleep(0.02)
+        assert (await described(client, bad))["state"] == "unhealthy"
+        good.pause()
+        await wait_state(client, good, "unhealthy")
+
+
+async def test_a_worker_slow_to_reconnect_delays_no_other_workers_check() -> None:
+    async with (
+        ScriptedWorker() as slow,
+        ScriptedWorker() as good,
+        router_for(slow, good, ready=2, health_timeout=0.3) as client,
+    ):
+        slow.load_answer = b"not json"
+        await wait_state(client, slow, "unhealthy")
+        slow.hang_model_info()
+        before = slow.model_info_calls
+        assert slow.model_info_ended == before
+        slow.load_answer = b'{"running": 0}'
+        deadline = time.monotonic() + 10
+        while slow.model_info_calls == before:  # its reconnect began, and waits
+            assert time.monotonic() < deadline, "no reconnect"
+            await asyncio.sleep(0.02)
+        good.pause()
+        await wait_state(client, good, "unhealthy")
+        # seen while the other's /model_info call still waits (the router allows it 5 s)
+        assert slow.model_info_ended == before
+
+
+async def test_a_prompt_goes_to_a_worker_it_fits_and_400_only_when_none_fits() -> None:
+    async with (
+        ScriptedWorker(max_model_len=128) as small,
+        ScriptedWorker(max_model_len=65536) as large,
+        router_for(small, large, ready=2) as client,
+    ):
+        answers = [await client.post("/v1/completions",
+                                     json={**BODY, "prompt": f"{i} " + "x" * 4200})
+                   for i in range(4)]
+        assert [a.status_code for a in answers] == [200] * 4
+        assert {a.headers["x-kvroute-worker"] for a in answers} == {large.url}
+        short = [await client.post("/v1/completions", json={**BODY, "prompt": f"short {i}"})
+                 for i in range(8)]
+        assert {a.headers["x-kvroute-worker"] for a in short} == {small.url, large.url}
+        too_long = await client.post("/v1/completions", json={**BODY, "prompt": "x" * 70000})
+        assert too_long.status_code == 400
+        assert too_long.json()["error"]["code"] == "context_length_exceeded"
+        assert "65536" in too_long.json()["error"]["message"]
+
+
+async def test_a_stream_the_engine_failed_before_its_first_token_is_retried_elsewhere(
+) -> None:
+    async with (
+        ScriptedWorker("fail_stream") as bad,
+        ScriptedWorker() as good,
+        router_for(bad, good, ready=2) as client,
+    ):
+        answers = [await client.post("/v1/completions", json={
+            **BODY, "prompt": f"request {i} " * 20, "stream": True}) for i in range(12)]
+    assert len(bad.requests) >= 1, "the failing worker was tried first at least once"
+    for a in answers:
+        events = sse_events(a.content)
+        assert a.status_code == 200 and a.headers["x-kvroute-worker"] == good.url
+        assert not any(isinstance(e, dict) and "error" in e for e in events), events
+        assert events[-1] == "[DONE]"
+
+
+async def test_a_stream_that_never_begins_is_sent_elsewhere_at_its_deadline() -> None:
+    # The stalled worker's /load still answers and it sends a stream's headers: only the
+    # request's own first-byte deadline (the floor, here 0.3 s) can move it.
+    async with (
+        ScriptedWorker("stall") as stalled,
+        ScriptedWorker() as good,
+        router_for(stalled, good, ready=2, first_byte_floor=0.3) as client,
+    ):
+        answers = [await client.post("/v1/completions", json={
+            **BODY, "prompt": f"r{i} " * 20, "stream": True}, timeout=8) for i in range(6)]
+        assert [a.status_code for a in answers] == [200] * 6
+        assert {a.headers["x-kvroute-worker"] for a in answers} == {good.url}
+        assert all(sse_events(a.content)[-1] == "[DONE]" for a in answers)
+        metrics = (await client.get("/metrics")).text
+        assert counted(metrics, "kvroute_upstream_failures_total", 'cause="deadline"') == len(
+            stalled.requests)
+        assert len(stalled.requests) >= 1, "the stalled worker was tried first at least once"
+        await asyncio.wait_for(stalled.cancelled.wait(), 5)  # the abandoned request cancelled
+
+
+async def test_a_worker_whose_health_probe_hangs_gives_up_its_waiting_requests() -> None:
+    # A floor far above the test's bound: the hung health probe alone must free the request.
+    async with (
+        ScriptedWorker() as paused,
+        ScriptedWorker() as good,
+        router_for(paused, good, ready=2, first_byte_floor=60, health_timeout=0.3) as client,
+    ):
+        paused.pause()
+        sends = [client.post("/v1/completions", json={**BODY, "prompt": f"p{i} " * 20},
+                             timeout=8) for i in range(6)]
+        answers = await asyncio.gather(*sends)
+        assert [a.status_code for a in answers] == [200] * 6
+        assert {a.headers["x-kvroute-worker"] for a in answers} == {good.url}
+        assert (await described(client, paused))["state"] == "unhealthy"
