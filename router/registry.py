@@ -70,6 +70,8 @@ class WorkerEntry:
     #: Requests sent here still waiting for their first byte (given up when it turns unhealthy).
     waits: FirstByteWaits = field(default_factory=FirstByteWaits)
     config: WorkerConfig | None = None
+    #: Set once unregistered: a check still in flight for it must subscribe to nothing.
+    removed: bool = False
 
     @property
     def engine(self) -> str:
@@ -207,6 +209,7 @@ class Registry:
             KeyError: no such worker.
         """
         entry = self._entries.pop(worker)
+        entry.removed = True
         await self._disconnect(entry)
         self._load.remove_worker(worker)
         return entry
@@ -273,6 +276,8 @@ class Registry:
             await self._check(entry)
         except Exception as exc:
             log.error("checking worker %s failed", entry.url, exc_info=exc)
+            if entry.removed:
+                return
             try:
                 await self._mark_unhealthy(
                     entry, f"health check failed: {type(exc).__name__}: {exc}")
@@ -288,7 +293,10 @@ class Registry:
             load = await entry.adapter.poll(self._http, entry.worker_config, entry.info,
                                             self._settings.health_timeout)
         except PollFailed as exc:
-            await self._mark_unhealthy(entry, str(exc), gone=exc.gone)
+            if not entry.removed:
+                await self._mark_unhealthy(entry, str(exc), gone=exc.gone)
+            return
+        if entry.removed:  # unregistered while its poll was answered
             return
         if entry.state is not WorkerState.HEALTHY:
             try:
@@ -296,7 +304,8 @@ class Registry:
             except (WorkerUnreachable, IncompatibleWorker) as exc:
                 entry.last_error = str(exc)
                 return
-        self._load.reported(entry.id, load)
+        if not entry.removed:
+            self._load.reported(entry.id, load)
 
     async def _mark_unhealthy(self, entry: WorkerEntry, reason: str, gone: bool = False
                               ) -> None:
@@ -320,8 +329,12 @@ class Registry:
             await self._disconnect(entry)
 
     async def _connect(self, entry: WorkerEntry) -> None:
+        # Each await below lets remove() run: an entry unregistered meanwhile is left alone
+        # (remove() has stopped its feed and dropped its entries; nothing would stop a new one).
         info = await entry.adapter.describe(self._http, entry.worker_config,
                                             self._settings.block_size)
+        if entry.removed:
+            return
         try:
             # A stock engine names no tokenizer identity (it is "" then): nothing to compare.
             info.check_compatible(self._settings.block_size,
@@ -336,17 +349,23 @@ class Registry:
                         entry.url, entry.info.instance_id, info.instance_id)
             entry.counters["restarts"] = entry.counters.get("restarts", 0) + 1
             await self._disconnect(entry)
+            if entry.removed:
+                return
         entry.info = info
         if self.mm_tokens_per_image is None and info.mm_tokens_per_image:
             self.mm_tokens_per_image = info.mm_tokens_per_image
         if entry.feed is None and info.events_endpoint is not None:
             fetch = self._snapshot_fetcher(entry.url) if info.snapshot else None
-            entry.feed = EventFeed(entry.id, self._index, info.events_endpoint,
-                                   info.replay_endpoint, fetch_snapshot=fetch,
-                                   on_cleared=self._forget, counters=entry.counters,
-                                   on_events=self._on_events,
-                                   transport=self._event_transport)
-            await entry.feed.start()
+            feed = entry.feed = EventFeed(entry.id, self._index, info.events_endpoint,
+                                          info.replay_endpoint, fetch_snapshot=fetch,
+                                          on_cleared=self._forget, counters=entry.counters,
+                                          on_events=self._on_events,
+                                          transport=self._event_transport)
+            await feed.start()
+            if entry.removed:  # removed while connecting: remove() may have stopped it mid-start
+                entry.feed = None
+                await feed.stop()
+                return
         entry.indexed = True
         entry.state, entry.unhealthy_since, entry.last_error = WorkerState.HEALTHY, None, None
         log.info("worker %s ready (instance %s)", entry.url, info.instance_id)
