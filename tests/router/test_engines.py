@@ -167,3 +167,33 @@ async def test_the_kvroute_adapter_reads_model_info_and_load_as_before() -> None
     assert (info.block_size, info.events_endpoint, info.snapshot) == (16, "tcp://w:5557", True)
     assert reported == ReportedLoad(running=2, waiting=1, pending_prefill_blocks=4.0,
                                     decode_blocks=9.0)
+
+
+# -- how a failed poll reads: gone (no answer) or answered badly --------------------------------
+
+def _raising(exc: type[httpx.TransportError]) -> Callable[[], httpx.Response]:
+    def answer() -> httpx.Response:
+        raise exc("no answer")
+    return answer
+
+
+@pytest.mark.parametrize("engine, path", [("kvroute", "/load"), ("vllm", "/health")])
+@pytest.mark.parametrize("exc, reason", [(httpx.ReadTimeout, "no answer within 0.5s"),
+                                         (httpx.ConnectError, "ConnectError")])
+async def test_a_poll_without_answer_fails_as_gone(
+        engine: str, path: str, exc: type[httpx.TransportError], reason: str) -> None:
+    async with served({path: _raising(exc)}) as http:
+        with pytest.raises(PollFailed, match=reason) as failed:
+            await adapter_for(engine).poll(http, WorkerConfig(URL, engine=engine), None, 0.5)
+    assert failed.value.gone
+
+
+@pytest.mark.parametrize("answer, reason", [(httpx.Response(500), "HTTPStatusError"),
+                                            (httpx.Response(200, content=b'{"running": 1e999}'),
+                                             "running")])
+async def test_a_kvroute_load_answered_badly_fails_but_not_as_gone(
+        answer: httpx.Response, reason: str) -> None:
+    async with served({"/load": answer}) as http:
+        with pytest.raises(PollFailed, match=reason) as failed:
+            await adapter_for("kvroute").poll(http, WorkerConfig(URL), None, 0.5)
+    assert not failed.value.gone
