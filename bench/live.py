@@ -29,7 +29,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -62,11 +62,13 @@ class LiveRecord:
 
 
 async def _one(session: aiohttp.ClientSession, url: str, req: WorkloadRequest,
-               model: str | None, due: float) -> LiveRecord:
+               model: str | None, due: float,
+               as_text: Callable[[Sequence[int]], str] | None = None) -> LiveRecord:
     """Send one request; times count from ``due`` (its scheduled arrival, perf_counter)."""
     tokens = req.token_ids()
     rec = LiveRecord(req.request_id, len(tokens), max(0.0, time.perf_counter() - due))
-    body: dict[str, Any] = {"prompt": list(tokens), "max_tokens": req.output_length,
+    prompt: str | list[int] = as_text(tokens) if as_text else list(tokens)
+    body: dict[str, Any] = {"prompt": prompt, "max_tokens": req.output_length,
                             "stream": True, "stream_options": {"include_usage": True}}
     if model is not None:
         body["model"] = model
@@ -93,6 +95,8 @@ async def _one(session: aiohttp.ClientSession, url: str, req: WorkloadRequest,
                     rec.tokens_out += 1
                 usage = chunk.get("usage")
                 if usage:
+                    # A text prompt is as long as the engine tokenized it.
+                    rec.prompt_tokens = int(usage.get("prompt_tokens") or rec.prompt_tokens)
                     details = usage.get("prompt_tokens_details") or {}
                     rec.cached_tokens = int(details.get("cached_tokens") or 0)
     except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as exc:
@@ -104,7 +108,9 @@ async def _one(session: aiohttp.ClientSession, url: str, req: WorkloadRequest,
 
 async def replay_live(url: str, requests: Sequence[WorkloadRequest], *,
                       concurrency: int = 512, model: str | None = None,
-                      progress: Any = None) -> tuple[list[LiveRecord], float]:
+                      progress: Any = None,
+                      as_text: Callable[[Sequence[int]], str] | None = None
+                      ) -> tuple[list[LiveRecord], float]:
     """Send every request at its arrival time; return the records and the wall makespan.
 
     Args:
@@ -114,6 +120,8 @@ async def replay_live(url: str, requests: Sequence[WorkloadRequest], *,
             their scheduled arrival, and ``send_delay_s`` says how long they waited).
         model: the ``model`` field to send, if any.
         progress: a tqdm-like object updated per finished request.
+        as_text: sends each prompt as this text instead of token ids (for routers that take
+            text only); the prompt's length is then the one the engine reports.
     """
     limit = asyncio.Semaphore(concurrency)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
@@ -127,7 +135,7 @@ async def replay_live(url: str, requests: Sequence[WorkloadRequest], *,
         if delay > 0:
             await asyncio.sleep(delay)
         async with limit:
-            rec = await _one(session, url, req, model, due)
+            rec = await _one(session, url, req, model, due, as_text)
         if progress is not None:
             progress.update(1)
         return rec

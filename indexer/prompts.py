@@ -155,7 +155,7 @@ def _completion_ids(body: dict[str, Any], tokenizer: Tokenizer, check: bool = Tr
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt must not be empty")
-        return tokenizer.encode(prompt, add_special_tokens=True)
+        return tokenizer.encode(prompt, add_special_tokens=_special_tokens(body, True))
     if not isinstance(prompt, list):
         raise ValueError(_PROMPT_SHAPE)
     if not prompt:
@@ -174,6 +174,15 @@ def _completion_ids(body: dict[str, Any], tokenizer: Tokenizer, check: bool = Tr
         if not 0 <= t < vocab:
             raise ValueError(f"prompt token id {t} at index {i} is out of range [0, {vocab})")
     raise AssertionError("msgspec refused a prompt the slow path accepts")
+
+
+def _special_tokens(body: dict[str, Any], default: bool) -> bool:
+    """``add_special_tokens`` as vLLM reads it: on for completions, off for chat (whose
+    template writes its own), either overridden by the request."""
+    value = body.get("add_special_tokens", default)
+    if type(value) is not bool:
+        raise ValueError("add_special_tokens must be a boolean")
+    return value
 
 
 @functools.lru_cache(maxsize=8)
@@ -206,7 +215,9 @@ def _chat_ids(
         raise ValueError(
             f"the chat template rendered {len(pieces) - 1} image markers for {len(refs)} images"
         )
-    segments = [tokenizer.encode(piece) for piece in pieces]
+    special = _special_tokens(body, False)
+    segments = [tokenizer.encode(piece, add_special_tokens=special and k == 0)
+                for k, piece in enumerate(pieces)]
     token_ids, starts = splice_images(segments, mm_tokens_per_image, tokenizer.image_token_id)
     return token_ids, refs, starts
 

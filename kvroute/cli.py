@@ -159,8 +159,10 @@ def _add_epp(sub: argparse._SubParsersAction) -> None:
 
 def _add_router_flags(p: argparse.ArgumentParser) -> None:
     a = p.add_argument
-    a("--worker", dest="workers", action="append", metavar="URL",
-      help="a worker's base URL (repeatable; also KVROUTE_WORKERS=url,url)")
+    a("--worker", dest="workers", action="append", metavar="URL[,KEY=VALUE...]",
+      help="a worker's base URL, then its options: engine=kvroute|vllm|sglang|trtllm, "
+      "events=tcp://HOST:PORT, replay=tcp://HOST:PORT, block_size=N (repeatable; also "
+      "KVROUTE_WORKERS='URL,engine=vllm,events=...;URL2'; docs/engines.md)")
     a("--discover", action="append", metavar="dns:///NAME:PORT",
       help="find workers by DNS: one worker per address NAME resolves to, re-resolved every "
       "--discover-interval seconds (a Kubernetes headless Service); repeatable")

@@ -35,6 +35,7 @@ from httpapi.body import (
     wait_for_disconnect,
 )
 from httpapi.responses import CLIENT_GONE_STATUS, disconnect_counter, error_response
+from indexer import tokenize_api
 from indexer.openai_api import (
     ApiError,
     fewest_prompt_tokens,
@@ -49,6 +50,7 @@ from router.proxy import Proxy, ProxyTimeouts, UpstreamAnswer, UpstreamUnavailab
 from router.registry import WorkerEntry, WorkerUnreachable
 from router.service import Route, RouterService
 from router.settings import RouterSettings
+from router.worker_config import parse_worker
 from router.worker_table import IncompatibleWorker
 
 __all__ = ["create_app"]
@@ -231,6 +233,21 @@ def create_app(settings: RouterSettings) -> FastAPI:
                         for c in route.decision.costs],
         }
 
+    @app.post("/tokenize")
+    async def tokenize(request: Request) -> dict[str, Any]:
+        """vLLM's ``/tokenize``, with the router's tokenizer: the ids it routes on."""
+        raw = await read_body(request, settings.max_body_bytes)
+        body = parse_body(raw, settings.max_body_bytes)
+        lengths = [e.info.max_model_len for e in service().registry.entries() if e.info]
+        max_len = min((n for n in lengths if n), default=0)
+        try:
+            if len(raw) > TOKENIZE_OFF_LOOP_BYTES:
+                return await asyncio.to_thread(tokenize_api.tokenize, body,
+                                               service().tokenizer, max_len)
+            return tokenize_api.tokenize(body, service().tokenizer, max_len)
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+
     @app.get("/debug/index/{worker_id}")
     async def debug_index(worker_id: int, request: Request) -> dict[str, Any]:
         admin(request)
@@ -279,8 +296,8 @@ def create_app(settings: RouterSettings) -> FastAPI:
         url = body.get("url")
         if type(url) is not str:
             raise ApiError(400, "give the worker as {\"url\": \"http://host:port\"}", param="url")
-        try:
-            entry = await service().registry.add(url)
+        try:  # the other keys of router.worker_config: engine, events, replay, block_size
+            entry = await service().registry.add(parse_worker(body))
         except IncompatibleWorker as exc:
             raise ApiError(409, str(exc), "incompatible_worker") from None
         except WorkerUnreachable as exc:

@@ -1,9 +1,11 @@
 """The worker registry: who the workers are, whether they are healthy, and their streams.
 
-Workers come from settings (``--worker``, environment, config file) and the admin API. For
-each, the registry reads ``GET /model_info``, refuses an incompatible one loudly, subscribes to
-its events (or, with no event endpoint, marks it approximate: the index learns from routing
-decisions alone), and polls ``GET /load`` every ``health_interval`` seconds:
+Workers come from settings (``--worker``, environment, config file) and the admin API, each
+with an engine (:mod:`router.worker_config`). The registry asks the worker's engine adapter
+(:mod:`router.engines`) who it is (for kvroute's worker, ``GET /model_info``), refuses an
+incompatible one loudly, subscribes to its events (or, with no event endpoint, marks it
+approximate: the index learns from routing decisions alone), and polls its health and load
+through the adapter every ``health_interval`` seconds:
 
 - a failed poll (no answer within ``health_timeout``, an error status, or an answer that is
   not a well-formed load report) takes the worker out of the candidate set at once, with the
@@ -13,12 +15,14 @@ decisions alone), and polls ``GET /load`` every ``health_interval`` seconds:
   the proxy's first-byte ceiling;
 - after ``unhealthy_grace`` seconds unhealthy, its index entries go too (they would only
   attract requests to a worker that cannot serve them), and its subscription stops;
-- when it answers again, ``/model_info`` is read anew: a new ``instance_id`` means a restart,
-  so its entries are cleared and it is subscribed afresh;
+- when it answers again, it is described anew: a new ``instance_id`` means a restart, so its
+  entries are cleared and it is subscribed afresh (stock engines have none: their restarts
+  show on the event stream);
 - a configured worker that is not up yet is retried on every poll (compose starts the router
   and workers together).
 
-Every answer is untrusted input, parsed by :mod:`router.worker_answers`. Whatever goes wrong
+Every answer is untrusted input, parsed by the adapter (kvroute's worker by
+:mod:`router.worker_answers`, stock engines by :mod:`router.engines.stock`). Whatever goes wrong
 with one worker (a malformed answer, or any exception at all) marks that worker unhealthy with
 the reason; the poll loop itself never ends but by :meth:`Registry.stop`.
 """
@@ -37,21 +41,18 @@ import httpx
 
 from indexer.events import Event
 from router.discovery import Discovery
+from router.engines import EngineAdapter, PollFailed, WorkerUnreachable, adapter_for
 from router.feed import EventFeed, IndexLike
 from router.healthy import HealthyWorkers
 from router.load import LoadTracker
 from router.proxy import FirstByteWaits
 from router.settings import RouterSettings
-from router.worker_answers import MalformedAnswer, parse_load, parse_model_info
+from router.worker_config import WorkerConfig, parse_worker, parse_workers
 from router.worker_table import IncompatibleWorker, WorkerInfo, WorkerState
 
 __all__ = ["Registry", "WorkerEntry", "WorkerUnreachable"]
 
 log = logging.getLogger(__name__)
-
-
-class WorkerUnreachable(Exception):
-    """The worker did not answer ``/model_info``, or answered something malformed."""
 
 
 @dataclass(slots=True)
@@ -69,6 +70,24 @@ class WorkerEntry:
     counters: dict[str, float] = field(default_factory=dict)
     #: Requests sent here still waiting for their first byte (given up when it turns unhealthy).
     waits: FirstByteWaits = field(default_factory=FirstByteWaits)
+    config: WorkerConfig | None = None
+    #: Set once unregistered: a check still in flight for it must subscribe to nothing.
+    removed: bool = False
+
+    @property
+    def engine(self) -> str:
+        """The worker's engine (a worker registered by URL alone is kvroute's)."""
+        return self.config.engine if self.config else "kvroute"
+
+    @property
+    def adapter(self) -> EngineAdapter:
+        """How this worker's engine is asked who it is and how loaded."""
+        return adapter_for(self.engine)
+
+    @property
+    def worker_config(self) -> WorkerConfig:
+        """The worker's configuration (engine, event endpoints)."""
+        return self.config or WorkerConfig(self.url)
 
     @property
     def approximate(self) -> bool:
@@ -86,6 +105,10 @@ class WorkerEntry:
             "approximate": self.approximate, "last_error": self.last_error,
             "resyncing": bool(self.feed and self.feed.resyncing),
             "counters": dict(self.counters),
+            "engine": self.engine,
+            # How lost event history is recovered: from the worker's snapshot, or by
+            # dropping its entries and learning them again from the stream.
+            "resync": "snapshot" if info and info.snapshot else "clear_and_relearn",
         }
 
 
@@ -143,11 +166,12 @@ class Registry:
         grow), kept between changes (:mod:`router.healthy`): shared, do not change it."""
         return self._healthy.list()
 
-    async def add(self, url: str, *, must_answer: bool = True) -> WorkerEntry:
-        """Register the worker at ``url`` and connect to it.
+    async def add(self, worker: str | WorkerConfig, *, must_answer: bool = True
+                  ) -> WorkerEntry:
+        """Register a worker and connect to it.
 
         Args:
-            url: the worker's base URL.
+            worker: the worker's base URL (a kvroute worker), or its configuration.
             must_answer: raise when the worker does not answer (admin API); otherwise keep
                 it registered as unhealthy and retry on every poll (configured workers).
 
@@ -156,12 +180,11 @@ class Registry:
             IncompatibleWorker: its block size, tokenizer or image tokens differ.
             WorkerUnreachable: it did not answer and ``must_answer`` is set.
         """
-        url = url.rstrip("/")
-        if not url.startswith(("http://", "https://")):
-            raise ValueError(f"worker URL {url!r} is not http(s)")
+        config = parse_worker({"url": worker} if isinstance(worker, str) else worker)
+        url = config.url
         if self.find(url) is not None:
             raise ValueError(f"worker {url} is registered already")
-        entry = WorkerEntry(self._next_id, url, unhealthy_since=time.monotonic())
+        entry = WorkerEntry(self._next_id, url, unhealthy_since=time.monotonic(), config=config)
         try:
             await self._connect(entry)
         except WorkerUnreachable as exc:
@@ -191,6 +214,7 @@ class Registry:
             KeyError: no such worker.
         """
         entry = self._entries.pop(worker)
+        entry.removed = True
         self._healthy.changed()
         await self._disconnect(entry)
         self._load.remove_worker(worker)
@@ -200,11 +224,11 @@ class Registry:
 
     async def start(self) -> None:
         """Register the configured workers (not-yet-up ones are retried) and start polling."""
-        for url in self._settings.workers:
+        for worker in parse_workers(list(self._settings.workers)):
             try:
-                await self.add(url, must_answer=False)
+                await self.add(worker, must_answer=False)
             except (IncompatibleWorker, ValueError) as exc:
-                log.error("not routing to %s: %s", url, exc)
+                log.error("not routing to %s: %s", worker.url, exc)
         if self._settings.discover:
             self.discovery = Discovery(self._settings.discover,
                                        self._settings.discover_interval, self)
@@ -258,6 +282,8 @@ class Registry:
             await self._check(entry)
         except Exception as exc:
             log.error("checking worker %s failed", entry.url, exc_info=exc)
+            if entry.removed:
+                return
             try:
                 await self._mark_unhealthy(
                     entry, f"health check failed: {type(exc).__name__}: {exc}")
@@ -270,22 +296,13 @@ class Registry:
         if entry.state is WorkerState.INCOMPATIBLE:
             return
         try:
-            response = await self._http.get(f"{entry.url}/load",
-                                            timeout=self._settings.health_timeout)
-            response.raise_for_status()
-            block_size = entry.info.block_size if entry.info else 1
-            load = parse_load(response.content, block_size)
-        except httpx.TimeoutException:
-            await self._mark_unhealthy(
-                entry, f"load poll failed: no answer within {self._settings.health_timeout}s",
-                gone=True)
+            load = await entry.adapter.poll(self._http, entry.worker_config, entry.info,
+                                            self._settings.health_timeout)
+        except PollFailed as exc:
+            if not entry.removed:
+                await self._mark_unhealthy(entry, str(exc), gone=exc.gone)
             return
-        except httpx.TransportError as exc:
-            await self._mark_unhealthy(entry, f"load poll failed: {type(exc).__name__}: {exc}",
-                                       gone=True)
-            return
-        except (httpx.HTTPError, MalformedAnswer) as exc:
-            await self._mark_unhealthy(entry, f"load poll failed: {type(exc).__name__}: {exc}")
+        if entry.removed:  # unregistered while its poll was answered
             return
         if entry.state is not WorkerState.HEALTHY:
             try:
@@ -293,7 +310,8 @@ class Registry:
             except (WorkerUnreachable, IncompatibleWorker) as exc:
                 entry.last_error = str(exc)
                 return
-        self._load.reported(entry.id, load)
+        if not entry.removed:
+            self._load.reported(entry.id, load)
 
     async def _mark_unhealthy(self, entry: WorkerEntry, reason: str, gone: bool = False
                               ) -> None:
@@ -318,15 +336,16 @@ class Registry:
             await self._disconnect(entry)
 
     async def _connect(self, entry: WorkerEntry) -> None:
+        # Each await below lets remove() run: an entry unregistered meanwhile is left alone
+        # (remove() has stopped its feed and dropped its entries; nothing would stop a new one).
+        info = await entry.adapter.describe(self._http, entry.worker_config,
+                                            self._settings.block_size)
+        if entry.removed:
+            return
         try:
-            response = await self._http.get(f"{entry.url}/model_info", timeout=5.0)
-            response.raise_for_status()
-            info = parse_model_info(entry.url, response.content)
-        except (httpx.HTTPError, MalformedAnswer) as exc:
-            raise WorkerUnreachable(f"{entry.url}/model_info: {type(exc).__name__}: {exc}"
-                                    ) from exc
-        try:
-            info.check_compatible(self._settings.block_size, self._tokenizer)
+            # A stock engine names no tokenizer identity (it is "" then): nothing to compare.
+            info.check_compatible(self._settings.block_size,
+                                  self._tokenizer if info.tokenizer else None)
             self._check_images(info)
         except IncompatibleWorker as exc:
             entry.state, entry.last_error = WorkerState.INCOMPATIBLE, str(exc)
@@ -338,17 +357,23 @@ class Registry:
                         entry.url, entry.info.instance_id, info.instance_id)
             entry.counters["restarts"] = entry.counters.get("restarts", 0) + 1
             await self._disconnect(entry)
+            if entry.removed:
+                return
         entry.info = info
         if self.mm_tokens_per_image is None and info.mm_tokens_per_image:
             self.mm_tokens_per_image = info.mm_tokens_per_image
         if entry.feed is None and info.events_endpoint is not None:
             fetch = self._snapshot_fetcher(entry.url) if info.snapshot else None
-            entry.feed = EventFeed(entry.id, self._index, info.events_endpoint,
-                                   info.replay_endpoint, fetch_snapshot=fetch,
-                                   on_cleared=self._forget, counters=entry.counters,
-                                   on_events=self._on_events,
-                                   transport=self._event_transport)
-            await entry.feed.start()
+            feed = entry.feed = EventFeed(entry.id, self._index, info.events_endpoint,
+                                          info.replay_endpoint, fetch_snapshot=fetch,
+                                          on_cleared=self._forget, counters=entry.counters,
+                                          on_events=self._on_events,
+                                          transport=self._event_transport)
+            await feed.start()
+            if entry.removed:  # removed while connecting: remove() may have stopped it mid-start
+                entry.feed = None
+                await feed.stop()
+                return
         entry.indexed = True
         entry.state, entry.unhealthy_since, entry.last_error = WorkerState.HEALTHY, None, None
         self._healthy.changed()

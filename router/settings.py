@@ -28,6 +28,7 @@ from router.event_transport import (
     EventTransport,
 )
 from router.scheduler import SchedulerConfig
+from router.worker_config import format_worker, parse_workers
 
 __all__ = ["POLICIES", "RouterSettings", "SettingsError", "load_settings"]
 
@@ -51,6 +52,7 @@ class RouterSettings:
 
     host: str = "127.0.0.1"
     port: int = 8000
+    #: Each worker in its flat text form: ``URL[,engine=...,events=...]`` (router.worker_config).
     workers: tuple[str, ...] = ()
     block_size: int = 32
     tokenizer: str | None = None
@@ -138,9 +140,10 @@ class RouterSettings:
             check_bind(self.host, self.admin_token, self.insecure_no_auth, "router")
         except ValueError as exc:
             raise SettingsError(str(exc)) from None
-        for url in self.workers:
-            if not url.startswith(("http://", "https://")):
-                raise SettingsError(f"worker {url!r} is not an http(s) URL")
+        try:  # each entry is a worker's flat text form (router.worker_config)
+            parse_workers(list(self.workers))
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
         for target in self.discover:
             try:
                 parse_target(target)
@@ -200,7 +203,9 @@ _TOKEN_FILES = {"admin_token_file": "admin_token",
 def _coerce(name: str, value: Any, origin: str) -> Any:
     kind = _TYPES[name]
     try:
-        if name in ("workers", "discover"):
+        if name == "workers":
+            return tuple(format_worker(w) for w in parse_workers(value))
+        if name == "discover":
             if isinstance(value, str):
                 value = [v for v in (p.strip() for p in value.split(",")) if v]
             return tuple(str(v).rstrip("/") for v in value)
@@ -218,7 +223,9 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
         if kind in ("float", "float | None"):
             return float(value)
         return str(value)
-    except (TypeError, ValueError):
+    except (TypeError, ValueError) as exc:
+        if name == "workers":
+            raise SettingsError(f"workers from {origin}: {exc}") from None
         raise SettingsError(f"{name} from {origin}: {value!r} is not a valid {kind}") from None
 
 

