@@ -57,7 +57,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.envoy import envoy_command, render_envoy_config
 from bench.figures import percentile, print_figures
-from bench.http_load import latency, spawn, stop
+from bench.http_load import latency, run_wrk, spawn, stop
 from kvroute.up import free_port
 
 BODY = {"model": "kvroute-sim", "prompt": "a small prompt for the picker", "max_tokens": 1}
@@ -97,25 +97,14 @@ _WRK_UNITS = {"us": 1e-6, "ms": 1e-3, "s": 1.0}
 
 def _wrk(url: str, seconds: float) -> tuple[float, float, float]:
     """(p50 s, p99 s, requests/s) measured by wrk with 16 connections."""
-    script = (f"wrk.method = 'POST'\nwrk.body = {json.dumps(json.dumps(BODY))}\n"
-              "wrk.headers['Content-Type'] = 'application/json'\n")
-    with tempfile.NamedTemporaryFile("w", suffix=".lua") as f:
-        f.write(script)
-        f.flush()
-        out = subprocess.run(["wrk", "-t2", f"-c{CONNECTIONS}", f"-d{max(1, round(seconds))}s",
-                              "--latency", "-s", f.name, url], capture_output=True, text=True,
-                             timeout=120, check=True).stdout
-    if "Non-2xx" in out:
-        raise RuntimeError(f"wrk saw failed requests:\n{out}")
+    out, rps = run_wrk(url, BODY, CONNECTIONS, seconds, "--latency")
 
     def pct(q: str) -> float:
         found = re.search(rf"^\s+{q}%\s+([\d.]+)(us|ms|s)\s*$", out, re.M)
         assert found, f"no {q}% line in wrk's output:\n{out}"
         return float(found.group(1)) * _WRK_UNITS[found.group(2)]
 
-    rps = re.search(r"Requests/sec:\s+([\d.]+)", out)
-    assert rps, out
-    return pct("50"), pct("99"), float(rps.group(1))
+    return pct("50"), pct("99"), rps
 
 
 def _measure(url: str, requests: int, seconds: float) -> dict[str, float]:

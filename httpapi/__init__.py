@@ -7,8 +7,8 @@ connection limits and header timeouts (:mod:`httpapi.server`). The request schem
 shape are protocol, in :mod:`indexer.openai_api`. Neither app's package is imported here.
 """
 
-from httpapi.auth import BindError, check_bearer, check_bind, is_loopback, read_token_file
+from httpapi.auth import BindError, check_bearer, check_bind, is_loopback, read_secret_file
 from httpapi.body import ClientGone, read_body, read_json, wait_for_disconnect
 
 __all__ = ["BindError", "ClientGone", "check_bearer", "check_bind", "is_loopback",
-           "read_body", "read_json", "read_token_file", "wait_for_disconnect"]
+           "read_body", "read_json", "read_secret_file", "wait_for_disconnect"]

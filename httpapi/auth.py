@@ -19,7 +19,7 @@ from pathlib import Path
 
 from indexer.openai_api import ApiError
 
-__all__ = ["BindError", "check_bearer", "check_bind", "is_loopback", "read_token_file"]
+__all__ = ["BindError", "check_bearer", "check_bind", "is_loopback", "read_secret_file"]
 
 
 class BindError(ValueError):
@@ -71,16 +71,17 @@ def check_bind(host: str, token: str | None, insecure_no_auth: bool, what: str) 
         "bind 127.0.0.1, or pass --insecure-no-auth to accept the risk")
 
 
-def read_token_file(path: str) -> str:
-    """Return the token held in ``path`` (surrounding whitespace removed).
+def read_secret_file(path: str, setting: str) -> str:
+    """Return the secret (an admin token, a salt secret) held in ``path``, surrounding
+    whitespace removed; ``setting`` names the setting that gave the path, for errors.
 
     Raises:
-        ValueError: the file cannot be read or holds no token.
+        ValueError: the file cannot be read or holds nothing.
     """
     try:
-        token = Path(path).read_text(encoding="utf-8").strip()
+        secret = Path(path).read_text(encoding="utf-8").strip()
     except (OSError, UnicodeDecodeError) as exc:
-        raise ValueError(f"admin token file {path}: {exc}") from None
-    if not token:
-        raise ValueError(f"admin token file {path} is empty")
-    return token
+        raise ValueError(f"{setting} {path}: {exc}") from None
+    if not secret:
+        raise ValueError(f"{setting} {path} is empty")
+    return secret

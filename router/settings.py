@@ -16,7 +16,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from httpapi.auth import check_bind, read_token_file
+from httpapi.auth import check_bind, read_secret_file
 from httpapi.server import DEFAULT_LIMITS, ConnectionLimits
 from indexer.openai_api import MAX_BODY_BYTES
 from router.core import CoreSettings
@@ -126,10 +126,9 @@ class RouterSettings:
                 raise SettingsError(message)
         if self.salt_secret_file is not None:  # read once; the file wins over salt_secret
             try:
-                secret = Path(self.salt_secret_file).read_text().strip()
-            except OSError as exc:
-                raise SettingsError(f"salt_secret_file {self.salt_secret_file}: "
-                                    f"{exc.strerror}") from None
+                secret = read_secret_file(self.salt_secret_file, "salt_secret_file")
+            except ValueError as exc:
+                raise SettingsError(str(exc)) from None
             object.__setattr__(self, "salt_secret", secret)
         if self.salt_secret is not None and not self.salt_secret:
             raise SettingsError("salt_secret is empty")
@@ -277,7 +276,7 @@ def load_settings(flags: Mapping[str, Any], env: Mapping[str, str] | None = None
             if merged.get(setting):
                 raise SettingsError(f"give {setting} or {file_setting}, not both")
             try:
-                merged[setting] = read_token_file(merged[file_setting])
+                merged[setting] = read_secret_file(merged[file_setting], file_setting)
             except ValueError as exc:
                 raise SettingsError(str(exc)) from None
     return RouterSettings(**merged)

@@ -9,10 +9,9 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from pathlib import Path
 from typing import Any
 
-from httpapi.auth import check_bind, read_token_file
+from httpapi.auth import check_bind, read_secret_file
 from httpapi.server import DEFAULT_LIMITS, ConnectionLimits
 from indexer.openai_api import MAX_BODY_BYTES
 from workers.cache.publisher import CurveServerKeys
@@ -159,9 +158,9 @@ class WorkerSettings:
 
 def _read_secret(path: str) -> str:
     try:
-        return Path(path).read_text().strip()
-    except OSError as exc:
-        raise WorkerSettingsError(f"salt_secret_file {path}: {exc.strerror}") from None
+        return read_secret_file(path, "salt_secret_file")
+    except ValueError as exc:
+        raise WorkerSettingsError(str(exc)) from None
 
 
 _FIELDS = {f.name: f.type for f in fields(WorkerSettings)}
@@ -218,7 +217,7 @@ def load_worker_settings(flags: Mapping[str, Any], env: Mapping[str, str] | None
         if merged.get("admin_token"):
             raise WorkerSettingsError("give admin_token or admin_token_file, not both")
         try:
-            merged["admin_token"] = read_token_file(merged["admin_token_file"])
+            merged["admin_token"] = read_secret_file(merged["admin_token_file"], "admin_token_file")
         except ValueError as exc:
             raise WorkerSettingsError(str(exc)) from None
     return WorkerSettings(**merged)
