@@ -6,10 +6,12 @@ Three figures, in one run:
 1. ``decision_p50_us`` / ``decision_p99_us``: :meth:`RouterService.decide` end to end
    (tokenize, hash, match, score) for an 8,192-token prompt, with 8 workers (or each count
    ``--workers`` names: ``decision_p99_us_at_1024`` and so on) and 1,000,000 blocks in the
-   index; half the prompts follow a resident chain for 4,096 tokens, half share nothing. In
-   process, no sockets. The body carries token ids (the router hashes them without checking
-   them against the vocabulary; the worker does). A fresh random prompt is built between
-   decisions, as a server parses a body, so each decision starts with cold caches.
+   index, every worker's cache full (past the warm-up, so the queue weight follows the
+   eviction pressure); half the prompts follow a resident chain for 4,096 tokens, half share
+   nothing. In process, no sockets. The body carries token ids (the router hashes them
+   without checking them against the vocabulary; the worker does). A fresh random prompt is
+   built between decisions, as a server parses a body, so each decision starts with cold
+   caches.
    ``decision_cpu_*`` count the thread's CPU time alone, the figure to read on a shared
    machine: there a wall-clock p99 is mostly the time the process waited for a core. To
    compare two versions, alternate their runs in one sitting (a checkout of each, the same
@@ -92,14 +94,18 @@ PROMPT_TOKENS = 8192
 def _service(total_blocks: int, rng: random.Random, workers: int
              ) -> tuple[RouterService, list[list[int]]]:
     service = RouterService(RouterSettings(block_size=BLOCK, seed=1), httpx.AsyncClient())
+    per_worker = total_blocks // workers
     for w in range(workers):
         service.registry.adopt(WorkerInfo(url=f"http://w{w}", model="kvroute-sim",
                                           block_size=BLOCK, tokenizer="bytes-v1",
-                                          instance_id=f"i{w}", max_model_len=100_000))
-    per_worker = total_blocks // workers
+                                          instance_id=f"i{w}", max_model_len=100_000,
+                                          num_blocks=per_worker))
+    now = time.monotonic()
     for w in range(workers):  # filler: random chains, 256 blocks each (or fewer)
         for _ in range(max(1, per_worker // 256)):
             service.index.store_hashes(w, [rng.getrandbits(64) for _ in range(256)])
+        # Full caches, as in steady state: the queue weight follows the eviction pressure.
+        service.pressure.record(w, stored=per_worker, removed=0, now=now)
     chains = []
     seed = scope_seed(None, None)
     for i in range(64):  # resident conversations the queries follow

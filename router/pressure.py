@@ -71,6 +71,9 @@ class EvictionPressure:
         self.window_s = window_s
         self._resident: dict[int, int] = {}
         self._peak: dict[int, int] = {}
+        # Their sums, kept as they change: a decision reads them, and a fleet is large.
+        self._resident_total = 0
+        self._peak_total = 0
         self._removals: deque[tuple[float, int]] = deque()  # (time, blocks), oldest first
         self._removed_in_window = 0
         self._warmed = False  # a device block was evicted, or the caches were found full enough
@@ -86,8 +89,9 @@ class EvictionPressure:
                     self._remove(worker, len(e.block_hashes), now)
             elif isinstance(e, Cleared):
                 # A restart or reset, not eviction: nothing resident, no removals counted.
+                self._resident_total -= self._resident.get(worker, 0)
                 self._resident[worker] = 0
-                if self._warmed and not any(self._resident.values()):
+                if self._warmed and not self._resident_total:
                     self._warmed = False  # every cache is empty again: a cold cluster
         self._prune(now)
 
@@ -109,11 +113,17 @@ class EvictionPressure:
     def _store(self, worker: int, blocks: int) -> None:
         resident = self._resident.get(worker, 0) + blocks
         self._resident[worker] = resident
-        if resident > self._peak.get(worker, 0) or worker not in self._peak:
+        self._resident_total += blocks
+        peak = self._peak.get(worker, 0)
+        if resident > peak or worker not in self._peak:
             self._peak[worker] = resident
+            self._peak_total += resident - peak
 
     def _remove(self, worker: int, blocks: int, now: float) -> None:
-        self._resident[worker] = max(self._resident.get(worker, 0) - blocks, 0)
+        resident = self._resident.get(worker, 0)
+        left = max(resident - blocks, 0)
+        self._resident[worker] = left
+        self._resident_total -= resident - left
         self._peak.setdefault(worker, 0)
         if blocks:
             self._removals.append((now, blocks))
@@ -123,8 +133,8 @@ class EvictionPressure:
     def forget(self, worker: int) -> None:
         """Drop a worker's resident and peak counts (it left the cluster). Its removals already
         in the window stay until they age out."""
-        self._resident.pop(worker, None)
-        self._peak.pop(worker, None)
+        self._resident_total -= self._resident.pop(worker, 0)
+        self._peak_total -= self._peak.pop(worker, 0)
 
     def warming(self, capacity_blocks: float, fill: float = WARMUP_FILL) -> bool:
         """True until the first device eviction and while the resident blocks are under
@@ -134,7 +144,7 @@ class EvictionPressure:
         reset that leaves every worker's cache empty (each has sent ``Cleared`` and stored
         nothing since) starts the warm-up again, as on a fresh cluster."""
         if not self._warmed and capacity_blocks > 0:
-            self._warmed = sum(self._resident.values()) >= fill * capacity_blocks
+            self._warmed = self._resident_total >= fill * capacity_blocks
         return not self._warmed
 
     @property
@@ -146,7 +156,7 @@ class EvictionPressure:
         """Blocks removed in ``(now - window_s, now]`` over the sum of peak resident blocks;
         0.0 before any worker has held a block."""
         self._prune(now)
-        capacity = sum(self._peak.values())
+        capacity = self._peak_total
         return self._removed_in_window / capacity if capacity > 0 else 0.0
 
     def resident(self, worker: int) -> int:

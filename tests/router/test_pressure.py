@@ -3,6 +3,8 @@ scheduler's queue cap."""
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from indexer.events import Cleared, Removed, Stored
@@ -87,6 +89,35 @@ def test_record_counts_match_observed_events_and_forget_drops_the_worker() -> No
         q.record(0, stored=-1, removed=0, now=2.0)
     with pytest.raises(ValueError):
         EvictionPressure(window_s=0.0)
+
+
+def test_sums_kept_as_counts_change_equal_the_sums_recomputed() -> None:
+    """The pressure's denominator and the warm-up's fill are running sums; after any mix of
+    stores, removals, clears and departures they equal the per-worker counts summed."""
+    rng = random.Random(5)
+    p, q = EvictionPressure(window_s=5.0), EvictionPressure()  # q: no removals
+    removals: list[tuple[float, int]] = []
+    for step in range(3000):
+        worker, now = rng.randrange(12), step * 0.01
+        action = rng.random()
+        if action < 0.85:
+            stored, gone = rng.randrange(50), rng.randrange(80) if action > 0.45 else 0
+            p.record(worker, stored, gone, now)
+            q.record(worker, stored, 0, now)
+            removals.append((now, gone))
+        elif action < 0.95:
+            p.observe(worker, [Cleared()], now)
+            q.observe(worker, [Cleared()], now)
+        else:
+            p.forget(worker)
+            q.forget(worker)
+        peaks = sum(p.peak(w) for w in range(12))
+        in_window = sum(n for t, n in removals if t > now - 5.0)
+        assert p.pressure(now) == pytest.approx(in_window / peaks if peaks else 0.0)
+    resident = sum(q.resident(w) for w in range(12))
+    assert resident > 0
+    assert q.warming(2 * resident + 2)  # under half of that capacity: still warming
+    assert not q.warming(2 * resident)  # exactly half: warm
 
 
 @pytest.mark.parametrize(("pressure", "weight"), [
