@@ -123,6 +123,8 @@ def build_prompt(
 
     if kind == "completions":
         token_ids = _completion_ids(body, tokenizer, check_token_ids)
+        if "mm_uuids" not in body:  # the common case, kept short: a router decides on it
+            return PromptTokens(token_ids, [], cache_salt, model)
         refs: list[ImageRef] = []
         starts: list[int] = []
     else:
@@ -148,7 +150,8 @@ def _completion_ids(body: dict[str, Any], tokenizer: Tokenizer, check: bool = Tr
     if "prompt" not in body:
         raise ValueError("prompt is required")
     prompt = body["prompt"]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str | list) for p in prompt):
+    if (isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list)
+            and all(isinstance(p, str | list) for p in prompt)):
         if len(prompt) > 1:
             raise ValueError("one prompt per request: prompt holds several prompts")
         prompt = prompt[0]

@@ -126,7 +126,7 @@ class RoutingCore:
 
     def workers(self) -> int:
         """How many workers are tracked."""
-        return len(self._groups)
+        return len(self._facts)
 
     def forget(self, worker: int, now: float, registered: bool) -> None:
         """Drop every prediction and session on ``worker`` (its cached blocks were cleared).
@@ -152,8 +152,10 @@ class RoutingCore:
         eviction pressure's (:func:`router.pressure.queue_weight_for`)."""
         if not self.settings.auto_queue:
             return self.settings.scheduler.queue_weight
-        warming = not self.pressure.warmed and self.pressure.warming(self._capacity())
-        return queue_weight_for(self.pressure.pressure(now), warming=warming)
+        pressure = self.pressure
+        if not pressure.warmed and pressure.warming(self._capacity()):
+            return queue_weight_for(0.0, warming=True)
+        return queue_weight_for(pressure.pressure(now))
 
     def decide(self, hashes: Sequence[int], matches: Matches, now: float,
                rng: random.Random, *, workers: Sequence[int] | None = None, tokens: int = 0
@@ -190,7 +192,11 @@ class RoutingCore:
         if workers is None:
             holders = self._holders(hashes, matches, now)
             fast = choose_fast(blocks, holders, self._groups, config, rng, home, rate)
-            explain = self._explainer(hashes, matches, now, config, home, rate)
+
+            def explain() -> tuple[WorkerCost, ...]:
+                candidates = self.candidates(sorted(self._facts), hashes, matches, now)
+                return tuple(price(blocks, candidates, config, home, rate).costs)
+
             decision = Decision(fast.worker, None, fast.overlap_weight, chosen=fast.chosen,
                                 explain=explain)
             return Routed(decision, continued)
@@ -198,14 +204,6 @@ class RoutingCore:
             raise ValueError("no candidate workers")
         candidates = self.candidates(workers, hashes, matches, now)
         return Routed(choose(blocks, candidates, config, rng, home, rate), continued)
-
-    def _explainer(self, hashes: Sequence[int], matches: Matches, now: float,
-                   config: SchedulerConfig, home: int | None, rate: float
-                   ) -> Callable[[], tuple[WorkerCost, ...]]:
-        def explain() -> tuple[WorkerCost, ...]:
-            candidates = self.candidates(sorted(self._facts), hashes, matches, now)
-            return tuple(price(len(hashes), candidates, config, home, rate).costs)
-        return explain
 
     def candidates(self, workers: Iterable[int], hashes: Sequence[int], matches: Matches,
                    now: float) -> list[Candidate]:
@@ -215,26 +213,37 @@ class RoutingCore:
     def _candidate(self, worker: int, hashes: Sequence[int], match: tuple[int, int],
                    now: float) -> Candidate:
         matched, device = match
-        facts = self._facts.get(worker) or WorkerFacts()
-        residency = self.approximate if facts.approximate else self.predicted
+        facts = self._facts.get(worker)
+        residency = self.approximate if facts is not None and facts.approximate \
+            else self.predicted
         extended = residency.extend(worker, hashes, matched, now)
-        key = self._key(worker)
+        # A tracked worker's figures, as the groups keep them (every change of the books or
+        # the sessions calls back); an untracked one's, from the books.
+        key = self._groups.key(worker) if worker in self._facts else self._key(worker)
         return Candidate(worker, extended, device + extended - matched, key[0], key[1], key[2],
                          key[3])
 
     def _holders(self, hashes: Sequence[int], matches: Matches, now: float
                  ) -> list[Candidate]:
         """The tracked workers that match some of the request (index or prediction)."""
-        groups = self._groups
-        found = [w for w in matches if w in groups]
+        tracked = self._facts  # holds exactly the tracked workers
+        found: list[int] = []
+        for w in matches:
+            if w in tracked:
+                found.append(w)
         if hashes:
-            seen = set(found)
-            for residency in (self.predicted, self.approximate):
-                for w in residency.holders(hashes[0], now):
-                    if w not in seen and w in groups:
+            predicted = (self.predicted.holders(hashes[0], now)
+                         + self.approximate.holders(hashes[0], now))
+            if predicted:
+                seen = set(found)
+                for w in predicted:
+                    if w not in seen and w in tracked:
                         seen.add(w)
                         found.append(w)
-        return [self._candidate(w, hashes, matches.get(w, (0, 0)), now) for w in found]
+        candidates: list[Candidate] = []
+        for w in found:
+            candidates.append(self._candidate(w, hashes, matches.get(w, (0, 0)), now))
+        return candidates
 
     # -- booking ----------------------------------------------------------------------------
 

@@ -94,21 +94,6 @@ class LoadGroups:
         del self._decode[bisect.bisect_left(self._decode, key[1])]
         del self._sessions[bisect.bisect_left(self._sessions, key[3])]
 
-    @property
-    def shortest_queue(self) -> float:
-        """The least pending prefill of any tracked worker."""
-        return self._order[0][0]
-
-    @property
-    def fewest_sessions(self) -> float:
-        """The fewest live sessions of any tracked worker."""
-        return self._sessions[0]
-
-    @property
-    def least_decode(self) -> float:
-        """The least decode load of any tracked worker."""
-        return self._decode[0]
-
     def groups(self) -> list[tuple[LoadKey, list[int]]]:
         """Each group's key and members (sorted ids), by pending prefill (a snapshot)."""
         return [(k, self._members[k]) for k in self._order]
@@ -140,69 +125,94 @@ def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadG
     only ``holders`` (the workers that match some of the request, with their matches; every
     one of them tracked in ``groups``) and the rest once per group.
 
+    Written for a decision on cold caches (a router decides between parsing two request
+    bodies), where each Python call costs microseconds: plain loops rather than
+    comprehensions, the groups' lists read in place, and a group priced as numbers, with its
+    :class:`WorkerCost` built only for the worker chosen.
+
     Raises:
         ValueError: no tracked worker, or a negative block count.
     """
-    if not len(groups):
+    if not groups._key:
         raise ValueError("no candidate workers")
     if request_blocks < 0:
         raise ValueError(f"request_blocks must be >= 0, got {request_blocks}")
-    held = {c.worker: c for c in holders}
-    if home is not None and home in groups:
-        key = groups.key(home)
-        if stays_home(key[0], groups.shortest_queue, config):
+    held: dict[int, Candidate] = {}
+    for c in holders:
+        held[c.worker] = c
+    if home is not None and home in groups._key:
+        key = groups._key[home]
+        if stays_home(key[0], groups._order[0][0], config):
             c = held.get(home) or candidate_of(home, key)
             return FastChoice(home, cost_of(c, request_blocks, config),
                               config.overlap_weight, True)
     session_price = fewest = 0.0
     sessions = config.session_weight > 0
     if sessions:
-        fewest = groups.fewest_sessions
+        fewest = groups._sessions[0]
         session_price = config.overlap_weight * (config.session_weight * continue_rate)
     priced: list[WorkerCost] = []
+    best = (math.inf, 0)
     for c in holders:
         wc = cost_of(c, request_blocks, config)
         if sessions:
             wc.cost += session_price * (wc.sessions - fewest)
         priced.append(wc)
-    best = min(((wc.cost, wc.active_requests) for wc in priced), default=(math.inf, 0))
-    # The rest, a group at a time, while a group could still cost no more than the best.
-    factor = config.queue_weight
-    floor = groups.least_decode
-    weight = config.overlap_weight
-    tied_groups: list[tuple[WorkerCost, list[int]]] = []
-    for key, members in groups.groups():
-        bound = weight * (request_blocks + factor * key[0]) + floor
-        if bound - best[0] > _SLACK * (abs(best[0]) + 1.0):
-            break
-        if len(members) <= len(held) and all(w in held for w in members):
-            continue
-        wc = cost_of(candidate_of(-1, key), request_blocks, config)
-        if sessions:
-            wc.cost += session_price * (wc.sessions - fewest)
         rank = (wc.cost, wc.active_requests)
         if rank < best:
-            best, tied_groups = rank, [(wc, members)]
+            best = rank
+    # The rest, a group at a time, while a group could still cost no more than the best. A
+    # group's cost is cost_of's for a worker matching nothing (the same operations, so the
+    # same float): weight * (B + queue_weight * pending) + decode, plus the session term.
+    factor = config.queue_weight
+    weight = config.overlap_weight
+    floor = groups._decode[0]
+    tied_groups: list[tuple[LoadKey, list[int]]] = []
+    for key in groups._order:
+        prefill = request_blocks + factor * key[0]
+        if weight * prefill + floor - best[0] > _SLACK * (abs(best[0]) + 1.0):
+            break
+        members = groups._members[key]
+        if len(members) <= len(held) and all(w in held for w in members):
+            continue
+        cost = weight * prefill + key[1]
+        if sessions:
+            cost += session_price * (key[3] - fewest)
+        rank = (cost, key[2])
+        if rank < best:
+            best, tied_groups = rank, [(key, members)]
         elif rank == best:
-            tied_groups.append((wc, members))
-    tied = [wc.worker for wc in priced if (wc.cost, wc.active_requests) == best]
+            tied_groups.append((key, members))
+    tied: list[int] = []
+    for wc in priced:
+        if (wc.cost, wc.active_requests) == best:
+            tied.append(wc.worker)
     if len(tied_groups) == 1 and not tied:
-        template, members = tied_groups[0]
+        key, members = tied_groups[0]
         worker = _pick(members, held, rng)
     else:
         for _, members in tied_groups:
-            tied.extend(w for w in members if w not in held)
+            for w in members:
+                if w not in held:
+                    tied.append(w)
         tied.sort()
         worker = tied[0] if len(tied) == 1 else rng.choice(tied)
-        template = next((wc for wc in priced if wc.worker == worker), None) or next(
-            wc for wc, members in tied_groups if _has(members, worker))
-    chosen = template if template.worker == worker else _renamed(template, worker)
-    return FastChoice(worker, chosen, config.overlap_weight, False)
+        for wc in priced:
+            if wc.worker == worker:
+                return FastChoice(worker, wc, weight, False)
+        key = next(k for k, members in tied_groups if _has(members, worker))
+    chosen = cost_of(candidate_of(worker, key), request_blocks, config)
+    if sessions:
+        chosen.cost += session_price * (chosen.sessions - fewest)
+    return FastChoice(worker, chosen, weight, False)
 
 
 def _pick(members: list[int], excluded: dict[int, Candidate], rng: random.Random) -> int:
     """``rng.choice`` over the sorted ``members`` not in ``excluded`` (the draw consumed
     exactly as over that list), without building it."""
+    if not excluded:
+        count = len(members)
+        return members[0] if count == 1 else members[rng.choice(range(count))]
     inside = sorted(w for w in excluded if _has(members, w))
     count = len(members) - len(inside)
     if count == 1 and not inside:
@@ -219,9 +229,3 @@ def _pick(members: list[int], excluded: dict[int, Candidate], rng: random.Random
 def _has(members: list[int], worker: int) -> bool:
     i = bisect.bisect_left(members, worker)
     return i < len(members) and members[i] == worker
-
-
-def _renamed(wc: WorkerCost, worker: int) -> WorkerCost:
-    return WorkerCost(worker, wc.matched_blocks, wc.device_matched_blocks, wc.credited_blocks,
-                      wc.prefill_blocks, wc.decode_blocks, wc.active_requests, wc.cost,
-                      wc.sessions)

@@ -76,7 +76,9 @@ class EvictionPressure:
         self._peak_total = 0
         self._removals: deque[tuple[float, int]] = deque()  # (time, blocks), oldest first
         self._removed_in_window = 0
-        self._warmed = False  # a device block was evicted, or the caches were found full enough
+        #: The warm-up has ended (:meth:`warming`): a device block was evicted, or the caches
+        #: were found full enough. Read it; it is set here.
+        self.warmed = False
 
     def observe(self, worker: int, events: Iterable[Event], now: float) -> None:
         """Account one batch of ``worker``'s events received at ``now``, in order."""
@@ -91,8 +93,8 @@ class EvictionPressure:
                 # A restart or reset, not eviction: nothing resident, no removals counted.
                 self._resident_total -= self._resident.get(worker, 0)
                 self._resident[worker] = 0
-                if self._warmed and not self._resident_total:
-                    self._warmed = False  # every cache is empty again: a cold cluster
+                if self.warmed and not self._resident_total:
+                    self.warmed = False  # every cache is empty again: a cold cluster
         self._prune(now)
 
     def record(self, worker: int, stored: int, removed: int, now: float) -> None:
@@ -128,7 +130,7 @@ class EvictionPressure:
         if blocks:
             self._removals.append((now, blocks))
             self._removed_in_window += blocks
-            self._warmed = True
+            self.warmed = True
 
     def forget(self, worker: int) -> None:
         """Drop a worker's resident and peak counts (it left the cluster). Its removals already
@@ -143,19 +145,16 @@ class EvictionPressure:
         regime the pressure rule is for; one worker's restart does not change that. Only a
         reset that leaves every worker's cache empty (each has sent ``Cleared`` and stored
         nothing since) starts the warm-up again, as on a fresh cluster."""
-        if not self._warmed and capacity_blocks > 0:
-            self._warmed = self._resident_total >= fill * capacity_blocks
-        return not self._warmed
-
-    @property
-    def warmed(self) -> bool:
-        """Whether the warm-up has ended (:meth:`warming`)."""
-        return self._warmed
+        if not self.warmed and capacity_blocks > 0:
+            self.warmed = self._resident_total >= fill * capacity_blocks
+        return not self.warmed
 
     def pressure(self, now: float) -> float:
         """Blocks removed in ``(now - window_s, now]`` over the sum of peak resident blocks;
         0.0 before any worker has held a block."""
-        self._prune(now)
+        q = self._removals
+        if q and q[0][0] <= now - self.window_s:
+            self._prune(now)
         capacity = self._peak_total
         return self._removed_in_window / capacity if capacity > 0 else 0.0
 

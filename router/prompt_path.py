@@ -87,8 +87,10 @@ def request_hashes(prompt: PromptTokens, terms: HashingTerms, lora: str | None =
             against the vocabulary; the worker does).
     """
     size = terms.block_size
-    seed = scope_seed(lora, published_salt(prompt.cache_salt, terms.salt_hashing,
-                                           terms.salt_key))
+    salt = prompt.cache_salt
+    if salt is not None:
+        salt = published_salt(salt, terms.salt_hashing, terms.salt_key)
+    seed = scope_seed(lora, salt)
     if not prompt.images:  # the common case: hash the token list as it is, no copy
         hashes = block_hashes(prompt.token_ids, size, seed=seed)  # checks every full block
         for t in prompt.token_ids[len(hashes) * size:]:  # and the partial tail, here

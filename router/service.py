@@ -14,7 +14,7 @@ import os
 import random
 import time
 from dataclasses import dataclass
-from typing import Any, Literal, cast
+from typing import Any, Literal
 
 import httpx
 
@@ -60,15 +60,25 @@ class Route:
                 if c.worker != self.decision.worker]
 
 
+def _hashing_terms(entry: WorkerEntry, settings: RouterSettings) -> HashingTerms:
+    """How ``entry`` names blocks, as the router hashes a prompt for it."""
+    info = entry.info
+    assert info is not None, "a candidate always has model info"
+    return HashingTerms(settings.block_size, by_uuid=info.image_routing_version == 1,
+                        salt_hashing=info.salt_hashing, salt_key=settings.salt_key)
+
+
 class _Fleet:
     """The candidates for one model, and what a decision reads of them."""
 
-    __slots__ = ("bound", "by_id", "entries", "ids", "max_model_len", "min_model_len")
+    __slots__ = ("bound", "by_id", "entries", "ids", "max_model_len", "min_model_len", "terms")
 
-    def __init__(self, entries: list[WorkerEntry]) -> None:
+    def __init__(self, entries: list[WorkerEntry], settings: RouterSettings) -> None:
         self.entries = entries
         self.ids = [e.id for e in entries]
         self.by_id = {e.id: e for e in entries}
+        #: How the first candidate names blocks (a request's hashes follow it).
+        self.terms = _hashing_terms(entries[0], settings)
         # A prompt no longer than the shortest limit fits every worker (0: none is known);
         # a longer one goes to the workers it fits, up to the longest.
         limits = [e.info.max_model_len for e in entries if e.info and e.info.max_model_len]
@@ -155,7 +165,7 @@ class RouterService:
             ApiError: the body is invalid (400).
         """
         try:
-            return build_prompt(body, cast(PromptKind, kind), self.tokenizer,
+            return build_prompt(body, kind, self.tokenizer,  # type: ignore[arg-type]
                                 mm_tokens_per_image=self.registry.mm_tokens_per_image or 1,
                                 max_image_bytes=self.settings.max_image_bytes, fetch=None,
                                 check_token_ids=False)
@@ -188,11 +198,10 @@ class RouterService:
                                f"{fleet.max_model_len}", param="prompt",
                                code="context_length_exceeded")
             ids, by_id = [e.id for e in entries], {e.id: e for e in entries}
-        first = entries[0].info
-        assert first is not None, "a candidate always has model info"
-        terms = HashingTerms(self.settings.block_size, by_uuid=first.image_routing_version == 1,
-                             salt_hashing=first.salt_hashing, salt_key=self.settings.salt_key)
-        lora = model if model is not None and model != first.model else None
+        first = entries[0]
+        terms = fleet.terms if first is fleet.entries[0] else _hashing_terms(first, self.settings)
+        assert first.info is not None, "a candidate always has model info"
+        lora = model if model is not None and model != first.info.model else None
         try:
             hashes = request_hashes(prompt, terms, lora)
         except ValueError as exc:  # token ids that are not ints in [0, 2**64)
@@ -245,7 +254,7 @@ class RouterService:
                                "invalid_request_error", "model", "model_not_found")
             if len(self._fleets) >= 64:  # models asked for that no worker serves, say
                 self._fleets.clear()
-            fleet = self._fleets[model] = _Fleet(entries)
+            fleet = self._fleets[model] = _Fleet(entries, self.settings)
         return fleet
 
     def _baseline(self, decision: Decision, entries: list[WorkerEntry]) -> Decision:

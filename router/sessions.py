@@ -77,8 +77,11 @@ class SessionTracker:
         self._order: deque[tuple[float, int]] = deque()  # (routed_at, key), oldest first
         self._live: dict[int, int] = {}
         self._gap: float | None = None
+        self._expiry_s = initial_expiry_s  # expiry_s, kept as the gap changes
         self._continued = 0.0
         self._ended = 0.0
+        #: The share of heads continued rather than expired (0 before any outcome).
+        self.continue_rate = 0.0
         #: Called with a worker's id after its live sessions changed (the routing core keeps
         #: its workers ordered by them).
         self.on_change: Callable[[int], None] | None = None
@@ -95,15 +98,8 @@ class SessionTracker:
     @property
     def expiry_s(self) -> float:
         """How long a head lives now."""
-        if self._gap is None:
-            return self.initial_expiry_s
-        return max(self.expiry_gaps * self._gap, self.min_expiry_s)
+        return self._expiry_s
 
-    @property
-    def continue_rate(self) -> float:
-        """The share of heads continued rather than expired (0 before any outcome)."""
-        total = self._continued + self._ended
-        return self._continued / total if total else 0.0
 
     def live(self, worker: int) -> int:
         """Live heads (sessions) on ``worker``."""
@@ -117,7 +113,9 @@ class SessionTracker:
         """Expire old heads, then return the session a prompt of ``hashes`` (``tokens`` long)
         continues: the longest live head among its blocks (its last block only when the
         prompt is longer than that head's), or None."""
-        self._expire(now)
+        order = self._order
+        if order and order[0][0] < now - self._expiry_s:
+            self._expire(now)
         if not hashes:
             return None
         heads = self._heads
@@ -145,6 +143,7 @@ class SessionTracker:
             gap = now - continued.routed_at
             self._gap = gap if self._gap is None else (
                 (1 - self.gap_smoothing) * self._gap + self.gap_smoothing * gap)
+            self._expiry_s = max(self.expiry_gaps * self._gap, self.min_expiry_s)
             self._outcome(continued=True)
         if not hashes:
             return
@@ -170,7 +169,7 @@ class SessionTracker:
             self._changed(worker)
 
     def _expire(self, now: float) -> None:
-        cutoff = now - self.expiry_s
+        cutoff = now - self._expiry_s
         order = self._order
         while order and order[0][0] < cutoff:
             self._drop_oldest()
@@ -192,3 +191,4 @@ class SessionTracker:
         if self._continued + self._ended > self.rate_window:
             self._continued /= 2
             self._ended /= 2
+        self.continue_rate = self._continued / (self._continued + self._ended)
