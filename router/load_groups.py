@@ -167,7 +167,7 @@ def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadG
     factor = config.queue_weight
     weight = config.overlap_weight
     floor = groups._decode[0]
-    tied_groups: list[tuple[LoadKey, list[int]]] = []
+    tied_groups: list[tuple[LoadKey, list[int], float]] = []  # key, members, prefill
     for key in groups._order:
         prefill = request_blocks + factor * key[0]
         if weight * prefill + floor - best[0] > _SLACK * (abs(best[0]) + 1.0):
@@ -180,18 +180,18 @@ def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadG
             cost += session_price * (key[3] - fewest)
         rank = (cost, key[2])
         if rank < best:
-            best, tied_groups = rank, [(key, members)]
+            best, tied_groups = rank, [(key, members, prefill)]
         elif rank == best:
-            tied_groups.append((key, members))
+            tied_groups.append((key, members, prefill))
     tied: list[int] = []
     for wc in priced:
         if (wc.cost, wc.active_requests) == best:
             tied.append(wc.worker)
     if len(tied_groups) == 1 and not tied:
-        key, members = tied_groups[0]
+        key, members, prefill = tied_groups[0]
         worker = _pick(members, held, rng)
     else:
-        for _, members in tied_groups:
+        for _, members, _ in tied_groups:
             for w in members:
                 if w not in held:
                     tied.append(w)
@@ -200,10 +200,10 @@ def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadG
         for wc in priced:
             if wc.worker == worker:
                 return FastChoice(worker, wc, weight, False)
-        key = next(k for k, members in tied_groups if _has(members, worker))
-    chosen = cost_of(candidate_of(worker, key), request_blocks, config)
-    if sessions:
-        chosen.cost += session_price * (chosen.sessions - fewest)
+        key, _, prefill = next(g for g in tied_groups if _has(g[1], worker))
+    # The terms cost_of gives a worker of group ``key`` (it matches nothing); best[0] is the
+    # cost, session term included.
+    chosen = WorkerCost(worker, 0, 0, 0.0, prefill, key[1], key[2], best[0], key[3])
     return FastChoice(worker, chosen, weight, False)
 
 
