@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import random
+
 import pytest
 
 from router.load import LoadTracker, ReportedLoad, WorkerLoad
@@ -112,3 +114,33 @@ def test_withdrawn_predictions_are_gone() -> None:
     p.withdraw(0, [2, 3, 4])
     p.withdraw(5, [1])  # a worker with nothing predicted
     assert p.extend(0, [1, 2], 0, now=1.0) == 1 and p.size(0) == 1
+
+
+def test_runs_and_expiry_agree_with_a_walk_over_every_prediction() -> None:
+    """Random predictions, withdrawals, forgetting and expiry: each run from a start is the
+    leading walk over unexpired predictions, and expiry leaves exactly the unexpired ones."""
+    rng = random.Random(9)
+    p = PredictedResidency(ttl=3.0, max_blocks=40)
+    chains = [[rng.getrandbits(62) for _ in range(12)] for _ in range(6)]
+    now = 0.0
+    for _ in range(600):
+        now += rng.choice([0.0, 0.1, 0.7])
+        worker, chain = rng.randrange(5), rng.choice(chains)
+        action = rng.random()
+        if action < 0.6:
+            p.predict(worker, chain[: rng.randrange(1, 13)], now)
+        elif action < 0.7:
+            p.withdraw(worker, chain[: rng.randrange(1, 13)])
+        elif action < 0.75:
+            p.forget(worker)
+        elif action < 0.9:
+            p.expire(now)
+            for w in range(5):
+                assert all(expiry > now for expiry in p._by_worker.get(w, {}).values())
+        hashes = rng.choice(chains)
+        start = rng.randrange(0, 13)
+        entries = p._by_worker.get(worker, {})
+        n = start
+        while n < len(hashes) and entries.get(hashes[n], 0.0) > now:
+            n += 1
+        assert p.extend(worker, hashes, start, now) == n
