@@ -8,10 +8,11 @@ Three figures, in one run:
    ``--workers`` names: ``decision_p99_us_at_1024`` and so on) and 1,000,000 blocks in the
    index, every worker's cache full (past the warm-up, so the queue weight follows the
    eviction pressure); half the prompts follow a resident chain for 4,096 tokens, half share
-   nothing. In process, no sockets. The body carries token ids (the router hashes them
-   without checking them against the vocabulary; the worker does). A fresh random prompt is
-   built between decisions, as a server parses a body, so each decision starts with cold
-   caches.
+   nothing. In process, no sockets. Each decision is booked as the router books a request
+   it sends (load, predicted residency, the session head) and then finished. The body
+   carries token ids (the router hashes them without checking them against the vocabulary;
+   the worker does). A fresh random prompt is built between decisions, as a server parses a
+   body, so each decision starts with cold caches.
    ``decision_cpu_*`` count the thread's CPU time alone, the figure to read on a shared
    machine: there a wall-clock p99 is mostly the time the process waited for a core. To
    compare two versions, alternate their runs in one sitting (a checkout of each, the same
@@ -131,7 +132,7 @@ def decision_latency(total_blocks: int, queries: int, workers: int = 8) -> dict[
         route = service.decide(body, "completions")
         cpu.append(time.thread_time() - started_cpu)
         times.append(time.perf_counter() - started)
-        service.load.routed(route.request_id, route.decision.worker, 0, 0)
+        service.dispatched(route, route.worker)  # booked as the router books it
         service.load.finished(route.request_id)
     return {"decision_p50_us": round(percentile(times, 50) * 1e6, 1),
             "decision_p99_us": round(percentile(times, 99) * 1e6, 1),

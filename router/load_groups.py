@@ -43,6 +43,9 @@ class LoadGroups:
         1. Each tracked worker is in exactly one group, the one of its last :meth:`update`.
         2. ``_order`` holds each non-empty group's key once, sorted (pending prefill first).
         3. ``_decode`` and ``_sessions`` hold each tracked worker's figure once, sorted.
+        4. ``_ids`` holds each tracked worker once, sorted.
+
+    :func:`choose_fast` reads these lists in place.
     """
 
     def __init__(self) -> None:
@@ -51,6 +54,7 @@ class LoadGroups:
         self._order: list[LoadKey] = []
         self._decode: list[float] = []
         self._sessions: list[float] = []
+        self._ids: list[int] = []  # every tracked worker, sorted
 
     def __len__(self) -> int:
         return len(self._key)
@@ -69,6 +73,8 @@ class LoadGroups:
             return
         if old is not None:
             self._leave(worker, old)
+        else:
+            bisect.insort(self._ids, worker)
         self._key[worker] = key
         members = self._members.get(key)
         if members is None:
@@ -84,6 +90,7 @@ class LoadGroups:
         old = self._key.pop(worker, None)
         if old is not None:
             self._leave(worker, old)
+            del self._ids[bisect.bisect_left(self._ids, worker)]
 
     def _leave(self, worker: int, key: LoadKey) -> None:
         members = self._members[key]
@@ -187,43 +194,67 @@ def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadG
     for wc in priced:
         if (wc.cost, wc.active_requests) == best:
             tied.append(wc.worker)
-    if len(tied_groups) == 1 and not tied:
-        key, members, prefill = tied_groups[0]
-        worker = _pick(members, held, rng)
+    runs: list[list[int]] = []
+    skipped: list[int] = []  # the held workers inside the tied groups
+    if len(tied_groups) == len(groups._order):  # every group ties: one run, the fleet
+        runs.append(groups._ids)
+        skipped = sorted(held)
     else:
         for _, members, _ in tied_groups:
-            for w in members:
-                if w not in held:
-                    tied.append(w)
-        tied.sort()
-        worker = tied[0] if len(tied) == 1 else rng.choice(tied)
+            runs.append(members)
+        if runs and held:
+            keys = {key for key, _, _ in tied_groups}
+            skipped = sorted(w for w in held if groups._key[w] in keys)
+    tied.sort()
+    worker = _draw(runs, skipped, tied, rng)
+    if tied and _has(tied, worker):
         for wc in priced:
             if wc.worker == worker:
                 return FastChoice(worker, wc, weight, False)
-        key, _, prefill = next(g for g in tied_groups if _has(g[1], worker))
+    key = groups._key[worker]
+    prefill = 0.0
+    for group in tied_groups:
+        if group[0] == key:
+            prefill = group[2]
+            break
     # The terms cost_of gives a worker of group ``key`` (it matches nothing); best[0] is the
     # cost, session term included.
     chosen = WorkerCost(worker, 0, 0, 0.0, prefill, key[1], key[2], best[0], key[3])
     return FastChoice(worker, chosen, weight, False)
 
 
-def _pick(members: list[int], excluded: dict[int, Candidate], rng: random.Random) -> int:
-    """``rng.choice`` over the sorted ``members`` not in ``excluded`` (the draw consumed
-    exactly as over that list), without building it."""
-    if not excluded:
-        count = len(members)
+def _draw(runs: list[list[int]], skipped: list[int], extra: list[int],
+          rng: random.Random) -> int:
+    """``rng.choice`` over the sorted union of ``extra`` and the ``runs``' members less
+    ``skipped`` (the draw consumed exactly as over that list), without building it: groups
+    that tie with each other (say, on an idle fleet whose workers differ only in live
+    sessions, while sessions cost nothing) hold most of the fleet.
+
+    ``runs`` and ``extra`` are sorted lists of worker ids, disjoint from each other;
+    ``skipped`` is sorted and each of its ids is in some run.
+    """
+    count = len(extra) - len(skipped)
+    for run in runs:
+        count += len(run)
+    if not skipped and not extra and len(runs) == 1:  # one group: index it
+        members = runs[0]
         return members[0] if count == 1 else members[rng.choice(range(count))]
-    inside = sorted(w for w in excluded if _has(members, w))
-    count = len(members) - len(inside)
-    if count == 1 and not inside:
-        return members[0]
     index = 0 if count == 1 else rng.choice(range(count))
-    for w in inside:  # the index-th kept member: step over each excluded one before it
-        if bisect.bisect_left(members, w) <= index:
-            index += 1
+    if not runs:
+        return extra[index]
+    # The least id with more than ``index`` ids at or below it, by bisection on the id.
+    lo = min([r[0] for r in runs] + extra[:1])
+    hi = max([r[-1] for r in runs] + extra[-1:])
+    while lo < hi:
+        mid = (lo + hi) // 2
+        at_or_below = bisect.bisect_right(extra, mid) - bisect.bisect_right(skipped, mid)
+        for run in runs:
+            at_or_below += bisect.bisect_right(run, mid)
+        if at_or_below > index:
+            hi = mid
         else:
-            break
-    return members[index]
+            lo = mid + 1
+    return lo
 
 
 def _has(members: list[int], worker: int) -> bool:

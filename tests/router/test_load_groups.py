@@ -95,6 +95,31 @@ def test_an_idle_fleet_is_one_group_and_ties_draw_as_the_scan_does() -> None:
         _agree(core, rng, hashes, matches, 0.0, config, None, 1.0)
 
 
+def test_groups_that_differ_only_in_free_sessions_tie_and_draw_as_the_scan_does() -> None:
+    """Requests that never continue a session leave heads on most workers: groups that
+    differ only in live sessions, which cost nothing at a continuation rate of 0. The draw
+    over their union (less the holders) is the scan's."""
+    rng = random.Random(11)
+    core, _ = _fleet(rng, 96)
+    for i in range(150):  # a head per request, none continued
+        hashes = [rng.getrandbits(32) for _ in range(4)]
+        core.routed(f"r{i}", rng.randrange(96), hashes, 0.0, 0.0, None, 128)
+        core.load.finished(f"r{i}")
+    assert core.sessions is not None and core.sessions.continue_rate == 0.0
+    assert len(core._groups.groups()) >= 3
+    for seed in range(40):
+        draw = random.Random(seed)
+        hashes = [draw.getrandbits(32) for _ in range(6)]
+        # Holders matching on the host tier only: with no credit for it they tie with their
+        # group (the draw leaves them out of the group and takes them in one by one); with
+        # Dynamo's credit they win.
+        held = draw.sample(range(96), draw.choice([0, 1, 5, 30]))
+        matches = {w: (draw.choice([1, 6]), 0) for w in held}
+        for rate, credit in ((0.0, 0.0), (0.0, 0.75), (1.0, 0.0)):
+            config = SchedulerConfig(host_credit=credit)
+            _agree(core, draw, hashes, matches, 0.0, config, None, rate)
+
+
 def test_the_groups_follow_the_books() -> None:
     rng = random.Random(3)
     core, _ = _fleet(rng, 10)
@@ -109,6 +134,7 @@ def test_the_groups_follow_the_books() -> None:
         assert core._groups.key(w) == core._key(w)
     core.load.remove_worker(4)
     assert 4 not in core._groups and len(core._groups) == 9
+    assert core._groups._ids == [0, 1, 2, 3, 5, 6, 7, 8, 9]
 
 
 def test_an_empty_fleet_is_a_caller_error() -> None:
