@@ -60,14 +60,19 @@ What the measurements taught (all on this 2-core machine, other jobs running at 
 - Pricing every worker cost about 3.4 µs a worker (p99 211, 442, 1,403 and 20,263 µs at 8,
   64, 256 and 1,024 workers). The routing core now prices one by one only the workers holding
   some of the prompt, and the rest once per group of equal load (:mod:`router.load_groups`);
-  ``docs/routing.md`` has the figures since.
-- That left the list of healthy workers, rebuilt per request by reading each entry's state:
-  ~110 µs of CPU at 1,024 workers. The registry keeps it until health or membership changes
-  (:mod:`router.healthy`); a decision then costs the same CPU at 1,024 workers as at 8
-  (p50 190-240 µs, p99 400-520 µs with the machine's load average at 5-6; 450-490 and
-  730-830 µs before, alternated in the same sitting). Of that, with cold caches, building
-  the prompt from the body costs ~50 µs, the Cython hashing ~35, the index match ~20 and the
-  routing core ~110 at p50; the same steps repeated on warm data cost 8, 28, 5 and 54 µs.
+  the healthy-worker list is kept until health or membership changes (:mod:`router.healthy`).
+- Booking each decision as the router does (predicted residency and session heads, not only
+  the load), on caches past their warm-up, showed costs a lighter loop hid: groups that tie
+  with each other (workers that differ only in live sessions while a session costs nothing,
+  as on any workload that never continues one) were listed and sorted whole per decision;
+  predicted residency's expiry visited every worker per request; the eviction pressure summed
+  every worker's peak per decision. Each is now independent of the fleet's size.
+- On a 2-core VM a decision runs on cold caches: after 5 ms of other work (building the next
+  prompt here, a sleep as well) an empty Python call costs ~4 µs instead of 0.1, and each step
+  two to five times its warm cost. Fewer Python calls (plain loops for comprehensions, figures
+  read where they are kept, per-fleet objects kept) took about a quarter off, alternated in one
+  sitting; compiling the core's modules with Cython unchanged made it slower (more code, so
+  colder). ``docs/routing.md`` has the current figures and the time per step.
 """
 
 from __future__ import annotations
