@@ -214,8 +214,8 @@ class RoutingCore:
                    now: float) -> Candidate:
         matched, device = match
         facts = self._facts.get(worker)
-        residency = self.approximate if facts is not None and facts.approximate \
-            else self.predicted
+        approximate = facts is not None and facts.approximate
+        residency = self.approximate if approximate else self.predicted
         extended = residency.extend(worker, hashes, matched, now)
         # A tracked worker's figures, as the groups keep them (every change of the books or
         # the sessions calls back); an untracked one's, from the books.
