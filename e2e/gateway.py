@@ -27,10 +27,20 @@ class Epp(Process):
     def __init__(self, name: str, workers: list[Worker], log_dir: Path, **settings: Any
                  ) -> None:
         self.grpc_port = free_port()
+        self.metrics_port = free_port()
         env = {"KVROUTE_WORKERS": ",".join(w.url for w in workers),
                "KVROUTE_HEALTH_INTERVAL": "0.2", "KVROUTE_UNHEALTHY_GRACE": "1.0"}
         env |= {f"KVROUTE_{k.upper()}": str(v) for k, v in settings.items()}
-        super().__init__(name, ["epp", "--grpc-port", str(self.grpc_port)], env, log_dir)
+        super().__init__(name, ["epp", "--grpc-port", str(self.grpc_port),
+                                "--metrics-port", str(self.metrics_port)], env, log_dir)
+
+    def healthy_workers(self) -> int:
+        """How many workers the picker counts healthy (its ``kvroute_workers`` metric)."""
+        text = httpx.get(f"http://127.0.0.1:{self.metrics_port}/metrics", timeout=5).text
+        for line in text.splitlines():
+            if line.startswith('kvroute_workers{state="healthy"}'):
+                return int(float(line.split()[-1]))
+        raise AssertionError(f"{self.name} reports no healthy-worker count:\n{text[:2000]}")
 
     def health(self, service: str = "readiness") -> int:
         """The gRPC health status of ``service`` (1 serving, 2 not serving)."""
