@@ -57,7 +57,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.envoy import envoy_command, render_envoy_config
 from bench.figures import percentile, print_figures
-from bench.http_load import latency, run_wrk, spawn, stop
+from bench.http_load import latency, run_wrk, spawn, stop, wait_ready
 from kvroute.up import free_port
 
 BODY = {"model": "kvroute-sim", "prompt": "a small prompt for the picker", "max_tokens": 1}
@@ -255,23 +255,9 @@ def run(requests: int, seconds: float, rounds: int = 3) -> dict[str, Any]:
 def spawn_envoy(config: Path, admin_port: int, timeout: float = 30
                 ) -> subprocess.Popen[bytes]:
     """Start Envoy with ``config`` and wait until its admin port says it is ready."""
-    import urllib.request
-
     proc = subprocess.Popen(envoy_command(config), stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"envoy exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(f"http://127.0.0.1:{admin_port}/ready", timeout=1) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            pass
-        time.sleep(0.1)
-    stop(proc)
-    raise RuntimeError(f"envoy was not ready in {timeout}s")
+    return wait_ready(proc, f"http://127.0.0.1:{admin_port}/ready", "envoy", timeout)
 
 
 def exchange_cpu_us(requests: int = 3000) -> float:

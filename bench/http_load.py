@@ -113,19 +113,26 @@ def spawn(args: list[str], url: str, health: str = "/health", timeout: float = 3
                              "--log-level", "warning"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
+    return wait_ready(proc, url + health, f"kvroute {' '.join(args)}", timeout)
+
+
+def wait_ready(proc: subprocess.Popen[bytes], url: str, name: str, timeout: float
+               ) -> subprocess.Popen[bytes]:
+    """Wait until ``url`` answers 200 and return ``proc``; stop it and raise RuntimeError
+    (naming it ``name``) when it exits first or ``timeout`` seconds pass."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"kvroute {' '.join(args)} exited with {proc.returncode}")
+            raise RuntimeError(f"{name} exited with {proc.returncode}")
         try:
-            with urllib.request.urlopen(url + health, timeout=1) as r:
+            with urllib.request.urlopen(url, timeout=1) as r:
                 if r.status == 200:
                     return proc
         except OSError:
             pass
         time.sleep(0.1)
     stop(proc)
-    raise RuntimeError(f"kvroute {' '.join(args)} was not healthy in {timeout}s")
+    raise RuntimeError(f"{name} was not ready in {timeout}s")
 
 
 def stop(proc: subprocess.Popen[bytes]) -> None:
