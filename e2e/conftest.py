@@ -12,36 +12,39 @@ from e2e.harness import Process, Router, Worker
 
 
 @pytest.fixture
-def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Callable[..., Any]]:
+def processes(request: pytest.FixtureRequest) -> Iterator[list[Process]]:
+    """The processes a test starts (it appends them): every one is killed at the end, and
+    their logs are printed when the test failed."""
+    started: list[Process] = []
+    yield started
+    for p in reversed(started):
+        p.kill()
+    if request.node.rep_call.failed if hasattr(request.node, "rep_call") else False:
+        for p in started:
+            print(f"---- {p.name} ----\n{p.tail()}")
+
+
+@pytest.fixture
+def cluster(tmp_path: Path, processes: list[Process]) -> Callable[..., Any]:
     """Factory: ``cluster(workers=3, worker_settings={...}, router_settings={...})`` starts
     the workers and one router, waits until ready, and returns ``(router, workers)``. Every
     process started is killed at the end; their logs are printed when the test failed."""
-    started: list[Process] = []
 
     def make(workers: int = 3, worker_settings: dict[str, Any] | None = None,
              router_settings: dict[str, Any] | None = None) -> tuple[Router, list[Worker]]:
         ws = [Worker(i, tmp_path, **(worker_settings or {})) for i in range(workers)]
         for w in ws:
             w.start()
-            started.append(w)
+            processes.append(w)
         for w in ws:
             w.wait_healthy()
         router = Router("router", ws, tmp_path, **(router_settings or {}))
         router.start()
-        started.append(router)
+        processes.append(router)
         router.wait_ready(workers)
         return router, ws
 
-    def track(process: Process) -> None:
-        started.append(process)
-
-    make.track = track  # type: ignore[attr-defined]
-    yield make
-    for p in reversed(started):
-        p.kill()
-    if request.node.rep_call.failed if hasattr(request.node, "rep_call") else False:
-        for p in started:
-            print(f"---- {p.name} ----\n{p.tail()}")
+    return make
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)

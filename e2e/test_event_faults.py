@@ -7,7 +7,7 @@ from typing import Any
 
 import httpx
 
-from e2e.harness import Router, wait_for
+from e2e.harness import Process, Router, wait_for
 
 PROMPTS = [f"document {i}: " + "lorem ipsum dolor sit amet " * 12 for i in range(6)]
 
@@ -70,10 +70,11 @@ def test_a_restarted_router_rebuilds_its_index_and_routes_by_prefix(cluster: Any
     assert int(again.headers["x-kvroute-matched-blocks"]) >= len(PROMPTS[0]) // 32
 
 
-def test_two_replicas_agree_on_where_a_prefix_lives(cluster: Any, tmp_path: Any) -> None:
+def test_two_replicas_agree_on_where_a_prefix_lives(cluster: Any, processes: list[Process],
+                                                     tmp_path: Any) -> None:
     router, workers = cluster(workers=3)
     second = Router("router-2", workers, tmp_path)
-    cluster.track(second)
+    processes.append(second)
     second.start()
     second.wait_ready(3)
     fill(router, PROMPTS[:3])

@@ -6,14 +6,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from e2e.harness import Router, wait_for
+from e2e.harness import Process, Router, wait_for
 from kvroute.keys import generate_keypair
 
 SYSTEM = "You are a careful assistant. Answer briefly and cite the source. " * 8  # 520 bytes
 
 
 def test_a_secured_cluster_routes_by_prefix_and_an_outsider_learns_nothing(
-        cluster: Any, tmp_path: Path) -> None:
+        cluster: Any, processes: list[Process], tmp_path: Path) -> None:
     worker_pub, worker_secret = generate_keypair(tmp_path / "workers", "workers")
     _, router_secret = generate_keypair(tmp_path / "routers", "router")
     _, outsider_secret = generate_keypair(tmp_path / "outsiders", "outsider")
@@ -26,7 +26,7 @@ def test_a_secured_cluster_routes_by_prefix_and_an_outsider_learns_nothing(
                          "salt_secret": "cluster-secret"})
     outsider = Router("outsider", workers, tmp_path, curve_secret_key=outsider_secret,
                       curve_server_key=worker_pub, salt_secret="cluster-secret")
-    cluster.track(outsider)
+    processes.append(outsider)
     outsider.start()
     outsider.wait_ready(2)
 

@@ -40,41 +40,35 @@ class Gateway:
 
 
 @pytest.fixture
-def gateway(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[Callable[..., Gateway]]:
+def gateway(tmp_path: Path, processes: list[Process]) -> Callable[..., Gateway]:
     """Factory: ``gateway(workers=3, replicas=1)`` starts the workers, one EPP per replica and
     one Envoy in front of each EPP; everything is killed at the end, logs printed on
     failure."""
-    started: list[Process] = []
 
     def make(workers: int = 3, replicas: int = 1, full_duplex: bool = False,
              **worker_settings: Any) -> Gateway:
         ws = [Worker(i, tmp_path, **worker_settings) for i in range(workers)]
         for w in ws:
             w.start()
-            started.append(w)
+            processes.append(w)
         for w in ws:
             w.wait_healthy()
         epps = [Epp(f"epp-{i}", ws, tmp_path, seed=i) for i in range(replicas)]
         for e in epps:
             e.start()
-            started.append(e)
+            processes.append(e)
         envoys = [Envoy(f"envoy-{i}", e, tmp_path, full_duplex)
                   for i, e in enumerate(epps)]
         for v in envoys:
             v.start()
-            started.append(v)
+            processes.append(v)
         for e in epps:
             e.wait_ready()
         for v in envoys:
             v.wait_ready()
         return Gateway(ws, epps, envoys)
 
-    yield make
-    for p in reversed(started):
-        p.kill()
-    if request.node.rep_call.failed if hasattr(request.node, "rep_call") else False:
-        for p in started:
-            print(f"---- {p.name} ----\n{p.tail()}")
+    return make
 
 
 def _cached(response: Any) -> int:
