@@ -13,6 +13,7 @@ WORKDIR /src
 COPY pyproject.toml setup.py README.md ./
 COPY native ./native
 COPY indexer ./indexer
+COPY openai_request ./openai_request
 COPY workers ./workers
 COPY router ./router
 COPY httpapi ./httpapi

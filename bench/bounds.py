@@ -25,8 +25,8 @@ from dataclasses import dataclass
 
 from bench.workloads import WorkloadRequest
 from indexer.index import GLOBAL_SEED, block_hashes
-from indexer.prompts import PromptTokens
-from router.prompt_path import HashingTerms, request_hashes
+from openai_request.prompts import PromptTokens
+from router.routing.prompt_path import HashingTerms, request_hashes
 
 __all__ = ["Bounds", "compute_bounds", "sequence_hashes"]
 

@@ -269,9 +269,9 @@ def exchange_cpu_us(requests: int = 3000) -> float:
 
     from router.epp.exchange import Exchange
     from router.epp.picker import Picker
+    from router.fleet.worker_table import WorkerInfo
     from router.service import RouterService
     from router.settings import RouterSettings
-    from router.worker_table import WorkerInfo
 
     service = RouterService(RouterSettings(seed=1), httpx.AsyncClient())
     for w in range(3):

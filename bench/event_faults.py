@@ -2,7 +2,7 @@
 
 Run: ``python -m bench.event_faults [--json] [--frames N] [--frame-mb MB]``.
 
-Two scenarios, each against :class:`router.subscriber.EventSubscriber` on 127.0.0.1:
+Two scenarios, each against :class:`router.events.subscriber.EventSubscriber` on 127.0.0.1:
 
 - ``oversize``: a PUB socket in a child process sends ``--frames`` frames of ``--frame-mb``
   MB each (after a good batch), once to a subscriber with the default message limit and once
@@ -28,8 +28,8 @@ import zmq
 import zmq.asyncio
 
 from indexer.wire import REPLAY_END_SEQ, BlockRemoved, KVEventBatch, encode_batch, pack_seq
-from router.event_transport import DEFAULT_MAX_MESSAGE_BYTES, EventTransport
-from router.subscriber import Delivered, EventSubscriber
+from router.events.subscriber import Delivered, EventSubscriber
+from router.events.transport import DEFAULT_MAX_MESSAGE_BYTES, EventTransport
 from workers.cache.publisher import EventPublisher
 
 

@@ -33,15 +33,14 @@ Sections (``docs/gpu.md`` holds the figures and what they mean):
 - ``decode``: tokens/s of decode iterations at batch 1, 8 and 32 over 1,024-token prompts,
   eager and (on CUDA) replayed as CUDA graphs (:mod:`workers.torch.graphs`), in one run.
 - ``routing`` (the first attempt, kept for comparison; ``bench.gpu_routing`` is the routing
-  benchmark: one worker process per engine behind the real router): ``--workers`` engines
-  (own cache manager, batcher and KV blocks, one shared set
-  of weights, one GPU) driven in this process from the shared Mooncake synthetic trace, each
-  hash id scaled to 64 tokens (512 / 8) and outputs to 1/8. Two policies place the requests:
-  round-robin, and kvroute's (the real :class:`~indexer.index.PrefixIndex` fed by each
-  engine's published event batches through the wire codec, predicted residency, and
-  :func:`router.scheduler.choose` over each engine's reported load). Arrivals keep the trace's
-  spacing, compressed so the prompt tokens arrive at ``--load`` times the device's measured
-  cold prefill rate. Reported: TTFT p50/p99 and throughput.
+  benchmark: one worker process per engine behind the real router): ``--workers`` engines (own cache
+  manager, batcher and KV blocks, one shared set of weights, one GPU) driven in this process from
+  the shared Mooncake synthetic trace, each hash id scaled to 64 tokens (512 / 8) and outputs to
+  1/8. Two policies place the requests: round-robin, and kvroute's (the real
+  :class:`~indexer.index.PrefixIndex` fed by each engine's published event batches through the wire
+  codec, predicted residency, and :func:`router.routing.scheduler.choose` over each engine's
+  reported load). Arrivals keep the trace's spacing, compressed so the prompt tokens arrive at
+  ``--load`` times the device's measured cold prefill rate. Reported: TTFT p50/p99 and throughput.
 """
 
 from __future__ import annotations
@@ -60,10 +59,10 @@ from typing import Any, cast
 from bench.workloads import DEFAULT_TRACE
 from indexer.decode import decode_batch
 from indexer.index import PrefixIndex, block_hashes, scope_seed
-from indexer.tokenizer import ByteTokenizer
 from indexer.wire import KVEventBatch, encode_batch
-from router.residency import PredictedResidency
-from router.scheduler import Candidate, SchedulerConfig, choose
+from openai_request.tokenizer import ByteTokenizer
+from router.routing.residency import PredictedResidency
+from router.routing.scheduler import Candidate, SchedulerConfig, choose
 from workers.cache.block_keys import Prompt
 from workers.cache.cache_manager import CacheManager
 from workers.cache.event_sink import EventSink

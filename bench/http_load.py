@@ -3,7 +3,7 @@
 ``latency(url, body, n)`` sends ``n`` requests one after another over one kept-alive
 connection and returns per-request seconds; ``throughput(url, body, connections, seconds)``
 keeps ``connections`` requests in flight for ``seconds`` and returns requests per second.
-Both use aiohttp's client (the fast one here, see ``router/proxy.py``). :func:`spawn` starts a
+Both use aiohttp's client (the fast one here, see ``router/http/proxy.py``). :func:`spawn` starts a
 ``kvroute`` subcommand on 127.0.0.1 and waits for its health endpoint.
 """
 

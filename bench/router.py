@@ -59,8 +59,8 @@ What the measurements taught (all on this 2-core machine, other jobs running at 
   reading the admission inputs only for a worker at its sequence limit, took it to 45 µs.
 - Pricing every worker cost about 3.4 µs a worker (p99 211, 442, 1,403 and 20,263 µs at 8,
   64, 256 and 1,024 workers). The routing core now prices one by one only the workers holding
-  some of the prompt, and the rest once per group of equal load (:mod:`router.load_groups`);
-  the healthy-worker list is kept until health or membership changes (:mod:`router.healthy`).
+  some of the prompt, and the rest once per group of equal load (:mod:`router.routing.load_groups`);
+  the healthy-worker list is kept until health or membership changes (:mod:`router.fleet.healthy`).
 - Booking each decision as the router does (predicted residency and session heads, not only
   the load), on caches past their warm-up, showed costs a lighter loop hid: groups that tie
   with each other (workers that differ only in live sessions while a session costs nothing,
@@ -89,9 +89,9 @@ from bench.figures import percentile, print_figures
 from bench.http_load import latency, spawn, stop, throughput, wrk_throughput
 from indexer.index import block_hashes, scope_seed
 from kvroute.up import free_port
+from router.fleet.worker_table import WorkerInfo
 from router.service import RouterService
 from router.settings import RouterSettings
-from router.worker_table import WorkerInfo
 
 BLOCK = 32
 PROMPT_TOKENS = 8192

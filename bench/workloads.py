@@ -45,8 +45,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from indexer.images import ImageSpan
-from indexer.tokenizer import BYTE_OFFSET, IMAGE_ID
+from openai_request.images import ImageSpan
+from openai_request.tokenizer import BYTE_OFFSET, IMAGE_ID
 
 __all__ = [
     "GENERATORS",

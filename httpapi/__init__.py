@@ -4,7 +4,7 @@ What both apps do the same way at the socket's edge, and nothing about routing o
 reading a request body within a byte limit (:mod:`httpapi.body`), the admin bearer token and
 the rule that a non-loopback bind needs one (:mod:`httpapi.auth`), and the uvicorn server with
 connection limits and header timeouts (:mod:`httpapi.server`). The request schema and the error
-shape are protocol, in :mod:`indexer.openai_api`. Neither app's package is imported here.
+shape are protocol, in :mod:`openai_request.bodies`. Neither app's package is imported here.
 """
 
 from httpapi.auth import BindError, check_bearer, check_bind, is_loopback, read_secret_file

@@ -17,7 +17,7 @@ import hmac
 import ipaddress
 from pathlib import Path
 
-from indexer.openai_api import ApiError
+from openai_request.bodies import ApiError
 
 __all__ = ["BindError", "check_bearer", "check_bind", "is_loopback", "read_secret_file"]
 

@@ -19,7 +19,7 @@ from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
 
-from indexer.openai_api import ApiError, parse_body
+from openai_request.bodies import ApiError, parse_body
 
 __all__ = ["TOKENIZE_OFF_LOOP_BYTES", "ClientGone", "read_body", "read_json",
            "wait_for_disconnect"]
@@ -75,7 +75,7 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
 
 async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
     """Return the request body decoded as a JSON object (:func:`read_body`, then
-    :func:`indexer.openai_api.parse_body`).
+    :func:`openai_request.bodies.parse_body`).
 
     Raises:
         ApiError: 413 when too large; 400 when not a JSON object.

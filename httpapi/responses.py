@@ -6,7 +6,7 @@ from prometheus_client import CollectorRegistry, Counter
 from starlette.responses import JSONResponse
 
 from httpapi.body import BodyTooLarge
-from indexer.openai_api import ApiError, error_body
+from openai_request.bodies import ApiError, error_body
 
 __all__ = ["CLIENT_GONE_STATUS", "disconnect_counter", "error_response"]
 

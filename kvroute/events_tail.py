@@ -12,8 +12,7 @@ from typing import Any
 
 import msgspec
 
-from router.event_transport import DEFAULT_MAX_MESSAGE_BYTES, CurveClientKeys, EventTransport
-from router.subscriber import (
+from router.events.subscriber import (
     Delivered,
     EventSubscriber,
     GapDetected,
@@ -22,6 +21,7 @@ from router.subscriber import (
     Notice,
     Restarted,
 )
+from router.events.transport import DEFAULT_MAX_MESSAGE_BYTES, CurveClientKeys, EventTransport
 
 
 def notice_record(notice: Notice) -> dict[str, Any]:

@@ -24,7 +24,7 @@ def serve(args: argparse.Namespace) -> int:
             settings = load_worker_settings(flags)
             app = create_worker(settings)
         else:
-            from router.app import create_app as create_router
+            from router.http.app import create_app as create_router
             from router.settings import load_settings
 
             settings = load_settings(flags, config_file=args.config)

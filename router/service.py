@@ -1,10 +1,10 @@
 """The router's state and its one question: for this request, which worker?
 
 :class:`RouterService` owns the index, the registry and the routing core
-(:class:`router.core.RoutingCore`: load books, predicted residency, sessions, eviction
+(:class:`router.routing.core.RoutingCore`: load books, predicted residency, sessions, eviction
 pressure), and answers :meth:`RouterService.decide`: parse, tokenize and hash the request,
-match it in the index, and ask the core. Sending is the app's business (:mod:`router.app`
-with :mod:`router.proxy`).
+match it in the index, and ask the core. Sending is the app's business (:mod:`router.http.app`
+with :mod:`router.http.proxy`).
 """
 
 from __future__ import annotations
@@ -20,14 +20,14 @@ import httpx
 
 from indexer.events import Event
 from indexer.index import PrefixIndex
-from indexer.openai_api import ApiError
-from indexer.prompts import PromptTokens, build_prompt
-from indexer.tokenizer import Tokenizer, load_tokenizer
-from router.core import RoutingCore, WorkerFacts
-from router.prompt_path import HashingTerms, request_hashes
-from router.registry import Registry, WorkerEntry
-from router.scheduler import Decision, SchedulerConfig
-from router.sessions import Continuation
+from openai_request.bodies import ApiError
+from openai_request.prompts import PromptTokens, build_prompt
+from openai_request.tokenizer import Tokenizer, load_tokenizer
+from router.fleet.registry import Registry, WorkerEntry
+from router.routing.core import RoutingCore, WorkerFacts
+from router.routing.prompt_path import HashingTerms, request_hashes
+from router.routing.scheduler import Decision, SchedulerConfig
+from router.routing.sessions import Continuation
 from router.settings import RouterSettings
 
 __all__ = ["Route", "RouterService"]
@@ -108,8 +108,9 @@ class RouterService:
         self.pressure = self.core.pressure
         self.sessions = self.core.sessions
         self.rng = random.Random(settings.seed)
-        self.registry = Registry(settings, self.index, self.load, self.tokenizer.identity,
-                                 self.forget, http, on_events=self._observe)
+        self.registry = Registry(settings.fleet_settings(), self.index, self.load,
+                                 self.tokenizer.identity, self.forget, http,
+                                 on_events=self._observe)
         self.counters: dict[str, float] = {}
         # Request ids: unique per process without a syscall per request (uuid4 reads urandom).
         self._ids = itertools.count()
@@ -233,7 +234,7 @@ class RouterService:
         """The candidates for ``model``, with what a decision reads of them, computed once
         per list of candidates (a fleet of 1,024 workers would otherwise cost a decision
         several hundred µs of filtering). The registry keeps one list object until a worker
-        joins, leaves or changes health (:mod:`router.healthy`), so the list compares by
+        joins, leaves or changes health (:mod:`router.fleet.healthy`), so the list compares by
         identity; a worker's model info changes only across a restart, which :meth:`forget`
         hears of.
 

@@ -18,26 +18,27 @@ from typing import Any
 
 from httpapi.auth import check_bind, read_secret_file
 from httpapi.server import DEFAULT_LIMITS, ConnectionLimits
-from indexer.openai_api import MAX_BODY_BYTES
-from router.core import CoreSettings
-from router.discovery import parse_target
-from router.event_transport import (
+from openai_request.bodies import MAX_BODY_BYTES
+from router.events.transport import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_RECEIVE_HWM,
     CurveClientKeys,
     EventTransport,
 )
-from router.scheduler import SchedulerConfig
-from router.worker_config import format_worker, parse_workers
+from router.fleet.discovery import parse_target
+from router.fleet.registry import FleetSettings
+from router.fleet.worker_config import format_worker, parse_workers
+from router.routing.core import CoreSettings
+from router.routing.scheduler import SchedulerConfig
 
 __all__ = ["POLICIES", "RouterSettings", "SettingsError", "load_settings"]
 
 #: ``kv``: prefix hits weighed against load (the point of kvroute). ``dynamo``: NVIDIA Dynamo's
-#: cost rule (:meth:`router.scheduler.SchedulerConfig.dynamo`; ``--overlap-weight`` still
+#: cost rule (:meth:`router.routing.scheduler.SchedulerConfig.dynamo`; ``--overlap-weight`` still
 #: applies). ``round_robin`` and ``random`` ignore the cache: baselines to measure against.
 POLICIES = ("kv", "dynamo", "round_robin", "random")
 
-#: The cost rule's defaults, defined once (:class:`router.scheduler.SchedulerConfig`).
+#: The cost rule's defaults, defined once (:class:`router.routing.scheduler.SchedulerConfig`).
 _RULE = SchedulerConfig()
 _CORE = CoreSettings()
 
@@ -52,13 +53,14 @@ class RouterSettings:
 
     host: str = "127.0.0.1"
     port: int = 8000
-    #: Each worker in its flat text form: ``URL[,engine=...,events=...]`` (router.worker_config).
+    #: Each worker in its flat text form: ``URL[,engine=...,events=...]``
+    #: (router.fleet.worker_config).
     workers: tuple[str, ...] = ()
     block_size: int = 32
     tokenizer: str | None = None
     policy: str = "kv"
     overlap_weight: float = _RULE.overlap_weight
-    #: None: ``auto`` (by eviction pressure, :mod:`router.pressure`).
+    #: None: ``auto`` (by eviction pressure, :mod:`router.routing.pressure`).
     queue_weight: float | None = None
     session_weight: float = _RULE.session_weight
     sessions: bool = _CORE.sessions
@@ -91,7 +93,7 @@ class RouterSettings:
     header_timeout: float = DEFAULT_LIMITS.header_timeout
     keep_alive_timeout: float = DEFAULT_LIMITS.keep_alive_timeout
     max_body_bytes: int = MAX_BODY_BYTES
-    #: DNS names whose addresses are workers (``dns:///NAME:PORT``; router.discovery).
+    #: DNS names whose addresses are workers (``dns:///NAME:PORT``; router.fleet.discovery).
     discover: tuple[str, ...] = ()
     discover_interval: float = 5.0
 
@@ -139,7 +141,7 @@ class RouterSettings:
             check_bind(self.host, self.admin_token, self.insecure_no_auth, "router")
         except ValueError as exc:
             raise SettingsError(str(exc)) from None
-        try:  # each entry is a worker's flat text form (router.worker_config)
+        try:  # each entry is a worker's flat text form (router.fleet.worker_config)
             parse_workers(list(self.workers))
         except ValueError as exc:
             raise SettingsError(str(exc)) from None
@@ -172,6 +174,19 @@ class RouterSettings:
             except ValueError as exc:
                 raise SettingsError(str(exc)) from None
         return EventTransport(self.event_max_message_bytes, self.event_receive_hwm, curve)
+
+    def fleet_settings(self) -> FleetSettings:
+        """What the registry reads: workers, discovery, health polling and the event plane.
+
+        Raises:
+            SettingsError: a CURVE key file is missing or unusable.
+        """
+        return FleetSettings(
+            workers=self.workers, discover=self.discover,
+            discover_interval=self.discover_interval, block_size=self.block_size,
+            health_interval=self.health_interval, health_timeout=self.health_timeout,
+            unhealthy_grace=self.unhealthy_grace, worker_admin_token=self.worker_admin_token,
+            event_transport=self.event_transport())
 
     def core_settings(self) -> CoreSettings:
         """The routing core's settings these give (``policy`` ``dynamo``: Dynamo's rule at

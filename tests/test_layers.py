@@ -18,11 +18,12 @@ REPO = Path(__file__).resolve().parent.parent
 ALLOWED: dict[str, set[str]] = {
     "native": set(),
     "indexer": {"native"},
-    "httpapi": {"indexer", "native"},
-    "router": {"indexer", "native", "httpapi"},
-    "workers": {"indexer", "native", "httpapi"},
-    "kvroute": {"indexer", "native", "httpapi", "router", "workers", "bench"},
-    "bench": {"indexer", "native", "httpapi", "router", "workers", "kvroute"},
+    "openai_request": {"indexer", "native"},
+    "httpapi": {"indexer", "native", "openai_request"},
+    "router": {"indexer", "native", "openai_request", "httpapi"},
+    "workers": {"indexer", "native", "openai_request", "httpapi"},
+    "kvroute": {"indexer", "native", "openai_request", "httpapi", "router", "workers", "bench"},
+    "bench": {"indexer", "native", "openai_request", "httpapi", "router", "workers", "kvroute"},
 }
 PROJECT = set(ALLOWED) | {"tests", "e2e"}
 
@@ -62,3 +63,67 @@ def imported_packages_of(node: ast.Import | ast.ImportFrom) -> set[str]:
     if isinstance(node, ast.Import):
         return {alias.name.split(".")[0] for alias in node.names}
     return {node.module.split(".")[0]} if node.module and node.level == 0 else set()
+
+
+#: The router's rooms, lowest first: a module may import its own room and the rooms below it.
+ROUTER_ROOMS = ["routing", "events", "fleet", "service", "http", "epp"]
+#: Top-level modules of ``router`` and the room they count as.
+ROUTER_MODULES = {"service": "service", "settings": "service", "__init__": "service"}
+#: Rooms that must do no I/O: they take values (times included) and return values.
+PURE_ROOMS = {"router.routing", "indexer"}
+IO_MODULES = {"asyncio", "zmq", "httpx", "aiohttp", "grpc", "time", "socket", "uvicorn",
+              "starlette", "fastapi", "urllib.request", "subprocess", "threading"}
+
+
+def router_room(module: str) -> str | None:
+    """The room of a ``router.*`` module name, or None for a module outside ``router``."""
+    parts = module.split(".")
+    if parts[0] != "router" or len(parts) < 2:
+        return None
+    return ROUTER_MODULES.get(parts[1], parts[1])
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Every module name the module at ``path`` imports, in full."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found |= {alias.name for alias in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+            found |= {f"{node.module}.{alias.name}" for alias in node.names}
+    return found
+
+
+def test_the_router_has_its_rooms() -> None:
+    rooms = {p.name for p in (REPO / "router").iterdir() if (p / "__init__.py").exists()}
+    assert rooms == set(ROUTER_ROOMS) - {"service"}
+    modules = {p.stem for p in (REPO / "router").glob("*.py")}
+    assert modules == set(ROUTER_MODULES)
+
+
+def test_router_rooms_import_only_themselves_and_the_rooms_below() -> None:
+    wrong = {}
+    for path in sorted((REPO / "router").rglob("*.py")):
+        module = ".".join(path.relative_to(REPO).with_suffix("").parts)
+        room = router_room(module)
+        if room is None:
+            continue
+        allowed = set(ROUTER_ROOMS[: ROUTER_ROOMS.index(room) + 1])
+        above = {name for name in imported_modules(path)
+                 if (r := router_room(name)) is not None and r not in allowed}
+        if above:
+            wrong[module] = sorted(above)
+    assert wrong == {}
+
+
+@pytest.mark.parametrize("room", sorted(PURE_ROOMS))
+def test_pure_rooms_do_no_io(room: str) -> None:
+    folder = REPO.joinpath(*room.split("."))
+    wrong = {}
+    for path in sorted(folder.rglob("*.py")):
+        io = {name for name in imported_modules(path)
+              if name in IO_MODULES or name.split(".")[0] in IO_MODULES}
+        if io:
+            wrong[str(path.relative_to(REPO))] = sorted(io)
+    assert wrong == {}

@@ -10,7 +10,7 @@ import uuid
 from typing import Any
 
 from indexer.hashing import SALT_TAG_HMAC, SALT_TAG_SHA256
-from indexer.tokenizer import BYTE_OFFSET, ByteTokenizer, Tokenizer, load_tokenizer
+from openai_request.tokenizer import BYTE_OFFSET, ByteTokenizer, Tokenizer, load_tokenizer
 from workers.cache.block_keys import Prompt
 from workers.cache.cache_manager import CacheManager
 from workers.cache.event_sink import EventSink

@@ -13,7 +13,7 @@ from typing import Any
 
 from httpapi.auth import check_bind, read_secret_file
 from httpapi.server import DEFAULT_LIMITS, ConnectionLimits
-from indexer.openai_api import MAX_BODY_BYTES
+from openai_request.bodies import MAX_BODY_BYTES
 from workers.cache.publisher import CurveServerKeys
 from workers.engine.timing import DEFAULT_TIMING, TIMING_MODELS
 from workers.http.image_policy import ImageHostPolicy

@@ -26,10 +26,10 @@ from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 from indexer.events import Event
-from indexer.images import ImageSpan
 from indexer.index import GLOBAL_SEED, PrefixIndex, block_hashes
-from indexer.prompts import PromptTokens
-from router.prompt_path import HashingTerms, request_hashes
+from openai_request.images import ImageSpan
+from openai_request.prompts import PromptTokens
+from router.routing.prompt_path import HashingTerms, request_hashes
 
 __all__ = ["ClusterView", "Policy", "RouteRequest", "WorkerMetrics"]
 
@@ -89,7 +89,7 @@ class RouteRequest:
     @property
     def hashes(self) -> list[int]:
         """Router-local hashes of the prompt's full blocks, computed once, as the router does
-        (:func:`router.prompt_path.request_hashes`)."""
+        (:func:`router.routing.prompt_path.request_hashes`)."""
         if self._hashes is None:
             if self.images:
                 prompt = PromptTokens(list(self.token_ids), list(self.images))

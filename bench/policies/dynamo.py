@@ -10,7 +10,7 @@ Per worker::
 cached blocks come from the exact, event-fed index (host-tier matches credited 0.75, disk
 would be 0.25). Load is the router's own prediction: a request's uncached blocks are added to
 prefill when routed, move to decode (all its prompt blocks) at its first token, and are freed
-when it ends (:class:`router.load.LoadTracker` keeps exactly this lifecycle). Dynamo has no
+when it ends (:class:`router.routing.load.LoadTracker` keeps exactly this lifecycle). Dynamo has no
 prediction of residency before the events arrive: a burst sharing a new prefix sees no
 overlap until the first request's blocks are reported.
 """
@@ -18,7 +18,7 @@ overlap until the first request's blocks are reported.
 from __future__ import annotations
 
 from bench.policies.base import ClusterView, Policy, RouteRequest, pick_min
-from router.load import LoadTracker
+from router.routing.load import LoadTracker
 
 
 class Dynamo(Policy):

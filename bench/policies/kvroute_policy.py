@@ -1,11 +1,11 @@
 """``kvroute``: the router's decision, made by the router's own code.
 
-A thin shell around :class:`router.core.RoutingCore`, as :class:`router.service.RouterService`
-is: per request it hands the core the event-fed index's matches and ``now``, books the choice
-where it went, feeds the core each worker's first tokens and ends, and the normalised events
-the index applies (the eviction pressure behind ``--queue-weight auto``). The settings are
-:class:`router.settings.RouterSettings`, so a run with ``--set NAME=VALUE``
-(:mod:`bench.replay`) is the router with that flag, and a policy named
+A thin shell around :class:`router.routing.core.RoutingCore`, as
+:class:`router.service.RouterService` is: per request it hands the core the event-fed index's
+matches and ``now``, books the choice where it went, feeds the core each worker's first tokens and
+ends, and the normalised events the index applies (the eviction pressure behind ``--queue-weight
+auto``). The settings are :class:`router.settings.RouterSettings`, so a run with ``--set
+NAME=VALUE`` (:mod:`bench.replay`) is the router with that flag, and a policy named
 ``kvroute[NAME=VALUE,...]`` (:func:`bench.policies.make_policies`) runs the router with those
 settings beside the default: ``kvroute[queue_weight=0.5]``, or
 ``kvroute[policy=dynamo,overlap_weight=1]`` for Dynamo's rule through the same books.
@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from bench.policies.base import ClusterView, Policy, RouteRequest
 from indexer.events import Event
-from router.core import RoutingCore, WorkerFacts
+from router.routing.core import RoutingCore, WorkerFacts
 from router.settings import RouterSettings
 
 __all__ = ["KvroutePolicy"]

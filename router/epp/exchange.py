@@ -27,7 +27,7 @@ import logging
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
-from indexer.openai_api import ApiError, parse_body
+from openai_request.bodies import ApiError, parse_body
 from router.epp import messages
 from router.epp.picker import ENDPOINT, Pick, Picker
 

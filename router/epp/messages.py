@@ -19,7 +19,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
-from indexer.openai_api import ApiError, error_body
+from openai_request.bodies import ApiError, error_body
 
 __all__ = [
     "DESTINATION_HEADER",

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from indexer.openai_api import ApiError
-from router.metrics import RouterMetrics
-from router.registry import WorkerEntry
+from openai_request.bodies import ApiError
+from router.fleet.registry import WorkerEntry
+from router.http.metrics import RouterMetrics
 from router.service import Route, RouterService
 
 __all__ = ["ENDPOINT", "Pick", "Picker", "endpoint_of"]

@@ -30,7 +30,7 @@ from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from indexer.openai_api import ApiError
+from openai_request.bodies import ApiError
 from router.epp import messages
 from router.epp.exchange import Exchange
 from router.epp.picker import Picker

@@ -17,8 +17,8 @@ from bench.policies import (
     make_policies,
 )
 from indexer.index import GLOBAL_SEED, block_hashes
-from indexer.prompts import PromptTokens
-from router.prompt_path import HashingTerms, request_hashes
+from openai_request.prompts import PromptTokens
+from router.routing.prompt_path import HashingTerms, request_hashes
 from tests.support.policies import BS, FakeCluster
 
 

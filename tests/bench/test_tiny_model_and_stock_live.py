@@ -11,8 +11,8 @@ import pytest
 from bench.stock_live import MAX_MODEL_LEN, _text_of, shrink, unlimited_hit_bound
 from bench.tiny_model import MODEL_CONFIG, write_tiny_llama
 from bench.workloads import DEFAULT_TRACE, WorkloadRequest, load_trace
-from indexer.chat import render_chat
-from indexer.tokenizer import load_tokenizer
+from openai_request.chat import render_chat
+from openai_request.tokenizer import load_tokenizer
 
 
 def test_the_tiny_model_is_a_consistent_llama_folder(tmp_path: Path) -> None:

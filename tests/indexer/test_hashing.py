@@ -16,7 +16,7 @@ from indexer.hashing import (
     event_hash_input,
     salt_tag,
 )
-from router.prompt_path import published_salt
+from router.routing.prompt_path import published_salt
 
 U64 = 2**64 - 1
 DIGEST = "3f" * 32

@@ -79,7 +79,7 @@ def test_every_environment_variable_is_a_setting_the_code_reads(
 
 
 def test_a_wildcard_event_endpoint_is_reached_at_the_workers_service_name() -> None:
-    from router.worker_answers import parse_model_info
+    from router.fleet.worker_answers import parse_model_info
 
     info = parse_model_info("http://worker-1:8100", json.dumps({
         "model": "m", "block_size": 32, "tokenizer": "bytes-v1", "instance_id": "i",

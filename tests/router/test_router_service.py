@@ -11,7 +11,7 @@ from typing import Any
 import httpx
 import pytest
 
-from router.app import create_app
+from router.http.app import create_app
 from router.settings import RouterSettings
 from tests.support.servers import ScriptedWorker, UvicornServer, sse_events
 

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from router.routing.scheduler import SchedulerConfig
 from router.settings import RouterSettings, SettingsError, load_settings
 from workers.settings import WorkerSettingsError, load_worker_settings
 
@@ -38,7 +39,7 @@ def test_sessions_are_on_by_default_and_off_turns_both_halves_off() -> None:
 
 
 def test_the_routing_defaults_are_the_schedulers() -> None:
-    from router.scheduler import SchedulerConfig
+    from router.routing.scheduler import SchedulerConfig
 
     rule, core = SchedulerConfig(), RouterSettings().core_settings()
     assert core.scheduler == rule  # one source: the settings hold no defaults of their own
@@ -50,7 +51,7 @@ def test_dynamo_is_one_flag_away() -> None:
     assert (core.scheduler.overlap_weight, core.scheduler.queue_weight) == (32.0, 1.0)
     assert (core.scheduler.session_weight, core.sessions, core.auto_queue) == (0.0, False, False)
     dynamo = load_settings({"policy": "dynamo", "overlap_weight": 1.0}, env={}).core_settings()
-    assert dynamo.scheduler == __import__("router.scheduler").scheduler.SchedulerConfig.dynamo()
+    assert dynamo.scheduler == SchedulerConfig.dynamo()
 
 
 def test_json_config_files_work_too(tmp_path: Path) -> None:

@@ -18,7 +18,8 @@ Notes:
        a salt may also be a string (the OpenAI-style ``cache_salt``). Every field is encoded
        with a type tag and a length, so ``1`` and ``"1"``, or "no salt" and an empty salt,
        never collide.
-    2. Images enter by content digest (:func:`~indexer.images.image_digest`, re-exported here:
+    2. Images enter by content digest (:func:`~openai_request.images.image_digest`, re-exported
+       here:
        SHA-256 of the decoded bytes, or a digest over the UUID and the bytes when the caller
        names the image). A UUID alone never enters a key, so a reused UUID over different
        bytes cannot share KV.
@@ -38,7 +39,7 @@ from typing import Annotated
 import msgspec
 
 from indexer import hashing
-from indexer.images import ImageSpan, image_digest
+from openai_request.images import ImageSpan, image_digest
 
 __all__ = [
     "U64_MAX",

@@ -19,7 +19,6 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from indexer.images import ImageSpan
 from indexer.wire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -28,6 +27,7 @@ from indexer.wire import (
     MmKey,
     WireEvent,
 )
+from openai_request.images import ImageSpan
 from workers.cache import block_pool as pool
 from workers.cache.block_keys import BlockKey, KeyedBlock, wire_hash
 from workers.cache.block_pool import CacheEvent

@@ -28,7 +28,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Protocol
 
-from indexer.tokenizer import BYTE_OFFSET
+from openai_request.tokenizer import BYTE_OFFSET
 from workers.cache.block_keys import Prompt
 from workers.cache.block_pool import BlockCopy
 from workers.engine.timing import DEFAULT_TIMING, TIMING_MODELS, TimingModel

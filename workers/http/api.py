@@ -9,7 +9,7 @@ live socket, as a PUB socket at its high-water mark would).
 Every malformed request gets an OpenAI-style JSON error with a 4xx status and the reason, and
 is refused before the engine sees it: nothing half-applied stays in the cache. A body is read
 within its byte limit and checked against the OpenAI schema
-(:func:`indexer.openai_api.validate_request`) first; a completions prompt whose length alone
+(:func:`openai_request.bodies.validate_request`) first; a completions prompt whose length alone
 proves it too long for the model is refused before it is encoded, and a large body is encoded
 in a thread rather than on the event loop.
 """
@@ -38,15 +38,15 @@ from httpapi.body import (
     wait_for_disconnect,
 )
 from httpapi.responses import CLIENT_GONE_STATUS, disconnect_counter, error_response
-from indexer.openai_api import (
+from indexer.wire import encode_batch
+from openai_request.bodies import (
     ApiError,
     error_body,
     fewest_prompt_tokens,
     parse_body,
     validate_request,
 )
-from indexer.prompts import build_prompt
-from indexer.wire import encode_batch
+from openai_request.prompts import build_prompt
 from workers.cache.block_keys import Prompt, Scope
 from workers.engine.loop import RequestFailed
 from workers.http.image_fetch import fetch_remote_images

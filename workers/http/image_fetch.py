@@ -1,8 +1,8 @@
 """Fetches the ``http(s)`` images of a chat request, with a size, a time and a host limit.
 
 Runs before tokenization (which is pure and synchronous): every remote image URL in the body is
-fetched concurrently; the bytes are handed to :func:`indexer.prompts.build_prompt` through its
-``fetch`` callable.
+fetched concurrently; the bytes are handed to :func:`openai_request.prompts.build_prompt`
+through its ``fetch`` callable.
 
 Each hop resolves the host once (:data:`Resolver`), checks every address against the
 :class:`~workers.http.image_policy.ImageHostPolicy`, and connects to the first address by IP,
@@ -26,7 +26,7 @@ from typing import Any
 
 import httpx
 
-from indexer.openai_api import ApiError
+from openai_request.bodies import ApiError
 from workers.http.image_policy import ImageHostPolicy, IpAddress, image_format
 from workers.settings import WorkerSettings
 

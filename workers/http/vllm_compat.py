@@ -6,7 +6,7 @@ when they answer 404; sglang-router reads ``/server_info`` or ``/get_server_info
 ``model_path`` in ``/model_info``) to learn which model a worker serves. These answer them:
 
 - ``POST /tokenize``, ``POST /detokenize``, ``POST /v1/completions/render``,
-  ``POST /v1/chat/completions/render``: vLLM's shapes (:mod:`indexer.tokenize_api`), with the
+  ``POST /v1/chat/completions/render``: vLLM's shapes (:mod:`openai_request.tokenize_api`), with the
   worker's own tokenizer, so they give exactly the ids the worker prefills.
 - ``GET /server_info`` and ``GET /get_server_info``: the serving arguments peers read
   (``model_path``, ``tokenizer_path``, ``served_model_name``, ``page_size``, ``dp_size``,
@@ -19,8 +19,8 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 
-from indexer import tokenize_api
-from indexer.openai_api import ApiError, parse_body
+from openai_request import tokenize_api
+from openai_request.bodies import ApiError, parse_body
 from workers.runtime import WorkerRuntime
 
 __all__ = ["register_vllm_compat"]

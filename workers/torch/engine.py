@@ -33,7 +33,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from indexer.tokenizer import Tokenizer, load_tokenizer
+from openai_request.tokenizer import Tokenizer, load_tokenizer
 from workers.cache.cache_manager import CacheManager
 from workers.engine.executor import IterationPlan
 from workers.settings import WorkerSettings

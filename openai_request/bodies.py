@@ -1,0 +1,188 @@
+"""The OpenAI-style API protocol shared by worker and router: request bodies, their schema, and
+errors.
+
+One shape for every refusal either app gives a client, and one schema for the two request
+bodies, checked the same way on both sides. Pure (no web framework, no I/O): the HTTP apps
+(:mod:`httpapi`) read the bytes and turn :func:`error_body` into their JSON responses.
+
+Notes:
+    1. :func:`validate_request` checks the types and ranges of the fields OpenAI defines
+       (``temperature`` in [0, 2], ``stream`` a boolean, ...) and names the offending one in
+       :attr:`ApiError.param`. Fields it does not know are left alone: the router forwards the
+       body's bytes unchanged and the engine may read them.
+    2. How the prompt's content becomes tokens (roles, image parts, token-id ranges) is
+       :func:`openai_request.prompts.build_prompt`'s business; the schema only checks its shape.
+    3. A body nested deeper than the decoder's recursion limit is a 400, not a crash.
+    4. :func:`fewest_prompt_tokens` tells from a completions prompt's length alone, without
+       encoding it, how many tokens it needs at least, so that a prompt far over the model's
+       length is refused before any time goes into encoding it. A chat body gets no such
+       bound: its template decides how much of each message reaches the prompt.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Annotated, Any, Literal
+
+import msgspec
+from msgspec import Meta
+
+__all__ = ["MAX_BODY_BYTES", "ApiError", "ChatRequest", "CompletionRequest", "StreamOptions",
+           "error_body", "fewest_prompt_tokens", "parse_body", "validate_request"]
+
+MAX_BODY_BYTES = 64 * 1024 * 1024
+
+
+class ApiError(Exception):
+    """A request refused, with the HTTP status and OpenAI error type to send."""
+
+    def __init__(self, status: int, message: str, kind: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.kind = kind
+        self.param = param
+        self.code = code
+
+
+def error_body(error: ApiError) -> dict[str, Any]:
+    """The JSON body OpenAI clients parse: ``{"error": {message, type, param, code}}``."""
+    return {"error": {"message": error.message, "type": error.kind, "param": error.param,
+                      "code": error.code or error.status}}
+
+
+def parse_body(raw: bytes, max_bytes: int = MAX_BODY_BYTES) -> dict[str, Any]:
+    """Decode a request body that must be a JSON object.
+
+    Raises:
+        ApiError: 413 when over ``max_bytes``; 400 when not JSON, not an object, or nested
+            too deeply to decode.
+    """
+    if len(raw) > max_bytes:
+        raise ApiError(413, f"the request body is over {max_bytes} bytes")
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError as exc:
+        raise ApiError(400, f"the body is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise ApiError(400, "the body is nested too deeply") from None
+    if type(body) is not dict:
+        raise ApiError(400, "the body must be a JSON object")
+    return body
+
+
+PositiveInt = Annotated[int, Meta(ge=1)]
+Penalty = Annotated[float, Meta(ge=-2, le=2)]
+
+
+class StreamOptions(msgspec.Struct, kw_only=True):
+    """``stream_options``: what a streamed answer reports besides the text."""
+
+    include_usage: bool | None = None
+    continuous_usage_stats: bool | None = None
+
+
+class _Sampling(msgspec.Struct, kw_only=True):
+    """The fields both endpoints share (OpenAI's types and ranges; ``null`` is "not given")."""
+
+    model: str | None = None
+    max_tokens: PositiveInt | None = None
+    max_completion_tokens: PositiveInt | None = None
+    temperature: Annotated[float, Meta(ge=0, le=2)] | None = None
+    top_p: Annotated[float, Meta(ge=0, le=1)] | None = None
+    n: Annotated[int, Meta(ge=1, le=128)] | None = None
+    stream: bool | None = None
+    stream_options: StreamOptions | None = None
+    stop: str | Annotated[list[str], Meta(max_length=4)] | None = None
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, Annotated[float, Meta(ge=-100, le=100)]] | None = None
+    seed: int | None = None
+    user: str | None = None
+    cache_salt: Annotated[str, Meta(min_length=1)] | None = None
+
+    @property
+    def output_limit(self) -> int | None:
+        """``max_completion_tokens``, else ``max_tokens``, else ``None``."""
+        return self.max_completion_tokens or self.max_tokens
+
+    @property
+    def include_usage(self) -> bool:
+        """Whether a streamed answer ends with a usage chunk."""
+        return bool(self.stream_options and self.stream_options.include_usage)
+
+
+class CompletionRequest(_Sampling, kw_only=True):
+    """The body of ``POST /v1/completions``."""
+
+    # One array-like type per union (msgspec's rule): the shape of a list prompt (strings,
+    # token ids or lists of them) is build_prompt's to check.
+    prompt: str | list[str | int | list[int]]
+    echo: bool | None = None
+    best_of: Annotated[int, Meta(ge=0, le=20)] | None = None
+    logprobs: Annotated[int, Meta(ge=0, le=5)] | None = None
+    suffix: str | None = None
+
+
+class ChatRequest(_Sampling, kw_only=True):
+    """The body of ``POST /v1/chat/completions``."""
+
+    messages: Annotated[list[dict[str, Any]], Meta(min_length=1)]
+    logprobs: bool | None = None
+    top_logprobs: Annotated[int, Meta(ge=0, le=20)] | None = None
+    parallel_tool_calls: bool | None = None
+
+
+_AT = re.compile(r" - at `\$\.?([^`]*)`$")
+_MISSING = re.compile(r"missing required field `([^`]*)`")
+
+
+def validate_request(body: dict[str, Any], kind: Literal["completions", "chat"]
+                     ) -> CompletionRequest | ChatRequest:
+    """Check a decoded body against the endpoint's schema (module notes 1 and 2).
+
+    Args:
+        body: the decoded JSON object.
+        kind: which endpoint it came to.
+
+    Returns:
+        The body's known fields, typed.
+
+    Raises:
+        ApiError: 400 naming the first field of the wrong type or out of range.
+    """
+    schema: type[CompletionRequest | ChatRequest] = (
+        ChatRequest if kind == "chat" else CompletionRequest)
+    try:
+        return msgspec.convert(body, schema)
+    except msgspec.ValidationError as exc:
+        reason = str(exc)
+        at, missing = _AT.search(reason), _MISSING.search(reason)
+        param = at.group(1) if at else missing.group(1) if missing else None
+        message = reason[:at.start()] if at else reason
+        raise ApiError(400, f"invalid '{param}': {message}" if param else message,
+                       param=param) from None
+
+
+def fewest_prompt_tokens(request: CompletionRequest | ChatRequest,
+                         max_bytes_per_token: int | None) -> int:
+    """The fewest tokens the request's prompt can encode to, known without encoding it
+    (module note 4); 0 when nothing is known.
+
+    Args:
+        request: the validated body.
+        max_bytes_per_token: the tokenizer's bound
+            (:attr:`openai_request.tokenizer.Tokenizer.max_bytes_per_token`), ``None`` if unbounded.
+    """
+    if not isinstance(request, CompletionRequest):
+        return 0
+    prompt = request.prompt
+    if isinstance(prompt, list) and len(prompt) == 1:
+        prompt = prompt[0]  # type: ignore[assignment]
+    if isinstance(prompt, str):
+        # Each character is at least one byte, each token at most max_bytes_per_token bytes.
+        return -(-len(prompt) // max_bytes_per_token) if max_bytes_per_token else 0
+    if isinstance(prompt, list) and prompt and type(prompt[0]) is int:
+        return len(prompt)  # token ids, taken as they are
+    return 0

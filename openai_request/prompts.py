@@ -1,0 +1,273 @@
+"""An OpenAI completions or chat request body, turned into token ids and image spans.
+
+The router and the workers both call :func:`build_prompt` on the same body with the same
+tokenizer (equal :attr:`~openai_request.tokenizer.Tokenizer.identity`), so they agree on every token
+id, which is what makes the router's prefix lookups hit. The one thing they may not share is
+the bytes of a remote image: the worker fetches ``http(s)`` images (its ``fetch`` returns the
+bytes) and the router does not (its ``fetch`` returns ``None``). Such an image gets no digest,
+and the router's lookup stops at it (:meth:`PromptTokens.matchable_tokens`).
+
+Rules:
+    1. Completions: ``prompt`` is a string (encoded with the tokenizer's special tokens, as
+       vLLM does), a list of token ids (taken as is), or a list holding one of those. Several
+       prompts in one request are refused.
+    2. Chat: ``messages`` are rendered with the tokenizer's chat template
+       (:func:`openai_request.chat.render_chat`), the text is split at each image marker, each piece
+       is encoded without special tokens, and each image takes ``mm_tokens_per_image``
+       positions holding the tokenizer's ``image_token_id``. Images are numbered in the order
+       of their parts; a template is trusted to render messages in order, and one that drops
+       or repeats a message's content is refused (its image markers do not add up).
+    3. Image UUIDs come from each part (``uuid``, or ``image_url.uuid``) and/or from the body's
+       ``mm_uuids``: a list with one entry (string or ``null``) per image, or
+       ``{"image": [...]}``. Both may be given when they agree.
+    4. Every ``ValueError`` is a caller mistake worded for an HTTP 400 reply.
+"""
+
+from __future__ import annotations
+
+import functools
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Annotated, Any, Literal
+
+import msgspec
+
+from openai_request.chat import ImageRef, render_chat_with_images
+from openai_request.images import (
+    IMAGE_MARKER,
+    ImageSpan,
+    decode_data_url,
+    image_digest,
+    splice_images,
+)
+from openai_request.tokenizer import Tokenizer
+
+__all__ = ["Fetch", "PromptTokens", "build_prompt"]
+
+#: Returns a remote image's bytes, or ``None`` when the caller cannot or will not fetch it.
+Fetch = Callable[[str], bytes | None]
+
+
+@dataclass(frozen=True, slots=True)
+class PromptTokens:
+    """A request's prompt as token ids, with what identifies its images and its reuse scope.
+
+    Attributes:
+        token_ids: the prompt; image positions hold the tokenizer's ``image_token_id``.
+        images: the images in position order, non-overlapping, each inside ``token_ids``.
+        cache_salt: the request's ``cache_salt``; requests with different salts never share KV.
+        model: the requested model name (a LoRA adapter's name selects that adapter).
+    """
+
+    token_ids: list[int]
+    images: list[ImageSpan] = field(default_factory=list)
+    cache_salt: str | None = None
+    model: str | None = None
+
+    def matchable_tokens(self, *, by_uuid: bool = False) -> int:
+        """Return how many leading positions can be hashed for a prefix lookup.
+
+        That is all of them, unless an image has no digest: the prefix then ends where that
+        image starts.
+
+        Args:
+            by_uuid: an image without a digest but with a UUID counts as identified (for a
+                worker that advertised UUID routing).
+        """
+        for span in self.images:
+            if span.digest is None and not (by_uuid and span.uuid is not None):
+                return span.start
+        return len(self.token_ids)
+
+
+def build_prompt(
+    body: Any,
+    kind: Literal["completions", "chat"],
+    tokenizer: Tokenizer,
+    *,
+    mm_tokens_per_image: int,
+    max_image_bytes: int,
+    fetch: Fetch | None,
+    check_token_ids: bool = True,
+) -> PromptTokens:
+    """Turn a request body into its prompt tokens (rules in the module docstring).
+
+    Args:
+        body: the decoded JSON body of ``/v1/completions`` or ``/v1/chat/completions``.
+        kind: which endpoint the body came to.
+        tokenizer: the tokenizer shared by router and workers.
+        mm_tokens_per_image: positions each image occupies (at least 1).
+        max_image_bytes: largest accepted image, inline or fetched (at least 1).
+        fetch: called with each ``http(s)`` image URL; ``None`` fetches nothing (those images
+            get no digest).
+        check_token_ids: validate a token-id prompt against the vocabulary. The router turns
+            this off: it only hashes the ids (the hash refuses anything but ints) and the
+            worker, which must validate, answers a bad id with the reason; an 8k-token check
+            costs the router ~60 µs of its decision.
+
+    Returns:
+        The prompt tokens.
+
+    Raises:
+        ValueError: the body is malformed (the message is an API error reason), or
+            ``kind``, ``mm_tokens_per_image`` or ``max_image_bytes`` is invalid.
+    """
+    if kind not in ("completions", "chat"):
+        raise ValueError(f"kind must be 'completions' or 'chat', got {kind!r}")
+    if mm_tokens_per_image < 1:
+        raise ValueError(f"mm_tokens_per_image must be at least 1, got {mm_tokens_per_image}")
+    if max_image_bytes < 1:
+        raise ValueError(f"max_image_bytes must be at least 1, got {max_image_bytes}")
+    if not isinstance(body, dict):
+        raise ValueError("request body must be a JSON object")
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ValueError("model must be a string")
+    cache_salt = body.get("cache_salt")
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise ValueError("cache_salt must be a non-empty string")
+
+    if kind == "completions":
+        token_ids = _completion_ids(body, tokenizer, check_token_ids)
+        if "mm_uuids" not in body:  # the common case, kept short: a router decides on it
+            return PromptTokens(token_ids, [], cache_salt, model)
+        refs: list[ImageRef] = []
+        starts: list[int] = []
+    else:
+        token_ids, refs, starts = _chat_ids(body, tokenizer, mm_tokens_per_image)
+    uuids = _merge_uuids(refs, body.get("mm_uuids"))
+    images = [
+        ImageSpan(
+            start=start,
+            length=mm_tokens_per_image,
+            digest=_digest(k, ref.url, uuid, max_image_bytes, fetch),
+            uuid=uuid,
+        )
+        for k, (ref, start, uuid) in enumerate(zip(refs, starts, uuids, strict=True))
+    ]
+    return PromptTokens(token_ids=token_ids, images=images, cache_salt=cache_salt, model=model)
+
+
+_PROMPT_SHAPE = "prompt must be a string, a list of token ids, or a list holding one of those"
+
+
+def _completion_ids(body: dict[str, Any], tokenizer: Tokenizer, check: bool = True
+                    ) -> list[int]:
+    if "prompt" not in body:
+        raise ValueError("prompt is required")
+    prompt = body["prompt"]
+    if (isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list)
+            and all(isinstance(p, str | list) for p in prompt)):
+        if len(prompt) > 1:
+            raise ValueError("one prompt per request: prompt holds several prompts")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if not prompt:
+            raise ValueError("prompt must not be empty")
+        return tokenizer.encode(prompt, add_special_tokens=_special_tokens(body, True))
+    if not isinstance(prompt, list):
+        raise ValueError(_PROMPT_SHAPE)
+    if not prompt:
+        raise ValueError("prompt must not be empty")
+    if not check:
+        return prompt
+    vocab = tokenizer.vocab_size
+    try:
+        # Validated in C: an 8k-token prompt costs tens of microseconds, not milliseconds.
+        return msgspec.convert(prompt, _token_ids_type(vocab))
+    except msgspec.ValidationError:
+        pass
+    for i, t in enumerate(prompt):  # slow path, only to name the offending token
+        if not _is_token_id(t):
+            raise ValueError(_PROMPT_SHAPE) from None
+        if not 0 <= t < vocab:
+            raise ValueError(f"prompt token id {t} at index {i} is out of range [0, {vocab})")
+    raise AssertionError("msgspec refused a prompt the slow path accepts")
+
+
+def _special_tokens(body: dict[str, Any], default: bool) -> bool:
+    """``add_special_tokens`` as vLLM reads it: on for completions, off for chat (whose
+    template writes its own), either overridden by the request."""
+    value = body.get("add_special_tokens", default)
+    if type(value) is not bool:
+        raise ValueError("add_special_tokens must be a boolean")
+    return value
+
+
+@functools.lru_cache(maxsize=8)
+def _token_ids_type(vocab: int) -> Any:
+    return list[Annotated[int, msgspec.Meta(ge=0, lt=vocab)]]
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _chat_ids(
+    body: dict[str, Any], tokenizer: Tokenizer, mm_tokens_per_image: int
+) -> tuple[list[int], list[ImageRef], list[int]]:
+    if "messages" not in body:
+        raise ValueError("messages is required")
+    add_generation_prompt = body.get("add_generation_prompt", True)
+    if not isinstance(add_generation_prompt, bool):
+        raise ValueError("add_generation_prompt must be a boolean")
+    text, refs = render_chat_with_images(
+        body["messages"],
+        tokenizer.chat_template,
+        add_generation_prompt,
+        bos_token=tokenizer.bos_token,
+        eos_token=tokenizer.eos_token,
+    )
+    pieces = text.split(IMAGE_MARKER)
+    if len(pieces) - 1 != len(refs):
+        # Only a template that drops or duplicates message content gets here.
+        raise ValueError(
+            f"the chat template rendered {len(pieces) - 1} image markers for {len(refs)} images"
+        )
+    special = _special_tokens(body, False)
+    segments = [tokenizer.encode(piece, add_special_tokens=special and k == 0)
+                for k, piece in enumerate(pieces)]
+    token_ids, starts = splice_images(segments, mm_tokens_per_image, tokenizer.image_token_id)
+    return token_ids, refs, starts
+
+
+def _merge_uuids(refs: list[ImageRef], listed: Any) -> list[str | None]:
+    if listed is None:
+        return [ref.uuid for ref in refs]
+    if isinstance(listed, dict) and set(listed) == {"image"}:
+        listed = listed["image"]
+    if not isinstance(listed, list):
+        raise ValueError("mm_uuids must be a list of strings or nulls, one per image")
+    if len(listed) != len(refs):
+        raise ValueError(
+            f"UUID list does not match the images: {len(listed)} UUIDs for {len(refs)} images"
+        )
+    merged: list[str | None] = []
+    for k, (ref, uuid) in enumerate(zip(refs, listed, strict=True)):
+        if uuid is not None and (not isinstance(uuid, str) or not uuid):
+            raise ValueError(f"mm_uuids[{k}] must be a non-empty string or null")
+        if uuid is not None and ref.uuid is not None and uuid != ref.uuid:
+            raise ValueError(f"image {k} has two different UUIDs (mm_uuids and its part)")
+        merged.append(uuid if uuid is not None else ref.uuid)
+    return merged
+
+
+def _digest(k: int, url: str, uuid: str | None, max_bytes: int, fetch: Fetch | None) -> str | None:
+    scheme = url.partition(":")[0].lower()
+    if scheme == "data":
+        try:
+            content = decode_data_url(url, max_bytes)
+        except ValueError as e:
+            raise ValueError(f"image {k}: {e}") from None
+    elif scheme in ("http", "https"):
+        fetched = fetch(url) if fetch is not None else None
+        if fetched is None:
+            return None
+        if not fetched:
+            raise ValueError(f"image {k}: image is empty")
+        if len(fetched) > max_bytes:
+            raise ValueError(f"image {k}: image is larger than {max_bytes} bytes")
+        content = fetched
+    else:
+        raise ValueError(f"image {k}: URL must be a data: URL or an http(s) URL")
+    return image_digest(content, uuid)

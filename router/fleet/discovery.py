@@ -1,0 +1,193 @@
+"""Workers found by DNS: one worker per address a name resolves to, kept in step.
+
+A Kubernetes headless Service resolves to the addresses of its ready pods; pointing
+``--discover dns:///kvroute-workers.NAMESPACE.svc.cluster.local:8000`` at it makes every pod
+a worker (``http://ADDRESS:8000``) for as long as its address is in the answer. The name is
+resolved at start and every ``discover_interval`` seconds:
+
+- an address that appears is registered (unreachable ones are kept and retried, as
+  configured workers are);
+- an address that is gone is unregistered (its entries and load go with it);
+- a look-up that fails for any reason but "no such name" changes nothing: a DNS outage must
+  not empty the pool. "No such name" (a headless Service with no ready pod) is an answer:
+  every worker it gave before goes.
+
+Only workers this module registered are ever removed by it; ``--worker`` ones are left alone.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import socket
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+from urllib.parse import urlsplit
+
+from router.fleet.worker_table import IncompatibleWorker
+
+__all__ = ["Discovery", "DnsTarget", "Membership", "Resolver", "parse_target", "system_resolver"]
+
+log = logging.getLogger(__name__)
+
+#: ``resolve(host, port)`` -> the addresses ``host`` has now (an empty list: no such name).
+#: Raises ``OSError`` when the look-up itself failed.
+Resolver = Callable[[str, int], Awaitable[list[str]]]
+
+
+@dataclass(frozen=True, slots=True)
+class DnsTarget:
+    """A DNS name whose addresses are workers on ``port``."""
+
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"dns:///{self.host}:{self.port}"
+
+
+def parse_target(text: str) -> DnsTarget:
+    """Parse ``dns:///NAME:PORT`` (gRPC's DNS target form, without a DNS server authority).
+
+    Raises:
+        ValueError: not of that form, or the port is out of range.
+    """
+    parts = urlsplit(text)
+    if parts.scheme != "dns" or parts.netloc or not parts.path.startswith("/"):
+        raise ValueError(f"{text!r} is not dns:///NAME:PORT")
+    try:
+        name = urlsplit(f"//{parts.path.lstrip('/')}")
+        port = name.port
+    except ValueError:
+        port = None
+    if not name.hostname or port is None or not 0 < port < 65536:
+        raise ValueError(f"{text!r} is not dns:///NAME:PORT (a port in 1..65535 is needed)")
+    return DnsTarget(name.hostname, port)
+
+
+async def system_resolver(host: str, port: int) -> list[str]:
+    """The addresses ``host`` resolves to through the system resolver, sorted.
+
+    Raises:
+        OSError: the look-up failed (not "no such name", which returns ``[]``).
+    """
+    try:
+        infos = await asyncio.get_running_loop().getaddrinfo(host, port,
+                                                             type=socket.SOCK_STREAM)
+    except socket.gaierror as exc:
+        if exc.errno in (socket.EAI_NONAME, getattr(socket, "EAI_NODATA", socket.EAI_NONAME)):
+            return []
+        raise
+    except UnicodeError as exc:  # a label the IDNA codec refuses
+        raise OSError(f"{host!r} is not a valid DNS name: {exc}") from None
+    return sorted({str(info[4][0]) for info in infos})
+
+
+class Membership(Protocol):
+    """What discovery needs of the registry."""
+
+    async def add(self, url: str, *, must_answer: bool = True) -> object: ...
+
+    async def remove(self, worker: int) -> object: ...
+
+    def find(self, url: str) -> object | None: ...
+
+
+def worker_url(address: str, port: int) -> str:
+    """The worker URL for one resolved address."""
+    host = f"[{address}]" if ipaddress.ip_address(address).version == 6 else address
+    return f"http://{host}:{port}"
+
+
+class Discovery:
+    """Keeps the registry's discovered workers equal to what the DNS names resolve to.
+
+    Args:
+        targets: ``dns:///NAME:PORT`` strings.
+        interval: seconds between look-ups.
+        registry: where workers are added and removed.
+        resolver: the look-up (the system's by default; tests pass a stub).
+    """
+
+    def __init__(self, targets: Sequence[str], interval: float, registry: Membership,
+                 resolver: Resolver = system_resolver) -> None:
+        self.targets = [parse_target(t) for t in targets]
+        self.interval = interval
+        self._registry = registry
+        self._resolve = resolver
+        self._found: dict[DnsTarget, set[str]] = {t: set() for t in self.targets}
+        self._ids: dict[str, int] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    @property
+    def urls(self) -> set[str]:
+        """The worker URLs discovery holds now."""
+        return set().union(*self._found.values())
+
+    async def refresh(self) -> None:
+        """Resolve every target once and add or remove workers to match."""
+        for target in self.targets:
+            try:
+                addresses = await self._resolve(target.host, target.port)
+            except OSError as exc:
+                log.warning("cannot resolve %s (keeping %d workers): %s", target,
+                            len(self._found[target]), exc)
+                continue
+            wanted = set()
+            for address in addresses:
+                try:
+                    wanted.add(worker_url(address, target.port))
+                except ValueError:
+                    log.warning("%s resolved to %r, not an IP address: skipped", target, address)
+            await self._apply(target, wanted)
+
+    async def _apply(self, target: DnsTarget, wanted: set[str]) -> None:
+        held = self._found[target]
+        others = set().union(*(v for k, v in self._found.items() if k != target))
+        for url in sorted(held - wanted):
+            held.discard(url)
+            if url in others:  # the same address under another name stays
+                continue
+            worker = self._ids.pop(url, None)
+            if worker is None:  # configured with --worker, or refused: not ours to remove
+                continue
+            log.info("worker %s left %s", url, target)
+            with contextlib.suppress(KeyError):
+                await self._registry.remove(worker)
+        for url in sorted(wanted - held):
+            held.add(url)
+            if url in self._ids:
+                continue
+            if self._registry.find(url) is not None:  # also configured with --worker
+                continue
+            try:
+                entry = await self._registry.add(url, must_answer=False)
+            except (IncompatibleWorker, ValueError) as exc:  # not retried until it rejoins
+                log.error("not routing to %s from %s: %s", url, target, exc)
+                continue
+            self._ids[url] = entry.id  # type: ignore[attr-defined]
+            log.info("worker %s joined %s", url, target)
+
+    async def start(self) -> None:
+        """Resolve once now, then keep resolving in the background until :meth:`stop`."""
+        await self.refresh()
+        self._task = asyncio.create_task(self._run(), name="kvroute-discovery")
+
+    async def stop(self) -> None:
+        """Stop resolving (the workers found stay registered)."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                await self.refresh()
+            except Exception:  # a bug here must not end discovery for good
+                log.exception("worker discovery failed; retrying in %.1fs", self.interval)

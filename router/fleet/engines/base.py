@@ -1,0 +1,97 @@
+"""What the registry asks of a worker's engine, whatever the engine is.
+
+An :class:`EngineAdapter` turns one engine's control plane into the router's terms: who the
+worker is (:class:`~router.fleet.worker_table.WorkerInfo`) and how loaded it is
+(:class:`~router.routing.load.ReportedLoad`). The registry owns the schedule (when to ask, what a
+failure does); the adapter owns the questions and reads the answers, which are untrusted input.
+
+Errors, by boundary::
+
+    Exception
+     +-- WorkerUnreachable   describe(): the worker did not answer usably; retried later
+     +-- PollFailed          poll(): no health or load this time; the worker is unhealthy
+     +-- ValueError
+          +-- IncompatibleWorker  describe(): the worker answered, and must not be routed to
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import httpx
+
+from router.fleet.worker_config import WorkerConfig
+from router.fleet.worker_table import WorkerInfo
+from router.routing.load import ReportedLoad
+
+__all__ = ["EngineAdapter", "PollFailed", "WorkerUnreachable", "poll_failed"]
+
+
+class WorkerUnreachable(Exception):
+    """The worker did not answer its description request, or answered something unusable."""
+
+
+class PollFailed(Exception):
+    """A health or load poll failed; the message is the reason ``/workers`` shows.
+
+    Args:
+        reason: why, as ``/workers`` shows it.
+        gone: the worker did not answer at all (timed out, refused, reset): requests waiting
+            for its first byte are sent elsewhere.
+    """
+
+    def __init__(self, reason: str, *, gone: bool = False) -> None:
+        super().__init__(reason)
+        self.gone = gone
+
+
+def poll_failed(what: str, exc: httpx.HTTPError, timeout: float) -> PollFailed:
+    """The :class:`PollFailed` for an HTTP error during a poll: no answer within ``timeout``
+    and transport errors mean the worker is gone; an error status does not.
+
+    Args:
+        what: what was being asked (``"load poll"``, ``"health check"``...).
+        exc: the client's error.
+        timeout: the poll's timeout in seconds (named in the reason).
+    """
+    if isinstance(exc, httpx.TimeoutException):
+        return PollFailed(f"{what} failed: no answer within {timeout}s", gone=True)
+    return PollFailed(f"{what} failed: {type(exc).__name__}: {exc}",
+                      gone=isinstance(exc, httpx.TransportError))
+
+
+class EngineAdapter(Protocol):
+    """One engine's control plane, as the registry needs it."""
+
+    name: str
+
+    async def describe(self, http: httpx.AsyncClient, worker: WorkerConfig,
+                       router_block_size: int) -> WorkerInfo:
+        """Learn who the worker is: model, block size, event endpoints.
+
+        Args:
+            http: the router's client for control calls.
+            worker: the worker's configuration.
+            router_block_size: the router's block size, assumed where neither the engine nor
+                the configuration gives one.
+
+        Raises:
+            WorkerUnreachable: no usable answer (the registry retries).
+            IncompatibleWorker: the answer is well formed but configuration contradicts it.
+        """
+        ...
+
+    async def poll(self, http: httpx.AsyncClient, worker: WorkerConfig,
+                   info: WorkerInfo | None, timeout: float = 2.0) -> ReportedLoad:
+        """Check health and read the worker's load.
+
+        Args:
+            http: the router's client for control calls.
+            worker: the worker's configuration.
+            info: what :meth:`describe` last returned (``None`` before it succeeded).
+            timeout: seconds to wait for each answer (the router's ``health_timeout``).
+
+        Raises:
+            PollFailed: the worker is not healthy now, or answered something unusable.
+        """
+        ...

@@ -1,0 +1,230 @@
+"""Stock engine servers (vLLM, SGLang, TensorRT-LLM) as kvroute workers.
+
+A stock server has no ``/model_info``: the router learns the model from ``GET /v1/models``
+(the entry without a ``parent``; entries with one are LoRA adapters), the block size from the
+engine's metrics where it publishes it (vLLM: the ``block_size`` label of
+``vllm:cache_config_info``; SGLang: ``sglang:page_size``; TensorRT-LLM:
+``trtllm_kv_cache_tokens_per_block``), else from the
+worker's configuration, else the router's own (a guess, logged). A configured block size the
+engine contradicts is refused, as is one the router's differs from (in
+:meth:`~router.fleet.worker_table.WorkerInfo.check_compatible`).
+
+Health is ``GET /health`` answering 200; load is the engine's Prometheus metrics, read on every
+poll: running and waiting requests, and KV usage (a fraction) times the engine's KV capacity in
+blocks as the blocks held by decoding requests. A metrics answer that does not parse, or lacks
+these, makes the worker unhealthy with that reason.
+
+Stock engines publish no instance id and no ``/kv/snapshot``: a restart is seen on the event
+stream (its sequence numbers start again at 0, which clears the worker's entries), and history
+lost beyond the engine's replay buffer clears the worker's entries to be learnt again. The
+worker's tokenizer cannot be asked for an identity either: the router trusts that it was given
+the engine's tokenizer folder (``docs/engines.md``).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from router.fleet.engines.base import PollFailed, WorkerUnreachable, poll_failed
+from router.fleet.engines.prometheus import MetricsError, Samples, parse_metrics
+from router.fleet.worker_config import WorkerConfig
+from router.fleet.worker_table import IncompatibleWorker, WorkerInfo
+from router.routing.load import ReportedLoad
+
+__all__ = ["SGLANG", "TRTLLM", "VLLM", "MetricNames", "StockEngine"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class MetricNames:
+    """Where one engine keeps what the router reads (names as the engine's sources give them).
+
+    Attributes:
+        path: the metrics endpoint.
+        running: gauge of requests being executed.
+        waiting: gauge of requests queued.
+        usage: gauge of the KV cache's used fraction, in [0, 1].
+        block_size: reads the engine's block size from a scrape, or ``None``.
+        capacity_blocks: reads the engine's KV capacity in blocks given the block size, or 0.
+    """
+
+    path: str
+    running: str
+    waiting: str
+    usage: str
+    block_size: Callable[[Samples], int | None]
+    capacity_blocks: Callable[[Samples, int], int]
+
+
+def _label_int(samples: Samples, name: str, label: str) -> int | None:
+    value = samples.label(name, label)
+    if value is None:
+        return None
+    try:
+        return int(value)
+    except ValueError:
+        raise MetricsError(f"{name} label {label}={value!r} is not an integer") from None
+
+
+def _gauge_int(samples: Samples, name: str) -> int | None:
+    found = samples.named(name)
+    value = samples.total(name, required=False)
+    return None if value is None else int(value / len(found))
+
+
+#: vLLM (``vllm/v1/metrics/loggers.py``): the cache config is an info gauge whose labels are
+#: the engine's ``CacheConfig`` fields.
+VLLM = MetricNames(
+    path="/metrics",
+    running="vllm:num_requests_running",
+    waiting="vllm:num_requests_waiting",
+    usage="vllm:kv_cache_usage_perc",
+    block_size=lambda s: _label_int(s, "vllm:cache_config_info", "block_size"),
+    capacity_blocks=lambda s, _: _label_int(s, "vllm:cache_config_info", "num_gpu_blocks") or 0,
+)
+
+#: SGLang (``sglang/srt/metrics/collector.py``): recent versions publish their page size as
+#: ``sglang:page_size``; older ones do not (give ``block_size`` then). Capacity is in tokens.
+SGLANG = MetricNames(
+    path="/metrics",
+    running="sglang:num_running_reqs",
+    waiting="sglang:num_queue_reqs",
+    usage="sglang:token_usage",
+    block_size=lambda s: _gauge_int(s, "sglang:page_size"),
+    capacity_blocks=lambda s, bs: (_gauge_int(s, "sglang:max_total_num_tokens") or 0) // bs,
+)
+
+#: TensorRT-LLM ``trtllm-serve`` (``tensorrt_llm/metrics/collector.py``), on its own path.
+TRTLLM = MetricNames(
+    path="/prometheus/metrics",
+    running="trtllm_num_requests_running",
+    waiting="trtllm_num_requests_waiting",
+    usage="trtllm_kv_cache_utilization",
+    block_size=lambda s: _gauge_int(s, "trtllm_kv_cache_tokens_per_block"),
+    capacity_blocks=lambda s, _: _gauge_int(s, "trtllm_kv_cache_max_blocks") or 0,
+)
+
+
+class StockEngine:
+    """Adapter for a stock engine server (module docstring).
+
+    Args:
+        name: the engine's name in configuration (``vllm``, ``sglang``, ``trtllm``).
+        metrics: where the engine keeps its load figures.
+    """
+
+    def __init__(self, name: str, metrics: MetricNames) -> None:
+        self.name = name
+        self.metrics = metrics
+
+    async def describe(self, http: httpx.AsyncClient, worker: WorkerConfig,
+                       router_block_size: int) -> WorkerInfo:
+        """Read ``/v1/models`` and the metrics (see
+        :class:`~router.fleet.engines.base.EngineAdapter`)."""
+        models = await self._get_json(http, worker, "/v1/models")
+        model, adapters, max_model_len = _read_models(worker.url, models)
+        try:
+            samples = await self._scrape(http, worker, 5.0)
+            reported = self.metrics.block_size(samples)
+        except PollFailed as exc:
+            raise WorkerUnreachable(f"{worker.url}: {exc}") from None
+        except MetricsError as exc:
+            raise WorkerUnreachable(f"{worker.url}{self.metrics.path}: {exc}") from None
+        block_size = _block_size(worker, reported, router_block_size)
+        try:
+            capacity = self.metrics.capacity_blocks(samples, block_size)
+        except MetricsError:
+            capacity = 0
+        return WorkerInfo(
+            url=worker.url, model=model, block_size=block_size,
+            tokenizer="", instance_id=f"{self.name}:{worker.url}",
+            events_endpoint=worker.events, replay_endpoint=worker.replay,
+            max_model_len=max_model_len,
+            num_blocks=capacity, lora_adapters=adapters)
+
+    async def poll(self, http: httpx.AsyncClient, worker: WorkerConfig,
+                   info: WorkerInfo | None, timeout: float = 2.0) -> ReportedLoad:
+        """``GET /health``, then the metrics (see
+        :class:`~router.fleet.engines.base.EngineAdapter`)."""
+        try:
+            health = await http.get(f"{worker.url}/health", timeout=timeout)
+        except httpx.HTTPError as exc:
+            raise poll_failed("health check", exc, timeout) from None
+        if health.status_code != 200:
+            raise PollFailed(f"/health answered {health.status_code}")
+        samples = await self._scrape(http, worker, timeout)
+        m = self.metrics
+        try:
+            running = samples.total(m.running) or 0.0
+            waiting = samples.total(m.waiting) or 0.0
+            usage = (samples.total(m.usage) or 0.0) / len(samples.named(m.usage))
+        except MetricsError as exc:
+            raise PollFailed(f"{m.path}: {exc}") from None
+        if usage > 1.0:
+            raise PollFailed(f"{m.path}: {m.usage} is {usage}, not a fraction")
+        blocks = info.num_blocks if info else 0
+        return ReportedLoad(running=int(running), waiting=int(waiting),
+                            decode_blocks=usage * blocks)
+
+    async def _scrape(self, http: httpx.AsyncClient, worker: WorkerConfig, timeout: float
+                      ) -> Samples:
+        url = f"{worker.url}{self.metrics.path}"
+        try:
+            response = await http.get(url, timeout=timeout)
+            response.raise_for_status()
+        except httpx.HTTPError as exc:
+            raise poll_failed("metrics scrape", exc, timeout) from None
+        try:
+            return parse_metrics(response.text)
+        except MetricsError as exc:
+            raise PollFailed(f"{self.metrics.path}: {exc}") from None
+
+    async def _get_json(self, http: httpx.AsyncClient, worker: WorkerConfig, path: str
+                        ) -> Any:
+        try:
+            response = await http.get(f"{worker.url}{path}", timeout=5.0)
+            response.raise_for_status()
+            return response.json()
+        except (httpx.HTTPError, ValueError) as exc:
+            raise WorkerUnreachable(f"{worker.url}{path}: {type(exc).__name__}: {exc}"
+                                    ) from exc
+
+
+def _read_models(url: str, body: Any) -> tuple[str, tuple[str, ...], int]:
+    """The base model, the LoRA adapters and the context length from ``/v1/models``."""
+    data = body.get("data") if type(body) is dict else None
+    if type(data) is not list or not data or not all(type(m) is dict for m in data):
+        raise WorkerUnreachable(f"{url}/v1/models: no list of models under 'data'")
+    ids = [m.get("id") for m in data]
+    if not all(type(i) is str and i for i in ids):
+        raise WorkerUnreachable(f"{url}/v1/models: a model has no id")
+    bases = [m for m in data if m.get("parent") is None]
+    if len(bases) != 1:
+        raise WorkerUnreachable(f"{url}/v1/models: {len(bases)} base models, expected one")
+    base = bases[0]
+    length = base.get("max_model_len")
+    adapters = tuple(m["id"] for m in data if m is not base)
+    return base["id"], adapters, length if type(length) is int and length > 0 else 0
+
+
+def _block_size(worker: WorkerConfig, reported: int | None, router_block_size: int) -> int:
+    if reported is not None and reported <= 0:
+        raise WorkerUnreachable(f"{worker.url}: the engine reports block size {reported}")
+    if reported is not None and worker.block_size is not None and reported != worker.block_size:
+        raise IncompatibleWorker(
+            f"worker {worker.url}: the engine reports block size {reported} but its "
+            f"configuration says {worker.block_size}; correct the configuration")
+    if reported is not None:
+        return reported
+    if worker.block_size is not None:
+        return worker.block_size
+    log.warning("worker %s (%s) reports no block size and none is configured: assuming the "
+                "router's, %d; set block_size for it to be sure", worker.url, worker.engine,
+                router_block_size)
+    return router_block_size

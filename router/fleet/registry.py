@@ -1,0 +1,430 @@
+"""The worker registry: who the workers are, whether they are healthy, and their streams.
+
+Workers come from settings (``--worker``, environment, config file) and the admin API, each
+with an engine (:mod:`router.fleet.worker_config`). The registry asks the worker's engine adapter
+(:mod:`router.fleet.engines`) who it is (for kvroute's worker, ``GET /model_info``), refuses an
+incompatible one loudly, subscribes to its events (or, with no event endpoint, marks it
+approximate: the index learns from routing decisions alone), and polls its health and load
+through the adapter every ``health_interval`` seconds:
+
+- a failed poll (no answer within ``health_timeout``, an error status, or an answer that is
+  not a well-formed load report) takes the worker out of the candidate set at once, with the reason
+  in ``last_error`` (``GET /workers``); when the worker did not answer at all, every request still
+  waiting for its first byte there is given up and sent elsewhere
+  (:class:`~router.fleet.first_byte_waits.FirstByteWaits`), so a hung worker costs them one probe
+  timeout, not the proxy's first-byte ceiling;
+- after ``unhealthy_grace`` seconds unhealthy, its index entries go too (they would only
+  attract requests to a worker that cannot serve them), and its subscription stops;
+- when it answers again, it is described anew: a new ``instance_id`` means a restart, so its
+  entries are cleared and it is subscribed afresh (stock engines have none: their restarts
+  show on the event stream);
+- a configured worker that is not up yet is retried on every poll (compose starts the router
+  and workers together).
+
+Every answer is untrusted input, parsed by the adapter (kvroute's worker by
+:mod:`router.fleet.worker_answers`, stock engines by :mod:`router.fleet.engines.stock`).
+Whatever goes wrong
+with one worker (a malformed answer, or any exception at all) marks that worker unhealthy with
+the reason; the poll loop itself never ends but by :meth:`Registry.stop`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from indexer.events import Event
+from router.events.feed import EventFeed, IndexLike
+from router.events.transport import EventTransport
+from router.fleet.discovery import Discovery
+from router.fleet.engines import EngineAdapter, PollFailed, WorkerUnreachable, adapter_for
+from router.fleet.first_byte_waits import FirstByteWaits
+from router.fleet.healthy import HealthyWorkers
+from router.fleet.worker_config import WorkerConfig, parse_worker, parse_workers
+from router.fleet.worker_table import IncompatibleWorker, WorkerInfo, WorkerState
+from router.routing.load import LoadTracker
+
+__all__ = ["Registry", "WorkerEntry", "WorkerUnreachable"]
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(slots=True)
+class WorkerEntry:
+    """One registered worker."""
+
+    id: int
+    url: str
+    state: WorkerState = WorkerState.UNHEALTHY
+    info: WorkerInfo | None = None
+    feed: EventFeed | None = None
+    unhealthy_since: float | None = None
+    last_error: str | None = None
+    indexed: bool = False
+    counters: dict[str, float] = field(default_factory=dict)
+    #: Requests sent here still waiting for their first byte (given up when it turns unhealthy).
+    waits: FirstByteWaits = field(default_factory=FirstByteWaits)
+    config: WorkerConfig | None = None
+    #: Set once unregistered: a check still in flight for it must subscribe to nothing.
+    removed: bool = False
+
+    @property
+    def engine(self) -> str:
+        """The worker's engine (a worker registered by URL alone is kvroute's)."""
+        return self.config.engine if self.config else "kvroute"
+
+    @property
+    def adapter(self) -> EngineAdapter:
+        """How this worker's engine is asked who it is and how loaded."""
+        return adapter_for(self.engine)
+
+    @property
+    def worker_config(self) -> WorkerConfig:
+        """The worker's configuration (engine, event endpoints)."""
+        return self.config or WorkerConfig(self.url)
+
+    @property
+    def approximate(self) -> bool:
+        """True when the worker publishes no events: routing history is all we know."""
+        return self.info is not None and self.info.events_endpoint is None
+
+    def describe(self) -> dict[str, Any]:
+        """The JSON shape of ``GET /workers``."""
+        info = self.info
+        return {
+            "id": self.id, "url": self.url, "state": self.state.value,
+            "instance_id": info.instance_id if info else None,
+            "model": info.model if info else None,
+            "events": info.events_endpoint if info else None,
+            "approximate": self.approximate, "last_error": self.last_error,
+            "resyncing": bool(self.feed and self.feed.resyncing),
+            "counters": dict(self.counters),
+            "engine": self.engine,
+            # How lost event history is recovered: from the worker's snapshot, or by
+            # dropping its entries and learning them again from the stream.
+            "resync": "snapshot" if info and info.snapshot else "clear_and_relearn",
+        }
+
+
+@dataclass(frozen=True)
+class FleetSettings:
+    """What the registry reads of the router's settings (``RouterSettings.fleet_settings``)."""
+
+    #: Each worker in its flat text form (:mod:`router.fleet.worker_config`).
+    workers: tuple[str, ...] = ()
+    #: DNS targets to discover workers from, and how often to look.
+    discover: tuple[str, ...] = ()
+    discover_interval: float = 5.0
+    block_size: int = 32
+    health_interval: float = 1.0
+    health_timeout: float = 1.0
+    unhealthy_grace: float = 5.0
+    #: The bearer token sent on the workers' admin calls (snapshots).
+    worker_admin_token: str | None = None
+    #: The event sockets' limits and CURVE keys.
+    event_transport: EventTransport = field(default_factory=EventTransport)
+
+
+class Registry:
+    """Registered workers, their health and their event feeds.
+
+    Args:
+        settings: the fleet's settings.
+        index: the prefix index the feeds apply events to.
+        load: the load tracker (workers are added and removed there too).
+        tokenizer_identity: the router's tokenizer identity; workers must match it.
+        forget: called with a worker id whenever its entries are dropped.
+        http: the client for control calls (model info, load, snapshots).
+        on_events: passed to every feed (called with each applied batch's events).
+    """
+
+    def __init__(self, settings: FleetSettings, index: IndexLike, load: LoadTracker,
+                 tokenizer_identity: str, forget: Callable[[int], None],
+                 http: httpx.AsyncClient,
+                 on_events: Callable[[int, list[Event]], None] | None = None) -> None:
+        self._settings = settings
+        self._event_transport = settings.event_transport
+        self._on_events = on_events
+        self._index = index
+        self._load = load
+        self._tokenizer = tokenizer_identity
+        self._forget = forget
+        self._http = http
+        self._entries: dict[int, WorkerEntry] = {}
+        # Every join, leave and state change below calls self._healthy.changed().
+        self._healthy = HealthyWorkers(self._entries)
+        self._next_id = 0
+        self._poll: asyncio.Task[None] | None = None
+        self.mm_tokens_per_image: int | None = None
+        #: Workers found by DNS (``settings.discover``), from :meth:`start` on.
+        self.discovery: Discovery | None = None
+
+    # -- membership -------------------------------------------------------------------------
+
+    def entries(self) -> list[WorkerEntry]:
+        """Every registered worker, in id order."""
+        return [self._entries[k] for k in sorted(self._entries)]
+
+    def get(self, worker: int) -> WorkerEntry | None:
+        """The entry with id ``worker``, if registered."""
+        return self._entries.get(worker)
+
+    def find(self, url: str) -> WorkerEntry | None:
+        """The entry for ``url``, if registered."""
+        url = url.rstrip("/")
+        return next((e for e in self._entries.values() if e.url == url), None)
+
+    def candidates(self) -> list[WorkerEntry]:
+        """Workers that may take a request now, in id order (the order of insertion: ids only
+        grow), kept between changes (:mod:`router.fleet.healthy`): shared, do not change it."""
+        return self._healthy.list()
+
+    async def add(self, worker: str | WorkerConfig, *, must_answer: bool = True
+                  ) -> WorkerEntry:
+        """Register a worker and connect to it.
+
+        Args:
+            worker: the worker's base URL (a kvroute worker), or its configuration.
+            must_answer: raise when the worker does not answer (admin API); otherwise keep
+                it registered as unhealthy and retry on every poll (configured workers).
+
+        Raises:
+            ValueError: ``url`` is not an http(s) URL or is registered already.
+            IncompatibleWorker: its block size, tokenizer or image tokens differ.
+            WorkerUnreachable: it did not answer and ``must_answer`` is set.
+        """
+        config = parse_worker({"url": worker} if isinstance(worker, str) else worker)
+        url = config.url
+        if self.find(url) is not None:
+            raise ValueError(f"worker {url} is registered already")
+        entry = WorkerEntry(self._next_id, url, unhealthy_since=time.monotonic(), config=config)
+        try:
+            await self._connect(entry)
+        except WorkerUnreachable as exc:
+            if must_answer:
+                raise
+            entry.last_error = str(exc)
+        self._next_id += 1
+        self._entries[entry.id] = entry
+        self._healthy.changed()
+        self._load.add_worker(entry.id)
+        return entry
+
+    def adopt(self, info: WorkerInfo) -> WorkerEntry:
+        """Register a healthy worker whose model info is already known, without connecting
+        to it or subscribing to its events (benchmarks and simulations drive the index)."""
+        entry = WorkerEntry(self._next_id, info.url, WorkerState.HEALTHY, info, indexed=True)
+        self._next_id += 1
+        self._entries[entry.id] = entry
+        self._healthy.changed()
+        self._load.add_worker(entry.id)
+        return entry
+
+    async def remove(self, worker: int) -> WorkerEntry:
+        """Unregister a worker: stop its feed and drop its entries and load.
+
+        Raises:
+            KeyError: no such worker.
+        """
+        entry = self._entries.pop(worker)
+        entry.removed = True
+        self._healthy.changed()
+        await self._disconnect(entry)
+        self._load.remove_worker(worker)
+        return entry
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Register the configured workers (not-yet-up ones are retried) and start polling."""
+        for worker in parse_workers(list(self._settings.workers)):
+            try:
+                await self.add(worker, must_answer=False)
+            except (IncompatibleWorker, ValueError) as exc:
+                log.error("not routing to %s: %s", worker.url, exc)
+        if self._settings.discover:
+            self.discovery = Discovery(self._settings.discover,
+                                       self._settings.discover_interval, self)
+            await self.discovery.start()
+        self._poll = asyncio.create_task(self._poll_forever(), name="kvroute-health")
+
+    async def stop(self) -> None:
+        """Stop polling, discovery and every feed."""
+        if self.discovery is not None:
+            await self.discovery.stop()
+        if self._poll is not None:
+            self._poll.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._poll
+            self._poll = None
+        for entry in self._entries.values():
+            if entry.feed is not None:
+                await entry.feed.stop()
+                entry.feed = None
+
+    async def _poll_forever(self) -> None:
+        # Each worker's check is a task of its own, started every interval unless the last
+        # one is still running: a worker slow to answer delays no other worker's check.
+        checks: dict[int, asyncio.Task[None]] = {}
+        try:
+            while True:
+                await asyncio.sleep(self._settings.health_interval)
+                try:
+                    for entry in list(self._entries.values()):
+                        task = checks.get(entry.id)
+                        if task is None or task.done():
+                            checks[entry.id] = asyncio.create_task(
+                                self._check_guarded(entry), name=f"kvroute-health-{entry.id}")
+                    for worker in checks.keys() - self._entries.keys():
+                        checks.pop(worker).cancel()  # removed
+                except Exception:  # a bug here must not end failure detection for good
+                    log.exception("health poll round failed; polling goes on")
+        finally:
+            for task in checks.values():
+                task.cancel()
+            await asyncio.gather(*checks.values(), return_exceptions=True)
+
+    async def poll_once(self) -> None:
+        """Poll every worker's load once (health), concurrently, and wait for every answer.
+        An exception while checking one worker marks that worker unhealthy and touches no
+        other."""
+        await asyncio.gather(*(self._check_guarded(e) for e in list(self._entries.values())))
+
+    async def _check_guarded(self, entry: WorkerEntry) -> None:
+        try:
+            await self._check(entry)
+        except Exception as exc:
+            log.error("checking worker %s failed", entry.url, exc_info=exc)
+            if entry.removed:
+                return
+            try:
+                await self._mark_unhealthy(
+                    entry, f"health check failed: {type(exc).__name__}: {exc}")
+            except Exception:
+                log.exception("marking worker %s unhealthy failed", entry.url)
+
+    # -- internals --------------------------------------------------------------------------
+
+    async def _check(self, entry: WorkerEntry) -> None:
+        if entry.state is WorkerState.INCOMPATIBLE:
+            return
+        try:
+            load = await entry.adapter.poll(self._http, entry.worker_config, entry.info,
+                                            self._settings.health_timeout)
+        except PollFailed as exc:
+            if not entry.removed:
+                await self._mark_unhealthy(entry, str(exc), gone=exc.gone)
+            return
+        if entry.removed:  # unregistered while its poll was answered
+            return
+        if entry.state is not WorkerState.HEALTHY:
+            try:
+                await self._connect(entry)
+            except (WorkerUnreachable, IncompatibleWorker) as exc:
+                entry.last_error = str(exc)
+                return
+        if not entry.removed:
+            self._load.reported(entry.id, load)
+
+    async def _mark_unhealthy(self, entry: WorkerEntry, reason: str, gone: bool = False
+                              ) -> None:
+        """Take ``entry`` out of the candidate set; ``gone``: it did not answer at all (hung,
+        dead or unreachable), so requests waiting for its first byte are sent elsewhere."""
+        now = time.monotonic()
+        entry.counters["health_failures"] = entry.counters.get("health_failures", 0) + 1
+        if entry.state is WorkerState.HEALTHY:
+            log.warning("worker %s unhealthy: %s", entry.url, reason)
+            entry.state = WorkerState.UNHEALTHY
+            self._healthy.changed()
+            entry.unhealthy_since = now
+        given_up = entry.waits.give_up() if gone else 0
+        if given_up:
+            log.warning("worker %s: %d requests waiting for a first byte sent elsewhere",
+                        entry.url, given_up)
+        entry.last_error = reason
+        since = entry.unhealthy_since or now
+        if entry.indexed and now - since >= self._settings.unhealthy_grace:
+            log.warning("worker %s unhealthy for %.1fs: dropping its index entries",
+                        entry.url, now - since)
+            await self._disconnect(entry)
+
+    async def _connect(self, entry: WorkerEntry) -> None:
+        # Each await below lets remove() run: an entry unregistered meanwhile is left alone
+        # (remove() has stopped its feed and dropped its entries; nothing would stop a new one).
+        info = await entry.adapter.describe(self._http, entry.worker_config,
+                                            self._settings.block_size)
+        if entry.removed:
+            return
+        try:
+            # A stock engine names no tokenizer identity (it is "" then): nothing to compare.
+            info.check_compatible(self._settings.block_size,
+                                  self._tokenizer if info.tokenizer else None)
+            self._check_images(info)
+        except IncompatibleWorker as exc:
+            entry.state, entry.last_error = WorkerState.INCOMPATIBLE, str(exc)
+            self._healthy.changed()
+            log.error("refusing worker: %s", exc)
+            raise
+        if entry.info is not None and entry.info.instance_id != info.instance_id:
+            log.warning("worker %s restarted (instance %s -> %s): re-learning its cache",
+                        entry.url, entry.info.instance_id, info.instance_id)
+            entry.counters["restarts"] = entry.counters.get("restarts", 0) + 1
+            await self._disconnect(entry)
+            if entry.removed:
+                return
+        entry.info = info
+        if self.mm_tokens_per_image is None and info.mm_tokens_per_image:
+            self.mm_tokens_per_image = info.mm_tokens_per_image
+        if entry.feed is None and info.events_endpoint is not None:
+            fetch = self._snapshot_fetcher(entry.url) if info.snapshot else None
+            feed = entry.feed = EventFeed(entry.id, self._index, info.events_endpoint,
+                                          info.replay_endpoint, fetch_snapshot=fetch,
+                                          on_cleared=self._forget, counters=entry.counters,
+                                          on_events=self._on_events,
+                                          transport=self._event_transport)
+            await feed.start()
+            if entry.removed:  # removed while connecting: remove() may have stopped it mid-start
+                entry.feed = None
+                await feed.stop()
+                return
+        entry.indexed = True
+        entry.state, entry.unhealthy_since, entry.last_error = WorkerState.HEALTHY, None, None
+        self._healthy.changed()
+        log.info("worker %s ready (instance %s)", entry.url, info.instance_id)
+
+    def _check_images(self, info: WorkerInfo) -> None:
+        known = self.mm_tokens_per_image
+        if known is not None and info.mm_tokens_per_image and info.mm_tokens_per_image != known:
+            raise IncompatibleWorker(
+                f"worker {info.url} expands an image to {info.mm_tokens_per_image} tokens but "
+                f"the other workers to {known}: image prompts would tokenize differently")
+
+    def _snapshot_fetcher(self, url: str) -> Any:
+        async def fetch() -> dict[str, Any]:
+            response = await self._http.get(f"{url}/kv/snapshot", timeout=10.0,
+                                            headers=self._admin_headers())
+            response.raise_for_status()
+            return response.json()  # type: ignore[no-any-return]
+        return fetch
+
+    def _admin_headers(self) -> dict[str, str]:
+        token = self._settings.worker_admin_token
+        return {"Authorization": f"Bearer {token}"} if token else {}
+
+    async def _disconnect(self, entry: WorkerEntry) -> None:
+        feed, entry.feed = entry.feed, None
+        if feed is not None:
+            await feed.stop()
+        self._index.clear(entry.id)
+        self._forget(entry.id)
+        entry.indexed = False
+        if hasattr(self._index, "remove_worker"):
+            self._index.remove_worker(entry.id)
+

@@ -1,0 +1,153 @@
+"""How one worker is configured: its URL, the engine behind it, and where its events are.
+
+The same keys are read from four places, so a deployment can use whichever it has:
+
+- a config file's ``[[workers]]`` tables (TOML) or ``"workers": [{...}]`` list (JSON);
+- ``POST /workers`` with a JSON object;
+- the command line: ``--worker URL,engine=vllm,events=tcp://host:5557``;
+- the environment: ``KVROUTE_WORKERS="URL,engine=vllm,events=tcp://...;URL2"``.
+
+In the flat text form a worker starts at each ``http(s)://`` item and every ``key=value`` item
+after it belongs to that worker; items are separated by commas, semicolons or white space, so
+the older ``url,url`` list still reads as two kvroute workers.
+
+Keys:
+
+``url``
+    The worker's HTTP base URL (required).
+``engine``
+    ``kvroute`` (default: the worker describes itself at ``GET /model_info``), ``vllm``,
+    ``sglang`` or ``trtllm`` (a stock engine server; see :mod:`router.fleet.engines`).
+``events``
+    The engine's KV event PUB endpoint (``tcp://host:port``). Without it a stock worker is
+    routed to approximately, from routing history alone. kvroute workers advertise theirs.
+``replay``
+    The engine's replay ROUTER endpoint (optional).
+``block_size``
+    Tokens per KV block, for an engine that does not report it (older SGLang); where the
+    engine reports it, a different value here is refused.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+from typing import Any
+
+__all__ = ["ENGINES", "WorkerConfig", "format_worker", "parse_worker", "parse_workers"]
+
+#: Engines a worker may name; ``kvroute`` is the bundled worker.
+ENGINES = ("kvroute", "vllm", "sglang", "trtllm")
+
+_KEYS = ("url", "engine", "events", "replay", "block_size")
+_SEPARATORS = re.compile(r"[,;\s]+")
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerConfig:
+    """One worker as configured (module docstring for the keys)."""
+
+    url: str
+    engine: str = "kvroute"
+    events: str | None = None
+    replay: str | None = None
+    block_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.url.startswith(("http://", "https://")):
+            raise ValueError(f"worker {self.url!r} is not an http(s) URL")
+        if self.engine not in ENGINES:
+            raise ValueError(f"worker {self.url}: engine {self.engine!r} is not one of "
+                             f"{', '.join(ENGINES)}")
+        for name in ("events", "replay"):
+            endpoint = getattr(self, name)
+            if endpoint is not None and not re.fullmatch(r"(tcp|ipc|inproc)://\S+", endpoint):
+                raise ValueError(f"worker {self.url}: {name} {endpoint!r} is not a ZeroMQ "
+                                 "endpoint such as tcp://host:5557")
+        if self.replay is not None and self.events is None:
+            raise ValueError(f"worker {self.url}: a replay endpoint needs an events endpoint")
+        if self.block_size is not None and self.block_size <= 0:
+            raise ValueError(f"worker {self.url}: block_size {self.block_size} is not positive")
+        if self.engine == "kvroute" and (self.events or self.replay or self.block_size):
+            raise ValueError(f"worker {self.url}: a kvroute worker describes its own events "
+                             "and block size at /model_info; give them to the worker instead")
+
+
+def parse_worker(value: Any) -> WorkerConfig:
+    """Read one worker from a table (config file, ``POST /workers``) or its flat text form.
+
+    Raises:
+        ValueError: an unknown key, a malformed value, or a missing URL; the message names it.
+    """
+    if isinstance(value, WorkerConfig):
+        return value
+    if isinstance(value, str):
+        found = parse_workers(value)
+        if len(found) != 1:
+            raise ValueError(f"{value!r} names {len(found)} workers, not one")
+        return found[0]
+    if not isinstance(value, dict):
+        raise ValueError(f"a worker is a URL or a table of {', '.join(_KEYS)}; got "
+                         f"{type(value).__name__}")
+    unknown = sorted(set(value) - set(_KEYS))
+    if unknown:
+        raise ValueError(f"worker {value.get('url')!r}: unknown keys {unknown} (known: "
+                         f"{', '.join(_KEYS)})")
+    url = value.get("url")
+    if type(url) is not str:
+        raise ValueError("a worker needs a url (a string such as \"http://host:8000\")")
+    fields: dict[str, Any] = {"url": url.rstrip("/")}
+    for name in ("engine", "events", "replay"):
+        if value.get(name) is not None:
+            if type(value[name]) is not str:
+                raise ValueError(f"worker {url}: {name} must be a string")
+            fields[name] = value[name]
+    if value.get("block_size") is not None:
+        fields["block_size"] = _integer(value["block_size"], "block_size", url)
+    return WorkerConfig(**fields)
+
+
+def parse_workers(value: Any) -> tuple[WorkerConfig, ...]:
+    """Read a list of workers: a flat text form, or a list of tables, URLs or text forms.
+
+    Raises:
+        ValueError: any worker is malformed (see :func:`parse_worker`).
+    """
+    if isinstance(value, list | tuple):
+        out: list[WorkerConfig] = []
+        for item in value:
+            out.extend(parse_workers(item) if isinstance(item, str) else [parse_worker(item)])
+        return tuple(out)
+    if not isinstance(value, str):
+        raise ValueError(f"workers must be text or a list; got {type(value).__name__}")
+    tables: list[dict[str, Any]] = []
+    for item in (p for p in _SEPARATORS.split(value) if p):
+        if item.startswith(("http://", "https://")):
+            tables.append({"url": item})
+            continue
+        key, sep, text = item.partition("=")
+        if not sep:
+            raise ValueError(f"worker item {item!r} is not an http(s) URL nor key=value")
+        if not tables:
+            raise ValueError(f"worker option {item!r} comes before any worker URL")
+        if key in tables[-1]:
+            raise ValueError(f"worker {tables[-1]['url']}: {key} is given twice")
+        tables[-1][key] = text
+    return tuple(parse_worker(t) for t in tables)
+
+
+def format_worker(worker: WorkerConfig) -> str:
+    """The flat text form of ``worker`` (parses back to an equal config)."""
+    parts = [worker.url]
+    parts += [f"{k}={v}" for k, v in asdict(worker).items()
+              if k != "url" and v is not None and v != WorkerConfig.__dataclass_fields__[k].default]
+    return ",".join(parts)
+
+
+def _integer(value: Any, name: str, url: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise ValueError(f"worker {url}: {name} must be an integer")
+    try:
+        return int(value)
+    except ValueError:
+        raise ValueError(f"worker {url}: {name} {value!r} is not an integer") from None

@@ -1,0 +1,92 @@
+"""Sending a decided request: its chosen worker first, then the next-best ones, until one
+begins to answer.
+
+A worker that fails before the first byte (:class:`~router.http.proxy.UpstreamUnavailable`:
+refused, 5xx, a stream that opened with an error, no first byte by the deadline, or given up
+when the health poll found the worker hung) costs the client nothing: the request's booking
+there is withdrawn and it goes to the next candidate that is still healthy, up to
+``MAX_ATTEMPTS`` workers in all. Only the first attempt has the learned deadline
+(:mod:`router.http.first_byte`); a fallback waits the proxy's ceiling, so a request is never
+failed by an estimate alone. A worker that answers a client error (4xx) refused the request:
+its booking is withdrawn too, and the answer goes back as it is.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from openai_request.bodies import ApiError
+from router.fleet.registry import WorkerEntry
+from router.fleet.worker_table import WorkerState
+from router.http.first_byte import FirstByteClock
+from router.http.proxy import Proxy, UpstreamAnswer, UpstreamUnavailable
+from router.service import Route, RouterService
+
+__all__ = ["MAX_ATTEMPTS", "Sent", "send_with_failover"]
+
+log = logging.getLogger(__name__)
+
+#: Workers tried per request at most (the chosen one and two fallbacks).
+MAX_ATTEMPTS = 3
+
+
+@dataclass(slots=True)
+class Sent:
+    """A request some worker began to answer."""
+
+    worker: WorkerEntry
+    answer: UpstreamAnswer
+    attempt: int
+
+
+async def send_with_failover(service: RouterService, proxy: Proxy, clock: FirstByteClock,
+                             route: Route, path: str, body: bytes, headers: Mapping[str, str],
+                             stream: bool,
+                             on_failure: Callable[[WorkerEntry, int, str], None]) -> Sent:
+    """Send ``route``'s request until a worker begins to answer.
+
+    Args:
+        service: books the request on each worker tried (and withdraws it on failure).
+        proxy: sends.
+        clock: gives the first attempt's deadline and learns from streams that begin.
+        route: the decided request.
+        path: the endpoint path on the worker.
+        body: the request body, forwarded as is.
+        headers: the client's headers.
+        stream: whether the client asked for a stream.
+        on_failure: called with the worker, the attempt and the cause of each failure.
+
+    Raises:
+        ApiError: 503, no worker began to answer.
+    """
+    candidates = [route.worker, *route.fallbacks()]
+    tried = 0
+    for worker in candidates:
+        if tried == MAX_ATTEMPTS:
+            break
+        if tried and worker.state is not WorkerState.HEALTHY:
+            continue  # turned unhealthy since the decision
+        attempt, tried = tried, tried + 1
+        service.dispatched(route, worker)
+        ahead = service.load.load(worker.id).pending_prefill_blocks
+        deadline = clock.deadline(worker.id, ahead) if stream and attempt == 0 else None
+        started = time.monotonic()
+        try:
+            answer = await proxy.send(f"{worker.url}{path}", body, headers, stream=stream,
+                                      first_byte=deadline, waits=worker.waits)
+        except UpstreamUnavailable as exc:
+            service.undispatched(route, worker)
+            on_failure(worker, attempt, exc.cause)
+            log.warning("worker %s failed before answering (%s): %s", worker.url, exc.cause,
+                        exc)
+            continue
+        if stream and answer.status == 200:
+            clock.observed(worker.id, ahead, time.monotonic() - started)
+        elif answer.status >= 400:
+            service.refused(route, worker)
+        return Sent(worker, answer, attempt)
+    raise ApiError(503, f"no worker could take the request (tried {tried})",
+                   "service_unavailable")

@@ -1,0 +1,146 @@
+"""Load accounting through a request's life, reported-load correction, predicted residency."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from router.routing.load import LoadTracker, ReportedLoad, WorkerLoad
+from router.routing.residency import PredictedResidency
+
+
+def test_a_request_moves_from_prefill_to_decode_to_gone() -> None:
+    t = LoadTracker()
+    t.add_worker(0)
+    t.routed("a", 0, prefill_blocks=6, decode_blocks=10)
+    assert t.load(0) == WorkerLoad(1, 6.0, 0.0)
+    t.first_token("a")
+    assert t.load(0) == WorkerLoad(1, 0.0, 10.0)
+    t.first_token("a")  # a second first token changes nothing
+    t.finished("a")
+    assert t.load(0) == WorkerLoad(0, 0.0, 0.0)
+    t.finished("a")  # nor does a second finish
+
+
+def test_a_request_failing_before_its_first_token_releases_its_prefill() -> None:
+    t = LoadTracker()
+    t.add_worker(0)
+    t.routed("a", 0, 4, 8)
+    t.finished("a")
+    assert t.load(0) == WorkerLoad(0, 0.0, 0.0)
+
+
+def test_reported_load_adds_what_other_routers_sent() -> None:
+    t = LoadTracker()
+    t.add_worker(0)
+    t.routed("a", 0, 4, 8)
+    # the worker sees 3 requests: ours plus two from elsewhere, 10 pending prefill blocks
+    t.reported(0, ReportedLoad(running=1, waiting=2, pending_prefill_blocks=10,
+                               decode_blocks=0))
+    assert t.load(0) == WorkerLoad(3, 10.0, 0.0)
+    # a report below our own books never lowers them
+    t.reported(0, ReportedLoad())
+    assert t.load(0) == WorkerLoad(1, 4.0, 0.0)
+
+
+def test_our_own_request_in_another_phase_is_not_foreign_load() -> None:
+    t = LoadTracker()
+    t.add_worker(0)
+    t.routed("a", 0, 4, 8)  # non-streamed: our books keep it in prefill until it ends
+    t.reported(0, ReportedLoad(running=1, pending_prefill_blocks=0, decode_blocks=8))
+    assert t.load(0) == WorkerLoad(1, 4.0, 0.0)
+    t.finished("a")
+    assert t.load(0) == WorkerLoad(0, 0.0, 0.0), "no stale load after it ends"
+
+
+def test_removing_a_worker_returns_its_in_flight_requests() -> None:
+    t = LoadTracker()
+    t.add_worker(0)
+    t.routed("b", 0, 1, 1)
+    t.routed("a", 0, 1, 1)
+    assert t.remove_worker(0) == ["a", "b"]
+    t.finished("a")  # a late finish for a removed worker is harmless
+    assert t.load(0) == WorkerLoad(0, 0.0, 0.0)
+
+
+def test_routing_twice_or_to_an_unknown_worker_is_refused() -> None:
+    t = LoadTracker()
+    t.add_worker(0)
+    t.routed("a", 0, 1, 1)
+    with pytest.raises(ValueError, match="already in flight"):
+        t.routed("a", 0, 1, 1)
+    with pytest.raises(ValueError, match="not tracked"):
+        t.routed("b", 7, 1, 1)
+
+
+def test_predictions_extend_a_run_until_they_expire() -> None:
+    p = PredictedResidency(ttl=2.0)
+    p.predict(1, [10, 11, 12], now=100.0)
+    assert p.extend(1, [10, 11, 12, 13], start=0, now=101.0) == 3
+    assert p.extend(1, [10, 11, 99, 12], start=0, now=101.0) == 2  # a run, not a set
+    assert p.extend(1, [10, 11, 12], start=1, now=101.0) == 3
+    assert p.extend(2, [10, 11, 12], start=0, now=101.0) == 0  # another worker
+    assert p.extend(1, [10, 11, 12], start=0, now=102.0) == 0  # expired
+    assert p.expire(now=102.0) == 3 and p.size(1) == 0
+
+
+def test_predictions_are_bounded_oldest_first_and_forgettable() -> None:
+    p = PredictedResidency(ttl=60.0, max_blocks=3)
+    p.predict(0, [1, 2, 3], now=0.0)
+    p.predict(0, [4], now=1.0)
+    assert p.extend(0, [1], 0, now=2.0) == 0  # 1 was the oldest
+    assert p.extend(0, [2, 3, 4], 0, now=2.0) == 3
+    p.forget(0)
+    assert p.workers() == []
+
+
+def test_expiry_drops_only_the_expired_front_and_empty_workers() -> None:
+    p = PredictedResidency(ttl=10.0)
+    p.predict(0, [1, 2], now=0.0)
+    p.predict(0, [3], now=5.0)
+    p.predict(0, [1], now=6.0)  # 1 again: lives to 16, behind 3
+    p.predict(1, [9], now=1.0)
+    assert p.expire(now=10.0) == 1  # 2 went; 3 (15) and 1 (16) stay
+    assert p.extend(0, [3], 0, now=10.0) == 1 and p.extend(0, [1], 0, now=10.0) == 1
+    assert p.size(0) == 2 and p.workers() == [0, 1]
+    assert p.expire(now=16.0) == 3
+    assert p.workers() == [] and p.size(0) == p.size(1) == 0
+
+
+def test_withdrawn_predictions_are_gone() -> None:
+    p = PredictedResidency(ttl=10.0)
+    p.predict(0, [1, 2, 3], now=0.0)
+    p.withdraw(0, [2, 3, 4])
+    p.withdraw(5, [1])  # a worker with nothing predicted
+    assert p.extend(0, [1, 2], 0, now=1.0) == 1 and p.size(0) == 1
+
+
+def test_runs_and_expiry_agree_with_a_walk_over_every_prediction() -> None:
+    """Random predictions, withdrawals, forgetting and expiry: each run from a start is the
+    leading walk over unexpired predictions, and expiry leaves exactly the unexpired ones."""
+    rng = random.Random(9)
+    p = PredictedResidency(ttl=3.0, max_blocks=40)
+    chains = [[rng.getrandbits(62) for _ in range(12)] for _ in range(6)]
+    now = 0.0
+    for _ in range(600):
+        now += rng.choice([0.0, 0.1, 0.7])
+        worker, chain = rng.randrange(5), rng.choice(chains)
+        action = rng.random()
+        if action < 0.6:
+            p.predict(worker, chain[: rng.randrange(1, 13)], now)
+        elif action < 0.7:
+            p.withdraw(worker, chain[: rng.randrange(1, 13)])
+        elif action < 0.75:
+            p.forget(worker)
+        elif action < 0.9:
+            p.expire(now)
+            for w in range(5):
+                assert all(expiry > now for expiry in p._by_worker.get(w, {}).values())
+        hashes = rng.choice(chains)
+        start = rng.randrange(0, 13)
+        entries = p._by_worker.get(worker, {})
+        n = start
+        while n < len(hashes) and entries.get(hashes[n], 0.0) > now:
+            n += 1
+        assert p.extend(worker, hashes, start, now) == n

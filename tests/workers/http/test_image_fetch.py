@@ -1,0 +1,214 @@
+"""Remote image fetching against real HTTP servers on 127.0.0.1: internal targets refused by
+default and on every redirect hop, names resolved once, bland errors, bytes that must be an
+image."""
+
+from __future__ import annotations
+
+import http.server
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import httpx
+import pytest
+
+from openai_request.bodies import ApiError
+from workers.http.image_fetch import fetch_remote_images
+from workers.http.image_policy import ImageHostPolicy, image_format
+from workers.settings import WorkerSettings, WorkerSettingsError, load_worker_settings
+
+PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(64))
+SECRET = b"root:x:0:0:internal secret"
+
+
+class Server:
+    """A real HTTP server on 127.0.0.1 that records the requests it got."""
+
+    def __init__(self) -> None:
+        self.requests: list[tuple[str, str | None]] = []
+        routes = self.routes = {
+            "/a.png": (200, {}, PNG),
+            "/secret": (200, {}, SECRET),
+            "/error": (503, {}, b"backend down"),
+        }
+        seen = self.requests
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self) -> None:
+                seen.append((self.path, self.headers.get("Host")))
+                status, headers, body = routes.get(self.path, (404, {}, b""))
+                self.send_response(status)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.port = self.httpd.server_address[1]
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def url(self, path: str, host: str = "127.0.0.1") -> str:
+        return f"http://{host}:{self.port}{path}"
+
+
+@pytest.fixture
+def server() -> Iterator[Server]:
+    s = Server()
+    s.thread.start()
+    yield s
+    s.httpd.shutdown()
+    s.httpd.server_close()
+
+
+def body(*urls: str) -> dict[str, Any]:
+    parts = [{"type": "image_url", "image_url": {"url": u}} for u in urls]
+    return {"messages": [{"role": "user", "content": parts}]}
+
+
+def settings(*allow: str) -> WorkerSettings:
+    return WorkerSettings(allow_image_hosts=allow, image_fetch_timeout=5.0)
+
+
+class StubResolver:
+    """Answers names from a table and counts the lookups."""
+
+    def __init__(self, table: dict[str, list[str] | list[list[str]]]) -> None:
+        self.table = table
+        self.calls: list[str] = []
+
+    async def __call__(self, host: str, port: int) -> list[str]:
+        self.calls.append(host)
+        answer = self.table[host]
+        if answer and isinstance(answer[0], list):  # one answer per lookup, in turn
+            return list(answer[min(len(self.calls), len(answer)) - 1])  # type: ignore[arg-type]
+        return list(answer)  # type: ignore[arg-type]
+
+
+async def refused(b: dict[str, Any], s: WorkerSettings, **kw: Any) -> str:
+    with pytest.raises(ApiError) as info:
+        await fetch_remote_images(b, s, **kw)
+    assert info.value.status == 400
+    return str(info.value.message)
+
+
+async def test_loopback_is_refused_by_default_without_a_connection(server: Server) -> None:
+    assert await refused(body(server.url("/a.png")), settings()) == "image URL not allowed"
+    assert server.requests == [], "the worker never connected"
+
+
+@pytest.mark.parametrize("url", [
+    "http://169.254.169.254/latest/meta-data/",  # cloud metadata, link-local
+    "http://10.1.2.3/x.png", "http://192.168.0.1/x.png", "http://172.16.0.1/x.png",
+    "http://[::1]/x.png", "http://[fd00::1]/x.png", "http://[fe80::1]/x.png",
+    "http://[::ffff:127.0.0.1]/x.png", "http://0.0.0.0/x.png", "http://224.0.0.1/x.png",
+])
+async def test_internal_literals_are_refused(url: str) -> None:
+    assert await refused(body(url), settings()) == "image URL not allowed"
+
+
+async def test_a_name_is_refused_when_any_address_is_internal(server: Server) -> None:
+    resolver = StubResolver({"cdn.test": ["93.184.216.34", "127.0.0.1"]})
+    url = server.url("/a.png", host="cdn.test")
+    assert await refused(body(url), settings(), resolver=resolver) == "image URL not allowed"
+    assert server.requests == []
+
+
+async def test_an_allowed_block_is_fetched(server: Server) -> None:
+    url = server.url("/a.png")
+    assert await fetch_remote_images(body(url), settings("127.0.0.0/8")) == {url: PNG}
+
+
+async def test_a_name_resolves_once_and_the_checked_address_is_connected(
+        server: Server) -> None:
+    # The first answer is allowed; a rebinding answer (metadata address) on a second lookup
+    # must never be used: the fetch connects to the address it checked.
+    resolver = StubResolver({"images.test": [["127.0.0.1"], ["169.254.169.254"]]})
+    url = server.url("/a.png", host="images.test")
+    got = await fetch_remote_images(body(url), settings("127.0.0.1/32"), resolver=resolver)
+    assert got == {url: PNG}
+    assert resolver.calls == ["images.test"]
+    assert server.requests == [("/a.png", f"images.test:{server.port}")]
+
+
+async def test_every_redirect_hop_is_checked(server: Server) -> None:
+    # images.test is allowed by name; it redirects to the loopback literal, which is not.
+    server.routes["/hop"] = (302, {"Location": server.url("/secret")}, b"")
+    resolver = StubResolver({"images.test": ["127.0.0.1"]})
+    url = server.url("/hop", host="images.test")
+    message = await refused(body(url), settings("images.test"), resolver=resolver)
+    assert message == "image URL not allowed"
+    assert [path for path, _ in server.requests] == ["/hop"], "/secret was never asked for"
+
+
+async def test_an_allowed_redirect_is_followed(server: Server) -> None:
+    server.routes["/hop"] = (301, {"Location": "/a.png"}, b"")
+    url = server.url("/hop")
+    assert await fetch_remote_images(body(url), settings("127.0.0.1")) == {url: PNG}
+
+
+async def test_errors_do_not_reveal_the_target(server: Server) -> None:
+    for path in ("/error", "/missing", "/secret"):  # 503, 404, and bytes that are no image
+        message = await refused(body(server.url(path)), settings("127.0.0.1"))
+        assert message == "image fetch failed"
+
+
+async def test_an_oversize_image_fails() -> None:
+    s = Server()
+    s.routes["/big.png"] = (200, {}, PNG + b"\0" * 200)
+    s.thread.start()
+    try:
+        small = WorkerSettings(allow_image_hosts=("127.0.0.1",), max_image_bytes=100)
+        assert await refused(body(s.url("/big.png")), small) == "image fetch failed"
+    finally:
+        s.httpd.shutdown()
+        s.httpd.server_close()
+
+
+def test_image_formats_by_magic_bytes() -> None:
+    assert image_format(PNG) == "png"
+    assert image_format(b"\xff\xd8\xff\xe0" + b"\0" * 8) == "jpeg"
+    assert image_format(b"GIF89a....") == "gif"
+    assert image_format(b"RIFF\0\0\0\0WEBPVP8 ") == "webp"
+    assert image_format(b"BM" + b"\0" * 12) == "bmp"
+    assert image_format(b"\0\0\0\x1cftypavif") == "avif"
+    assert image_format(SECRET) is None
+    assert image_format(b"") is None
+    assert image_format(b"RIFF\0\0\0\0WAVEfmt ") is None
+
+
+def test_policy_parsing() -> None:
+    policy = ImageHostPolicy.parse(["10.0.0.0/8", "Images.Internal.", " ", "::1"])
+    assert policy.allows_name("images.internal")
+    assert not policy.allows_name("other.internal")
+    assert len(policy.networks) == 2
+    with pytest.raises(ValueError):
+        ImageHostPolicy.parse(["not a host/"])
+    assert load_worker_settings({"allow_image_hosts": "10.0.0.0/8,img.test"}
+                                ).allow_image_hosts == ("10.0.0.0/8", "img.test")
+    with pytest.raises(WorkerSettingsError, match="allow_image_hosts"):
+        load_worker_settings({"allow_image_hosts": "bad host!"})
+
+
+async def test_the_worker_api_refuses_an_internal_image_and_serves_an_allowed_one(
+        server: Server) -> None:
+    from workers.http.api import create_app
+
+    chat = {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "look"},
+        {"type": "image_url", "image_url": {"url": server.url("/a.png")}}]}], "max_tokens": 1}
+    answers = []
+    for allow in ((), ("127.0.0.1",)):
+        app = create_app(WorkerSettings(events_port=None, speedup=1e6, mm_tokens_per_image=4,
+                                        allow_image_hosts=allow))
+        async with app.router.lifespan_context(app), httpx.AsyncClient(
+                transport=httpx.ASGITransport(app), base_url="http://w") as c:
+            answers.append(await c.post("/v1/chat/completions", json=chat))
+    refused, served = answers
+    assert refused.status_code == 400
+    assert refused.json()["error"]["message"] == "image URL not allowed"
+    assert served.status_code == 200, served.text
+    assert [path for path, _ in server.requests] == ["/a.png"], "only the allowed fetch ran"
