@@ -4,8 +4,13 @@
 # The build stage compiles the wheel (the Cython index core needs a compiler); the runtime
 # stage installs only that wheel, so no source folder sits in the working directory where
 # Python would import it ahead of the installed package (a bare native/ has no compiled core).
+#
+# BASE_IMAGE is any image with Python 3.11+, pip and apt on PATH (python:3.11-slim by default;
+# the container e2e test builds a stand-in from Debian's packages where no registry is reached).
 
-FROM python:3.11-slim AS build
+ARG BASE_IMAGE=python:3.11-slim
+
+FROM ${BASE_IMAGE} AS build
 RUN apt-get update \
     && apt-get install -y --no-install-recommends g++ \
     && rm -rf /var/lib/apt/lists/*
@@ -21,7 +26,7 @@ COPY bench ./bench
 COPY kvroute ./kvroute
 RUN pip wheel --no-cache-dir --no-deps --wheel-dir /wheels .
 
-FROM python:3.11-slim
+FROM ${BASE_IMAGE}
 COPY --from=build /wheels /wheels
 RUN pip install --no-cache-dir /wheels/kvroute-*.whl \
     && rm -rf /wheels \

@@ -45,16 +45,22 @@ class Stage:
 
 
 def parse_dockerfile(text: str) -> list[Stage]:
-    """Split a Dockerfile into stages of (instruction, argument) steps."""
+    """Split a Dockerfile into stages of (instruction, argument) steps; a ``FROM`` that names a
+    global ``ARG`` reads that argument's default."""
     text = re.sub(r"\\\n", " ", "\n".join(line for line in text.splitlines()
                                           if not line.lstrip().startswith("#")))
     stages: list[Stage] = []
+    args: dict[str, str] = {}
     for line in text.splitlines():
         if not line.strip():
             continue
         keyword, _, argument = line.strip().partition(" ")
         keyword = keyword.upper()
-        if keyword == "FROM":
+        if keyword == "ARG" and not stages:
+            name, _, default = argument.partition("=")
+            args[name.strip()] = default.strip()
+        elif keyword == "FROM":
+            argument = re.sub(r"\$\{(\w+)\}", lambda m: args[m.group(1)], argument)
             parts = argument.split()
             name = parts[2] if len(parts) == 3 and parts[1].upper() == "AS" else str(len(stages))
             stages.append(Stage(name, parts[0]))
