@@ -1,0 +1,95 @@
+"""The preamble both apps build the same way: the FastAPI object, its lifespan, how a refusal
+and a client that left are answered, the admin check, ``/health`` and ``/metrics``.
+
+Each app keeps its state in one typed object that satisfies :class:`AppState` (the router's
+:class:`router.http.state.RouterState`, the worker's :class:`workers.http.state.WorkerState`);
+:func:`new_app` wires that object into a FastAPI app, and the app's route modules add their
+surfaces to it, each handler reading the state object it was given.
+
+Rules:
+    1. An :class:`~openai_request.bodies.ApiError` raised anywhere in a handler becomes the
+       OpenAI-style JSON error (:func:`httpapi.responses.error_response`), after the state has
+       been told of the refusal (:meth:`AppState.refused`).
+    2. A client that leaves while its body is read (:class:`~httpapi.body.ClientGone`) is
+       counted and answered with :data:`~httpapi.responses.CLIENT_GONE_STATUS`, no traceback.
+    3. ``GET /health`` answers as long as the process serves; readiness is each app's own.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractAsyncContextManager
+from typing import Protocol
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+
+from httpapi.auth import check_bearer
+from httpapi.body import ClientGone
+from httpapi.responses import CLIENT_GONE_STATUS, error_response
+from openai_request.bodies import ApiError
+
+__all__ = ["ADMIN_BODY_BYTES", "Admin", "AppState", "new_app"]
+
+#: Bodies of the admin endpoints are small: a URL, a number or nothing.
+ADMIN_BODY_BYTES = 64 * 1024
+
+
+class AppState(Protocol):
+    """What :func:`new_app` needs from an app's state object."""
+
+    def lifespan(self, app: FastAPI) -> AbstractAsyncContextManager[None]:
+        """Start every background part, and stop them when the context ends."""
+
+    def refused(self, error: ApiError) -> None:
+        """Note a request refused with ``error`` (rule 1)."""
+
+    def client_gone(self, stage: str) -> None:
+        """Count a client that left before its answer, at ``stage`` (``body``, ``answer``)."""
+
+    def render_metrics(self) -> tuple[bytes, str]:
+        """The Prometheus exposition and its content type."""
+
+
+class Admin:
+    """The admin check of :mod:`httpapi.auth` (rule 1) for one token; each admin handler calls
+    it with its request first.
+
+    Args:
+        token: the admin token, or ``None`` for open admin endpoints.
+    """
+
+    __slots__ = ("token",)
+
+    def __init__(self, token: str | None) -> None:
+        self.token = token
+
+    def __call__(self, request: Request) -> None:
+        """Raises: ApiError: 401 when the request does not carry the token."""
+        check_bearer(request.headers.get("authorization"), self.token)
+
+
+def new_app(title: str, state: AppState) -> FastAPI:
+    """The FastAPI app for ``state``: its lifespan, rules 1-3 and ``/metrics``; the caller adds
+    its surfaces."""
+    app = FastAPI(title=title, lifespan=state.lifespan)
+
+    @app.exception_handler(ApiError)
+    async def _api_error(_: Request, exc: ApiError) -> JSONResponse:
+        state.refused(exc)
+        return error_response(exc)
+
+    @app.exception_handler(ClientGone)
+    async def _client_gone(_: Request, exc: ClientGone) -> Response:
+        state.client_gone("body")
+        return Response(status_code=CLIENT_GONE_STATUS)
+
+    @app.get("/health")
+    async def health() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics")
+    async def metrics_page() -> Response:
+        body, content_type = state.render_metrics()
+        return Response(body, media_type=content_type)
+
+    return app

@@ -1,0 +1,51 @@
+"""The router's decision, explained: ``POST /debug/route`` (behind the admin token when one is
+set) routes a request body without sending it and answers the choice with every candidate's
+cost terms, so an operator can see why a prompt went where it did.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+
+from httpapi.body import read_body
+from openai_request.bodies import parse_body
+from router.http.openai_routes import decide
+from router.http.state import RouterState
+from router.service import Route
+
+__all__ = ["add_debug_routes", "explain"]
+
+
+def add_debug_routes(app: FastAPI, state: RouterState) -> None:
+    """Add ``POST /debug/route`` to ``app``, serving from ``state``."""
+
+    @app.post("/debug/route")
+    async def debug_route(request: Request) -> dict[str, Any]:
+        state.admin(request)
+        raw = await read_body(request, state.settings.max_body_bytes)
+        body = parse_body(raw, state.settings.max_body_bytes)
+        kind = "chat" if "messages" in body else "completions"
+        return explain(state, await decide(state, body, kind, len(raw)))
+
+
+def explain(state: RouterState, route: Route) -> dict[str, Any]:
+    """``route``'s decision as ``/debug/route`` answers it."""
+    decision = route.decision
+    return {
+        "chosen": route.worker.url, "chosen_id": decision.worker,
+        "prompt_tokens": len(route.prompt.token_ids), "request_blocks": len(route.hashes),
+        "decision_us": round(route.decision_seconds * 1e6, 1),
+        "overlap_weight": decision.overlap_weight,
+        "queue_weight": state.service.scheduler.queue_weight,
+        "continues_session_on": route.continued.worker if route.continued else None,
+        "workers": [{"id": c.worker, "url": route.entries[c.worker].url,
+                     "matched_blocks": c.matched_blocks,
+                     "device_matched_blocks": c.device_matched_blocks,
+                     "prefill_blocks": c.prefill_blocks, "decode_blocks": c.decode_blocks,
+                     "active_requests": c.active_requests,
+                     "sessions": c.sessions,
+                     "cost": c.cost}
+                    for c in decision.costs],
+    }

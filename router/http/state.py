@@ -1,0 +1,79 @@
+"""The router app's state: one typed object holding what every handler reads.
+
+The settings are given when the app is built; the parts that need an event loop or load a
+tokenizer (the service with its registry, the proxy's connection pool, the metrics, the
+first-byte clock) are made when the lifespan starts and closed when it ends, so building an
+app costs nothing and a bad tokenizer path fails at start-up, where the server reports it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+import httpx
+from fastapi import FastAPI
+from prometheus_client import Counter
+
+from httpapi.app import Admin
+from httpapi.responses import disconnect_counter
+from openai_request.bodies import ApiError
+from router.http.first_byte import FirstByteClock
+from router.http.metrics import RouterMetrics
+from router.http.proxy import Proxy, ProxyTimeouts
+from router.service import RouterService
+from router.settings import RouterSettings
+
+__all__ = ["RouterState"]
+
+
+class RouterState:
+    """The router's parts, for its handlers (:class:`httpapi.app.AppState`).
+
+    Invariants:
+        1. ``settings`` and ``admin`` exist from construction; the other attributes exist
+           once :meth:`lifespan` has started and stay until the object is dropped (a stream
+           still relaying while the server stops may read them).
+    """
+
+    service: RouterService
+    proxy: Proxy
+    metrics: RouterMetrics
+    first_byte: FirstByteClock
+    disconnects: Counter
+
+    def __init__(self, settings: RouterSettings) -> None:
+        self.settings = settings
+        self.admin = Admin(settings.admin_token)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
+        """Make the parts, start the fleet's registry; stop and close them at the end."""
+        settings = self.settings
+        http = httpx.AsyncClient()
+        self.service = RouterService(settings, http)
+        self.proxy = Proxy(ProxyTimeouts(connect=settings.connect_timeout,
+                                         first_byte=settings.first_byte_timeout))
+        await self.proxy.start()
+        self.metrics = RouterMetrics(self.service)
+        self.first_byte = FirstByteClock(settings.first_byte_floor, settings.first_byte_factor,
+                                         settings.first_byte_timeout)
+        self.disconnects = disconnect_counter(self.metrics.registry)
+        await self.service.registry.start()
+        try:
+            yield
+        finally:
+            await self.service.registry.stop()
+            await self.proxy.close()
+            await http.aclose()
+
+    def refused(self, error: ApiError) -> None:
+        """Refusals are counted where they happen, by endpoint (:meth:`RouterMetrics.request`)."""
+
+    def client_gone(self, stage: str) -> None:
+        """Count a client that left before its answer."""
+        self.disconnects.labels(stage).inc()
+
+    def render_metrics(self) -> tuple[bytes, str]:
+        """The router's Prometheus exposition."""
+        return self.metrics.render()

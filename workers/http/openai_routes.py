@@ -1,0 +1,184 @@
+"""The worker's OpenAI surface: ``POST /v1/completions``, ``POST /v1/chat/completions``
+(streaming or not) and ``GET /v1/models``.
+
+Every malformed request gets an OpenAI-style JSON error with a 4xx status and the reason, and
+is refused before the engine sees it: nothing half-applied stays in the cache. A body is read
+within its byte limit and checked against the OpenAI schema
+(:func:`openai_request.bodies.validate_request`) first; a completions prompt whose length alone
+proves it too long for the model is refused before it is encoded, and a large body is encoded
+in a thread rather than on the event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import time
+import uuid
+from collections.abc import AsyncIterator
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+
+from httpapi.body import TOKENIZE_OFF_LOOP_BYTES, read_body, wait_for_disconnect
+from httpapi.responses import CLIENT_GONE_STATUS
+from openai_request.bodies import (
+    ApiError,
+    error_body,
+    fewest_prompt_tokens,
+    parse_body,
+    validate_request,
+)
+from openai_request.prompts import build_prompt
+from workers.cache.block_keys import Prompt, Scope
+from workers.engine.loop import RequestFailed, RequestHandle
+from workers.http.image_fetch import fetch_remote_images
+from workers.http.openai_format import Completion, sse
+from workers.http.state import WorkerState
+
+__all__ = ["DEFAULT_MAX_TOKENS", "add_openai_routes"]
+
+DEFAULT_MAX_TOKENS = 16
+
+
+def add_openai_routes(app: FastAPI, state: WorkerState) -> None:
+    """Add the module docstring's endpoints to ``app``, serving from ``state``."""
+
+    @app.post("/v1/completions")
+    async def completions(request: Request) -> Response:
+        return await generate(state, request, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request) -> Response:
+        return await generate(state, request, chat=True)
+
+    @app.get("/v1/models")
+    async def models() -> dict[str, Any]:
+        settings = state.settings
+        names = [settings.model, *settings.loras]
+        return {"object": "list", "data": [{"id": m, "object": "model",
+                                            "created": state.runtime.started_at,
+                                            "owned_by": "kvroute"}
+                                           for m in names]}
+
+
+async def generate(state: WorkerState, request: Request, chat: bool) -> Response:
+    """Check, encode and run one completions (or, with ``chat``, chat) request."""
+    settings, runtime = state.settings, state.runtime
+    raw = await read_body(request, settings.max_body_bytes)
+    body = parse_body(raw, settings.max_body_bytes)
+    checked = validate_request(body, "chat" if chat else "completions")
+    if checked.n not in (None, 1):
+        raise ApiError(400, f"only n=1 is supported, got {checked.n}", param="n")
+    model = settings.model if checked.model is None else checked.model
+    lora = runtime.lora_scope(model)
+    if model != settings.model and lora is None:
+        raise ApiError(404, f"the model {model!r} does not exist", param="model",
+                       code="model_not_found")
+    if chat and not settings.images and _has_images(body):
+        raise ApiError(400, "this worker does not take images", param="messages")
+    max_tokens = checked.output_limit or DEFAULT_MAX_TOKENS
+    _check_length(fewest_prompt_tokens(checked, runtime.tokenizer.max_bytes_per_token),
+                  max_tokens, settings.max_model_len, at_least=True)
+    fetched = await fetch_remote_images(body, settings) if chat else {}
+    encode = functools.partial(
+        build_prompt, body, "chat" if chat else "completions", runtime.tokenizer,
+        mm_tokens_per_image=settings.mm_tokens_per_image,
+        max_image_bytes=settings.max_image_bytes, fetch=fetched.get)
+    try:
+        tokens = (await asyncio.to_thread(encode) if len(raw) > TOKENIZE_OFF_LOOP_BYTES
+                  else encode())
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from None
+    if any(span.digest is None for span in tokens.images):
+        raise ApiError(400, "an image could not be fetched or decoded", param="messages")
+    _check_length(len(tokens.token_ids), max_tokens, settings.max_model_len)
+    scope = Scope(lora_id=lora[0] if lora else None, lora_name=lora[1] if lora else None,
+                  salt=runtime.scope_salt(tokens.cache_salt))
+    try:
+        prompt = Prompt(tokens.token_ids, tuple(tokens.images), scope)
+        handle = runtime.submit(f"req-{uuid.uuid4().hex}", prompt, max_tokens)
+    except ValueError as exc:
+        raise ApiError(400, str(exc)) from None
+    reply = Completion(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model, chat,
+                       int(time.time()), len(tokens.token_ids))
+    state.metrics.requests.labels("chat" if chat else "completions").inc()
+    if checked.stream:
+        return StreamingResponse(_stream(state, handle, reply, checked.include_usage),
+                                 media_type="text/event-stream")
+    return await _whole(state, request, handle, reply)
+
+
+async def _whole(state: WorkerState, request: Request, handle: RequestHandle,
+                 reply: Completion) -> JSONResponse:
+    collect = asyncio.ensure_future(_collect(handle))
+    gone = asyncio.ensure_future(wait_for_disconnect(request.receive))
+    try:
+        await asyncio.wait([collect, gone], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+    if not collect.done():
+        collect.cancel()
+        handle.cancel()
+        state.client_gone("answer")
+        return JSONResponse({"error": "client went away"}, status_code=CLIENT_GONE_STATUS)
+    try:
+        ids, reason = collect.result()
+    except RequestFailed as exc:
+        raise ApiError(500, f"the engine failed the request: {exc}", "server_error") from None
+    reply.cached_tokens = handle.num_cached_tokens or 0
+    state.metrics.finished(reply, len(ids))
+    return JSONResponse(reply.whole(state.runtime.tokenizer.decode(ids), reason, len(ids)))
+
+
+async def _stream(state: WorkerState, handle: RequestHandle, reply: Completion, usage: bool
+                  ) -> AsyncIterator[bytes]:
+    decode = state.runtime.tokenizer.decode
+    count, first = 0, True
+    try:
+        try:
+            async for out in handle:
+                count += 1
+                yield reply.chunk(decode([out.token_id]),
+                                  out.finish_reason if out.finished else None, first=first)
+                first = False
+        except RequestFailed as exc:
+            yield sse(error_body(ApiError(500, f"the engine failed the request: {exc}",
+                                          "server_error")))
+            yield sse("[DONE]")
+            return
+        reply.cached_tokens = handle.num_cached_tokens or 0
+        state.metrics.finished(reply, count)
+        if usage:
+            yield reply.usage_chunk(count)
+        yield sse("[DONE]")
+    finally:
+        handle.cancel()
+
+
+def _check_length(prompt_tokens: int, max_tokens: int, max_model_len: int,
+                  at_least: bool = False) -> None:
+    if prompt_tokens + max_tokens > max_model_len:
+        raise ApiError(400, f"the prompt ({'at least ' if at_least else ''}{prompt_tokens} "
+                       f"tokens) plus max_tokens ({max_tokens}) exceeds the model length "
+                       f"{max_model_len}", param="prompt", code="context_length_exceeded")
+
+
+def _has_images(body: dict[str, Any]) -> bool:
+    for message in body.get("messages") or ():
+        content = message.get("content") if isinstance(message, dict) else None
+        if isinstance(content, list) and any(
+                isinstance(p, dict) and p.get("type") == "image_url" for p in content):
+            return True
+    return False
+
+
+async def _collect(handle: RequestHandle) -> tuple[list[int], str | None]:
+    ids: list[int] = []
+    reason = None
+    async for out in handle:
+        ids.append(out.token_id)
+        if out.finished:
+            reason = out.finish_reason
+    return ids, reason

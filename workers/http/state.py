@@ -1,0 +1,54 @@
+"""The worker app's state: one typed object holding what every handler reads.
+
+The runtime (engine, tokenizer, event publisher) is built with the app, so a bad setting fails
+before the server starts; the lifespan starts it and stops it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import AsyncIterator
+
+from fastapi import FastAPI
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from httpapi.app import Admin
+from httpapi.responses import disconnect_counter
+from openai_request.bodies import ApiError
+from workers.http.metrics import WorkerMetrics
+from workers.runtime import WorkerRuntime
+from workers.settings import WorkerSettings
+
+__all__ = ["WorkerState"]
+
+
+class WorkerState:
+    """The worker's parts, for its handlers (:class:`httpapi.app.AppState`)."""
+
+    def __init__(self, settings: WorkerSettings) -> None:
+        self.settings = settings
+        self.admin = Admin(settings.admin_token)
+        self.runtime = WorkerRuntime(settings)
+        self.metrics = WorkerMetrics(self.runtime)
+        self.disconnects = disconnect_counter(self.metrics.registry)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
+        """Start the engine and the event publisher; stop them at the end."""
+        await self.runtime.start()
+        try:
+            yield
+        finally:
+            await self.runtime.stop()
+
+    def refused(self, error: ApiError) -> None:
+        """Count a refused request by its status."""
+        self.metrics.refused.labels(str(error.status)).inc()
+
+    def client_gone(self, stage: str) -> None:
+        """Count a client that left before its answer."""
+        self.disconnects.labels(stage).inc()
+
+    def render_metrics(self) -> tuple[bytes, str]:
+        """The worker's Prometheus exposition."""
+        return generate_latest(self.metrics.registry), CONTENT_TYPE_LATEST
