@@ -19,7 +19,8 @@ from pathlib import Path
 
 from openai_request.bodies import ApiError
 
-__all__ = ["BindError", "check_bearer", "check_bind", "is_loopback", "read_secret_file"]
+__all__ = ["BindError", "check_bearer", "check_bind", "check_token", "is_loopback",
+           "read_secret_file"]
 
 
 class BindError(ValueError):
@@ -38,6 +39,24 @@ def check_bearer(authorization: str | None, token: str | None) -> None:
     if not hmac.compare_digest(given, f"Bearer {token}".encode()):
         raise ApiError(401, "this endpoint needs 'Authorization: Bearer <token>'",
                        "authentication_error")
+
+
+def check_token(token: str | None, setting: str) -> None:
+    """Refuse a configured token no client can send: blank, or with white space around it
+    (HTTP strips a header value's surrounding white space, so such a token never matches and
+    the admin endpoints would be unreachable).
+
+    Raises:
+        ValueError: the token is blank or padded; the message names ``setting``.
+    """
+    if token is None:
+        return
+    if not token.strip():
+        raise ValueError(f"{setting} is blank: give a token, or none to leave admin open on "
+                         "loopback")
+    if token != token.strip():
+        raise ValueError(f"{setting} has white space around it, which no Authorization header "
+                         "can carry")
 
 
 def is_loopback(host: str) -> bool:

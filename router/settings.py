@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 import tomllib
 from collections.abc import Mapping
@@ -16,7 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
-from httpapi.auth import check_bind, read_secret_file
+from httpapi.auth import check_bind, check_token, read_secret_file
 from httpapi.server import DEFAULT_LIMITS, ConnectionLimits
 from openai_request.bodies import MAX_BODY_BYTES
 from router.events.transport import (
@@ -98,6 +99,15 @@ class RouterSettings:
     discover_interval: float = 5.0
 
     def __post_init__(self) -> None:
+        for f in fields(self):  # inf or nan: a weight that swamps every other, a wait forever
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise SettingsError(f"{f.name} must be a finite number, got {value}")
+        for name in ("admin_token", "worker_admin_token"):
+            try:
+                check_token(getattr(self, name), name)
+            except ValueError as exc:
+                raise SettingsError(str(exc)) from None
         checks = [
             (0 < self.port < 65536, f"port {self.port} is not in 1..65535"),
             (self.block_size > 0, f"block_size {self.block_size} must be positive"),

@@ -6,12 +6,13 @@ setting and where it came from.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from httpapi.auth import check_bind, read_secret_file
+from httpapi.auth import check_bind, check_token, read_secret_file
 from httpapi.server import DEFAULT_LIMITS, ConnectionLimits
 from openai_request.bodies import MAX_BODY_BYTES
 from workers.cache.publisher import CurveServerKeys
@@ -93,6 +94,15 @@ class WorkerSettings:
         for name in ("host_blocks", "data_parallel_rank"):
             if getattr(self, name) < 0:
                 raise WorkerSettingsError(f"{name} must be >= 0, got {getattr(self, name)}")
+        self._check_ports()
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, float) and not math.isfinite(value):
+                raise WorkerSettingsError(f"{f.name} must be a finite number, got {value}")
+        try:
+            check_token(self.admin_token, "admin_token")
+        except ValueError as exc:
+            raise WorkerSettingsError(str(exc)) from None
         if not 0 < self.gpu_memory_utilization <= 1:
             raise WorkerSettingsError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
@@ -126,6 +136,20 @@ class WorkerSettings:
             check_bind(self.host, self.admin_token, self.insecure_no_auth, "worker")
         except ValueError as exc:
             raise WorkerSettingsError(str(exc)) from None
+
+    def _check_ports(self) -> None:
+        if not 0 < self.port < 65536:
+            raise WorkerSettingsError(f"port must be in 1..65535, got {self.port}")
+        for name in ("events_port", "replay_port"):
+            port = getattr(self, name)
+            if port is None:
+                continue
+            if not 0 <= port < 65536:  # 0: any free port
+                raise WorkerSettingsError(f"{name} must be in 0..65535, got {port}")
+            if port and port + self.data_parallel_rank >= 65536:
+                raise WorkerSettingsError(
+                    f"{name} {port} + data_parallel_rank {self.data_parallel_rank} must be in "
+                    "0..65535 (each rank publishes on its own port)")
 
     def connection_limits(self) -> ConnectionLimits:
         """The HTTP server's connection limits and timeouts."""

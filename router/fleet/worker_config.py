@@ -33,6 +33,7 @@ from __future__ import annotations
 import re
 from dataclasses import asdict, dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 __all__ = ["ENGINES", "WorkerConfig", "format_worker", "parse_worker", "parse_workers"]
 
@@ -56,6 +57,7 @@ class WorkerConfig:
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
             raise ValueError(f"worker {self.url!r} is not an http(s) URL")
+        _check_url(self.url)
         if self.engine not in ENGINES:
             raise ValueError(f"worker {self.url}: engine {self.engine!r} is not one of "
                              f"{', '.join(ENGINES)}")
@@ -116,6 +118,8 @@ def parse_workers(value: Any) -> tuple[WorkerConfig, ...]:
     if isinstance(value, list | tuple):
         out: list[WorkerConfig] = []
         for item in value:
+            if isinstance(item, str) and not item.strip():  # ``--worker ''``
+                raise ValueError("a worker entry is empty")
             out.extend(parse_workers(item) if isinstance(item, str) else [parse_worker(item)])
         return tuple(out)
     if not isinstance(value, str):
@@ -134,6 +138,21 @@ def parse_workers(value: Any) -> tuple[WorkerConfig, ...]:
             raise ValueError(f"worker {tables[-1]['url']}: {key} is given twice")
         tables[-1][key] = text
     return tuple(parse_worker(t) for t in tables)
+
+
+def _check_url(url: str) -> None:
+    """Refuse a URL no HTTP client could open: unparsable, without a host, or with a port
+    outside 1..65535 (each would otherwise fail deep inside the first request)."""
+    try:
+        parts = urlsplit(url)
+        port = parts.port
+    except ValueError as exc:  # an unclosed "[", a port that is not a number or too large
+        reason = "its port is not in 1..65535" if "port" in str(exc).lower() else str(exc)
+        raise ValueError(f"worker {url!r} is not a valid URL: {reason}") from None
+    if not parts.hostname:
+        raise ValueError(f"worker {url!r} has no host")
+    if port == 0:
+        raise ValueError(f"worker {url!r}: port 0 is not in 1..65535")
 
 
 def format_worker(worker: WorkerConfig) -> str:

@@ -240,3 +240,18 @@ async def test_a_chat_turn_is_seen_as_its_sessions_continuation(sessions: bool) 
     else:
         assert debug["continues_session_on"] is None and "kvroute_sessions" not in metrics
     assert fresh["continues_session_on"] is None
+
+
+@pytest.mark.parametrize("url, fragment", [
+    ("http://[::1", "http://[::1"),
+    ("http://127.0.0.1:99999", "port"),
+    ("http://:8000", "no host"),
+])
+async def test_a_malformed_worker_url_is_a_one_line_400(url: str, fragment: str) -> None:
+    async with ScriptedWorker() as worker, router_for(worker, ready=1) as client:
+        r = await client.post("/workers", json={"url": url})
+        listed = (await client.get("/workers")).json()["workers"]
+    assert r.status_code == 400, r.text
+    message = r.json()["error"]["message"]
+    assert fragment in message and "\n" not in message
+    assert [w["url"] for w in listed] == [worker.url]

@@ -1,0 +1,40 @@
+"""Flags that cannot work are refused at start: the command exits 2 with one line naming the
+setting, and no traceback, instead of starting a server that can never do its job."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from kvroute.up import free_port
+
+
+@pytest.mark.parametrize("args, fragment", [
+    (["router", "--worker", "http://[::1"], "worker 'http://[::1'"),
+    (["router", "--worker", "http://127.0.0.1:99999"], "port"),
+    (["router", "--worker", "http://:8000"], "no host"),
+    (["router", "--worker", ""], "workers from flag: a worker entry is empty"),
+    (["router", "--overlap-weight", "inf"], "overlap_weight must be a finite number"),
+    (["router", "--session-weight", "nan"], "session_weight must be a finite number"),
+    (["router", "--queue-weight", "inf"], "queue_weight must be a finite number"),
+    (["router", "--health-timeout", "inf"], "health_timeout must be a finite number"),
+    (["router", "--admin-token", "   "], "admin_token is blank"),
+    (["worker", "--events-port", "70000"], "events_port must be in 0..65535"),
+    (["worker", "--replay-port", "65535", "--data-parallel-rank", "1"],
+     "replay_port 65535 + data_parallel_rank 1 must be in 0..65535"),
+    (["worker", "--admin-token", " "], "admin_token is blank"),
+])
+def test_a_flag_that_cannot_work_exits_2_with_one_line_naming_it(args: list[str],
+                                                                 fragment: str) -> None:
+    port = ["--port", str(free_port())]
+    try:
+        result = subprocess.run([sys.executable, "-m", "kvroute.cli", *args, *port],
+                                capture_output=True, text=True, timeout=30, check=False)
+    except subprocess.TimeoutExpired:
+        pytest.fail(f"{args} started a server instead of refusing")
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and fragment in lines[0], result.stderr
