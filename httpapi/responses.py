@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter
 from starlette.responses import JSONResponse
 
-from httpapi.body import BodyTooLarge
+from httpapi.refusals import register_refusals
 from openai_request.bodies import ApiError, error_body
 
 __all__ = ["CLIENT_GONE_STATUS", "disconnect_counter", "error_response"]
@@ -15,14 +15,16 @@ CLIENT_GONE_STATUS = 499
 
 
 def error_response(error: ApiError) -> JSONResponse:
-    """The OpenAI-style JSON answer for ``error``; a 413 also closes the connection."""
-    headers = error.headers if isinstance(error, BodyTooLarge) else None
+    """The OpenAI-style JSON answer for ``error``; a 413 or 408 also closes the connection."""
+    headers = getattr(error, "headers", None)
     return JSONResponse(error_body(error), status_code=error.status, headers=headers)
 
 
 def disconnect_counter(registry: CollectorRegistry) -> Counter:
     """The ``kvroute_client_disconnects_total`` counter on ``registry``: one count per client
-    that left before its answer, in place of a logged traceback for each."""
+    that left before its answer, in place of a logged traceback for each. The registry also
+    shows the HTTP server's refusals (:func:`httpapi.refusals.register_refusals`)."""
+    register_refusals(registry)
     return Counter("kvroute_client_disconnects",
                    "Clients that closed their connection before their answer, by stage",
                    ["stage"], registry=registry)

@@ -15,6 +15,14 @@ Rules:
        is read and dropped for up to ``LINGER_SECONDS`` or ``LINGER_BYTES``. Closing a socket
        with unread data makes the kernel send a reset, which can destroy the answer before the
        client reads it (nginx's "lingering close").
+    5. A request's head (request line and headers) over ``max_header_bytes`` is answered 431
+       with ``Connection: close`` as soon as that many bytes of it have arrived (httptools by
+       itself holds a head of any size), then closed as in rule 4.
+    6. A request body must arrive within ``body_timeout`` seconds, with no pause over
+       ``body_idle_timeout``, or it is answered 408 (:mod:`httpapi.deadlines`).
+
+Refusals under rules 5 and 6 are counted in ``kvroute_http_refusals_total``
+(:mod:`httpapi.refusals`).
 """
 
 from __future__ import annotations
@@ -28,6 +36,9 @@ from typing import Any, cast
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from httpapi.deadlines import BodyDeadline
+from httpapi.refusals import count_refusal
+
 __all__ = ["DEFAULT_LIMITS", "ConnectionLimits", "raise_open_file_limit", "server_config"]
 
 log = logging.getLogger(__name__)
@@ -40,18 +51,30 @@ class ConnectionLimits:
     max_connections: int = 2048
     header_timeout: float = 10.0
     keep_alive_timeout: float = 5.0
+    max_header_bytes: int = 64 * 1024
+    body_timeout: float = 120.0
+    body_idle_timeout: float = 10.0
 
     def __post_init__(self) -> None:
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be positive, got {self.max_connections}")
-        if self.header_timeout <= 0 or self.keep_alive_timeout <= 0:
-            raise ValueError("header_timeout and keep_alive_timeout must be positive")
+        if self.max_header_bytes < 1024:
+            raise ValueError(f"max_header_bytes must be at least 1024, got "
+                             f"{self.max_header_bytes}")
+        for name in ("header_timeout", "keep_alive_timeout", "body_timeout",
+                     "body_idle_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
 
 DEFAULT_LIMITS = ConnectionLimits()
 #: Rule 4's bounds on reading a refused upload's remainder.
 LINGER_SECONDS = 2.0
 LINGER_BYTES = 8 * 1024 * 1024
+#: Rule 5's answer.
+_HEAD_TOO_LARGE = (b'{"error": {"message": "the request headers are over %d bytes", '
+                   b'"type": "invalid_request_error", "param": null, '
+                   b'"code": "request_header_fields_too_large"}}')
 
 
 class _LingeringTransport:
@@ -83,6 +106,9 @@ class _GuardedProtocol(HttpToolsProtocol):
     _header_timer: asyncio.TimerHandle | None = None
     _linger_timer: asyncio.TimerHandle | None = None
     _lingered = 0
+    #: Rule 5: whether the current request's head is complete, and its bytes so far.
+    _head_done = True
+    _head_bytes = 0
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(_LingeringTransport(transport, self))  # type: ignore[arg-type]
@@ -108,6 +134,12 @@ class _GuardedProtocol(HttpToolsProtocol):
     def data_received(self, data: bytes) -> None:
         if not self.lingering:
             super().data_received(data)
+            if not self._head_done and not self.lingering:
+                # Every byte of a read after which the head is still open belongs to it (a
+                # pipelined request's read also holds the one before: counted once, early).
+                self._head_bytes += len(data)
+                if self._head_bytes > self.limits.max_header_bytes:
+                    self._refuse_head()
             return
         self._lingered += len(data)
         if self._lingered > LINGER_BYTES:
@@ -119,12 +151,39 @@ class _GuardedProtocol(HttpToolsProtocol):
 
     def on_message_begin(self) -> None:
         super().on_message_begin()
+        self._head_done, self._head_bytes = False, 0
         if self._header_timer is None:
             self._arm_header_timer()
 
     def on_headers_complete(self) -> None:
         self._disarm_header_timer()
+        self._head_done = True
+        head = len(self.url) + sum(len(k) + len(v) + 4 for k, v in self.headers)
+        if head > self.limits.max_header_bytes:
+            self._refuse_head()
+            return
         super().on_headers_complete()
+
+    def on_body(self, body: bytes) -> None:
+        if not self.lingering:
+            super().on_body(body)
+
+    def on_message_complete(self) -> None:
+        if not self.lingering:
+            super().on_message_complete()
+
+    def _refuse_head(self) -> None:
+        """Rule 5: answer 431 and close; what the client goes on sending is dropped."""
+        self._disarm_header_timer()
+        count_refusal("headers_too_large")
+        body = _HEAD_TOO_LARGE % self.limits.max_header_bytes
+        self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+                             b"content-type: application/json\r\nconnection: close\r\n"
+                             b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        if self.transport.can_write_eof():
+            self.linger(self.transport)  # type: ignore[arg-type]
+        else:
+            self.transport.close()
 
     def _arm_header_timer(self) -> None:
         self._header_timer = self.loop.call_later(self.limits.header_timeout,
@@ -155,6 +214,7 @@ def server_config(app: Any, host: str, port: int, limits: ConnectionLimits,
     """
     protocol = type("GuardedHttpProtocol", (_GuardedProtocol,), {"limits": limits})
     options: dict[str, Any] = {"access_log": False, "timeout_graceful_shutdown": 5, **extra}
+    app = BodyDeadline(app, limits.body_timeout, limits.body_idle_timeout)
     return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol,
                           limit_concurrency=limits.max_connections,
                           # uvicorn types it int but sleeps any number of seconds

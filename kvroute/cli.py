@@ -57,6 +57,12 @@ def _add_http_limits(a: Callable[..., Any], what: str) -> None:
       help="seconds a connection has to send a request's headers (default 10)")
     a("--keep-alive-timeout", type=float,
       help="seconds an idle kept-alive connection stays open (default 5)")
+    a("--max-header-bytes", type=positive_int,
+      help="largest request line and headers; larger is refused with 431 (default 64 KiB)")
+    a("--body-timeout", type=float,
+      help="seconds a request body has to arrive whole; then 408 (default 120)")
+    a("--body-idle-timeout", type=float,
+      help="longest pause, in seconds, while a request body arrives; then 408 (default 10)")
     a("--max-body-bytes", type=positive_int,
       help="largest request body; a larger one is refused with 413 as it arrives (default 64 MiB)")
 

@@ -93,6 +93,9 @@ class RouterSettings:
     max_connections: int = DEFAULT_LIMITS.max_connections
     header_timeout: float = DEFAULT_LIMITS.header_timeout
     keep_alive_timeout: float = DEFAULT_LIMITS.keep_alive_timeout
+    max_header_bytes: int = DEFAULT_LIMITS.max_header_bytes
+    body_timeout: float = DEFAULT_LIMITS.body_timeout
+    body_idle_timeout: float = DEFAULT_LIMITS.body_idle_timeout
     max_body_bytes: int = MAX_BODY_BYTES
     #: DNS names whose addresses are workers (``dns:///NAME:PORT``; router.fleet.discovery).
     discover: tuple[str, ...] = ()
@@ -164,7 +167,8 @@ class RouterSettings:
     def connection_limits(self) -> ConnectionLimits:
         """The HTTP server's connection limits and timeouts."""
         return ConnectionLimits(self.max_connections, self.header_timeout,
-                                self.keep_alive_timeout)
+                                self.keep_alive_timeout, self.max_header_bytes,
+                                self.body_timeout, self.body_idle_timeout)
 
     @property
     def salt_key(self) -> bytes | None:

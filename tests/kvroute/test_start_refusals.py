@@ -25,6 +25,8 @@ from kvroute.up import free_port
     (["worker", "--replay-port", "65535", "--data-parallel-rank", "1"],
      "replay_port 65535 + data_parallel_rank 1 must be in 0..65535"),
     (["worker", "--admin-token", " "], "admin_token is blank"),
+    (["router", "--body-timeout", "0"], "body_timeout must be positive"),
+    (["worker", "--max-header-bytes", "100"], "max_header_bytes must be at least 1024"),
 ])
 def test_a_flag_that_cannot_work_exits_2_with_one_line_naming_it(args: list[str],
                                                                  fragment: str) -> None:

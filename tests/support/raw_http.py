@@ -9,8 +9,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 
-__all__ = ["Answer", "closed_by_peer", "leave_mid_body", "open_idle", "post_declared",
-           "stream_chunked"]
+__all__ = ["Answer", "closed_by_peer", "get_with_header", "leave_mid_body", "open_idle",
+           "post_chunked_then_pause", "post_declared", "stream_chunked"]
 
 WAIT = 10.0
 
@@ -102,3 +102,56 @@ async def closed_by_peer(reader: asyncio.StreamReader, within: float) -> bool:
         return False
     except ConnectionError:
         return True
+
+
+
+async def _closes_after_answer(reader: asyncio.StreamReader) -> bool:
+    """Whether the server closes the connection after its answer (within ``WAIT``)."""
+    try:
+        await asyncio.wait_for(reader.read(), WAIT)  # the answer's body, then end of stream
+    except TimeoutError:
+        return False
+    except ConnectionError:
+        pass
+    return True
+
+
+async def post_chunked_then_pause(port: int, path: str, piece: bytes) -> tuple[Answer, bool]:
+    """POST a chunked body's first ``piece`` and then send nothing more; return the answer
+    and whether the server closed the connection after it."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    try:
+        writer.write(_head(path, {"Transfer-Encoding": "chunked"})
+                     + f"{len(piece):x}\r\n".encode() + piece + b"\r\n")
+        await writer.drain()
+        answer = await _read_answer(reader)
+        return answer, await _closes_after_answer(reader)
+    finally:
+        writer.close()
+
+
+async def get_with_header(port: int, path: str, value_bytes: int, *, piece: int = 16 * 1024
+                          ) -> tuple[Answer, bool]:
+    """GET ``path`` with one ``X-Padding`` header of ``value_bytes`` bytes, sent ``piece`` at
+    a time until the server answers; return the answer and whether the server closed the
+    connection after it."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+
+    async def send() -> None:
+        writer.write(f"GET {path} HTTP/1.1\r\nHost: test\r\nX-Padding: ".encode())
+        with contextlib.suppress(ConnectionError):
+            for start in range(0, value_bytes, piece):
+                writer.write(b"a" * min(piece, value_bytes - start))
+                await writer.drain()
+            writer.write(b"\r\n\r\n")
+            await writer.drain()
+
+    sender = asyncio.create_task(send())
+    try:
+        answer = await _read_answer(reader)
+        return answer, await _closes_after_answer(reader)
+    finally:
+        sender.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await sender
+        writer.close()

@@ -19,8 +19,10 @@ from router.http.app import create_app
 from router.settings import RouterSettings
 from tests.support.raw_http import (
     closed_by_peer,
+    get_with_header,
     leave_mid_body,
     open_idle,
+    post_chunked_then_pause,
     post_declared,
     stream_chunked,
 )
@@ -201,3 +203,31 @@ async def test_a_connection_that_sends_no_headers_is_closed() -> None:
         finally:
             writer.close()
         assert (await client.get("/health")).status_code == 200
+
+
+async def test_a_body_that_stops_arriving_is_answered_408_and_its_connection_closed() -> None:
+    limits = ConnectionLimits(body_idle_timeout=0.2)
+    refusal = 'reason="body_idle_timeout"'
+    async with ScriptedWorker() as worker, router(worker, limits=limits) as (server, client):
+        before = await metric(client, "kvroute_http_refusals_total", refusal)
+        answer, closed = await post_chunked_then_pause(server.port, "/v1/completions",
+                                                       b'{"prompt": "slow')
+        after = await metric(client, "kvroute_http_refusals_total", refusal)
+        assert (await client.get("/health")).status_code == 200
+    assert answer.status == 408
+    assert answer.headers["connection"] == "close" and closed
+    assert after == before + 1
+    assert worker.requests == []
+
+
+async def test_headers_past_the_limit_are_answered_431_and_the_connection_closed() -> None:
+    refusal = 'reason="headers_too_large"'
+    async with ScriptedWorker() as worker, router(worker) as (server, client):
+        before = await metric(client, "kvroute_http_refusals_total", refusal)
+        answer, closed = await get_with_header(server.port, "/health", 2 * MiB)
+        after = await metric(client, "kvroute_http_refusals_total", refusal)
+        fits = await client.get("/health", headers={"X-Padding": "a" * 32 * 1024})
+    assert answer.status == 431
+    assert answer.headers["connection"] == "close" and closed
+    assert after == before + 1
+    assert fits.status_code == 200

@@ -17,8 +17,10 @@ import pytest
 from httpapi.server import ConnectionLimits
 from tests.support.raw_http import (
     closed_by_peer,
+    get_with_header,
     leave_mid_body,
     open_idle,
+    post_chunked_then_pause,
     post_declared,
     stream_chunked,
 )
@@ -162,3 +164,33 @@ async def test_a_connection_that_sends_no_headers_is_closed() -> None:
         finally:
             writer.close()
         assert (await client.get("/health")).status_code == 200
+
+
+async def refusals(client: httpx.AsyncClient, reason: str) -> float:
+    text = (await client.get("/metrics")).text
+    found = re.search(rf'^kvroute_http_refusals_total\{{reason="{reason}"\}} (\S+)$', text, re.M)
+    return float(found.group(1)) if found else 0.0
+
+
+async def test_a_body_that_stops_arriving_is_answered_408_and_its_connection_closed() -> None:
+    async with worker(ConnectionLimits(body_idle_timeout=0.2)) as (server, client):
+        before = await refusals(client, "body_idle_timeout")
+        answer, closed = await post_chunked_then_pause(server.port, "/v1/completions",
+                                                       b'{"prompt": "slow')
+        after = await refusals(client, "body_idle_timeout")
+        assert (await client.get("/load")).json()["running"] == 0
+    assert answer.status == 408
+    assert answer.headers["connection"] == "close" and closed
+    assert after == before + 1
+
+
+async def test_headers_past_the_limit_are_answered_431_and_the_connection_closed() -> None:
+    async with worker(ConnectionLimits(max_header_bytes=8 * 1024)) as (server, client):
+        before = await refusals(client, "headers_too_large")
+        answer, closed = await get_with_header(server.port, "/health", 64 * 1024)
+        after = await refusals(client, "headers_too_large")
+        fits = await client.get("/health", headers={"X-Padding": "a" * 4 * 1024})
+    assert answer.status == 431
+    assert answer.headers["connection"] == "close" and closed
+    assert after == before + 1
+    assert fits.status_code == 200
