@@ -13,6 +13,7 @@ Rules:
     2. A client that leaves while its body is read (:class:`~httpapi.body.ClientGone`) is
        counted and answered with :data:`~httpapi.responses.CLIENT_GONE_STATUS`, no traceback.
     3. ``GET /health`` answers as long as the process serves; readiness is each app's own.
+    4. No API description is served (:data:`httpapi.auth.NO_API_DOCS`).
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from typing import Protocol
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
 
-from httpapi.auth import check_bearer
+from httpapi.auth import NO_API_DOCS, check_bearer
 from httpapi.body import ClientGone
 from httpapi.responses import CLIENT_GONE_STATUS, error_response
 from openai_request.bodies import ApiError
@@ -71,7 +72,7 @@ class Admin:
 def new_app(title: str, state: AppState) -> FastAPI:
     """The FastAPI app for ``state``: its lifespan, rules 1-3 and ``/metrics``; the caller adds
     its surfaces."""
-    app = FastAPI(title=title, lifespan=state.lifespan)
+    app = FastAPI(title=title, lifespan=state.lifespan, **NO_API_DOCS)
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:

@@ -9,6 +9,9 @@ Rules:
        router can register a worker of their own and receive every prompt.
     3. A token can be read from a file, so that it does not show in ``ps`` (a flag) or in the
        process environment of a child.
+    4. No app serves a description of itself (FastAPI's ``/openapi.json``, ``/docs``,
+       ``/redoc``): it would list the admin endpoints to anyone, token or not. The reference
+       is docs/ (:data:`NO_API_DOCS`, passed to ``FastAPI``).
 """
 
 from __future__ import annotations
@@ -16,11 +19,15 @@ from __future__ import annotations
 import hmac
 import ipaddress
 from pathlib import Path
+from typing import Any
 
 from openai_request.bodies import ApiError
 
-__all__ = ["BindError", "check_bearer", "check_bind", "check_token", "is_loopback",
+__all__ = ["NO_API_DOCS", "BindError", "check_bearer", "check_bind", "check_token", "is_loopback",
            "read_secret_file"]
+
+#: Rule 4: the ``FastAPI`` arguments that serve no API description.
+NO_API_DOCS: dict[str, Any] = {"openapi_url": None, "docs_url": None, "redoc_url": None}
 
 
 class BindError(ValueError):

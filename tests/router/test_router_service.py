@@ -255,3 +255,12 @@ async def test_a_malformed_worker_url_is_a_one_line_400(url: str, fragment: str)
     message = r.json()["error"]["message"]
     assert fragment in message and "\n" not in message
     assert [w["url"] for w in listed] == [worker.url]
+
+
+@pytest.mark.parametrize("path", ["/openapi.json", "/docs", "/redoc", "/docs/oauth2-redirect"])
+async def test_no_api_description_is_served(path: str) -> None:
+    # It would list the admin endpoints to anyone; the reference is docs/.
+    async with ScriptedWorker() as worker, router_for(worker, admin_token="s3cret") as client:
+        r = await client.get(path)
+        with_token = await client.get(path, headers={"Authorization": "Bearer s3cret"})
+    assert (r.status_code, with_token.status_code) == (404, 404)

@@ -200,3 +200,9 @@ async def test_reset_publishes_all_blocks_cleared_to_a_real_subscriber(
     stores = [e for n in log.of(Delivered) for e in n.batch.events if isinstance(e, Stored)]
     assert sum(len(e.block_hashes) for e in stores) == 5, "the blocks before the reset"
     assert snapshot["blocks"] == 0
+
+
+@pytest.mark.parametrize("path", ["/openapi.json", "/docs", "/redoc"])
+async def test_no_api_description_is_served(client: httpx.AsyncClient, path: str) -> None:
+    # It would list the admin endpoints (reset, snapshot, faults) to anyone.
+    assert (await client.get(path)).status_code == 404
