@@ -13,7 +13,8 @@ and, with ``--metrics-port``, the HTTP router's Prometheus metrics (``/metrics``
 counted under the endpoint ``ext_proc``), ``/ready`` and ``/health`` over HTTP.
 
 A bug in handling one request answers that request with a 500 and leaves the stream and the
-server running.
+server running. Bytes that are not a ``ProcessingRequest`` end their stream with
+``INVALID_ARGUMENT``, one logged line and a count in ``kvroute_epp_malformed_messages_total``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,9 @@ import grpc
 import httpx
 from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import Counter
 
 from openai_request.bodies import ApiError
 from router.epp import messages
@@ -50,13 +53,23 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
 
     def __init__(self, picker: Picker) -> None:
         self._picker = picker
+        self._malformed = Counter("kvroute_epp_malformed_messages",
+                                  "ext_proc messages that were not a ProcessingRequest",
+                                  registry=picker.metrics.registry)
 
     async def Process(self, request_iterator: object,
                       context: grpc.aio.ServicerContext) -> None:
         exchange = Exchange(self._picker)
         try:
             while True:
-                request = await context.read()
+                try:
+                    request = await context.read()
+                except DecodeError as exc:  # the stream's bytes are garbage: end it
+                    self._malformed.inc()
+                    log.warning("ext_proc stream from %s sent a malformed message: %s",
+                                context.peer(), exc)
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                        "a message was not an ext_proc ProcessingRequest")
                 if request is grpc.aio.EOF:
                     return
                 try:

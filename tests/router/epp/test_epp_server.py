@@ -10,12 +10,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
 import httpx
 import msgspec
+import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -242,3 +244,30 @@ async def test_metrics_count_decisions_and_refusals_over_http() -> None:
     assert 'kvroute_requests_total{endpoint="ext_proc",status="400"} 1.0' in text
     assert "kvroute_decision_seconds_count 1.0" in text
     assert ready.status_code == 200 and ready.json() == {"ready": True, "workers": 1}
+
+
+async def test_bytes_that_are_not_a_message_end_the_stream_with_invalid_argument(
+        caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO)
+    grpc_port, metrics_port = free_port(), free_port()
+    async with ScriptedWorker() as w:
+        settings = RouterSettings(workers=(w.url,), health_interval=0.1)
+        async with (epp_server(settings, grpc_port, host="127.0.0.1",
+                               metrics_port=metrics_port),
+                    grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel,
+                    httpx.AsyncClient(base_url=f"http://127.0.0.1:{metrics_port}") as http):
+            # the method's path with no (de)serializer: the bytes go out as they are
+            raw = channel.stream_stream("/envoy.service.ext_proc.v3.ExternalProcessor/Process")
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                async for _ in raw(iter([b"\xff\xff\xff not a protobuf message"])):
+                    pass
+            text = (await http.get("/metrics")).text
+            answers = await exchange(ep_grpc.ExternalProcessorStub(channel), headers(),
+                                     body(msgspec.json.encode(BODY)))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "not an ext_proc ProcessingRequest" in (refused.value.details() or "")
+    assert "kvroute_epp_malformed_messages_total 1.0" in text
+    assert [a.WhichOneof("response") for a in answers] == ["request_headers", "request_body"]
+    noted = [r for r in caplog.records if r.name == "router.epp.server"]
+    assert len(noted) == 1 and noted[0].levelno == logging.WARNING
+    assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
