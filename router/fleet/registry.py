@@ -19,7 +19,9 @@ through the adapter every ``health_interval`` seconds:
   entries are cleared and it is subscribed afresh (stock engines have none: their restarts
   show on the event stream);
 - a configured worker that is not up yet is retried on every poll (compose starts the router
-  and workers together).
+  and workers together);
+- a poll that finds the worker serving another model (a stock engine restarted behind the same
+  address) updates its description and the model table, with the reason in ``last_change``.
 
 Every answer is untrusted input, parsed by the adapter (kvroute's worker by
 :mod:`router.fleet.worker_answers`, stock engines by :mod:`router.fleet.engines.stock`).
@@ -44,7 +46,13 @@ from indexer.events import Event
 from router.events.feed import EventFeed, IndexLike
 from router.events.transport import EventTransport
 from router.fleet.discovery import Discovery
-from router.fleet.engines import EngineAdapter, PollFailed, WorkerUnreachable, adapter_for
+from router.fleet.engines import (
+    EngineAdapter,
+    PollFailed,
+    WorkerChanged,
+    WorkerUnreachable,
+    adapter_for,
+)
 from router.fleet.first_byte_waits import FirstByteWaits
 from router.fleet.healthy import HealthyWorkers
 from router.fleet.worker_config import WorkerConfig, parse_worker, parse_workers
@@ -74,6 +82,8 @@ class WorkerEntry:
     config: WorkerConfig | None = None
     #: Set once unregistered: a check still in flight for it must subscribe to nothing.
     removed: bool = False
+    #: The last change a poll found in what the worker serves (``GET /workers``).
+    last_change: str | None = None
 
     @property
     def engine(self) -> str:
@@ -104,6 +114,7 @@ class WorkerEntry:
             "model": info.model if info else None,
             "events": info.events_endpoint if info else None,
             "approximate": self.approximate, "last_error": self.last_error,
+            "last_change": self.last_change,
             "resyncing": bool(self.feed and self.feed.resyncing),
             "counters": dict(self.counters),
             "engine": self.engine,
@@ -322,6 +333,11 @@ class Registry:
             if not entry.removed:
                 await self._mark_unhealthy(entry, str(exc), gone=exc.gone)
             return
+        except WorkerChanged as exc:
+            if entry.removed:
+                return
+            load = exc.load
+            self._redescribed(entry, exc)
         if entry.removed:  # unregistered while its poll was answered
             return
         if entry.state is not WorkerState.HEALTHY:
@@ -332,6 +348,12 @@ class Registry:
                 return
         if not entry.removed:
             self._load.reported(entry.id, load)
+
+    def _redescribed(self, entry: WorkerEntry, change: WorkerChanged) -> None:
+        log.warning("worker %s: %s", entry.url, change)
+        entry.info, entry.last_change = change.info, str(change)
+        entry.counters["model_changes"] = entry.counters.get("model_changes", 0) + 1
+        self._healthy.changed()  # the model table is built from the healthy list
 
     async def _mark_unhealthy(self, entry: WorkerEntry, reason: str, gone: bool = False
                               ) -> None:

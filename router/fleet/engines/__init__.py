@@ -7,11 +7,16 @@ load at ``/load``; ``vllm``, ``sglang`` and ``trtllm`` are stock servers read th
 
 from __future__ import annotations
 
-from router.fleet.engines.base import EngineAdapter, PollFailed, WorkerUnreachable
+from router.fleet.engines.base import (
+    EngineAdapter,
+    PollFailed,
+    WorkerChanged,
+    WorkerUnreachable,
+)
 from router.fleet.engines.kvroute import KvrouteEngine
 from router.fleet.engines.stock import SGLANG, TRTLLM, VLLM, StockEngine
 
-__all__ = ["EngineAdapter", "PollFailed", "WorkerUnreachable", "adapter_for"]
+__all__ = ["EngineAdapter", "PollFailed", "WorkerChanged", "WorkerUnreachable", "adapter_for"]
 
 _ADAPTERS: dict[str, EngineAdapter] = {
     "kvroute": KvrouteEngine(),

@@ -10,6 +10,7 @@ Errors, by boundary::
     Exception
      +-- WorkerUnreachable   describe(): the worker did not answer usably; retried later
      +-- PollFailed          poll(): no health or load this time; the worker is unhealthy
+     +-- WorkerChanged       poll(): healthy, but what it serves changed; here is it anew
      +-- ValueError
           +-- IncompatibleWorker  describe(): the worker answered, and must not be routed to
 """
@@ -24,7 +25,7 @@ from router.fleet.worker_config import WorkerConfig
 from router.fleet.worker_table import WorkerInfo
 from router.routing.load import ReportedLoad
 
-__all__ = ["EngineAdapter", "PollFailed", "WorkerUnreachable", "poll_failed"]
+__all__ = ["EngineAdapter", "PollFailed", "WorkerChanged", "WorkerUnreachable", "poll_failed"]
 
 
 class WorkerUnreachable(Exception):
@@ -43,6 +44,22 @@ class PollFailed(Exception):
     def __init__(self, reason: str, *, gone: bool = False) -> None:
         super().__init__(reason)
         self.gone = gone
+
+
+class WorkerChanged(Exception):
+    """A poll was answered, and the worker now serves something else than it was described
+    with (a renamed model, an adapter added or gone).
+
+    Args:
+        reason: what changed, as ``/workers`` shows it.
+        info: the worker's description now.
+        load: the load this poll read.
+    """
+
+    def __init__(self, reason: str, info: WorkerInfo, load: ReportedLoad) -> None:
+        super().__init__(reason)
+        self.info = info
+        self.load = load
 
 
 def poll_failed(what: str, exc: httpx.HTTPError, timeout: float) -> PollFailed:

@@ -14,6 +14,13 @@ poll: running and waiting requests, and KV usage (a fraction) times the engine's
 blocks as the blocks held by decoding requests. A metrics answer that does not parse, or lacks
 these, makes the worker unhealthy with that reason.
 
+An engine can change under the router (restarted with other flags behind the same address), so
+every poll also reads ``/v1/models`` and the reported block size again: a block size other than
+the one it was described with makes the worker unhealthy with the reason (its events would no
+longer match the index); another model or set of adapters updates its description and the
+model table (:class:`~router.fleet.engines.base.WorkerChanged`); a ``/v1/models`` that no longer
+reads as one base model makes it unhealthy.
+
 Stock engines publish no instance id and no ``/kv/snapshot``: a restart is seen on the event
 stream (its sequence numbers start again at 0, which clears the worker's entries), and history
 lost beyond the engine's replay buffer clears the worker's entries to be learnt again. The
@@ -23,6 +30,7 @@ the engine's tokenizer folder (``docs/engines.md``).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,7 +38,7 @@ from typing import Any
 
 import httpx
 
-from router.fleet.engines.base import PollFailed, WorkerUnreachable, poll_failed
+from router.fleet.engines.base import PollFailed, WorkerChanged, WorkerUnreachable, poll_failed
 from router.fleet.engines.prometheus import MetricsError, Samples, parse_metrics
 from router.fleet.worker_config import WorkerConfig
 from router.fleet.worker_table import IncompatibleWorker, WorkerInfo
@@ -164,13 +172,40 @@ class StockEngine:
             running = samples.total(m.running) or 0.0
             waiting = samples.total(m.waiting) or 0.0
             usage = (samples.total(m.usage) or 0.0) / len(samples.named(m.usage))
+            block_size = m.block_size(samples)
         except MetricsError as exc:
             raise PollFailed(f"{m.path}: {exc}") from None
         if usage > 1.0:
             raise PollFailed(f"{m.path}: {m.usage} is {usage}, not a fraction")
+        if info is not None and block_size is not None and block_size != info.block_size:
+            raise PollFailed(f"{m.path}: the engine now reports block size {block_size}, not "
+                             f"{info.block_size}: its events would no longer match the index")
         blocks = info.num_blocks if info else 0
-        return ReportedLoad(running=int(running), waiting=int(waiting),
+        load = ReportedLoad(running=int(running), waiting=int(waiting),
                             decode_blocks=usage * blocks)
+        if info is not None:
+            await self._recheck_models(http, worker, info, timeout, load)
+        return load
+
+    async def _recheck_models(self, http: httpx.AsyncClient, worker: WorkerConfig,
+                              info: WorkerInfo, timeout: float, load: ReportedLoad) -> None:
+        """Raise :class:`WorkerChanged` when ``/v1/models`` no longer says what ``info``
+        does, :class:`PollFailed` when it no longer reads as one base model."""
+        try:
+            body = await self._get_json(http, worker, "/v1/models", timeout)
+            model, adapters, max_model_len = _read_models(worker.url, body)
+        except WorkerUnreachable as exc:
+            raise PollFailed(str(exc)) from None
+        if (model, adapters, max_model_len) == (info.model, info.lora_adapters,
+                                                info.max_model_len):
+            return
+        was = (info.model, *info.lora_adapters)
+        now = (model, *adapters)
+        reason = (f"/v1/models changed: {' '.join(was)} -> {' '.join(now)}" if was != now
+                  else f"/v1/models changed: max_model_len {info.max_model_len} -> "
+                  f"{max_model_len}")
+        raise WorkerChanged(reason, dataclasses.replace(
+            info, model=model, lora_adapters=adapters, max_model_len=max_model_len), load)
 
     async def _scrape(self, http: httpx.AsyncClient, worker: WorkerConfig, timeout: float
                       ) -> Samples:
@@ -185,10 +220,10 @@ class StockEngine:
         except MetricsError as exc:
             raise PollFailed(f"{self.metrics.path}: {exc}") from None
 
-    async def _get_json(self, http: httpx.AsyncClient, worker: WorkerConfig, path: str
-                        ) -> Any:
+    async def _get_json(self, http: httpx.AsyncClient, worker: WorkerConfig, path: str,
+                        timeout: float = 5.0) -> Any:
         try:
-            response = await http.get(f"{worker.url}{path}", timeout=5.0)
+            response = await http.get(f"{worker.url}{path}", timeout=timeout)
             response.raise_for_status()
             return response.json()
         except (httpx.HTTPError, ValueError) as exc:

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from aiohttp import web
 
 from kvroute.up import free_port
@@ -120,3 +122,43 @@ async def test_the_router_answers_tokenize_with_its_own_tokenizer() -> None:
         bad = await client.post("/tokenize", json={"prompt": 7})
     assert answer.json()["tokens"][1:] == [ord("a") + 4, ord("b") + 4]  # byte tokenizer
     assert bad.status_code == 400
+
+
+async def test_a_renamed_model_updates_the_model_table_with_the_reason() -> None:
+    async with StockVllm() as engine, router(f"{engine.url},engine=vllm") as client:
+        await until(client, lambda w: w["state"] == "healthy", "healthy")
+        engine.models = engine.models.replace('"tiny-llama"', '"tiny-llama-v2"')
+        worker = await until(client, lambda w: w["model"] == "tiny-llama-v2", "renamed")
+        models = (await client.get("/v1/models")).json()["data"]
+    assert worker["state"] == "healthy"
+    assert "tiny-llama -> tiny-llama-v2" in worker["last_change"]
+    assert worker["counters"]["model_changes"] == 1
+    assert [m["id"] for m in models] == ["tiny-llama-v2"]
+
+
+async def test_a_second_base_model_makes_it_unhealthy_with_the_reason() -> None:
+    async with StockVllm() as engine, router(f"{engine.url},engine=vllm") as client:
+        await until(client, lambda w: w["state"] == "healthy", "healthy")
+        data = json.loads(engine.models)
+        data["data"].append({**data["data"][0], "id": "other-base"})
+        engine.models = json.dumps(data)
+        worker = await until(client, lambda w: w["state"] == "unhealthy", "unhealthy")
+    assert "2 base models" in worker["last_error"]
+    assert worker["model"] == "tiny-llama"
+
+
+@pytest.mark.parametrize("label, reason", [
+    ("16", "the engine now reports block size 16, not 32"),
+    ("abc", "block_size='abc' is not an integer"),
+])
+async def test_a_changed_block_size_makes_it_unhealthy_with_the_reason(label: str,
+                                                                       reason: str) -> None:
+    async with StockVllm() as engine, router(f"{engine.url},engine=vllm") as client:
+        await until(client, lambda w: w["state"] == "healthy", "healthy")
+        good, engine.metrics = engine.metrics, engine.metrics.replace(
+            'block_size="32"', f'block_size="{label}"')
+        worker = await until(client, lambda w: w["state"] == "unhealthy", "unhealthy")
+        assert reason in worker["last_error"]
+        assert (await client.get("/ready")).status_code == 503
+        engine.metrics = good
+        await until(client, lambda w: w["state"] == "healthy", "healthy again")
