@@ -220,7 +220,10 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
     _add_http_limits(a, "router")
     a("--health-interval", type=float, help="seconds between load polls (default 1)")
     a("--health-timeout", type=float,
-      help="seconds a load poll may take before the worker counts as hung (default 1)")
+      help="seconds a load poll may take before it counts as late (default 1)")
+    a("--health-misses", type=positive_int,
+      help="late load polls in a row, with no bytes from the worker on its streams meanwhile, "
+      "that take a worker out (default 3)")
     a("--first-byte-floor", type=float,
       help="shortest wait for a stream's first byte before it is retried elsewhere "
       "(default 2)")

@@ -70,6 +70,7 @@ class RouterSettings:
     health_interval: float = 1.0
     unhealthy_grace: float = 5.0
     health_timeout: float = 1.0
+    health_misses: int = 3
     connect_timeout: float = 2.0
     first_byte_timeout: float = 300.0
     first_byte_floor: float = 2.0
@@ -122,6 +123,7 @@ class RouterSettings:
              f"policy {self.policy!r} is not one of {', '.join(POLICIES)}"),
             (self.predict_ttl > 0 and self.approximate_ttl > 0, "ttls must be positive"),
             (self.health_interval > 0, "health_interval must be positive"),
+            (self.health_misses >= 1, "health_misses must be at least 1"),
             (self.unhealthy_grace >= 0, "unhealthy_grace must be >= 0"),
             (self.connect_timeout > 0 and self.first_byte_timeout > 0
              and self.health_timeout > 0, "timeouts must be positive"),
@@ -199,6 +201,7 @@ class RouterSettings:
             workers=self.workers, discover=self.discover,
             discover_interval=self.discover_interval, block_size=self.block_size,
             health_interval=self.health_interval, health_timeout=self.health_timeout,
+            health_misses=self.health_misses,
             unhealthy_grace=self.unhealthy_grace, worker_admin_token=self.worker_admin_token,
             event_transport=self.event_transport())
 

@@ -7,12 +7,17 @@ incompatible one loudly, subscribes to its events (or, with no event endpoint, m
 approximate: the index learns from routing decisions alone), and polls its health and load
 through the adapter every ``health_interval`` seconds:
 
-- a failed poll (no answer within ``health_timeout``, an error status, or an answer that is
-  not a well-formed load report) takes the worker out of the candidate set at once, with the reason
+- a failed poll (a refused or reset connection, an error status, or an answer that is not a
+  well-formed load report) takes the worker out of the candidate set at once, with the reason
   in ``last_error`` (``GET /workers``); when the worker did not answer at all, every request still
   waiting for its first byte there is given up and sent elsewhere
-  (:class:`~router.fleet.first_byte_waits.FirstByteWaits`), so a hung worker costs them one probe
-  timeout, not the proxy's first-byte ceiling;
+  (:class:`~router.fleet.first_byte_waits.FirstByteWaits`), so a hung worker costs them a few
+  probe timeouts, not the proxy's first-byte ceiling;
+- a poll with no answer within ``health_timeout`` is late, not failed: a busy worker queues its
+  probe behind its streams. It is excused while the data path has received bytes from the
+  worker within ``health_interval + health_timeout`` seconds, and takes the worker out only
+  after ``health_misses`` late polls in a row with no such evidence (:mod:`router.fleet.liveness`;
+  ``late_probes`` and ``late_probes_excused`` in its counters);
 - after ``unhealthy_grace`` seconds unhealthy, its index entries go too (they would only
   attract requests to a worker that cannot serve them), and its subscription stops;
 - when it answers again, it is described anew: a new ``instance_id`` means a restart, so its
@@ -55,6 +60,7 @@ from router.fleet.engines import (
 )
 from router.fleet.first_byte_waits import FirstByteWaits
 from router.fleet.healthy import HealthyWorkers
+from router.fleet.liveness import Liveness, Verdict
 from router.fleet.worker_config import WorkerConfig, parse_worker, parse_workers
 from router.fleet.worker_table import IncompatibleWorker, WorkerInfo, WorkerState
 from router.routing.load import LoadTracker
@@ -84,6 +90,8 @@ class WorkerEntry:
     removed: bool = False
     #: The last change a poll found in what the worker serves (``GET /workers``).
     last_change: str | None = None
+    #: Evidence of life from late probes and the data path.
+    liveness: Liveness = field(default_factory=Liveness)
 
     @property
     def engine(self) -> str:
@@ -136,6 +144,8 @@ class FleetSettings:
     block_size: int = 32
     health_interval: float = 1.0
     health_timeout: float = 1.0
+    #: Late polls in a row, with no bytes on the data path, that take a worker out.
+    health_misses: int = 3
     unhealthy_grace: float = 5.0
     #: The bearer token sent on the workers' admin calls (snapshots).
     worker_admin_token: str | None = None
@@ -215,7 +225,8 @@ class Registry:
         url = config.url
         if self.find(url) is not None:
             raise ValueError(f"worker {url} is registered already")
-        entry = WorkerEntry(self._next_id, url, unhealthy_since=time.monotonic(), config=config)
+        entry = WorkerEntry(self._next_id, url, unhealthy_since=time.monotonic(), config=config,
+                            liveness=self._liveness())
         try:
             await self._connect(entry)
         except WorkerUnreachable as exc:
@@ -231,12 +242,17 @@ class Registry:
     def adopt(self, info: WorkerInfo) -> WorkerEntry:
         """Register a healthy worker whose model info is already known, without connecting
         to it or subscribing to its events (benchmarks and simulations drive the index)."""
-        entry = WorkerEntry(self._next_id, info.url, WorkerState.HEALTHY, info, indexed=True)
+        entry = WorkerEntry(self._next_id, info.url, WorkerState.HEALTHY, info, indexed=True,
+                            liveness=self._liveness())
         self._next_id += 1
         self._entries[entry.id] = entry
         self._healthy.changed()
         self._load.add_worker(entry.id)
         return entry
+
+    def _liveness(self) -> Liveness:
+        s = self._settings
+        return Liveness(s.health_misses, s.health_interval + s.health_timeout)
 
     async def remove(self, worker: int) -> WorkerEntry:
         """Unregister a worker: stop its feed and drop its entries and load.
@@ -330,8 +346,17 @@ class Registry:
             load = await entry.adapter.poll(self._http, entry.worker_config, entry.info,
                                             self._settings.health_timeout)
         except PollFailed as exc:
-            if not entry.removed:
-                await self._mark_unhealthy(entry, str(exc), gone=exc.gone)
+            if entry.removed:
+                return
+            reason = str(exc)
+            if exc.late and entry.state is WorkerState.HEALTHY:
+                verdict = entry.liveness.late()
+                if verdict != "gone":
+                    self._late(entry, verdict, reason)
+                    return
+                reason = (f"{reason} ({entry.liveness.misses} polls in a row, and no bytes "
+                          "from it on the data path)")
+            await self._mark_unhealthy(entry, reason, gone=exc.gone)
             return
         except WorkerChanged as exc:
             if entry.removed:
@@ -347,7 +372,17 @@ class Registry:
                 entry.last_error = str(exc)
                 return
         if not entry.removed:
+            entry.liveness.answered()
             self._load.reported(entry.id, load)
+
+    def _late(self, entry: WorkerEntry, verdict: Verdict, reason: str) -> None:
+        """A late poll that leaves ``entry`` healthy: excused by its data path, or a miss
+        short of ``health_misses``."""
+        name = "late_probes_excused" if verdict == "excused" else "late_probes"
+        entry.counters[name] = entry.counters.get(name, 0) + 1
+        if verdict == "missed":
+            log.info("worker %s: %s (%d of %d misses)", entry.url, reason,
+                     entry.liveness.misses, entry.liveness.misses_allowed)
 
     def _redescribed(self, entry: WorkerEntry, change: WorkerChanged) -> None:
         log.warning("worker %s: %s", entry.url, change)

@@ -83,6 +83,8 @@ async def send_with_failover(service: RouterService, proxy: Proxy, clock: FirstB
             log.warning("worker %s failed before answering (%s): %s", worker.url, exc.cause,
                         exc)
             continue
+        worker.liveness.progressed()  # an answer began: alive, whatever its probe says
+        answer.on_progress = worker.liveness.progressed
         if stream and answer.status == 200:
             clock.observed(worker.id, ahead, time.monotonic() - started)
         elif answer.status >= 400:

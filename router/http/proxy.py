@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import json
 import re
-from collections.abc import AsyncIterator, Mapping
+from collections.abc import AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
 import aiohttp
@@ -89,6 +89,9 @@ class UpstreamAnswer:
     response: aiohttp.ClientResponse
     timeouts: ProxyTimeouts
     first_chunk: bytes = b""
+    #: Called whenever body bytes arrive: the worker's data path is alive
+    #: (:mod:`router.fleet.liveness`).
+    on_progress: Callable[[], None] | None = None
 
     async def read(self) -> bytes:
         """Read the whole body (non-streaming answers), then release the connection.
@@ -98,7 +101,10 @@ class UpstreamAnswer:
         """
         try:
             async with asyncio.timeout(self.timeouts.first_byte):
-                return await self.response.read()
+                body = await self.response.read()
+            if self.on_progress is not None:
+                self.on_progress()
+            return body
         except (aiohttp.ClientError, TimeoutError) as exc:
             raise UpstreamUnavailable(f"worker failed while sending its answer: {exc}",
                                       "connect") from exc
@@ -118,6 +124,8 @@ class UpstreamAnswer:
                     chunk = await self.response.content.readany()
                 if not chunk:
                     return
+                if self.on_progress is not None:
+                    self.on_progress()
                 yield chunk
         except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
             message = f"the worker failed mid-stream: {type(exc).__name__}: {exc}".rstrip(": ")

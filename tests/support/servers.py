@@ -61,13 +61,15 @@ class ScriptedWorker:
     "fail_stream" (a stream whose first event is the engine's error), "stall" (takes the
     request, sends a stream's headers, then nothing until the client goes away),
     "die_mid_stream" (two chunks, then the connection drops), "slow" (one chunk every 50 ms for
-    10 s, recording when the client goes away).
+    10 s, recording when the client goes away), "paced" (a stream that sends one chunk per
+    :meth:`release` and ends at :meth:`finish`).
 
     Its control answers can be set while it runs: ``load_answer`` (the raw bytes ``/load``
     answers), ``model_info_extra`` (fields merged into ``/model_info``),
     ``model_info_hangs`` (set: ``/model_info`` waits until :meth:`resume`; ``model_info_calls``
-    counts the calls begun and ``model_info_ended`` those that ended) and :meth:`pause` (every
-    call waits until :meth:`resume`, as a paused process would)."""
+    counts the calls begun and ``model_info_ended`` those that ended), :meth:`hang_load`
+    (``/load`` waits until :meth:`resume`, as a worker too busy to answer its probe) and
+    :meth:`pause` (every call waits until :meth:`resume`, as a paused process would)."""
 
     def __init__(self, mode: str = "ok", *, block_size: int = 32, model: str = "kvroute-sim",
                  tokenizer: str = "bytes-v1", max_num_seqs: int = 0,
@@ -80,6 +82,8 @@ class ScriptedWorker:
         self.hang = False
         self.model_info_hangs = False
         self.model_info_calls = self.model_info_ended = 0
+        self.load_hangs = False
+        self._paced: asyncio.Queue[bool] = asyncio.Queue()
         self._resumed = asyncio.Event()
         self.block_size = block_size
         self.model = model
@@ -119,10 +123,23 @@ class ScriptedWorker:
         self.model_info_hangs = True
         self._resumed.clear()
 
+    def hang_load(self) -> None:
+        """Let ``/load`` wait (until :meth:`resume`); the other calls answer."""
+        self.load_hangs = True
+        self._resumed.clear()
+
     def resume(self) -> None:
         """Answer again; the calls that waited go on."""
-        self.hang = self.model_info_hangs = False
+        self.hang = self.model_info_hangs = self.load_hangs = False
         self._resumed.set()
+
+    def release(self) -> None:
+        """"paced" mode: send the stream's next chunk."""
+        self._paced.put_nowait(True)
+
+    def finish(self) -> None:
+        """"paced" mode: end the stream."""
+        self._paced.put_nowait(False)
 
     async def _wait_if_paused(self) -> None:
         if self.hang:
@@ -145,6 +162,8 @@ class ScriptedWorker:
 
     async def _load(self, _: web.Request) -> web.Response:
         await self._wait_if_paused()
+        if self.load_hangs:
+            await self._resumed.wait()
         return web.Response(body=self.load_answer, content_type="application/json")
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
@@ -184,6 +203,11 @@ class ScriptedWorker:
             await response.write(chunk)
             assert request.transport is not None
             request.transport.abort()
+            return response
+        if self.mode == "paced":
+            while await self._paced.get():
+                await response.write(chunk)
+            await response.write(b"data: [DONE]\n\n")
             return response
         try:
             for _ in range(200 if self.mode == "slow" else 3):

@@ -39,11 +39,14 @@ class PollFailed(Exception):
         reason: why, as ``/workers`` shows it.
         gone: the worker did not answer at all (timed out, refused, reset): requests waiting
             for its first byte are sent elsewhere.
+        late: no answer within the timeout (a busy worker may still be alive: the registry
+            weighs it with the data path's evidence, :mod:`router.fleet.liveness`).
     """
 
-    def __init__(self, reason: str, *, gone: bool = False) -> None:
+    def __init__(self, reason: str, *, gone: bool = False, late: bool = False) -> None:
         super().__init__(reason)
         self.gone = gone
+        self.late = late
 
 
 class WorkerChanged(Exception):
@@ -72,7 +75,7 @@ def poll_failed(what: str, exc: httpx.HTTPError, timeout: float) -> PollFailed:
         timeout: the poll's timeout in seconds (named in the reason).
     """
     if isinstance(exc, httpx.TimeoutException):
-        return PollFailed(f"{what} failed: no answer within {timeout}s", gone=True)
+        return PollFailed(f"{what} failed: no answer within {timeout}s", gone=True, late=True)
     return PollFailed(f"{what} failed: {type(exc).__name__}: {exc}",
                       gone=isinstance(exc, httpx.TransportError))
 

@@ -1,0 +1,146 @@
+"""A late health probe from a busy worker is not death: the registry weighs it with the data
+path's evidence (:mod:`router.fleet.liveness`).
+
+The scenarios run the registry and the proxy as the router wires them, against a scripted
+worker whose ``/load`` hangs (every probe is late) and whose stream sends a chunk when the test
+says; the polls are driven one at a time with ``poll_once``. The freshness window is driven by
+an injected clock in the unit tests at the end.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+
+from router.fleet.liveness import Liveness
+from router.fleet.worker_table import WorkerState
+from router.http.failover import send_with_failover
+from router.http.first_byte import FirstByteClock
+from router.http.proxy import Proxy, ProxyTimeouts
+from router.service import RouterService
+from router.settings import RouterSettings
+from tests.support.servers import ScriptedWorker
+
+BODY = {"model": "kvroute-sim", "prompt": "hello liveness " * 8, "max_tokens": 4,
+        "stream": True}
+
+
+@contextlib.asynccontextmanager
+async def routed(*workers: ScriptedWorker, **kw: Any
+                 ) -> AsyncIterator[tuple[RouterService, Proxy]]:
+    """The router's service and proxy in front of ``workers``. The background poll waits an
+    hour between rounds, so only the test's ``poll_once`` calls probe; a probe gives up after
+    0.2 s, and a byte on the data path counts as evidence for the hour."""
+    settings = RouterSettings(workers=tuple(w.url for w in workers), health_interval=3600,
+                              health_timeout=0.2, seed=3, **kw)
+    async with httpx.AsyncClient() as http:
+        service = RouterService(settings, http)
+        proxy = Proxy(ProxyTimeouts(connect=2.0, first_byte=30.0))
+        await proxy.start()
+        await service.registry.start()
+        try:
+            yield service, proxy
+        finally:
+            await service.registry.stop()
+            await proxy.close()
+
+
+async def test_late_probes_while_the_worker_streams_keep_it_and_its_stream() -> None:
+    async with ScriptedWorker("paced") as worker, routed(worker) as (service, proxy):
+        [entry] = service.registry.entries()
+        assert entry.state is WorkerState.HEALTHY
+        route = service.decide(BODY, "completions", None)
+        worker.release()  # the stream's first chunk: the send returns with it
+        sent = await send_with_failover(service, proxy, FirstByteClock(2.0, 4.0, 30.0), route,
+                                        "/v1/completions", json.dumps(BODY).encode(), {}, True,
+                                        lambda *_: None)
+        chunks = sent.answer.stream()
+        received = [await anext(chunks)]
+        worker.hang_load()
+        for _ in range(5):  # more late probes than health_misses, each after a chunk came
+            worker.release()
+            received.append(await anext(chunks))
+            await service.registry.poll_once()
+            assert entry.state is WorkerState.HEALTHY, entry.last_error
+        assert service.registry.candidates() == [entry]
+        worker.finish()
+        received += [chunk async for chunk in chunks]
+        worker.resume()
+    assert entry.counters["late_probes_excused"] == 5
+    assert "late_probes" not in entry.counters and "health_failures" not in entry.counters
+    text = b"".join(received)
+    assert text.count(b'"text":"x"') == 6 and text.endswith(b"data: [DONE]\n\n")
+    assert b"error" not in text
+
+
+async def test_late_probes_with_no_bytes_from_the_worker_take_it_out_at_health_misses() -> None:
+    async with ScriptedWorker() as worker, routed(worker) as (service, _):
+        [entry] = service.registry.entries()
+        worker.hang_load()
+        await service.registry.poll_once()
+        await service.registry.poll_once()
+        assert entry.state is WorkerState.HEALTHY
+        assert entry.counters["late_probes"] == 2
+        await service.registry.poll_once()
+        assert entry.state is WorkerState.UNHEALTHY
+        assert entry.last_error is not None
+        assert "no answer within 0.2s (3 polls in a row" in entry.last_error
+        worker.resume()
+        await service.registry.poll_once()
+        assert entry.state is WorkerState.HEALTHY
+
+
+async def test_an_answered_probe_starts_the_count_of_misses_again() -> None:
+    async with ScriptedWorker() as worker, routed(worker) as (service, _):
+        [entry] = service.registry.entries()
+        for _ in range(3):
+            worker.hang_load()
+            await service.registry.poll_once()
+            await service.registry.poll_once()
+            worker.resume()
+            await service.registry.poll_once()
+        assert entry.state is WorkerState.HEALTHY
+        assert entry.counters["late_probes"] == 6
+
+
+async def test_a_refused_probe_takes_it_out_at_once_whatever_its_streams_showed() -> None:
+    async with routed() as (service, _):
+        async with ScriptedWorker() as worker:
+            entry = await service.registry.add(worker.url)
+        entry.liveness.progressed()
+        await service.registry.poll_once()  # the worker's port is closed: refused
+        assert entry.state is WorkerState.UNHEALTHY
+        assert entry.last_error is not None and "ConnectError" in entry.last_error
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 50.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_a_byte_on_the_data_path_excuses_a_late_probe_only_within_the_window() -> None:
+    clock = Clock()
+    liveness = Liveness(misses=2, window=3.0, clock=clock)
+    assert liveness.late() == "missed"  # no byte ever
+    liveness.progressed()
+    clock.now += 3.0
+    assert liveness.late() == "excused"  # 3 s old: within the window; misses start again
+    assert liveness.misses == 0
+    clock.now += 0.5
+    assert liveness.late() == "missed"  # 3.5 s old: stale
+    assert liveness.late() == "gone"
+
+
+def test_an_answered_probe_clears_the_misses() -> None:
+    liveness = Liveness(misses=2, window=1.0, clock=Clock())
+    assert liveness.late() == "missed"
+    liveness.answered()
+    assert liveness.late() == "missed"
+    assert liveness.late() == "gone"
