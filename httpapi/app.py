@@ -14,15 +14,25 @@ Rules:
        counted and answered with :data:`~httpapi.responses.CLIENT_GONE_STATUS`, no traceback.
     3. ``GET /health`` answers as long as the process serves; readiness is each app's own.
     4. No API description is served (:data:`httpapi.auth.NO_API_DOCS`).
+    5. A raw route (a plain ASGI app for one ``POST`` path, given to :func:`new_app`) is
+       answered ahead of FastAPI: no middleware, no routing table, no request object. Rules
+       1 and 2 still hold for it; everything else (headers, streaming, a client that leaves
+       mid-answer) is its own business. Other methods on its path go to FastAPI, which
+       answers 405. The router serves its two forwarding endpoints this way: FastAPI's
+       middleware stack cost more CPU per request than the routing decision
+       (``docs/routing.md`` has the figures).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from contextlib import AbstractAsyncContextManager
-from typing import Protocol
+from typing import Any, Protocol
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
+from starlette.routing import Route
+from starlette.types import ASGIApp, Receive, Scope, Send
 
 from httpapi.auth import NO_API_DOCS, check_bearer
 from httpapi.body import ClientGone
@@ -69,10 +79,44 @@ class Admin:
         check_bearer(request.headers.get("authorization"), self.token)
 
 
-def new_app(title: str, state: AppState) -> FastAPI:
-    """The FastAPI app for ``state``: its lifespan, rules 1-3 and ``/metrics``; the caller adds
-    its surfaces."""
-    app = FastAPI(title=title, lifespan=state.lifespan, **NO_API_DOCS)
+class _App(FastAPI):
+    """FastAPI, with raw routes answered ahead of it (rule 5)."""
+
+    def __init__(self, state: AppState, raw: Mapping[str, ASGIApp], **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._state = state
+        self._raw = dict(raw)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            route = self._raw.get(scope["path"])
+            if route is not None:
+                try:
+                    await route(scope, receive, send)
+                except ApiError as exc:
+                    self._state.refused(exc)
+                    await error_response(exc)(scope, receive, send)
+                except ClientGone:
+                    self._state.client_gone("body")
+                    await Response(status_code=CLIENT_GONE_STATUS)(scope, receive, send)
+                return
+        await super().__call__(scope, receive, send)
+
+
+def new_app(title: str, state: AppState, raw: Mapping[str, ASGIApp] | None = None
+            ) -> FastAPI:
+    """The FastAPI app for ``state``: its lifespan, rules 1-5 and ``/metrics``; the caller adds
+    its surfaces.
+
+    Args:
+        title: the app's name.
+        state: the app's state.
+        raw: ASGI apps answering ``POST`` on their paths ahead of FastAPI (rule 5).
+    """
+    raw = raw or {}
+    app = _App(state, raw, title=title, lifespan=state.lifespan, **NO_API_DOCS)
+    for path, route in raw.items():  # so that FastAPI answers the other methods with 405
+        app.router.routes.append(Route(path, route, methods=["POST"], include_in_schema=False))
 
     @app.exception_handler(ApiError)
     async def _api_error(_: Request, exc: ApiError) -> JSONResponse:

@@ -17,12 +17,15 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from starlette.requests import ClientDisconnect, Request
+from starlette.requests import Request
 
 from openai_request.bodies import ApiError, parse_body
 
-__all__ = ["TOKENIZE_OFF_LOOP_BYTES", "ClientGone", "read_body", "read_json",
+__all__ = ["TOKENIZE_OFF_LOOP_BYTES", "ClientGone", "read_body", "read_json", "receive_body",
            "wait_for_disconnect"]
+
+#: The ASGI receive channel.
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
 
 #: A request body larger than this has its prompt encoded in a worker thread rather than on
 #: the event loop, which would otherwise stall every other request while it runs (encoding is
@@ -54,7 +57,18 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
             400 when ``Content-Length`` is not a number.
         ClientGone: the client left before the body was complete.
     """
-    declared = request.headers.get("content-length")
+    return await receive_body(request.headers.get("content-length"), request.receive,
+                              max_bytes)
+
+
+async def receive_body(declared: str | None, receive: Receive, max_bytes: int) -> bytes:
+    """:func:`read_body` on the ASGI ``receive`` channel itself, for a raw ASGI route;
+    ``declared`` is the request's ``Content-Length``, if it has one.
+
+    Raises:
+        ApiError: as :func:`read_body`.
+        ClientGone: as :func:`read_body`.
+    """
     if declared is not None:
         if not declared.isdigit():
             raise ApiError(400, "Content-Length is not a number")
@@ -62,15 +76,18 @@ async def read_body(request: Request, max_bytes: int) -> bytes:
             raise BodyTooLarge(max_bytes)
     chunks: list[bytes] = []
     size = 0
-    try:
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_bytes:
-                raise BodyTooLarge(max_bytes)
-            chunks.append(chunk)
-    except ClientDisconnect:
-        raise ClientGone from None
-    return b"".join(chunks)
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":  # http.disconnect
+            raise ClientGone
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > max_bytes:
+            raise BodyTooLarge(max_bytes)
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
 async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
@@ -84,8 +101,7 @@ async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:
     return parse_body(await read_body(request, max_bytes), max_bytes)
 
 
-async def wait_for_disconnect(receive: Callable[[], Awaitable[MutableMapping[str, Any]]]
-                             ) -> None:
+async def wait_for_disconnect(receive: Receive) -> None:
     """Return when the ASGI client has gone away (call after the request body was read)."""
     while True:
         message = await receive()

@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 
 from httpapi.body import read_body
 from openai_request.bodies import parse_body
-from router.http.openai_routes import decide
+from router.http.request_path import decide
 from router.http.state import RouterState
 from router.service import Route
 

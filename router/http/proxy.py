@@ -30,7 +30,7 @@ import asyncio
 import contextlib
 import json
 import re
-from collections.abc import AsyncIterator, Callable, Mapping
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
 
 import aiohttp
@@ -111,7 +111,7 @@ class UpstreamAnswer:
         finally:
             self.response.release()
 
-    async def stream(self) -> AsyncIterator[bytes]:
+    async def stream(self) -> AsyncGenerator[bytes, None]:
         """Yield the body as it arrives; a failure midway yields an SSE error event last.
 
         Closing the generator early closes the upstream connection.

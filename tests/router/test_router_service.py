@@ -54,6 +54,19 @@ async def test_streaming_passes_through_with_routing_headers() -> None:
     assert worker.requests[0]["prompt"] == BODY["prompt"]  # the body is forwarded unchanged
 
 
+async def test_a_whole_answer_passes_through_with_its_type_length_and_routing_headers(
+) -> None:
+    async with ScriptedWorker() as worker, router_for(worker, ready=1) as client:
+        r = await client.post("/v1/completions", json=BODY)
+        not_post = await client.get("/v1/chat/completions")
+    assert r.status_code == 200
+    assert r.headers["content-type"].startswith("application/json")
+    assert int(r.headers["content-length"]) == len(r.content)
+    assert r.json()["choices"] == [{"index": 0, "text": "ok"}]
+    assert (r.headers["x-kvroute-worker"], r.headers["x-kvroute-worker-id"]) == (worker.url, "0")
+    assert not_post.status_code == 405
+
+
 async def test_a_worker_failing_before_its_first_byte_is_retried_elsewhere() -> None:
     async with (
         ScriptedWorker("refuse") as bad,
