@@ -24,7 +24,7 @@ from typing import Any
 
 import aiohttp
 
-__all__ = ["latency", "spawn", "stop", "throughput", "wrk_throughput"]
+__all__ = ["latency", "process_cpu_seconds", "spawn", "stop", "throughput", "wrk_throughput"]
 
 
 async def _latency(url: str, body: dict[str, Any], n: int, warmup: int) -> list[float]:
@@ -104,6 +104,28 @@ def wrk_throughput(url: str, body: dict[str, Any], connections: int = 16,
     if shutil.which("wrk") is None:
         return None
     return run_wrk(url, body, connections, seconds)[1]
+
+
+def wrk_cpu(url: str, body: dict[str, Any], connections: int, seconds: float, pid: int
+            ) -> tuple[float, float] | None:
+    """Requests per second measured by ``wrk``, and the CPU seconds the process ``pid`` spent
+    per request meanwhile; None when wrk is not installed."""
+    if shutil.which("wrk") is None:
+        return None
+    before = process_cpu_seconds(pid)
+    out, rate = run_wrk(url, body, connections, seconds)
+    spent = process_cpu_seconds(pid) - before
+    found = re.search(r"(\d+) requests in", out)
+    if found is None or not int(found.group(1)):
+        raise RuntimeError(f"wrk printed no request count:\n{out}")
+    return rate, spent / int(found.group(1))
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds the process ``pid`` has used so far (Linux ``/proc``)."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()  # the name in parentheses may hold spaces
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def spawn(args: list[str], url: str, health: str = "/health", timeout: float = 30.0

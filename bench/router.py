@@ -23,6 +23,9 @@ Three figures, in one run:
 3. ``router_rps``: requests per second one router process sustains with 16 connections in
    flight, against 2 such workers; ``worker_rps`` is one worker alone under the same load,
    for scale (on 2 cores the load generator, the router and the workers share the CPU).
+   ``router_cpu_us_per_request``: the router process's CPU time (user plus system) over that
+   run, per request: the figure to compare on a loaded machine, where the rates move with
+   whatever else runs.
 
 Targets (2-core machine): decision p99 <= 200 µs at 8 workers and <= 300 µs at 1,024; added
 p50 <= 0.6 ms and p99 <= 2 ms; >= 2,000 requests/s through one router with 16 connections.
@@ -86,7 +89,15 @@ from typing import Any
 import httpx
 
 from bench.figures import percentile, print_figures
-from bench.http_load import latency, spawn, stop, throughput, wrk_throughput
+from bench.http_load import (
+    latency,
+    process_cpu_seconds,
+    spawn,
+    stop,
+    throughput,
+    wrk_cpu,
+    wrk_throughput,
+)
 from indexer.index import block_hashes, scope_seed
 from kvroute.up import free_port
 from router.fleet.worker_table import WorkerInfo
@@ -161,18 +172,23 @@ def service_figures(requests: int, seconds: float) -> dict[str, Any]:
     for p in ports:
         args += ["--worker", f"http://127.0.0.1:{p}"]
     try:
-        procs.append(spawn(args, f"http://127.0.0.1:{router_port}", health="/ready"))
+        router = spawn(args, f"http://127.0.0.1:{router_port}", health="/ready")
+        procs.append(router)
         worker_url = f"http://127.0.0.1:{ports[0]}/v1/completions"
         router_url = f"http://127.0.0.1:{router_port}/v1/completions"
         direct = latency(worker_url, body, requests)
         routed = latency(router_url, body, requests)
         worker_rps = wrk_throughput(worker_url, body, 16, seconds)
-        router_rps = wrk_throughput(router_url, body, 16, seconds)
+        measured = wrk_cpu(router_url, body, 16, seconds, router.pid)
         failed, generator = 0, "wrk"
-        if worker_rps is None or router_rps is None:
+        if worker_rps is None or measured is None:
             generator = "aiohttp (install wrk for figures less bound by the load generator)"
             worker_rps, _ = throughput(worker_url, body, 16, seconds)
+            before = process_cpu_seconds(router.pid)
             router_rps, failed = throughput(router_url, body, 16, seconds)
+            measured = router_rps, (process_cpu_seconds(router.pid) - before) / max(
+                1, router_rps * seconds)
+        router_rps, router_cpu = measured
     finally:
         for proc in procs:
             stop(proc)
@@ -184,6 +200,7 @@ def service_figures(requests: int, seconds: float) -> dict[str, Any]:
         "added_p50_ms": round((percentile(routed, 50) - percentile(direct, 50)) * 1e3, 3),
         "added_p99_ms": round((percentile(routed, 99) - percentile(direct, 99)) * 1e3, 3),
         "worker_rps": round(worker_rps), "router_rps": round(router_rps),
+        "router_cpu_us_per_request": round(router_cpu * 1e6),
         "router_failed": failed, "load_generator": generator,
     }
 
