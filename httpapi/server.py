@@ -109,6 +109,8 @@ class _GuardedProtocol(HttpToolsProtocol):
     #: Rule 5: whether the current request's head is complete, and its bytes so far.
     _head_done = True
     _head_bytes = 0
+    #: Set once a head was refused: nothing more of this connection reaches the app.
+    _refused = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(_LingeringTransport(transport, self))  # type: ignore[arg-type]
@@ -132,9 +134,11 @@ class _GuardedProtocol(HttpToolsProtocol):
         self._linger_timer = self.loop.call_later(LINGER_SECONDS, transport.close)
 
     def data_received(self, data: bytes) -> None:
+        if self._refused and not self.lingering:
+            return
         if not self.lingering:
             super().data_received(data)
-            if not self._head_done and not self.lingering:
+            if not self._head_done and not self._refused:
                 # Every byte of a read after which the head is still open belongs to it (a
                 # pipelined request's read also holds the one before: counted once, early).
                 self._head_bytes += len(data)
@@ -150,12 +154,16 @@ class _GuardedProtocol(HttpToolsProtocol):
             self.transport.close()
 
     def on_message_begin(self) -> None:
+        if self._refused:  # a request pipelined behind a refused head
+            return
         super().on_message_begin()
         self._head_done, self._head_bytes = False, 0
         if self._header_timer is None:
             self._arm_header_timer()
 
     def on_headers_complete(self) -> None:
+        if self._refused:
+            return
         self._disarm_header_timer()
         self._head_done = True
         head = len(self.url) + sum(len(k) + len(v) + 4 for k, v in self.headers)
@@ -165,17 +173,23 @@ class _GuardedProtocol(HttpToolsProtocol):
         super().on_headers_complete()
 
     def on_body(self, body: bytes) -> None:
-        if not self.lingering:
+        if not self._refused:
             super().on_body(body)
 
     def on_message_complete(self) -> None:
-        if not self.lingering:
+        if not self._refused:
             super().on_message_complete()
 
     def _refuse_head(self) -> None:
         """Rule 5: answer 431 and close; what the client goes on sending is dropped."""
         self._disarm_header_timer()
+        self._refused = True
         count_refusal("headers_too_large")
+        if self.cycle is not None and not self.cycle.response_complete:
+            # A pipelined head while the answer before it is still going out: a 431 written
+            # now would land inside that answer.
+            self.transport.close()
+            return
         body = _HEAD_TOO_LARGE % self.limits.max_header_bytes
         self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
                              b"content-type: application/json\r\nconnection: close\r\n"
