@@ -111,6 +111,11 @@ class _GuardedProtocol(HttpToolsProtocol):
     _head_bytes = 0
     #: Set once a head was refused: nothing more of this connection reaches the app.
     _refused = False
+    #: The 431 waits for the answers to the requests pipelined before the refused one.
+    _refusal_pending = False
+    #: Whether a request began in the read being parsed (rule 5 counts no bytes of that read
+    #: while its head is open: some of them may belong to the request before).
+    _began_in_read = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(_LingeringTransport(transport, self))  # type: ignore[arg-type]
@@ -137,10 +142,11 @@ class _GuardedProtocol(HttpToolsProtocol):
         if self._refused and not self.lingering:
             return
         if not self.lingering:
+            self._began_in_read = False
             super().data_received(data)
-            if not self._head_done and not self._refused:
-                # Every byte of a read after which the head is still open belongs to it (a
-                # pipelined request's read also holds the one before: counted once, early).
+            if not self._head_done and not self._refused and not self._began_in_read:
+                # Every byte of a later read after which the head is still open belongs to it;
+                # the exact size is checked when the head completes.
                 self._head_bytes += len(data)
                 if self._head_bytes > self.limits.max_header_bytes:
                     self._refuse_head()
@@ -157,7 +163,7 @@ class _GuardedProtocol(HttpToolsProtocol):
         if self._refused:  # a request pipelined behind a refused head
             return
         super().on_message_begin()
-        self._head_done, self._head_bytes = False, 0
+        self._head_done, self._head_bytes, self._began_in_read = False, 0, True
         if self._header_timer is None:
             self._arm_header_timer()
 
@@ -180,15 +186,26 @@ class _GuardedProtocol(HttpToolsProtocol):
         if not self._refused:
             super().on_message_complete()
 
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._refusal_pending and not self.pipeline:
+            self._refusal_pending = False
+            self._answer_431()
+
     def _refuse_head(self) -> None:
         """Rule 5: answer 431 and close; what the client goes on sending is dropped."""
         self._disarm_header_timer()
         self._refused = True
         count_refusal("headers_too_large")
-        if self.cycle is not None and not self.cycle.response_complete:
-            # A pipelined head while the answer before it is still going out: a 431 written
-            # now would land inside that answer.
-            self.transport.close()
+        if self.pipeline or (self.cycle is not None and not self.cycle.response_complete):
+            # Requests pipelined before this one are still being answered: a 431 written now
+            # would land inside their answers.
+            self._refusal_pending = True
+            return
+        self._answer_431()
+
+    def _answer_431(self) -> None:
+        if self.transport.is_closing():
             return
         body = _HEAD_TOO_LARGE % self.limits.max_header_bytes
         self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
