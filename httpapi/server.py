@@ -16,8 +16,10 @@ Rules:
        with unread data makes the kernel send a reset, which can destroy the answer before the
        client reads it (nginx's "lingering close").
     5. A request's head (request line and headers) over ``max_header_bytes`` is answered 431
-       with ``Connection: close`` as soon as that many bytes of it have arrived (httptools by
-       itself holds a head of any size), then closed as in rule 4.
+       with ``Connection: close``, then closed as in rule 4: exactly when the head completes,
+       and while it still arrives once the reads after the one it began in pass the limit
+       (httptools by itself holds a head of any size). Behind pipelined requests the 431
+       follows their answers.
     6. A request body must arrive within ``body_timeout`` seconds, with no pause over
        ``body_idle_timeout``, or it is answered 408 (:mod:`httpapi.deadlines`).
 
