@@ -16,8 +16,10 @@ Rules:
        with unread data makes the kernel send a reset, which can destroy the answer before the
        client reads it (nginx's "lingering close").
     5. A request's head (request line and headers) over ``max_header_bytes`` is answered 431
-       with ``Connection: close`` as soon as that many bytes of it have arrived (httptools by
-       itself holds a head of any size), then closed as in rule 4.
+       with ``Connection: close``, then closed as in rule 4: exactly when the head completes,
+       and while it still arrives once the reads after the one it began in pass the limit
+       (httptools by itself holds a head of any size). Behind pipelined requests the 431
+       follows their answers.
     6. A request body must arrive within ``body_timeout`` seconds, with no pause over
        ``body_idle_timeout``, or it is answered 408 (:mod:`httpapi.deadlines`).
 
@@ -109,6 +111,13 @@ class _GuardedProtocol(HttpToolsProtocol):
     #: Rule 5: whether the current request's head is complete, and its bytes so far.
     _head_done = True
     _head_bytes = 0
+    #: Set once a head was refused: nothing more of this connection reaches the app.
+    _refused = False
+    #: The 431 waits for the answers to the requests pipelined before the refused one.
+    _refusal_pending = False
+    #: Whether a request began in the read being parsed (rule 5 counts no bytes of that read
+    #: while its head is open: some of them may belong to the request before).
+    _began_in_read = False
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(_LingeringTransport(transport, self))  # type: ignore[arg-type]
@@ -132,11 +141,14 @@ class _GuardedProtocol(HttpToolsProtocol):
         self._linger_timer = self.loop.call_later(LINGER_SECONDS, transport.close)
 
     def data_received(self, data: bytes) -> None:
+        if self._refused and not self.lingering:
+            return
         if not self.lingering:
+            self._began_in_read = False
             super().data_received(data)
-            if not self._head_done and not self.lingering:
-                # Every byte of a read after which the head is still open belongs to it (a
-                # pipelined request's read also holds the one before: counted once, early).
+            if not self._head_done and not self._refused and not self._began_in_read:
+                # Every byte of a later read after which the head is still open belongs to it;
+                # the exact size is checked when the head completes.
                 self._head_bytes += len(data)
                 if self._head_bytes > self.limits.max_header_bytes:
                     self._refuse_head()
@@ -150,12 +162,16 @@ class _GuardedProtocol(HttpToolsProtocol):
             self.transport.close()
 
     def on_message_begin(self) -> None:
+        if self._refused:  # a request pipelined behind a refused head
+            return
         super().on_message_begin()
-        self._head_done, self._head_bytes = False, 0
+        self._head_done, self._head_bytes, self._began_in_read = False, 0, True
         if self._header_timer is None:
             self._arm_header_timer()
 
     def on_headers_complete(self) -> None:
+        if self._refused:
+            return
         self._disarm_header_timer()
         self._head_done = True
         head = len(self.url) + sum(len(k) + len(v) + 4 for k, v in self.headers)
@@ -165,17 +181,34 @@ class _GuardedProtocol(HttpToolsProtocol):
         super().on_headers_complete()
 
     def on_body(self, body: bytes) -> None:
-        if not self.lingering:
+        if not self._refused:
             super().on_body(body)
 
     def on_message_complete(self) -> None:
-        if not self.lingering:
+        if not self._refused:
             super().on_message_complete()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        if self._refusal_pending and not self.pipeline:
+            self._refusal_pending = False
+            self._answer_431()
 
     def _refuse_head(self) -> None:
         """Rule 5: answer 431 and close; what the client goes on sending is dropped."""
         self._disarm_header_timer()
+        self._refused = True
         count_refusal("headers_too_large")
+        if self.pipeline or (self.cycle is not None and not self.cycle.response_complete):
+            # Requests pipelined before this one are still being answered: a 431 written now
+            # would land inside their answers.
+            self._refusal_pending = True
+            return
+        self._answer_431()
+
+    def _answer_431(self) -> None:
+        if self.transport.is_closing():
+            return
         body = _HEAD_TOO_LARGE % self.limits.max_header_bytes
         self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
                              b"content-type: application/json\r\nconnection: close\r\n"

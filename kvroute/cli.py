@@ -223,7 +223,7 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
       help="seconds a load poll may take before it counts as late (default 1)")
     a("--health-misses", type=positive_int,
       help="late load polls in a row, with no bytes from the worker on its streams meanwhile, "
-      "that take a worker out (default 3)")
+      "that take a worker out (default 2)")
     a("--first-byte-floor", type=float,
       help="shortest wait for a stream's first byte before it is retried elsewhere "
       "(default 2)")

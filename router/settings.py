@@ -70,7 +70,7 @@ class RouterSettings:
     health_interval: float = 1.0
     unhealthy_grace: float = 5.0
     health_timeout: float = 1.0
-    health_misses: int = 3
+    health_misses: int = 2
     connect_timeout: float = 2.0
     first_byte_timeout: float = 300.0
     first_byte_floor: float = 2.0

@@ -9,8 +9,11 @@ which are at their limit too. So :class:`Liveness` weighs two kinds of evidence:
 2. A probe found no connection (refused, reset): the worker is gone at once. The registry
    decides this one from the error; it never reaches this class.
 3. A probe came back late: when the data path received a byte from the worker within
-   ``window`` seconds (a stream or an answer in progress there), the worker is alive and the
-   miss is excused; otherwise it is a miss, and ``misses`` of them in a row mean it is gone.
+   ``window`` seconds (the registry gives the probe's timeout: bytes that came while the probe
+   waited, from a stream or an answer in progress there), the worker is alive and the miss is
+   excused; otherwise it is a miss, and ``misses`` of them in a row mean it is gone. A paused
+   or hung worker sends nothing while its probe waits, so it is gone after ``misses`` probes,
+   as soon as its first late probe would have found it if it had no streams.
 
 The clock is injected; nothing here waits.
 """
@@ -36,7 +39,7 @@ class Liveness:
         clock: seconds, monotonic.
     """
 
-    def __init__(self, misses: int = 3, window: float = 2.0,
+    def __init__(self, misses: int = 2, window: float = 1.0,
                  clock: Callable[[], float] = time.monotonic) -> None:
         assert misses >= 1, "a worker must be allowed at least one miss"
         self.misses_allowed = misses

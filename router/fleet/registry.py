@@ -14,8 +14,8 @@ through the adapter every ``health_interval`` seconds:
   (:class:`~router.fleet.first_byte_waits.FirstByteWaits`), so a hung worker costs them a few
   probe timeouts, not the proxy's first-byte ceiling;
 - a poll with no answer within ``health_timeout`` is late, not failed: a busy worker queues its
-  probe behind its streams. It is excused while the data path has received bytes from the
-  worker within ``health_interval + health_timeout`` seconds, and takes the worker out only
+  probe behind its streams. It is excused when the data path received bytes from the worker
+  while the probe waited (within ``health_timeout`` seconds), and takes the worker out only
   after ``health_misses`` late polls in a row with no such evidence (:mod:`router.fleet.liveness`;
   ``late_probes`` and ``late_probes_excused`` in its counters);
 - after ``unhealthy_grace`` seconds unhealthy, its index entries go too (they would only
@@ -145,7 +145,7 @@ class FleetSettings:
     health_interval: float = 1.0
     health_timeout: float = 1.0
     #: Late polls in a row, with no bytes on the data path, that take a worker out.
-    health_misses: int = 3
+    health_misses: int = 2
     unhealthy_grace: float = 5.0
     #: The bearer token sent on the workers' admin calls (snapshots).
     worker_admin_token: str | None = None
@@ -252,7 +252,7 @@ class Registry:
 
     def _liveness(self) -> Liveness:
         s = self._settings
-        return Liveness(s.health_misses, s.health_interval + s.health_timeout)
+        return Liveness(s.health_misses, s.health_timeout)
 
     async def remove(self, worker: int) -> WorkerEntry:
         """Unregister a worker: stop its feed and drop its entries and load.

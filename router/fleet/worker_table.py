@@ -93,10 +93,26 @@ def resolve_endpoint(value: Any, worker_url: str, name: str) -> str | None:
         raise IncompatibleWorker(f"worker {worker_url}: model_info {name} is not an endpoint")
     scheme, rest = value.split("://", 1)
     host, sep, port = rest.rpartition(":")
-    if scheme == "tcp" and sep and host in _WILDCARD_HOSTS:
+    if scheme not in ("tcp", "ipc", "inproc") or not rest:
+        raise IncompatibleWorker(f"worker {worker_url}: model_info {name} {value!r} is not a "
+                                 "ZeroMQ endpoint (tcp://, ipc:// or inproc://)")
+    if scheme == "tcp" and not _tcp_address(host, port, sep):
+        raise IncompatibleWorker(f"worker {worker_url}: model_info {name} {value!r} is not "
+                                 "tcp://HOST:PORT with a port in 1..65535")
+    if scheme == "tcp" and host in _WILDCARD_HOSTS:
         # A worker bound to every interface advertises a wildcard; reach it where its HTTP is.
         host = urlsplit(worker_url).hostname or "127.0.0.1"
         if ":" in host:
             host = f"[{host}]"
         return f"tcp://{host}:{port}"
     return value
+
+
+def _tcp_address(host: str, port: str, sep: str) -> bool:
+    if not sep or not port.isdigit() or not 0 < int(port) < 65536:
+        return False
+    if host in _WILDCARD_HOSTS:
+        return True
+    if host.startswith("[") or host.endswith("]"):
+        return host.startswith("[") and host.endswith("]") and len(host) > 2
+    return bool(host) and ":" not in host

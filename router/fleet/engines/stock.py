@@ -195,7 +195,8 @@ class StockEngine:
             body = await self._get_json(http, worker, "/v1/models", timeout)
             model, adapters, max_model_len = _read_models(worker.url, body)
         except WorkerUnreachable as exc:
-            raise PollFailed(str(exc)) from None
+            late = isinstance(exc.__cause__, httpx.TimeoutException)
+            raise PollFailed(str(exc), gone=late, late=late) from None
         if (model, adapters, max_model_len) == (info.model, info.lora_adapters,
                                                 info.max_model_len):
             return

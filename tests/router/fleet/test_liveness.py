@@ -3,8 +3,8 @@ path's evidence (:mod:`router.fleet.liveness`).
 
 The scenarios run the registry and the proxy as the router wires them, against a scripted
 worker whose ``/load`` hangs (every probe is late) and whose stream sends a chunk when the test
-says; the polls are driven one at a time with ``poll_once``. The freshness window is driven by
-an injected clock in the unit tests at the end.
+says; the polls are driven one at a time with ``poll_once``, and the worker's liveness reads a
+clock that moves only when the test moves it.
 """
 
 from __future__ import annotations
@@ -29,28 +29,39 @@ BODY = {"model": "kvroute-sim", "prompt": "hello liveness " * 8, "max_tokens": 4
         "stream": True}
 
 
+class Clock:
+    def __init__(self) -> None:
+        self.now = 50.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
 @contextlib.asynccontextmanager
 async def routed(*workers: ScriptedWorker, **kw: Any
-                 ) -> AsyncIterator[tuple[RouterService, Proxy]]:
-    """The router's service and proxy in front of ``workers``. The background poll waits an
-    hour between rounds, so only the test's ``poll_once`` calls probe; a probe gives up after
-    0.2 s, and a byte on the data path counts as evidence for the hour."""
+                 ) -> AsyncIterator[tuple[RouterService, Proxy, Clock]]:
+    """The router's service and proxy in front of ``workers``, and the clock of every worker's
+    liveness. The background poll waits an hour between rounds, so only the test's
+    ``poll_once`` calls probe; a probe gives up after 0.2 s (the evidence window too)."""
     settings = RouterSettings(workers=tuple(w.url for w in workers), health_interval=3600,
                               health_timeout=0.2, seed=3, **kw)
+    clock = Clock()
     async with httpx.AsyncClient() as http:
         service = RouterService(settings, http)
         proxy = Proxy(ProxyTimeouts(connect=2.0, first_byte=30.0))
         await proxy.start()
         await service.registry.start()
+        for entry in service.registry.entries():
+            entry.liveness.clock = clock
         try:
-            yield service, proxy
+            yield service, proxy, clock
         finally:
             await service.registry.stop()
             await proxy.close()
 
 
 async def test_late_probes_while_the_worker_streams_keep_it_and_its_stream() -> None:
-    async with ScriptedWorker("paced") as worker, routed(worker) as (service, proxy):
+    async with ScriptedWorker("paced") as worker, routed(worker) as (service, proxy, clock):
         [entry] = service.registry.entries()
         assert entry.state is WorkerState.HEALTHY
         route = service.decide(BODY, "completions", None)
@@ -61,9 +72,11 @@ async def test_late_probes_while_the_worker_streams_keep_it_and_its_stream() -> 
         chunks = sent.answer.stream()
         received = [await anext(chunks)]
         worker.hang_load()
-        for _ in range(5):  # more late probes than health_misses, each after a chunk came
+        for _ in range(5):  # more late probes than health_misses, each just after a chunk
+            clock.now += 1.0
             worker.release()
             received.append(await anext(chunks))
+            clock.now += 0.1  # the probe is judged 0.1 s after the chunk came
             await service.registry.poll_once()
             assert entry.state is WorkerState.HEALTHY, entry.last_error
         assert service.registry.candidates() == [entry]
@@ -77,8 +90,21 @@ async def test_late_probes_while_the_worker_streams_keep_it_and_its_stream() -> 
     assert b"error" not in text
 
 
+async def test_bytes_older_than_the_probe_excuse_nothing() -> None:
+    async with ScriptedWorker() as worker, routed(worker) as (service, _, clock):
+        [entry] = service.registry.entries()
+        entry.liveness.progressed()  # the last byte of a stream
+        clock.now += 0.3  # and then nothing for longer than a probe waits
+        worker.hang_load()
+        await service.registry.poll_once()
+        assert entry.state is WorkerState.HEALTHY and entry.counters["late_probes"] == 1
+        await service.registry.poll_once()
+        assert entry.state is WorkerState.UNHEALTHY
+        worker.resume()
+
+
 async def test_late_probes_with_no_bytes_from_the_worker_take_it_out_at_health_misses() -> None:
-    async with ScriptedWorker() as worker, routed(worker) as (service, _):
+    async with ScriptedWorker() as worker, routed(worker, health_misses=3) as (service, _, _):
         [entry] = service.registry.entries()
         worker.hang_load()
         await service.registry.poll_once()
@@ -95,34 +121,25 @@ async def test_late_probes_with_no_bytes_from_the_worker_take_it_out_at_health_m
 
 
 async def test_an_answered_probe_starts_the_count_of_misses_again() -> None:
-    async with ScriptedWorker() as worker, routed(worker) as (service, _):
+    async with ScriptedWorker() as worker, routed(worker) as (service, _, _):
         [entry] = service.registry.entries()
         for _ in range(3):
             worker.hang_load()
             await service.registry.poll_once()
-            await service.registry.poll_once()
             worker.resume()
             await service.registry.poll_once()
         assert entry.state is WorkerState.HEALTHY
-        assert entry.counters["late_probes"] == 6
+        assert entry.counters["late_probes"] == 3
 
 
 async def test_a_refused_probe_takes_it_out_at_once_whatever_its_streams_showed() -> None:
-    async with routed() as (service, _):
+    async with routed() as (service, _, _):
         async with ScriptedWorker() as worker:
             entry = await service.registry.add(worker.url)
         entry.liveness.progressed()
         await service.registry.poll_once()  # the worker's port is closed: refused
         assert entry.state is WorkerState.UNHEALTHY
         assert entry.last_error is not None and "ConnectError" in entry.last_error
-
-
-class Clock:
-    def __init__(self) -> None:
-        self.now = 50.0
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def test_a_byte_on_the_data_path_excuses_a_late_probe_only_within_the_window() -> None:

@@ -53,9 +53,27 @@ def test_a_model_info_that_is_not_one_is_refused(raw: bytes) -> None:
         parse_model_info("http://w", raw)
 
 
-def test_an_event_endpoint_that_is_not_one_is_incompatible() -> None:
-    with pytest.raises(IncompatibleWorker, match="events_endpoint"):
-        parse_model_info("http://w", json.dumps({**INFO, "events_endpoint": "here"}).encode())
+@pytest.mark.parametrize("endpoint", ["here", "tcp://127.0.0.1:99999", "tcp://*:x",
+                                      "tcp://127.0.0.1", "tcp://h:p:5557", "udp://h:5557",
+                                      "tcp://[::1:5557"])
+def test_an_event_endpoint_that_is_not_one_is_incompatible(endpoint: str) -> None:
+    with pytest.raises(IncompatibleWorker, match="events_endpoint") as refused:
+        parse_model_info("http://w", json.dumps({**INFO, "events_endpoint": endpoint}).encode())
+    assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize("endpoint, resolved", [
+    ("tcp://*:5557", "tcp://w:5557"),
+    ("tcp://0.0.0.0:5557", "tcp://w:5557"),
+    ("tcp://:5557", "tcp://w:5557"),
+    ("tcp://:::5557", "tcp://w:5557"),
+    ("tcp://[::1]:5557", "tcp://[::1]:5557"),
+    ("ipc:///tmp/kv.sock", "ipc:///tmp/kv.sock"),
+])
+def test_an_event_endpoint_is_read_as_the_router_can_reach_it(endpoint: str,
+                                                              resolved: str) -> None:
+    info = parse_model_info("http://w", json.dumps({**INFO, "events_endpoint": endpoint}).encode())
+    assert info.events_endpoint == resolved
 
 
 def test_a_load_report_is_read_in_blocks_and_missing_figures_are_zero() -> None:

@@ -194,3 +194,19 @@ async def test_headers_past_the_limit_are_answered_431_and_the_connection_closed
     assert answer.headers["connection"] == "close" and closed
     assert after == before + 1
     assert fits.status_code == 200
+
+
+async def test_a_pipelined_oversized_head_is_refused_after_the_answer_before_it() -> None:
+    big = b"GET /health HTTP/1.1\r\nHost: t\r\nX-Padding: " + b"a" * 100_000 + b"\r\n\r\n"
+    small = b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n"
+    async with worker() as (server, _):
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        try:
+            writer.write(small + big + small)
+            await writer.drain()
+            answers = await asyncio.wait_for(reader.read(), 10)  # to the close
+        finally:
+            writer.close()
+    statuses = re.findall(rb"HTTP/1\.1 (\d{3}) ", answers)
+    assert statuses == [b"200", b"431"]
+    assert answers.count(b'{"status":"ok"}') == 1
