@@ -18,7 +18,7 @@ from router.events.subscriber import Delivered, EventSubscriber
 from workers.http.api import create_app
 from workers.settings import WorkerSettings
 
-PNG = "data:image/png;base64," + base64.b64encode(b"\x89PNG" + bytes(range(200))).decode()
+PNG = "data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\n" + bytes(range(200))).decode()
 TEXT = "The quick brown fox jumps over the lazy dog. " * 4  # 180 bytes: 5 full blocks
 
 
