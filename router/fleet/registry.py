@@ -230,6 +230,7 @@ class Registry:
         try:
             await self._connect(entry)
         except WorkerUnreachable as exc:
+            _count_oversize(entry, exc)
             if must_answer:
                 raise
             entry.last_error = str(exc)
@@ -346,6 +347,7 @@ class Registry:
             load = await entry.adapter.poll(self._http, entry.worker_config, entry.info,
                                             self._settings.health_timeout)
         except PollFailed as exc:
+            _count_oversize(entry, exc)
             if entry.removed:
                 return
             reason = str(exc)
@@ -369,6 +371,7 @@ class Registry:
             try:
                 await self._connect(entry)
             except (WorkerUnreachable, IncompatibleWorker) as exc:
+                _count_oversize(entry, exc)
                 entry.last_error = str(exc)
                 return
         if not entry.removed:
@@ -485,3 +488,8 @@ class Registry:
         if hasattr(self._index, "remove_worker"):
             self._index.remove_worker(entry.id)
 
+
+def _count_oversize(entry: WorkerEntry, exc: Exception) -> None:
+    """Count an answer refused for its size (``kvroute_control_answers_oversize``)."""
+    if getattr(exc, "oversize", False):
+        entry.counters["oversize_answers"] = entry.counters.get("oversize_answers", 0) + 1

@@ -137,6 +137,13 @@ class _StateCollector:
         for e in entries:
             health.add_metric([e.url], e.counters.get("health_failures", 0))
         yield health
+        oversize = CounterMetricFamily(
+            "kvroute_control_answers_oversize",
+            "Control-plane answers (model info, load, models, health, metrics) refused for "
+            "passing the size limit, per worker", labels=["worker"])
+        for e in entries:
+            oversize.add_metric([e.url], e.counters.get("oversize_answers", 0))
+        yield oversize
         predicted = GaugeMetricFamily(
             "kvroute_predicted_blocks",
             "Blocks the router predicts resident without an event saying so yet",
