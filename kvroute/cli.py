@@ -112,6 +112,14 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
       help="image URLs may reach these CIDR blocks or host names even when internal "
       "(default: none; loopback, private, link-local, multicast and unspecified addresses "
       "are refused)")
+    a("--max-images-per-request", type=int,
+      help="image parts a chat request may carry; more is a 400 (default 16)")
+    a("--max-image-request-bytes", type=int,
+      help="fetched image bytes per request, all its images together; more is a 400 "
+      "(default 64 MiB)")
+    a("--max-image-fetch-bytes", type=int,
+      help="fetched image bytes in flight across all requests; a request past them is a "
+      "503 (default 256 MiB)")
     a("--no-image-hints", dest="image_hints", action="store_false", default=None,
       help="publish no image UUID routing hints")
     a("--curve-secret-key", metavar="FILE",

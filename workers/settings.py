@@ -56,6 +56,9 @@ class WorkerSettings:
     image_hints: bool = True
     image_hint_capacity: int = 4096
     max_image_bytes: int = 20 * 1024 * 1024
+    max_images_per_request: int = 16
+    max_image_request_bytes: int = 64 * 1024 * 1024
+    max_image_fetch_bytes: int = 256 * 1024 * 1024
     image_fetch_timeout: float = 5.0
     allow_image_hosts: tuple[str, ...] = ()
     # event-plane security: CURVE on the event sockets, a keyed salt tag
@@ -89,7 +92,8 @@ class WorkerSettings:
     def __post_init__(self) -> None:
         positive = ("port", "block_size", "num_blocks", "max_num_batched_tokens",
                     "max_num_seqs", "max_model_len", "mm_tokens_per_image",
-                    "image_hint_capacity", "max_image_bytes", "replay_buffer",
+                    "image_hint_capacity", "max_image_bytes", "max_images_per_request",
+                    "max_image_request_bytes", "max_image_fetch_bytes", "replay_buffer",
                     "max_pending_stored", "max_body_bytes")
         for name in positive:
             if getattr(self, name) <= 0:
