@@ -97,6 +97,12 @@ class EventFeed:
         await self.subscriber.stop()
 
     @property
+    def failure(self) -> str | None:
+        """Why this feed stopped following its stream (its subscriber's task ended), or None
+        while it follows it."""
+        return self.subscriber.failure
+
+    @property
     def resyncing(self) -> bool:
         """Whether a snapshot fetch is in flight."""
         return self._resync is not None and not self._resync.done()

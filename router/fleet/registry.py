@@ -26,7 +26,9 @@ through the adapter every ``health_interval`` seconds:
 - a configured worker that is not up yet is retried on every poll (compose starts the router
   and workers together);
 - a poll that finds the worker serving another model (a stock engine restarted behind the same
-  address) updates its description and the model table, with the reason in ``last_change``.
+  address) updates its description and the model table, with the reason in ``last_change``;
+- a worker whose event subscription stopped (:attr:`EventFeed.failure`) is unhealthy with that
+  reason, its entries dropped, and is subscribed afresh on the next check that it answers.
 
 Every answer is untrusted input, parsed by the adapter (kvroute's worker by
 :mod:`router.fleet.worker_answers`, stock engines by :mod:`router.fleet.engines.stock`).
@@ -342,6 +344,15 @@ class Registry:
 
     async def _check(self, entry: WorkerEntry) -> None:
         if entry.state is WorkerState.INCOMPATIBLE:
+            return
+        if entry.feed is not None and entry.feed.failure is not None:
+            # Its view can no longer follow the stream: drop it, and subscribe afresh once
+            # the worker answers (the next check, from the unhealthy state).
+            reason = entry.feed.failure
+            entry.counters["feed_failures"] = entry.counters.get("feed_failures", 0) + 1
+            await self._disconnect(entry)
+            if not entry.removed:
+                await self._mark_unhealthy(entry, reason)
             return
         try:
             load = await entry.adapter.poll(self._http, entry.worker_config, entry.info,
