@@ -75,7 +75,11 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     a = p.add_argument
     a("--host", help="HTTP bind address (default 127.0.0.1)")
     a("--port", type=int, help="HTTP port (default 8100)")
-    a("--events-host", help="address the event sockets bind (default 127.0.0.1)")
+    a("--events-host", help="address the event sockets bind (default 127.0.0.1); off "
+      "loopback it needs CURVE keys or --insecure-events")
+    a("--insecure-events", action="store_const", const=True,
+      help="publish KV events off loopback without CURVE (anyone who reaches the event ports "
+      "reads the token ids of every cached prompt)")
     a("--events-port", type=int, help="KV event PUB port (default 5557)")
     a("--replay-port", type=int, help="KV event replay ROUTER port (default 5558)")
     a("--topic", help="topic frame of every event batch (default empty)")

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from httpapi.auth import check_bind, check_token, read_secret_file
+from httpapi.auth import check_bind, check_token, is_loopback, read_secret_file
 from httpapi.server import DEFAULT_LIMITS, ConnectionLimits
 from openai_request.bodies import MAX_BODY_BYTES
 from workers.cache.publisher import CurveServerKeys
@@ -80,6 +80,8 @@ class WorkerSettings:
     # The HTTP boundary: admin token source, open-bind consent, connection limits.
     admin_token_file: str | None = None
     insecure_no_auth: bool = False
+    #: Publish KV events off loopback without CURVE (``insecure_no_auth`` consents too).
+    insecure_events: bool = False
     max_connections: int = DEFAULT_LIMITS.max_connections
     header_timeout: float = DEFAULT_LIMITS.header_timeout
     keep_alive_timeout: float = DEFAULT_LIMITS.keep_alive_timeout
@@ -138,6 +140,14 @@ class WorkerSettings:
             object.__setattr__(self, "salt_secret", _read_secret(self.salt_secret_file))
         if self.salt_secret is not None and not self.salt_secret:
             raise WorkerSettingsError("salt_secret is empty")
+        if (self.events_port is not None and not is_loopback(self.events_host)
+                and self.curve_secret_key is None
+                and not (self.insecure_events or self.insecure_no_auth)):
+            raise WorkerSettingsError(
+                f"the worker would publish KV events on {self.events_host} without CURVE: "
+                "anyone who reaches the event ports reads the token ids of every cached "
+                "prompt. Give CURVE keys (--curve-secret-key, --curve-authorized-clients), "
+                "bind --events-host 127.0.0.1, or pass --insecure-events to accept the risk")
         try:
             self.connection_limits()
             check_bind(self.host, self.admin_token, self.insecure_no_auth, "worker")

@@ -50,7 +50,7 @@ from typing import Any
 import httpx
 
 from indexer.events import Event
-from router.events.feed import EventFeed, IndexLike
+from router.events.feed import CAPACITY_SLACK, EventFeed, IndexLike
 from router.events.transport import EventTransport
 from router.fleet.discovery import Discovery
 from router.fleet.engines import (
@@ -459,7 +459,8 @@ class Registry:
                                           info.replay_endpoint, fetch_snapshot=fetch,
                                           on_cleared=self._forget, counters=entry.counters,
                                           on_events=self._on_events,
-                                          transport=self._event_transport)
+                                          transport=self._event_transport,
+                                          max_blocks=_max_blocks(info))
             await feed.start()
             if entry.removed:  # removed while connecting: remove() may have stopped it mid-start
                 entry.feed = None
@@ -504,3 +505,11 @@ def _count_oversize(entry: WorkerEntry, exc: Exception) -> None:
     """Count an answer refused for its size (``kvroute_control_answers_oversize``)."""
     if getattr(exc, "oversize", False):
         entry.counters["oversize_answers"] = entry.counters.get("oversize_answers", 0) + 1
+
+
+def _max_blocks(info: WorkerInfo) -> int | None:
+    """The bound on a worker's index entries (:mod:`router.events.feed`), None when it
+    declares no capacity."""
+    if not info.num_blocks:
+        return None
+    return CAPACITY_SLACK * (info.num_blocks + info.host_blocks)

@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 __all__ = ["RouterMetrics"]
 
 _FEED_COUNTERS = ("batches", "replayed", "gaps", "history_lost", "resyncs", "snapshots", "restarts",
-                  "malformed", "snapshot_failures", "feed_failures")
+                  "malformed", "snapshot_failures", "feed_failures", "over_capacity")
 #: Counters the subscriber keeps itself, with their help texts.
 _SUBSCRIBER_COUNTERS = {
     "oversize": "Connections dropped for a message over the event size limit, per worker",

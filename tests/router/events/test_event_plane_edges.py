@@ -30,10 +30,7 @@ TOP = b"\xff" * 8  # seq 2**64 - 1
 
 
 def stored(block: int) -> bytes:
-    event = BlockStored(block_hashes=[block], parent_block_hash=None,
-                        token_ids=[2 * block + 1, 2 * block + 2],
-                        block_size=2, lora_id=None, medium="GPU", lora_name=None, group_idx=0)
-    return encode_batch(KVEventBatch(float(block), [event], 0))
+    return encode_batch(KVEventBatch(float(block), [stored_event(block)], 0))
 
 
 @pytest.fixture
@@ -162,3 +159,40 @@ async def test_a_subscription_that_stops_marks_its_worker_unhealthy_until_resubs
         finally:
             await reg.stop()
             await pub.close()
+
+
+async def test_a_worker_holds_no_more_entries_than_its_capacity_allows() -> None:
+    # The worker declares 4 device blocks; a rogue publisher on its event port stores 10,000.
+    # Its view is bounded at twice the declared capacity (a block may sit on both tiers, and
+    # events in flight lag behind evictions), and the excess is counted.
+    pub = EventPublisher(ANY_PORT, None)
+    await pub.start()
+    index = PrefixIndex(2)
+    async with ScriptedWorker(block_size=2) as worker, httpx.AsyncClient() as http:
+        worker.model_info_extra = {"events_endpoint": pub.endpoint,
+                                   "capacity": {"num_blocks": 4}}
+        reg = Registry(RouterSettings(block_size=2, unhealthy_grace=60.0).fleet_settings(),
+                       index, LoadTracker(), "bytes-v1", lambda _: None, http)
+        try:
+            entry = await reg.add(worker.url)
+            assert entry.feed is not None
+            for block in range(200):  # until the subscription is live
+                await pub.publish(KVEventBatch(0.0, [stored_event(block)], 0))
+                await asyncio.sleep(0.01)
+                if entry.counters.get("batches"):
+                    break
+            batch = [stored_event(1000 + b) for b in range(10_000)]
+            await pub.publish(KVEventBatch(0.0, batch, 0))
+            await until(lambda: entry.counters.get("over_capacity", 0) > 0, "the excess counted")
+            assert sum(index.worker_blocks(entry.id)) == 8
+            assert entry.counters["over_capacity"] >= 10_000 - 8
+            assert entry.state is WorkerState.HEALTHY
+        finally:
+            await reg.stop()
+            await pub.close()
+
+
+def stored_event(block: int) -> BlockStored:
+    return BlockStored(block_hashes=[block], parent_block_hash=None,
+                       token_ids=[2 * block + 1, 2 * block + 2],
+                       block_size=2, lora_id=None, medium="GPU", lora_name=None, group_idx=0)
