@@ -29,6 +29,7 @@ __all__ = [
     "MEDIUM_CPU",
     "MEDIUM_GPU",
     "REPLAY_END_SEQ",
+    "SEQ_LIMIT",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
@@ -45,11 +46,21 @@ MEDIUM_CPU = "CPU"
 #: The seq frame that closes a replay reply (``ff`` x 8).
 REPLAY_END_SEQ = b"\xff" * 8
 
+#: A batch's sequence number is below this. A seq frame at or above it (the replay end marker
+#: among them) carries no batch; consumers count it as malformed. Engines count from 0 by 1.
+SEQ_LIMIT = 2**63
+
 _SEQ = struct.Struct(">Q")
 
 
 def pack_seq(seq: int) -> bytes:
-    """Return the 8-byte big-endian frame for sequence number ``seq``."""
+    """Return the 8-byte big-endian frame for sequence number ``seq``.
+
+    Raises:
+        ValueError: ``seq`` is negative, or not below ``2**64 - 1`` (the end marker's value).
+    """
+    if not 0 <= seq < 2**64 - 1:
+        raise ValueError(f"seq {seq} is out of range for a seq frame")
     return _SEQ.pack(seq)
 
 

@@ -75,7 +75,11 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     a = p.add_argument
     a("--host", help="HTTP bind address (default 127.0.0.1)")
     a("--port", type=int, help="HTTP port (default 8100)")
-    a("--events-host", help="address the event sockets bind (default 127.0.0.1)")
+    a("--events-host", help="address the event sockets bind (default 127.0.0.1); off "
+      "loopback it needs CURVE keys or --insecure-events")
+    a("--insecure-events", action="store_const", const=True,
+      help="publish KV events off loopback without CURVE (anyone who reaches the event ports "
+      "reads the token ids of every cached prompt)")
     a("--events-port", type=int, help="KV event PUB port (default 5557)")
     a("--replay-port", type=int, help="KV event replay ROUTER port (default 5558)")
     a("--topic", help="topic frame of every event batch (default empty)")
@@ -112,6 +116,14 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
       help="image URLs may reach these CIDR blocks or host names even when internal "
       "(default: none; loopback, private, link-local, multicast and unspecified addresses "
       "are refused)")
+    a("--max-images-per-request", type=int,
+      help="image parts a chat request may carry; more is a 400 (default 16)")
+    a("--max-image-request-bytes", type=int,
+      help="fetched image bytes per request, all its images together; more is a 400 "
+      "(default 64 MiB)")
+    a("--max-image-fetch-bytes", type=int,
+      help="fetched image bytes in flight across all requests; a request past them is a "
+      "503 (default 256 MiB)")
     a("--no-image-hints", dest="image_hints", action="store_false", default=None,
       help="publish no image UUID routing hints")
     a("--curve-secret-key", metavar="FILE",

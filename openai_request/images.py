@@ -34,6 +34,7 @@ __all__ = [
     "ImageSpan",
     "decode_data_url",
     "image_digest",
+    "image_format",
     "splice_images",
 ]
 
@@ -78,7 +79,8 @@ def decode_data_url(url: str, max_bytes: int) -> bytes:
     Raises:
         ValueError: the URL is not a data URL, its media type is not ``image/*``, its payload
             is not valid base64 or percent-encoding, it is empty, or it decodes to more than
-            ``max_bytes`` bytes. The message says which.
+            ``max_bytes`` bytes, or its bytes are not an image by their magic bytes
+            (:func:`image_format`). The message says which.
     """
     if max_bytes < 1:
         raise ValueError(f"max_bytes must be at least 1, got {max_bytes}")
@@ -103,7 +105,40 @@ def decode_data_url(url: str, max_bytes: int) -> bytes:
         raise ValueError("data: URL image is empty")
     if len(data) > max_bytes:
         raise ValueError(f"image is larger than {max_bytes} bytes")
+    if image_format(data) is None:
+        raise ValueError("data: URL payload is not an image (no known format's magic bytes)")
     return data
+
+
+# (offset, magic bytes, format name); WebP and the ISO media formats also check a brand.
+_MAGIC = (
+    (0, b"\x89PNG\r\n\x1a\n", "png"),
+    (0, b"\xff\xd8\xff", "jpeg"),
+    (0, b"GIF87a", "gif"),
+    (0, b"GIF89a", "gif"),
+    (0, b"BM", "bmp"),
+    (0, b"II*\x00", "tiff"),
+    (0, b"MM\x00*", "tiff"),
+    (0, b"\x00\x00\x01\x00", "ico"),
+)
+_ISO_BRANDS = {b"avif": "avif", b"avis": "avif", b"heic": "heic", b"heix": "heic",
+               b"mif1": "heif", b"msf1": "heif"}
+
+
+def image_format(data: bytes) -> str | None:
+    """Return the image format ``data`` starts as (``"png"``, ``"jpeg"``, ...), or None.
+
+    Recognised: PNG, JPEG, GIF, WebP, BMP, TIFF, ICO, AVIF and HEIF/HEIC, by magic bytes. Inline
+    images (:func:`decode_data_url`) and fetched ones (the worker's HTTP layer) both pass it.
+    """
+    for offset, magic, name in _MAGIC:
+        if data[offset:offset + len(magic)] == magic:
+            return name
+    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
+        return "webp"
+    if data[4:8] == b"ftyp":
+        return _ISO_BRANDS.get(data[8:12])
+    return None
 
 
 def _decode_base64(payload: str, max_bytes: int) -> bytes:

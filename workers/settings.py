@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from httpapi.auth import check_bind, check_token, read_secret_file
+from httpapi.auth import check_bind, check_token, is_loopback, read_secret_file
 from httpapi.server import DEFAULT_LIMITS, ConnectionLimits
 from openai_request.bodies import MAX_BODY_BYTES
 from workers.cache.publisher import CurveServerKeys
@@ -56,6 +56,9 @@ class WorkerSettings:
     image_hints: bool = True
     image_hint_capacity: int = 4096
     max_image_bytes: int = 20 * 1024 * 1024
+    max_images_per_request: int = 16
+    max_image_request_bytes: int = 64 * 1024 * 1024
+    max_image_fetch_bytes: int = 256 * 1024 * 1024
     image_fetch_timeout: float = 5.0
     allow_image_hosts: tuple[str, ...] = ()
     # event-plane security: CURVE on the event sockets, a keyed salt tag
@@ -77,6 +80,8 @@ class WorkerSettings:
     # The HTTP boundary: admin token source, open-bind consent, connection limits.
     admin_token_file: str | None = None
     insecure_no_auth: bool = False
+    #: Publish KV events off loopback without CURVE (``insecure_no_auth`` consents too).
+    insecure_events: bool = False
     max_connections: int = DEFAULT_LIMITS.max_connections
     header_timeout: float = DEFAULT_LIMITS.header_timeout
     keep_alive_timeout: float = DEFAULT_LIMITS.keep_alive_timeout
@@ -89,7 +94,8 @@ class WorkerSettings:
     def __post_init__(self) -> None:
         positive = ("port", "block_size", "num_blocks", "max_num_batched_tokens",
                     "max_num_seqs", "max_model_len", "mm_tokens_per_image",
-                    "image_hint_capacity", "max_image_bytes", "replay_buffer",
+                    "image_hint_capacity", "max_image_bytes", "max_images_per_request",
+                    "max_image_request_bytes", "max_image_fetch_bytes", "replay_buffer",
                     "max_pending_stored", "max_body_bytes")
         for name in positive:
             if getattr(self, name) <= 0:
@@ -134,6 +140,14 @@ class WorkerSettings:
             object.__setattr__(self, "salt_secret", _read_secret(self.salt_secret_file))
         if self.salt_secret is not None and not self.salt_secret:
             raise WorkerSettingsError("salt_secret is empty")
+        if (self.events_port is not None and not is_loopback(self.events_host)
+                and self.curve_secret_key is None
+                and not (self.insecure_events or self.insecure_no_auth)):
+            raise WorkerSettingsError(
+                f"the worker would publish KV events on {self.events_host} without CURVE: "
+                "anyone who reaches the event ports reads the token ids of every cached "
+                "prompt. Give CURVE keys (--curve-secret-key, --curve-authorized-clients), "
+                "bind --events-host 127.0.0.1, or pass --insecure-events to accept the risk")
         try:
             self.connection_limits()
             check_bind(self.host, self.admin_token, self.insecure_no_auth, "worker")

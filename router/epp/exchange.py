@@ -8,7 +8,9 @@ Envoy opens one ``Process`` stream per HTTP request and sends its phases in orde
    held, because the destination header must ride on the headers answer. A request without a
    body (``GET /v1/models``) is sent at once to the least busy worker, unbooked.
 2. ``request_body``: under ``BUFFERED`` one message with the whole body; under
-   ``FULL_DUPLEX_STREAMED`` chunks, held until ``end_of_stream`` (or the request trailers).
+   ``FULL_DUPLEX_STREAMED`` chunks, held until ``end_of_stream`` (or the request trailers);
+   once what is held passes the router's ``max_body_bytes`` the request is refused at once
+   with a 413 and the chunks dropped (a body that never ends holds at most the limit here).
    Then the body is parsed, :meth:`Picker.pick` decides and books, and the answer names the
    endpoint (header, ``envoy.lb`` metadata, route cache cleared). Under
    ``FULL_DUPLEX_STREAMED`` the held body is sent back whole after the headers answer. An
@@ -61,6 +63,8 @@ class Exchange:
         self._subset: frozenset[str] | None = None
         self._duplex = False
         self._held: list[bytes] = []
+        self._held_bytes = 0
+        self._refused = False
         self._streamed_response = False
         self.pick: Pick | None = None
 
@@ -96,7 +100,8 @@ class Exchange:
             return [messages.continue_response_body()]
         if phase == "request_trailers":
             trailers = ep.ProcessingResponse(request_trailers=ep.TrailersResponse())
-            if self._duplex and self.pick is None:  # the body ended with trailers: decide now
+            if self._duplex and self.pick is None and not self._refused:
+                # the body ended with trailers: decide now
                 return [*self._decide(last=False), trailers]
             return [trailers]
         if phase == "response_trailers":
@@ -114,7 +119,17 @@ class Exchange:
     def _on_body(self, body: ep.HttpBody) -> list[ep.ProcessingResponse]:
         if self.pick is not None:  # a body chunk after the decision (trailing, duplex)
             return [messages.continue_body()]
+        if self._refused:  # chunks Envoy had sent before it read the refusal
+            return []
         self._held.append(body.body)
+        self._held_bytes += len(body.body)
+        limit = self._picker.service.settings.max_body_bytes
+        if self._held_bytes > limit:
+            self._held.clear()
+            self._refused = True
+            self._picker.metrics.request(ENDPOINT, 413)
+            return [messages.immediate_error(
+                ApiError(413, f"the request body is over {limit} bytes"))]
         if not body.end_of_stream:
             return [] if self._duplex else [messages.continue_body()]
         return self._decide(last=True)
@@ -123,7 +138,7 @@ class Exchange:
         raw = b"".join(self._held)
         self._held.clear()
         try:
-            parsed = parse_body(raw)
+            parsed = parse_body(raw, self._picker.service.settings.max_body_bytes)
         except ApiError as exc:
             self._picker.metrics.request(ENDPOINT, exc.status)
             return [messages.immediate_error(exc)]

@@ -11,6 +11,13 @@ What each subscriber notice does (``docs/design.md``, failure rules):
   miss) and rebuild from the stream.
 - ``Restarted``: a new engine instance: clear the worker's entries.
 - ``GapDetected`` / ``MalformedInput``: counted.
+
+A worker's view is bounded by the capacity it declared (``max_blocks``): stored events that
+would take its entries, device and host tiers together, past the bound are skipped and their
+blocks counted as ``over_capacity``. The registry sets the bound at
+:data:`CAPACITY_SLACK` times the declared device plus host blocks, since a block may sit on
+both tiers and events in flight lag behind evictions; a publisher that stores more than that
+is buggy or not the worker, and what it adds costs the router a bounded amount.
 """
 
 from __future__ import annotations
@@ -23,7 +30,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 from indexer.decode import DecodeStats, MalformedBatch, decode_batch
-from indexer.events import Batch, Cleared, Event
+from indexer.events import Batch, Cleared, Event, Stored
 from router.events.subscriber import (
     Delivered,
     EventSubscriber,
@@ -35,16 +42,20 @@ from router.events.subscriber import (
 )
 from router.events.transport import EventTransport
 
-__all__ = ["EventFeed", "IndexLike", "SnapshotFetch"]
+__all__ = ["CAPACITY_SLACK", "EventFeed", "IndexLike", "SnapshotFetch"]
 
 log = logging.getLogger(__name__)
 
 SnapshotFetch = Callable[[], Awaitable[dict[str, Any]]]
 
+#: A worker's entries are bounded at this many times its declared capacity (module docstring).
+CAPACITY_SLACK = 2
+
 
 class IndexLike(Protocol):
     def apply_batch(self, worker: int, events: list[Event]) -> None: ...
     def clear(self, worker: int) -> None: ...
+    def worker_blocks(self, worker: int) -> tuple[int, int]: ...
 
 
 class EventFeed:
@@ -62,14 +73,18 @@ class EventFeed:
         on_events: called with the worker id and each batch's events once the index has
             applied them (the router's eviction-pressure tracker listens here).
         transport: the event sockets' size limits and CURVE keys (defaults: no CURVE).
+        max_blocks: the most entries the worker may hold in the index, both tiers together
+            (module docstring); ``None``: unbounded (no capacity declared).
     """
 
     def __init__(self, worker: int, index: IndexLike, endpoint: str, replay_endpoint: str | None,
                  *, fetch_snapshot: SnapshotFetch | None, on_cleared: Callable[[int], None],
                  counters: dict[str, float],
                  on_events: Callable[[int, list[Event]], None] | None = None,
-                 transport: EventTransport | None = None) -> None:
+                 transport: EventTransport | None = None,
+                 max_blocks: int | None = None) -> None:
         self.worker = worker
+        self.max_blocks = max_blocks
         self._index = index
         self._on_events = on_events
         self._fetch = fetch_snapshot
@@ -95,6 +110,12 @@ class EventFeed:
             await asyncio.gather(self._resync, return_exceptions=True)
             self._resync = None
         await self.subscriber.stop()
+
+    @property
+    def failure(self) -> str | None:
+        """Why this feed stopped following its stream (its subscriber's task ended), or None
+        while it follows it."""
+        return self.subscriber.failure
 
     @property
     def resyncing(self) -> bool:
@@ -125,15 +146,45 @@ class EventFeed:
                 self._bump("malformed")
 
     def _apply(self, batch: Batch) -> None:
+        events = batch.events
+        if self.max_blocks is not None:
+            events = self._within_capacity(events, self.max_blocks)
         try:
-            self._index.apply_batch(self.worker, batch.events)
+            self._index.apply_batch(self.worker, events)
         except Exception:  # the index counts bad events itself; this is a last resort
             self._bump("apply_errors")
             log.exception("index rejected a batch from worker %d", self.worker)
         if self._on_events is not None:
-            self._on_events(self.worker, batch.events)
-        if any(isinstance(e, Cleared) for e in batch.events):
+            self._on_events(self.worker, events)
+        if any(isinstance(e, Cleared) for e in events):
             self._on_cleared(self.worker)
+
+    def _within_capacity(self, events: list[Event], limit: int) -> list[Event]:
+        """``events`` less the stored ones that would take the worker past ``limit``."""
+        held = sum(self._index.worker_blocks(self.worker))
+        if held + sum(len(e.block_hashes) for e in events if isinstance(e, Stored)) <= limit:
+            return events
+        # Removals free room as the batch goes (an estimate: a removed block may not be
+        # held); the next batch starts from the index's own count again.
+        kept: list[Event] = []
+        excess = 0
+        for event in events:
+            if isinstance(event, Stored):
+                if held + len(event.block_hashes) > limit:
+                    excess += len(event.block_hashes)
+                    continue
+                held += len(event.block_hashes)
+            elif isinstance(event, Cleared):
+                held = 0
+            else:
+                held = max(0, held - len(event.block_hashes))
+            kept.append(event)
+        if excess:
+            if not self.counters.get("over_capacity"):
+                log.warning("worker %d: its events would hold more than %d blocks; the "
+                            "excess is skipped and counted", self.worker, limit)
+            self.counters["over_capacity"] = self.counters.get("over_capacity", 0) + excess
+        return kept
 
     def _clear(self) -> None:
         self._index.clear(self.worker)

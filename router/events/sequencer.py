@@ -34,6 +34,18 @@ Notes:
        Without this a misbehaving replay socket turns the subscriber into a busy loop that
        holds the live batch forever.
     3. Never raises on input: bad frames are ``MalformedInput``.
+    4. A live message is ordered by its seq only once its payload decodes and its seq is below
+       :data:`~indexer.wire.SEQ_LIMIT`: until then nothing says the publisher sent it, so a
+       bad one moves nothing (not the position, not the quiet clock) and cannot open a gap
+       or pass for a restart. Had the publisher sent it, the next batch shows a gap and
+       replay recovers it (without replay, that is history lost: its events are lost).
+       A replayed batch whose payload does not decode still uses up its seq: the replay
+       buffer is the publisher's own record.
+    5. The live stream is ordered (one connection). So a live batch that continues from the
+       last seq is delivered at once, even during a replay or its retry delay; batches held
+       above it arrived before it and cannot be part of the stream: they are dropped as
+       malformed and the gap they opened is closed. A stray batch far ahead therefore costs
+       one replay request, not a stall, and nothing counts as lost.
 """
 
 from __future__ import annotations
@@ -43,7 +55,7 @@ from typing import NamedTuple
 
 from indexer.decode import DecodeStats, MalformedBatch, decode_batch
 from indexer.events import Batch
-from indexer.wire import REPLAY_END_SEQ, unpack_seq
+from indexer.wire import REPLAY_END_SEQ, SEQ_LIMIT, unpack_seq
 
 __all__ = [
     "Action",
@@ -155,7 +167,7 @@ class StreamSequencer:
         self._retry_from = 0
         self._attempts = 0  # replays of the current gap
         self._progress = False  # a batch was delivered since the last replay request
-        self._held: dict[int, bytes] = {}  # live batches held back during a replay
+        self._held: dict[int, Batch] = {}  # live batches held back during a replay
         self._out: list[Action] = []
         self.stats = SubscriberStats()
         self.decode_stats = DecodeStats()
@@ -194,32 +206,37 @@ class StreamSequencer:
         return self._take()
 
     def live(self, frames: list[bytes], now: float) -> list[Action]:
-        """Take one live message: ``[topic, seq, payload]``."""
-        self._quiet_since = now
+        """Take one live message: ``[topic, seq, payload]`` (notes 4 and 5)."""
         if len(frames) != 3 or len(frames[1]) != 8:
             self._malformed(None, f"live message of {len(frames)} frames")
             return self._take()
-        seq, payload = unpack_seq(frames[1]), frames[2]
-        if self._waiting:
-            if self._probing and not self._held and self._last is not None \
-                    and seq == self._last + 1:
-                self._end_replay()  # the stream goes on where it was: nothing was lost
-            else:
-                self._held[seq] = payload
-                return self._take()
+        seq = unpack_seq(frames[1])
+        batch = self._decode(seq, frames[2])
+        if batch is None:
+            return self._take()
+        self._quiet_since = now
         last = self._last
+        if self._waiting:
+            if seq in self._held:
+                self.stats.duplicates += 1
+            elif last is not None and seq == last + 1:
+                self._drop_strays()
+                self._deliver(seq, batch, replayed=False)
+            else:
+                self._held[seq] = batch
+            return self._take()
         if last is None or seq == last + 1:
-            self._deliver(seq, payload, replayed=False)
+            self._deliver(seq, batch, replayed=False)
         elif seq <= last:
             self.stats.restarts += 1
             self._out.append(Restarted(last, seq))
             self._last = None
             if seq == 0:
-                self._deliver(seq, payload, replayed=False)
+                self._deliver(seq, batch, replayed=False)
             else:
-                self._gap(0, seq, payload, now)
+                self._gap(0, seq, batch, now)
         else:
-            self._gap(last + 1, seq, payload, now)
+            self._gap(last + 1, seq, batch, now)
         return self._take()
 
     def replayed(self, frames: list[bytes], now: float) -> list[Action]:
@@ -235,14 +252,22 @@ class StreamSequencer:
             self._merge_held(now)
             return self._take()
         seq = unpack_seq(seq_frame)
+        if seq >= SEQ_LIMIT:
+            self._malformed(seq, f"seq {seq} is out of range (at most {SEQ_LIMIT - 1})")
+            return self._take()
         expected = (self._last + 1) if self._last is not None else self._replay_from
         if seq < expected:
             self.stats.duplicates += 1
             return self._take()
         if seq > expected:
             self._lost(expected, seq, "replay buffer no longer holds it")
+        batch = self._decode(seq, payload)
+        if batch is None:  # the publisher's own record: its seq is used up (note 4)
+            self._last = seq
+            self._progress = True
+            return self._take()
         self.stats.replayed += 1
-        self._deliver(seq, payload, replayed=True)
+        self._deliver(seq, batch, replayed=True)
         return self._take()
 
     def tick(self, now: float) -> list[Action]:
@@ -269,15 +294,15 @@ class StreamSequencer:
     def _waiting(self) -> bool:
         return self._replay_from is not None or self._retry_at is not None
 
-    def _gap(self, expected: int, seq: int, payload: bytes, now: float) -> None:
+    def _gap(self, expected: int, seq: int, batch: Batch, now: float) -> None:
         self.stats.gaps += 1
         self._out.append(GapDetected(expected, seq))
         if not self._has_replay:
             self._lost(expected, seq, "no replay endpoint")
-            self._deliver(seq, payload, replayed=False)
+            self._deliver(seq, batch, replayed=False)
             return
         self._last = expected - 1
-        self._held[seq] = payload
+        self._held[seq] = batch
         self._attempts = 1
         self._ask(expected, now)
 
@@ -296,6 +321,15 @@ class StreamSequencer:
     def _end_replay(self) -> None:
         self._replay_from = None
         self._probing = False
+
+    def _drop_strays(self) -> None:
+        """A live batch continued the stream while others were held above it (note 5)."""
+        for seq in sorted(self._held):
+            self._malformed(seq, "batch ahead of the live stream, out of order")
+        self._held = {}
+        self._end_replay()
+        self._retry_at = None
+        self._attempts = 0
 
     def _give_up_replay(self, reason: str, now: float) -> None:
         expected = (self._last + 1) if self._last is not None else 0
@@ -347,14 +381,20 @@ class StreamSequencer:
 
     # -- outputs ----------------------------------------------------------------------------
 
-    def _deliver(self, seq: int, payload: bytes, *, replayed: bool) -> None:
-        self._last = seq
-        self._progress = True
+    def _decode(self, seq: int, payload: bytes) -> Batch | None:
+        """The batch in ``payload``, or None (counted as malformed) when it is unusable."""
+        if seq >= SEQ_LIMIT:
+            self._malformed(seq, f"seq {seq} is out of range (at most {SEQ_LIMIT - 1})")
+            return None
         try:
-            batch = decode_batch(payload, self.decode_stats)
+            return decode_batch(payload, self.decode_stats)
         except MalformedBatch as exc:
             self._malformed(seq, str(exc))
-            return
+            return None
+
+    def _deliver(self, seq: int, batch: Batch, *, replayed: bool) -> None:
+        self._last = seq
+        self._progress = True
         self.stats.delivered += 1
         self._out.append(Delivered(seq, batch, replayed))
 

@@ -14,6 +14,9 @@ back as a gap, by replay. A failed handshake (CURVE keys the publisher refuses) 
 (``stats.handshake_failures``) and tried again every :data:`HANDSHAKE_RETRY` seconds.
 
 The subscriber never dies of input: every frame goes through one ``try`` that counts and skips.
+Should its task end all the same (a bug, a socket closed under it), the error is logged and
+kept in :attr:`EventSubscriber.failure`, which the registry reads on every health check: the
+worker is then unhealthy with that reason, and subscribed afresh when it next answers.
 :meth:`EventSubscriber.stop` cancels the task and closes the sockets.
 """
 
@@ -176,6 +179,8 @@ class EventSubscriber:
         self._sub: _Link | None = None
         self._dealer: _Link | None = None
         self._task: asyncio.Task[None] | None = None
+        #: Why the receiving task ended, if it did (module docstring); None while it runs.
+        self.failure: str | None = None
         self._sequencer = StreamSequencer(replay=replay_endpoint is not None,
                                           replay_timeout=replay_timeout,
                                           probe_interval=probe_interval,
@@ -225,6 +230,14 @@ class EventSubscriber:
     # -- the loop ---------------------------------------------------------------------------
 
     async def _run(self) -> None:
+        try:
+            await self._receive()
+        except Exception as exc:  # CancelledError (stop) is not an Exception
+            self.failure = (f"event subscriber for {self.endpoint} stopped: "
+                            f"{type(exc).__name__}: {exc}")
+            log.exception("event subscriber for %s stopped", self.endpoint)
+
+    async def _receive(self) -> None:
         assert self._sub is not None, "run before start"
         links = [link for link in (self._sub, self._dealer) if link is not None]
         poller = zmq.asyncio.Poller()

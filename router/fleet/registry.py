@@ -26,7 +26,9 @@ through the adapter every ``health_interval`` seconds:
 - a configured worker that is not up yet is retried on every poll (compose starts the router
   and workers together);
 - a poll that finds the worker serving another model (a stock engine restarted behind the same
-  address) updates its description and the model table, with the reason in ``last_change``.
+  address) updates its description and the model table, with the reason in ``last_change``;
+- a worker whose event subscription stopped (:attr:`EventFeed.failure`) is unhealthy with that
+  reason, its entries dropped, and is subscribed afresh on the next check that it answers.
 
 Every answer is untrusted input, parsed by the adapter (kvroute's worker by
 :mod:`router.fleet.worker_answers`, stock engines by :mod:`router.fleet.engines.stock`).
@@ -48,7 +50,7 @@ from typing import Any
 import httpx
 
 from indexer.events import Event
-from router.events.feed import EventFeed, IndexLike
+from router.events.feed import CAPACITY_SLACK, EventFeed, IndexLike
 from router.events.transport import EventTransport
 from router.fleet.discovery import Discovery
 from router.fleet.engines import (
@@ -230,6 +232,7 @@ class Registry:
         try:
             await self._connect(entry)
         except WorkerUnreachable as exc:
+            _count_oversize(entry, exc)
             if must_answer:
                 raise
             entry.last_error = str(exc)
@@ -342,10 +345,20 @@ class Registry:
     async def _check(self, entry: WorkerEntry) -> None:
         if entry.state is WorkerState.INCOMPATIBLE:
             return
+        if entry.feed is not None and entry.feed.failure is not None:
+            # Its view can no longer follow the stream: drop it, and subscribe afresh once
+            # the worker answers (the next check, from the unhealthy state).
+            reason = entry.feed.failure
+            entry.counters["feed_failures"] = entry.counters.get("feed_failures", 0) + 1
+            await self._disconnect(entry)
+            if not entry.removed:
+                await self._mark_unhealthy(entry, reason)
+            return
         try:
             load = await entry.adapter.poll(self._http, entry.worker_config, entry.info,
                                             self._settings.health_timeout)
         except PollFailed as exc:
+            _count_oversize(entry, exc)
             if entry.removed:
                 return
             reason = str(exc)
@@ -369,6 +382,7 @@ class Registry:
             try:
                 await self._connect(entry)
             except (WorkerUnreachable, IncompatibleWorker) as exc:
+                _count_oversize(entry, exc)
                 entry.last_error = str(exc)
                 return
         if not entry.removed:
@@ -445,7 +459,8 @@ class Registry:
                                           info.replay_endpoint, fetch_snapshot=fetch,
                                           on_cleared=self._forget, counters=entry.counters,
                                           on_events=self._on_events,
-                                          transport=self._event_transport)
+                                          transport=self._event_transport,
+                                          max_blocks=_max_blocks(info))
             await feed.start()
             if entry.removed:  # removed while connecting: remove() may have stopped it mid-start
                 entry.feed = None
@@ -485,3 +500,16 @@ class Registry:
         if hasattr(self._index, "remove_worker"):
             self._index.remove_worker(entry.id)
 
+
+def _count_oversize(entry: WorkerEntry, exc: Exception) -> None:
+    """Count an answer refused for its size (``kvroute_control_answers_oversize``)."""
+    if getattr(exc, "oversize", False):
+        entry.counters["oversize_answers"] = entry.counters.get("oversize_answers", 0) + 1
+
+
+def _max_blocks(info: WorkerInfo) -> int | None:
+    """The bound on a worker's index entries (:mod:`router.events.feed`), None when it
+    declares no capacity."""
+    if not info.num_blocks:
+        return None
+    return CAPACITY_SLACK * (info.num_blocks + info.host_blocks)

@@ -104,6 +104,7 @@ def parse_model_info(url: str, raw: bytes) -> WorkerInfo:
         num_blocks=body.capacity.num_blocks,
         max_num_seqs=body.capacity.max_num_seqs,
         lora_adapters=tuple(body.lora_adapters),
+        host_blocks=body.capacity.host_blocks,
     )
 
 

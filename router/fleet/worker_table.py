@@ -52,6 +52,7 @@ class WorkerInfo:
     num_blocks: int = 0
     max_num_seqs: int = 0
     lora_adapters: tuple[str, ...] = ()
+    host_blocks: int = 0
 
     def serves(self, model: str) -> bool:
         """Whether ``model`` names this worker's base model or one of its LoRA adapters."""

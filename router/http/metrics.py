@@ -22,7 +22,7 @@ if TYPE_CHECKING:
 __all__ = ["RouterMetrics"]
 
 _FEED_COUNTERS = ("batches", "replayed", "gaps", "history_lost", "resyncs", "snapshots", "restarts",
-                  "malformed", "snapshot_failures")
+                  "malformed", "snapshot_failures", "feed_failures", "over_capacity")
 #: Counters the subscriber keeps itself, with their help texts.
 _SUBSCRIBER_COUNTERS = {
     "oversize": "Connections dropped for a message over the event size limit, per worker",
@@ -137,6 +137,13 @@ class _StateCollector:
         for e in entries:
             health.add_metric([e.url], e.counters.get("health_failures", 0))
         yield health
+        oversize = CounterMetricFamily(
+            "kvroute_control_answers_oversize",
+            "Control-plane answers (model info, load, models, health, metrics) refused for "
+            "passing the size limit, per worker", labels=["worker"])
+        for e in entries:
+            oversize.add_metric([e.url], e.counters.get("oversize_answers", 0))
+        yield oversize
         predicted = GaugeMetricFamily(
             "kvroute_predicted_blocks",
             "Blocks the router predicts resident without an event saying so yet",

@@ -96,3 +96,37 @@ def test_compose_takes_every_admin_token_from_the_environment() -> None:
         assert keys, f"{name} has no admin token"
         for key in keys:
             assert env[key].startswith("${KVROUTE_ADMIN_TOKEN:?"), (name, key)
+
+
+@pytest.mark.parametrize("host", ["0.0.0.0", "::", "10.1.2.3"])
+def test_event_ports_off_loopback_need_curve_or_consent(host: str, tmp_path: Path) -> None:
+    token = {"admin_token": "t"}  # the HTTP side is covered: only the event plane is open
+    with pytest.raises(WorkerSettingsError) as info:
+        load_worker_settings({"events_host": host, **token}, env={})
+    assert str(info.value) == (
+        f"the worker would publish KV events on {host} without CURVE: anyone who reaches the "
+        "event ports reads the token ids of every cached prompt. Give CURVE keys "
+        "(--curve-secret-key, --curve-authorized-clients), bind --events-host 127.0.0.1, or "
+        "pass --insecure-events to accept the risk")
+    assert load_worker_settings({"events_host": host, "insecure_events": True, **token},
+                                env={}).insecure_events
+    assert load_worker_settings({"events_host": host, **token}, env={
+        "KVROUTE_WORKER_INSECURE_NO_AUTH": "1"}).insecure_no_auth
+    # No events published: no event ports open.
+    assert load_worker_settings({"events_host": host, "events_port": "none", **token},
+                                env={}).events_port is None
+    keys = tmp_path / "keys"
+    assert main(["keys", "generate", str(keys / "w"), "--name", "w"]) == 0
+    assert main(["keys", "generate", str(keys / "r"), "--name", "r"]) == 0
+    curve = {"curve_secret_key": str(keys / "w" / "w.key_secret"),
+             "curve_authorized_clients": str(keys / "r")}
+    assert load_worker_settings({"events_host": host, **curve, **token},
+                                env={}).curve_secret_key is not None
+
+
+def test_a_worker_with_open_event_ports_refuses_to_start_in_one_line(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["worker", "--events-host", "0.0.0.0", "--port", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1
+    assert "without CURVE" in err and "--insecure-events" in err

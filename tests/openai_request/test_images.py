@@ -8,7 +8,13 @@ import hashlib
 
 import pytest
 
-from openai_request.images import ImageSpan, decode_data_url, image_digest, splice_images
+from openai_request.images import (
+    ImageSpan,
+    decode_data_url,
+    image_digest,
+    image_format,
+    splice_images,
+)
 
 PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(40))
 PNG_B64 = base64.b64encode(PNG).decode()
@@ -23,8 +29,8 @@ def test_decode_base64_data_url() -> None:
 
 
 def test_decode_percent_encoded_data_url() -> None:
-    assert decode_data_url("data:image/svg+xml,%3Csvg%2F%3E", 100) == b"<svg/>"
-    assert decode_data_url("data:image/x-raw,%00%FFab", 4) == b"\x00\xffab"
+    assert decode_data_url("data:image/gif,GIF89a%00%FFab", 10) == b"GIF89a\x00\xffab"
+    assert decode_data_url("data:image/bmp,BM%00%FF", 4) == b"BM\x00\xff"
 
 
 def test_size_limit_is_inclusive() -> None:
@@ -113,3 +119,26 @@ def test_image_span_is_frozen() -> None:
     assert span.end == 7
     with pytest.raises(dataclasses.FrozenInstanceError):
         span.start = 5  # type: ignore[misc]
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "data:image/png;base64," + base64.b64encode(b"hello, not an image").decode(),
+        "data:image/svg+xml,%3Csvg%2F%3E",
+        "data:image/png," + "x" * 40,
+    ],
+)
+def test_inline_bytes_that_are_not_an_image_are_refused(url: str) -> None:
+    # The same magic-byte check a fetched image gets: a media type alone proves nothing.
+    with pytest.raises(ValueError) as info:
+        decode_data_url(url, 1000)
+    assert str(info.value) == "data: URL payload is not an image (no known format's magic bytes)"
+
+
+def test_image_format_by_magic_bytes() -> None:
+    assert image_format(PNG) == "png"
+    assert image_format(b"\xff\xd8\xff\xe0" + b"\0" * 8) == "jpeg"
+    assert image_format(b"RIFF\0\0\0\0WEBPVP8 ") == "webp"
+    assert image_format(b"\x89PNG") is None  # a truncated signature is not one
+    assert image_format(b"") is None

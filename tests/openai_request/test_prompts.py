@@ -15,7 +15,7 @@ from openai_request.tokenizer import ByteTokenizer, Tokenizer, load_tokenizer
 from tests.fixtures.tokenizer_files import write_tiny_tokenizer
 
 BYTES = ByteTokenizer()
-PNG = b"\x89PNG-fake-image"
+PNG = b"\x89PNG\r\n\x1a\n-fake-image"
 PNG_URL = "data:image/png;base64," + base64.b64encode(PNG).decode()
 REMOTE = b"remote-image-bytes"
 

@@ -22,6 +22,8 @@ import ipaddress
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from openai_request.images import image_format
+
 __all__ = ["ImageHostPolicy", "IpAddress", "image_format"]
 
 IpAddress = ipaddress.IPv4Address | ipaddress.IPv6Address
@@ -83,33 +85,3 @@ class ImageHostPolicy:
             if candidate is not None and any(candidate in n for n in self.networks):
                 return True
         return not _internal(address)
-
-
-# (offset, magic bytes, format name); WebP and the ISO media formats also check a brand.
-_MAGIC = (
-    (0, b"\x89PNG\r\n\x1a\n", "png"),
-    (0, b"\xff\xd8\xff", "jpeg"),
-    (0, b"GIF87a", "gif"),
-    (0, b"GIF89a", "gif"),
-    (0, b"BM", "bmp"),
-    (0, b"II*\x00", "tiff"),
-    (0, b"MM\x00*", "tiff"),
-    (0, b"\x00\x00\x01\x00", "ico"),
-)
-_ISO_BRANDS = {b"avif": "avif", b"avis": "avif", b"heic": "heic", b"heix": "heic",
-               b"mif1": "heif", b"msf1": "heif"}
-
-
-def image_format(data: bytes) -> str | None:
-    """Return the image format ``data`` starts as (``"png"``, ``"jpeg"``, ...), or None.
-
-    Recognised: PNG, JPEG, GIF, WebP, BMP, TIFF, ICO, AVIF and HEIF/HEIC, by magic bytes.
-    """
-    for offset, magic, name in _MAGIC:
-        if data[offset:offset + len(magic)] == magic:
-            return name
-    if data[:4] == b"RIFF" and data[8:12] == b"WEBP":
-        return "webp"
-    if data[4:8] == b"ftyp":
-        return _ISO_BRANDS.get(data[8:12])
-    return None

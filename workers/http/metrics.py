@@ -24,6 +24,10 @@ class WorkerMetrics:
                                 ["endpoint"], registry=self.registry)
         self.refused = Counter("kvroute_worker_refused", "Requests refused, by status",
                                ["status"], registry=self.registry)
+        self.image_limits = Counter(
+            "kvroute_worker_image_limits",
+            "Requests refused by an image fan-out limit, by the setting that refused them",
+            ["limit"], registry=self.registry)
         self.prompt_tokens = Counter("kvroute_worker_prompt_tokens", "Prompt tokens served",
                                      registry=self.registry)
         self.cached_tokens = Counter("kvroute_worker_cached_tokens",

@@ -33,7 +33,7 @@ from openai_request.bodies import (
 from openai_request.prompts import build_prompt
 from workers.cache.block_keys import Prompt, Scope
 from workers.engine.loop import RequestFailed, RequestHandle
-from workers.http.image_fetch import fetch_remote_images
+from workers.http.image_fetch import ImageLimit, fetch_remote_images
 from workers.http.openai_format import Completion, sse
 from workers.http.state import WorkerState
 
@@ -81,7 +81,12 @@ async def generate(state: WorkerState, request: Request, chat: bool) -> Response
     max_tokens = checked.output_limit or DEFAULT_MAX_TOKENS
     _check_length(fewest_prompt_tokens(checked, runtime.tokenizer.max_bytes_per_token),
                   max_tokens, settings.max_model_len, at_least=True)
-    fetched = await fetch_remote_images(body, settings) if chat else {}
+    try:
+        fetched = (await fetch_remote_images(body, settings, budget=state.image_budget)
+                   if chat else {})
+    except ImageLimit as exc:
+        state.metrics.image_limits.labels(exc.limit).inc()
+        raise
     encode = functools.partial(
         build_prompt, body, "chat" if chat else "completions", runtime.tokenizer,
         mm_tokens_per_image=settings.mm_tokens_per_image,

@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from httpapi.app import Admin
 from httpapi.responses import disconnect_counter
 from openai_request.bodies import ApiError
+from workers.http.image_fetch import ImageBudget
 from workers.http.metrics import WorkerMetrics
 from workers.runtime import WorkerRuntime
 from workers.settings import WorkerSettings
@@ -31,6 +32,8 @@ class WorkerState:
         self.runtime = WorkerRuntime(settings)
         self.metrics = WorkerMetrics(self.runtime)
         self.disconnects = disconnect_counter(self.metrics.registry)
+        #: Image bytes being fetched for all requests (``max_image_fetch_bytes``).
+        self.image_budget = ImageBudget(settings.max_image_fetch_bytes)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:

@@ -5,9 +5,16 @@ worker is (:class:`~router.fleet.worker_table.WorkerInfo`) and how loaded it is
 (:class:`~router.routing.load.ReportedLoad`). The registry owns the schedule (when to ask, what a
 failure does); the adapter owns the questions and reads the answers, which are untrusted input.
 
+Every answer is read with :func:`read_answer`, incrementally and at most
+:data:`MAX_ANSWER_BYTES`: a worker that answers a poll with hundreds of MB (a runaway metrics
+page, or a hostile peer) costs the router that much and no more, and is unhealthy with the
+reason (``oversize`` set on the error, counted per worker as
+``kvroute_control_answers_oversize``).
+
 Errors, by boundary::
 
     Exception
+     +-- AnswerTooLarge      read_answer(): the answer passed MAX_ANSWER_BYTES
      +-- WorkerUnreachable   describe(): the worker did not answer usably; retried later
      +-- PollFailed          poll(): no health or load this time; the worker is unhealthy
      +-- WorkerChanged       poll(): healthy, but what it serves changed; here is it anew
@@ -17,7 +24,7 @@ Errors, by boundary::
 
 from __future__ import annotations
 
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import httpx
 
@@ -25,11 +32,29 @@ from router.fleet.worker_config import WorkerConfig
 from router.fleet.worker_table import WorkerInfo
 from router.routing.load import ReportedLoad
 
-__all__ = ["EngineAdapter", "PollFailed", "WorkerChanged", "WorkerUnreachable", "poll_failed"]
+__all__ = ["MAX_ANSWER_BYTES", "Answer", "AnswerTooLarge", "EngineAdapter", "PollFailed",
+           "WorkerChanged", "WorkerUnreachable", "poll_failed", "read_answer"]
+
+#: The most bytes the router reads of one control-plane answer (model info, load, models,
+#: health, metrics). A vLLM metrics page with every histogram is about 100 KB.
+MAX_ANSWER_BYTES = 4 * 1024 * 1024
+
+
+class AnswerTooLarge(Exception):
+    """A control-plane answer passed :data:`MAX_ANSWER_BYTES`; the message names the URL."""
 
 
 class WorkerUnreachable(Exception):
-    """The worker did not answer its description request, or answered something unusable."""
+    """The worker did not answer its description request, or answered something unusable.
+
+    Args:
+        reason: why, as ``/workers`` shows it.
+        oversize: the answer was over :data:`MAX_ANSWER_BYTES` (counted per worker).
+    """
+
+    def __init__(self, reason: str, *, oversize: bool = False) -> None:
+        super().__init__(reason)
+        self.oversize = oversize
 
 
 class PollFailed(Exception):
@@ -41,12 +66,15 @@ class PollFailed(Exception):
             for its first byte are sent elsewhere.
         late: no answer within the timeout (a busy worker may still be alive: the registry
             weighs it with the data path's evidence, :mod:`router.fleet.liveness`).
+        oversize: the answer was over :data:`MAX_ANSWER_BYTES` (counted per worker).
     """
 
-    def __init__(self, reason: str, *, gone: bool = False, late: bool = False) -> None:
+    def __init__(self, reason: str, *, gone: bool = False, late: bool = False,
+                 oversize: bool = False) -> None:
         super().__init__(reason)
         self.gone = gone
         self.late = late
+        self.oversize = oversize
 
 
 class WorkerChanged(Exception):
@@ -63,6 +91,48 @@ class WorkerChanged(Exception):
         super().__init__(reason)
         self.info = info
         self.load = load
+
+
+class Answer(NamedTuple):
+    """A control-plane answer read whole: its status and at most the limit of bytes."""
+
+    status_code: int
+    content: bytes
+
+    def raise_for_status(self, url: str) -> None:
+        """Raise :class:`httpx.HTTPStatusError` unless the status is 2xx."""
+        if not 200 <= self.status_code < 300:
+            request = httpx.Request("GET", url)
+            raise httpx.HTTPStatusError(
+                f"{url} answered HTTP {self.status_code}", request=request,
+                response=httpx.Response(self.status_code, request=request))
+
+
+async def read_answer(http: httpx.AsyncClient, url: str, *, timeout: float,
+                      max_bytes: int = MAX_ANSWER_BYTES) -> Answer:
+    """``GET url`` and read the answer incrementally, refusing it past ``max_bytes``.
+
+    Args:
+        http: the router's client for control calls.
+        url: what to read.
+        timeout: the client's timeout for each step (connect, each read).
+        max_bytes: the most bytes accepted.
+
+    Raises:
+        AnswerTooLarge: the declared length or the bytes read passed ``max_bytes`` (the
+            connection is closed at once; the rest is never read).
+        httpx.HTTPError: the request failed.
+    """
+    async with http.stream("GET", url, timeout=timeout) as response:
+        declared = response.headers.get("content-length", "")
+        if declared.isdigit() and int(declared) > max_bytes:
+            raise AnswerTooLarge(f"the answer of {url} is over {max_bytes} bytes")
+        data = bytearray()
+        async for chunk in response.aiter_bytes():
+            data += chunk
+            if len(data) > max_bytes:
+                raise AnswerTooLarge(f"the answer of {url} is over {max_bytes} bytes")
+        return Answer(response.status_code, bytes(data))
 
 
 def poll_failed(what: str, exc: httpx.HTTPError, timeout: float) -> PollFailed:

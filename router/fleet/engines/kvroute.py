@@ -6,7 +6,13 @@ from __future__ import annotations
 
 import httpx
 
-from router.fleet.engines.base import PollFailed, WorkerUnreachable, poll_failed
+from router.fleet.engines.base import (
+    AnswerTooLarge,
+    PollFailed,
+    WorkerUnreachable,
+    poll_failed,
+    read_answer,
+)
 from router.fleet.worker_answers import MalformedAnswer, parse_load, parse_model_info
 from router.fleet.worker_config import WorkerConfig
 from router.fleet.worker_table import WorkerInfo
@@ -24,10 +30,13 @@ class KvrouteEngine:
     async def describe(self, http: httpx.AsyncClient, worker: WorkerConfig,
                        router_block_size: int) -> WorkerInfo:
         """Read ``GET /model_info`` (see :class:`~router.fleet.engines.base.EngineAdapter`)."""
+        url = f"{worker.url}/model_info"
         try:
-            response = await http.get(f"{worker.url}/model_info", timeout=5.0)
-            response.raise_for_status()
-            return parse_model_info(worker.url, response.content)
+            answer = await read_answer(http, url, timeout=5.0)
+            answer.raise_for_status(url)
+            return parse_model_info(worker.url, answer.content)
+        except AnswerTooLarge as exc:
+            raise WorkerUnreachable(str(exc), oversize=True) from None
         except (httpx.HTTPError, MalformedAnswer) as exc:
             raise WorkerUnreachable(f"{worker.url}/model_info: {type(exc).__name__}: {exc}"
                                     ) from exc
@@ -35,10 +44,13 @@ class KvrouteEngine:
     async def poll(self, http: httpx.AsyncClient, worker: WorkerConfig,
                    info: WorkerInfo | None, timeout: float = 2.0) -> ReportedLoad:
         """Read ``GET /load`` (see :class:`~router.fleet.engines.base.EngineAdapter`)."""
+        url = f"{worker.url}/load"
         try:
-            response = await http.get(f"{worker.url}/load", timeout=timeout)
-            response.raise_for_status()
-            return parse_load(response.content, info.block_size if info else 1)
+            answer = await read_answer(http, url, timeout=timeout)
+            answer.raise_for_status(url)
+            return parse_load(answer.content, info.block_size if info else 1)
+        except AnswerTooLarge as exc:
+            raise PollFailed(f"load poll failed: {exc}", oversize=True) from None
         except httpx.HTTPError as exc:
             raise poll_failed("load poll", exc, timeout) from exc
         except MalformedAnswer as exc:

@@ -31,6 +31,7 @@ the engine's tokenizer folder (``docs/engines.md``).
 from __future__ import annotations
 
 import dataclasses
+import json
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -38,7 +39,14 @@ from typing import Any
 
 import httpx
 
-from router.fleet.engines.base import PollFailed, WorkerChanged, WorkerUnreachable, poll_failed
+from router.fleet.engines.base import (
+    AnswerTooLarge,
+    PollFailed,
+    WorkerChanged,
+    WorkerUnreachable,
+    poll_failed,
+    read_answer,
+)
 from router.fleet.engines.prometheus import MetricsError, Samples, parse_metrics
 from router.fleet.worker_config import WorkerConfig
 from router.fleet.worker_table import IncompatibleWorker, WorkerInfo
@@ -141,7 +149,7 @@ class StockEngine:
             samples = await self._scrape(http, worker, 5.0)
             reported = self.metrics.block_size(samples)
         except PollFailed as exc:
-            raise WorkerUnreachable(f"{worker.url}: {exc}") from None
+            raise WorkerUnreachable(f"{worker.url}: {exc}", oversize=exc.oversize) from None
         except MetricsError as exc:
             raise WorkerUnreachable(f"{worker.url}{self.metrics.path}: {exc}") from None
         block_size = _block_size(worker, reported, router_block_size)
@@ -161,7 +169,9 @@ class StockEngine:
         """``GET /health``, then the metrics (see
         :class:`~router.fleet.engines.base.EngineAdapter`)."""
         try:
-            health = await http.get(f"{worker.url}/health", timeout=timeout)
+            health = await read_answer(http, f"{worker.url}/health", timeout=timeout)
+        except AnswerTooLarge as exc:
+            raise PollFailed(f"health check failed: {exc}", oversize=True) from None
         except httpx.HTTPError as exc:
             raise poll_failed("health check", exc, timeout) from None
         if health.status_code != 200:
@@ -196,7 +206,7 @@ class StockEngine:
             model, adapters, max_model_len = _read_models(worker.url, body)
         except WorkerUnreachable as exc:
             late = isinstance(exc.__cause__, httpx.TimeoutException)
-            raise PollFailed(str(exc), gone=late, late=late) from None
+            raise PollFailed(str(exc), gone=late, late=late, oversize=exc.oversize) from None
         if (model, adapters, max_model_len) == (info.model, info.lora_adapters,
                                                 info.max_model_len):
             return
@@ -212,21 +222,26 @@ class StockEngine:
                       ) -> Samples:
         url = f"{worker.url}{self.metrics.path}"
         try:
-            response = await http.get(url, timeout=timeout)
-            response.raise_for_status()
+            answer = await read_answer(http, url, timeout=timeout)
+            answer.raise_for_status(url)
+        except AnswerTooLarge as exc:
+            raise PollFailed(f"metrics scrape failed: {exc}", oversize=True) from None
         except httpx.HTTPError as exc:
             raise poll_failed("metrics scrape", exc, timeout) from None
         try:
-            return parse_metrics(response.text)
+            return parse_metrics(answer.content.decode("utf-8", errors="replace"))
         except MetricsError as exc:
             raise PollFailed(f"{self.metrics.path}: {exc}") from None
 
     async def _get_json(self, http: httpx.AsyncClient, worker: WorkerConfig, path: str,
                         timeout: float = 5.0) -> Any:
+        url = f"{worker.url}{path}"
         try:
-            response = await http.get(f"{worker.url}{path}", timeout=timeout)
-            response.raise_for_status()
-            return response.json()
+            answer = await read_answer(http, url, timeout=timeout)
+            answer.raise_for_status(url)
+            return json.loads(answer.content)
+        except AnswerTooLarge as exc:
+            raise WorkerUnreachable(str(exc), oversize=True) from None
         except (httpx.HTTPError, ValueError) as exc:
             raise WorkerUnreachable(f"{worker.url}{path}: {type(exc).__name__}: {exc}"
                                     ) from exc

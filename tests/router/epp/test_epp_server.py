@@ -271,3 +271,29 @@ async def test_bytes_that_are_not_a_message_end_the_stream_with_invalid_argument
     noted = [r for r in caplog.records if r.name == "router.epp.server"]
     assert len(noted) == 1 and noted[0].levelno == logging.WARNING
     assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
+
+
+async def test_a_held_body_is_refused_once_it_passes_the_limit_before_its_end() -> None:
+    # Full duplex: chunks are held until end_of_stream. The picker refuses as soon as what it
+    # holds passes max_body_bytes, not at the end, so a client that never ends its body holds
+    # at most the limit in the picker.
+    first = headers()
+    first.protocol_config.request_body_mode = FULL_DUPLEX
+    chunk = b"x" * 600
+    grpc_port, metrics_port = free_port(), free_port()
+    async with ScriptedWorker() as w:
+        settings = RouterSettings(workers=(w.url,), health_interval=0.1, max_body_bytes=1000)
+        async with (epp_server(settings, grpc_port, host="127.0.0.1",
+                               metrics_port=metrics_port),
+                    grpc.aio.insecure_channel(f"127.0.0.1:{grpc_port}") as channel,
+                    httpx.AsyncClient(base_url=f"http://127.0.0.1:{metrics_port}") as http):
+            stub = ep_grpc.ExternalProcessorStub(channel)
+            # 1,200 bytes held after the second chunk, and no end_of_stream ever.
+            answers = await exchange(stub, first, body(chunk, end=False),
+                                     body(chunk, end=False), body(chunk, end=False))
+            text = (await http.get("/metrics")).text
+    assert len(answers) == 1
+    status, error = immediate(answers[0])
+    assert status == 413
+    assert error["error"]["message"] == "the request body is over 1000 bytes"
+    assert 'kvroute_requests_total{endpoint="ext_proc",status="413"} 1.0' in text

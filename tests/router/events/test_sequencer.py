@@ -214,3 +214,98 @@ def test_settings_are_checked() -> None:
         StreamSequencer(replay=True, max_replay_attempts=0)
     with pytest.raises(ValueError):
         StreamSequencer(replay=True, retry_delay=1.0, max_retry_delay=0.5)
+
+
+# -- input at the edges: seqs out of range, bursts of bad frames, stray batches ------------
+
+TOP = b"\xff" * 8  # 2**64 - 1: also the replay end marker
+HALF = (2**63).to_bytes(8, "big")
+
+
+def test_a_live_seq_out_of_range_is_malformed_and_moves_nothing() -> None:
+    s = StreamSequencer(replay=True, replay_timeout=0.5, probe_interval=1.0)
+    s.begin(0.0)
+    # First thing on the stream: not taken as its start.
+    assert s.live([b"", TOP, payload(1)], 0.0) == [
+        MalformedInput(2**64 - 1, f"seq {2**64 - 1} is out of range (at most {2**63 - 1})")]
+    assert s.last_seq is None and s.deadline is None
+    s.live(live(0), 0.0)
+    assert s.live([b"", HALF, payload(1)], 0.5) == [
+        MalformedInput(2**63, f"seq {2**63} is out of range (at most {2**63 - 1})")]
+    # The position and the quiet clock are untouched: the probe asks for seq 1 on time.
+    assert (s.last_seq, s.deadline) == (0, 1.0)
+    assert s.tick(1.0) == [ReplayRequest(1)]
+    assert summary(s.live(live(1), 1.1)) == [("delivered", 1, False)]
+    assert s.stats.malformed == 2 and s.stats.restarts == 0 and s.stats.gaps == 0
+
+
+def test_the_largest_seq_still_asks_for_a_replay_that_packs() -> None:
+    s = StreamSequencer(replay=True, replay_timeout=0.5, probe_interval=1.0)
+    s.begin(0.0)
+    top = 2**63 - 1
+    assert summary(s.live([b"", pack_seq(top), payload(0)], 0.0)) == [("delivered", top, False)]
+    (probe,) = s.tick(1.0)
+    assert probe == ReplayRequest(top + 1) and len(pack_seq(probe.start)) == 8
+
+
+def test_a_replayed_seq_out_of_range_is_malformed() -> None:
+    s = StreamSequencer(replay=True, probe_interval=None)
+    s.begin(0.0, from_seq=0)
+    assert s.replayed([b"", b"", HALF, payload(0)], 0.0) == [
+        MalformedInput(2**63, f"seq {2**63} is out of range (at most {2**63 - 1})")]
+    assert summary(s.replayed(replayed(0), 0.0)) == [("delivered", 0, True)]
+
+
+def test_pack_seq_refuses_what_no_frame_can_carry() -> None:
+    assert pack_seq(2**64 - 2) == b"\xff" * 7 + b"\xfe"
+    for seq in (-1, 2**64 - 1, 2**64):
+        with pytest.raises(ValueError, match=r"^seq .* is out of range for a seq frame$"):
+            pack_seq(seq)
+
+
+def test_a_burst_of_malformed_frames_leaves_the_stream_where_it_was() -> None:
+    # Seqs 0-3 delivered; then frames that are odd (wrong frame count, 7-byte seq, the end
+    # marker as a live seq) or whose payload does not decode, at the next seq, further on
+    # and behind. A frame is ordered by its seq only once its payload decodes, so none of
+    # them moves the position: seq 4 and 5 that follow apply at once, with no gap, no replay
+    # and no restart (which would clear the worker).
+    s = StreamSequencer(replay=True, probe_interval=1.0)
+    s.begin(0.0)
+    for seq in range(4):
+        s.live(live(seq), 0.0)
+    burst = [
+        [b"x"],
+        [b"", pack_seq(4)],
+        [b"", b"\x00" * 7, payload(4)],
+        [b"", pack_seq(4), b"\xc1\xc1"],
+        [b"", pack_seq(5), payload(5)[:-3]],
+        [b"", pack_seq(1000), b"\x93"],
+        [b"", TOP, payload(4)],
+        [b"", pack_seq(1), b"junk"],
+    ]
+    out = [a for frames in burst for a in s.live(frames, 0.5)]
+    assert [type(a) for a in out] == [MalformedInput] * len(burst)
+    assert s.last_seq == 3 and s.deadline == 1.0
+    assert summary(s.live(live(4), 0.6) + s.live(live(5), 0.6)) == [
+        ("delivered", 4, False), ("delivered", 5, False)]
+    assert (s.stats.malformed, s.stats.gaps, s.stats.restarts, s.stats.history_lost) == (
+        len(burst), 0, 0, 0)
+
+
+def test_a_batch_that_continues_the_stream_is_delivered_during_a_gap_replay() -> None:
+    # A well-formed batch far ahead (a stray, or a publisher that skipped) opens a gap. The
+    # live stream is ordered, so a batch that continues from the last seq after it proves
+    # the stray was not part of the stream: it is dropped as malformed, the replay ended,
+    # and the stream goes on at once; nothing counts as lost.
+    s = StreamSequencer(replay=True, replay_timeout=30.0, probe_interval=None)
+    s.begin(0.0)
+    for seq in range(4):
+        s.live(live(seq), 0.0)
+    assert s.live(live(1000), 0.1) == [GapDetected(4, 1000), ReplayRequest(4)]
+    assert summary(s.live(live(4), 0.2)) == [
+        MalformedInput(1000, "batch ahead of the live stream, out of order"),
+        ("delivered", 4, False)]
+    assert s.deadline is None, "no replay left in flight"
+    assert s.replayed(replayed(4), 0.3) + s.replayed(END, 0.3) == []  # the late answer
+    assert summary(s.live(live(5), 0.4)) == [("delivered", 5, False)]
+    assert s.stats.history_lost == 0 and s.stats.restarts == 0

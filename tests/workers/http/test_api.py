@@ -18,7 +18,7 @@ from router.events.subscriber import Delivered, EventSubscriber
 from workers.http.api import create_app
 from workers.settings import WorkerSettings
 
-PNG = "data:image/png;base64," + base64.b64encode(b"\x89PNG" + bytes(range(200))).decode()
+PNG = "data:image/png;base64," + base64.b64encode(b"\x89PNG\r\n\x1a\n" + bytes(range(200))).decode()
 TEXT = "The quick brown fox jumps over the lazy dog. " * 4  # 180 bytes: 5 full blocks
 
 
@@ -206,3 +206,17 @@ async def test_reset_publishes_all_blocks_cleared_to_a_real_subscriber(
 async def test_no_api_description_is_served(client: httpx.AsyncClient, path: str) -> None:
     # It would list the admin endpoints (reset, snapshot, faults) to anyone.
     assert (await client.get(path)).status_code == 404
+
+
+async def test_too_many_images_are_refused_with_the_limit_named_and_counted() -> None:
+    app = create_app(fast(max_images_per_request=2))
+    parts = [{"type": "image_url", "image_url": {"url": PNG}}] * 3
+    body = {"messages": [{"role": "user", "content": parts}], "max_tokens": 2}
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app), base_url="http://worker") as c:
+        r = await c.post("/v1/chat/completions", json=body)
+        text = (await c.get("/metrics")).text
+    assert r.status_code == 400
+    assert r.json()["error"]["message"] == (
+        "a request may carry at most 2 images (max_images_per_request)")
+    assert 'kvroute_worker_image_limits_total{limit="max_images_per_request"} 1.0' in text

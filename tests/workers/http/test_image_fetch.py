@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from openai_request.bodies import ApiError
-from workers.http.image_fetch import fetch_remote_images
+from workers.http.image_fetch import ImageBudget, fetch_remote_images
 from workers.http.image_policy import ImageHostPolicy, image_format
 from workers.settings import WorkerSettings, WorkerSettingsError, load_worker_settings
 
@@ -212,3 +212,66 @@ async def test_the_worker_api_refuses_an_internal_image_and_serves_an_allowed_on
     assert refused.json()["error"]["message"] == "image URL not allowed"
     assert served.status_code == 200, served.text
     assert [path for path, _ in server.requests] == ["/a.png"], "only the allowed fetch ran"
+
+
+# -- fan-out limits: images per request, bytes per request, bytes across requests ----------
+
+def big_png(n: int, tag: int) -> bytes:
+    return PNG + bytes([tag]) * (n - len(PNG))
+
+
+async def limited(b: dict[str, Any], s: WorkerSettings, status: int, **kw: Any) -> ApiError:
+    with pytest.raises(ApiError) as info:
+        await fetch_remote_images(b, s, **kw)
+    assert info.value.status == status
+    return info.value
+
+
+async def test_too_many_images_are_refused_before_any_fetch(server: Server) -> None:
+    s = WorkerSettings(allow_image_hosts=("127.0.0.1",), max_images_per_request=4)
+    for i in range(5):
+        server.routes[f"/a{i}.png"] = (200, {}, PNG)
+    urls = [server.url(f"/a{i}.png") for i in range(5)]
+    error = await limited(body(*urls), s, 400)
+    assert error.message == "a request may carry at most 4 images (max_images_per_request)"
+    assert error.limit == "max_images_per_request"
+    assert server.requests == [], "nothing was fetched"
+    # Inline images count too: the limit is on image parts, however given.
+    inline = "data:image/png;base64,iVBORw0KGgo="
+    error = await limited(body(*urls[:2], *[inline] * 3), s, 400)
+    assert error.limit == "max_images_per_request"
+    assert await fetch_remote_images(body(*urls[:4]), s) == {u: PNG for u in urls[:4]}
+
+
+async def test_the_images_of_one_request_are_bounded_in_bytes_together(server: Server) -> None:
+    for i in range(4):
+        server.routes[f"/big{i}.png"] = (200, {}, big_png(400, i))
+    s = WorkerSettings(allow_image_hosts=("127.0.0.1",), max_image_request_bytes=1000)
+    urls = [server.url(f"/big{i}.png") for i in range(4)]
+    assert len(await fetch_remote_images(body(*urls[:2]), s)) == 2  # 800 bytes: within
+    error = await limited(body(*urls), s, 400)  # 1,600 bytes: each image alone is fine
+    assert error.message == (
+        "the images of a request may total at most 1000 bytes (max_image_request_bytes)")
+    assert error.limit == "max_image_request_bytes"
+
+
+async def test_images_in_flight_across_requests_share_one_budget(server: Server) -> None:
+    for i in range(2):
+        server.routes[f"/big{i}.png"] = (200, {}, big_png(400, i))
+    s = WorkerSettings(allow_image_hosts=("127.0.0.1",), max_image_fetch_bytes=1000)
+    budget = ImageBudget(s.max_image_fetch_bytes)
+    assert budget.take(600)  # another request's images, still being fetched
+    urls = [server.url(f"/big{i}.png") for i in range(2)]
+    error = await limited(body(*urls), s, 503, budget=budget)
+    assert error.message == ("images being fetched for other requests fill this worker's "
+                             "budget of 1000 bytes (max_image_fetch_bytes); try again")
+    assert budget.in_flight == 600, "the refused request gave back what it had taken"
+    budget.give(600)
+    assert len(await fetch_remote_images(body(*urls), s, budget=budget)) == 2
+    assert budget.in_flight == 0, "a finished fetch gives its bytes back"
+
+
+def test_fan_out_limits_must_be_positive() -> None:
+    for name in ("max_images_per_request", "max_image_request_bytes", "max_image_fetch_bytes"):
+        with pytest.raises(WorkerSettingsError, match=f"^{name} must be positive, got 0$"):
+            WorkerSettings(**{name: 0})
