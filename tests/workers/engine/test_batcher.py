@@ -9,7 +9,7 @@ from collections.abc import Callable
 import pytest
 
 from workers.cache.block_keys import ImageSpan, Prompt, RequestBlocks, image_digest
-from workers.cache.block_pool import BlockCopy, BlockRemoved, BlockStored
+from workers.cache.block_pool import BlockCopy, BlocksCommitted, BlocksEvicted
 from workers.cache.cache_manager import CacheManager
 from workers.engine.batcher import Batcher, EngineRequest, Output
 from workers.engine.executor import BlockTransfer, IterationPlan, SimExecutor
@@ -66,7 +66,8 @@ def keys(tokens: list[int], block_size: int = 4) -> list[bytes]:
 
 
 def stored_keys(cache: CacheManager) -> list[list[bytes]]:
-    return [[kb.key for kb in e.blocks] for e in cache.take_events() if isinstance(e, BlockStored)]
+    events = cache.take_events()
+    return [[kb.key for kb in e.blocks] for e in events if isinstance(e, BlocksCommitted)]
 
 
 A = list(range(10, 20))  # 10 tokens: blocks [10..13][14..17] and a partial [18 19]
@@ -103,7 +104,7 @@ def test_admission_is_limited_by_blocks() -> None:
     cache.take_events()
     plan, _ = step(b)
     assert shape(plan) == ([("c", (2, 5, 1), 0, 10, True)], [])
-    assert cache.take_events()[0] == BlockRemoved("GPU", [keys(A)[1]])
+    assert cache.take_events()[0] == BlocksEvicted("GPU", [keys(A)[1]])
 
 
 def test_chunked_prefill_respects_the_token_budget() -> None:
