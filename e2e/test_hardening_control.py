@@ -13,7 +13,8 @@ from typing import Any
 
 import httpx
 
-from e2e.harness import Router, Worker, wait_for
+from e2e.harness import NOT_YET, Router, Worker
+from tests.support.eventually import eventually_blocking
 
 HOT = "A prefix one worker holds before it is paused. " * 40  # 1,880 bytes: 58 blocks
 
@@ -46,7 +47,8 @@ def test_requests_routed_to_a_paused_worker_start_on_another_within_seconds(
                                                           "unhealthy_grace": 5.0})
     first = router.complete(HOT + "warm up")
     holder = next(w for w in workers if w.url == first.headers["x-kvroute-worker"])
-    wait_for(lambda: len(router.indexed(holder)) >= len(HOT) // 32, 5, "the prefix indexed")
+    eventually_blocking(lambda: len(router.indexed(holder)) >= len(HOT) // 32, "the prefix indexed",
+                        tolerate=NOT_YET)
     for i in range(3):  # streams the router learns the holder's prefill rate from
         assert first_byte(router, HOT + f"learn {i}", stream=True)["worker"] == holder.url
     pause(holder, signal.SIGSTOP)

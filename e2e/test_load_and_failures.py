@@ -11,7 +11,8 @@ from typing import Any
 
 import httpx
 
-from e2e.harness import Router, wait_for
+from e2e.harness import NOT_YET, Router
+from tests.support.eventually import eventually_blocking
 
 HOT = "The shared system prompt of a busy agent fleet. " * 40  # 1,960 bytes: 61 blocks
 
@@ -41,8 +42,9 @@ def hot_prefix_waves(router: Router) -> tuple[str, list[dict[str, Any]]]:
     8, each wave sent once the last one decodes; returns the holder and the results."""
     first = router.complete(HOT + "warm up")
     holder = first.headers["x-kvroute-worker"]
-    wait_for(lambda: next(w for w in router.workers() if w["url"] == holder)
-             ["blocks"]["device"] >= len(HOT) // 32, 5, "the hot prefix indexed")
+    eventually_blocking(lambda: next(w for w in router.workers() if w["url"] == holder)
+                        ["blocks"]["device"] >= len(HOT) // 32, "the hot prefix indexed",
+                        tolerate=NOT_YET)
     with ThreadPoolExecutor(64) as pool:
         futures = []
         for wave in range(8):
@@ -82,12 +84,14 @@ def test_kill_9_of_a_worker_under_load(cluster: Any) -> None:
     router, workers = cluster(workers=3)
     first = router.complete(HOT + "warm up")
     victim = next(w for w in workers if w.url == first.headers["x-kvroute-worker"])
-    wait_for(lambda: len(router.indexed(victim)) >= len(HOT) // 32, 5, "victim indexed")
+    eventually_blocking(lambda: len(router.indexed(victim)) >= len(HOT) // 32, "victim indexed",
+                        tolerate=NOT_YET)
     with ThreadPoolExecutor(4) as pool:
         in_flight = [pool.submit(stream_completion, router, HOT + f"long {i}", 400)
                      for i in range(4)]
-        wait_for(lambda: victim.alive() and httpx.get(f"{victim.url}/load").json()["running"]
-                 >= 2, 10, "streams running on the victim")
+        eventually_blocking(lambda: victim.alive()
+                            and httpx.get(f"{victim.url}/load").json()["running"] >= 2,
+                            "streams running on the victim", tolerate=NOT_YET)
         victim.kill()  # SIGKILL
         killed_at = time.monotonic()
         streams = [f.result(60) for f in in_flight]
@@ -99,13 +103,15 @@ def test_kill_9_of_a_worker_under_load(cluster: Any) -> None:
     after = [router.complete(HOT + f"after {i}") for i in range(6)]
     assert [a.status_code for a in after] == [200] * 6
     assert all(a.headers["x-kvroute-worker"] != victim.url for a in after)
-    wait_for(lambda: router.indexed(victim) == {}, 5, "the dead worker's entries gone")
+    eventually_blocking(lambda: router.indexed(victim) == {}, "the dead worker's entries gone",
+                        tolerate=NOT_YET)
     gone_after = time.monotonic() - killed_at
     # it comes back as a new instance on the same address: learned from scratch
     victim.start()
     victim.wait_healthy()
-    wait_for(lambda: next(w for w in router.workers() if w["url"] == victim.url)["state"]
-             == "healthy", 10, "the victim back in the candidate set")
+    eventually_blocking(lambda: next(w for w in router.workers() if w["url"] == victim.url)
+                        ["state"] == "healthy", "the victim back in the candidate set",
+                        tolerate=NOT_YET)
     described = next(w for w in router.workers() if w["url"] == victim.url)
     assert described["counters"].get("restarts", 0) + 1 >= 1
     assert router.indexed(victim) == victim.resident() == {}
@@ -128,10 +134,11 @@ def test_requests_keep_flowing_while_a_worker_dies(cluster: Any) -> None:
 
     thread = threading.Thread(target=traffic)
     thread.start()
-    wait_for(lambda: done[0] >= 20, 20, "traffic before the fault")
+    eventually_blocking(lambda: done[0] >= 20, "traffic before the fault", 20, tolerate=NOT_YET)
     workers[1].kill()
     at_kill = done[0]
-    wait_for(lambda: done[0] >= at_kill + 50, 30, "traffic after the fault")
+    eventually_blocking(lambda: done[0] >= at_kill + 50, "traffic after the fault", 30,
+                        tolerate=NOT_YET)
     stop.set()
     thread.join(30)
     assert failures == [], f"requests failed: {failures}"

@@ -13,6 +13,7 @@ import pytest
 
 from router.http.app import create_app
 from router.settings import RouterSettings
+from tests.support.eventually import eventually
 from tests.support.servers import ScriptedWorker, UvicornServer, sse_events
 
 BODY = {"model": "kvroute-sim", "prompt": "hello router " * 8, "max_tokens": 4}
@@ -35,12 +36,8 @@ async def router_for(
 
 
 async def wait_ready(client: httpx.AsyncClient, workers: int) -> None:
-    for _ in range(200):
-        r = await client.get("/ready")
-        if r.status_code == 200 and r.json()["workers"] == workers:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"router never had {workers} healthy workers: {r.text}")
+    await eventually(lambda: client.get("/ready"), f"the router ready with {workers} workers",
+                     until=lambda r: r.status_code == 200 and r.json()["workers"] == workers)
 
 
 async def test_streaming_passes_through_with_routing_headers() -> None:
