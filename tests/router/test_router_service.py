@@ -129,10 +129,8 @@ async def test_a_new_instance_id_is_seen_as_a_restart() -> None:
         # the worker goes away and comes back as a new instance
         worker.instance_id = "scripted-2"
         await worker.__aexit__(None, None, None)
-        for _ in range(100):
-            if (await client.get("/ready")).status_code == 503:
-                break
-            await asyncio.sleep(0.02)
+        await eventually(lambda: client.get("/ready"), "the router to see it gone",
+                         until=lambda r: r.status_code == 503)
         await worker.__aenter__()
         await wait_ready(client, 1)
         described = (await client.get("/workers")).json()["workers"][0]

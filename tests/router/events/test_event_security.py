@@ -111,11 +111,14 @@ async def test_the_replay_port_does_not_answer_a_plain_request(keys: dict[str, P
                               from_seq=0, transport=transport(keys["router_secret"],
                                                               keys["worker_pub"]))
         await sub.start()
-        for _ in range(250):
+        async def publish_one() -> bool:
             if sub_log:
-                break
+                return True
             await pub.publish(batch(1))
             await dealer.poll(20)
+            return False
+
+        await eventually(publish_one, "the authorized subscriber's first batch")
         await sub.stop()
         assert sub_log and isinstance(sub_log[0], Delivered)
         assert await dealer.poll(0) == 0, "the plain client got no reply"
