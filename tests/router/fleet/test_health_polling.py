@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
+from typing import Any
 
 import httpx
 import pytest
@@ -33,7 +34,7 @@ class Clock:
 
 
 @contextlib.asynccontextmanager
-async def registry(clock: Clock, forgotten: list[int], **settings: float
+async def registry(clock: Clock, forgotten: list[int], **settings: Any
                    ) -> AsyncIterator[Registry]:
     """A registry that is never started: only the test's rounds poll."""
     async with httpx.AsyncClient() as http:
@@ -71,10 +72,13 @@ async def test_an_unhealthy_worker_keeps_its_entries_for_the_grace_then_loses_th
 
 
 async def test_a_hung_health_probe_gives_up_the_requests_waiting_for_a_first_byte() -> None:
-    # The paused worker never answers, so its probe ends at health_timeout however loaded the
-    # machine is; the waiting request's own deadline (an hour) cannot be what frees it.
+    # The paused worker never answers, so each probe ends at health_timeout however loaded
+    # the machine is; the waiting request's own deadline (an hour) cannot be what frees it.
     clock, forgotten = Clock(0.0), []
-    async with ScriptedWorker() as worker, registry(clock, forgotten, health_timeout=0.05) as reg:
+    async with (
+        ScriptedWorker() as worker,
+        registry(clock, forgotten, health_timeout=0.05, health_misses=3) as reg,
+    ):
         entry = await reg.add(worker.url)
 
         async def wait_for_first_byte() -> None:
@@ -84,15 +88,38 @@ async def test_a_hung_health_probe_gives_up_the_requests_waiting_for_a_first_byt
 
         waiting = asyncio.create_task(wait_for_first_byte())
         await eventually(lambda: len(entry.waits) == 1, "the send registered")
-        worker.load_answer = GARBAGE  # a bad answer is an answer: nobody is given up
-        await reg.poll_once()
-        assert entry.state is WorkerState.UNHEALTHY and not waiting.done()
         worker.pause()
-        await reg.poll_once()  # no answer at all: the waits end now
+        for late in (1, 2):  # late probes, short of health_misses: still a candidate
+            clock.now += 10.0
+            await reg.poll_once()
+            assert entry.state is WorkerState.HEALTHY and not waiting.done()
+            assert entry.counters["late_probes"] == late
+        clock.now += 10.0
+        await reg.poll_once()  # the third in a row: gone, and its waits end now
+        assert entry.state is WorkerState.UNHEALTHY
         with pytest.raises(TimeoutError):
             await asyncio.wait_for(waiting, 10)
         assert len(entry.waits) == 0
-        assert "no answer" in (entry.last_error or ""), entry.last_error
+        assert "3 polls in a row" in (entry.last_error or ""), entry.last_error
+
+
+async def test_a_bad_load_answer_takes_a_worker_out_but_gives_up_no_request() -> None:
+    clock, forgotten = Clock(0.0), []
+    async with ScriptedWorker() as worker, registry(clock, forgotten) as reg:
+        entry = await reg.add(worker.url)
+
+        async def wait_for_first_byte() -> None:
+            async with asyncio.timeout(3600) as deadline:
+                with entry.waits.waiting(deadline):
+                    await asyncio.Event().wait()
+
+        waiting = asyncio.create_task(wait_for_first_byte())
+        await eventually(lambda: len(entry.waits) == 1, "the send registered")
+        worker.load_answer = GARBAGE  # an answer, only a bad one: the worker is there
+        await reg.poll_once()
+        assert entry.state is WorkerState.UNHEALTHY
+        assert not waiting.done() and len(entry.waits) == 1
+        waiting.cancel()
 
 
 async def test_a_worker_whose_check_hangs_delays_no_other_workers_check() -> None:
