@@ -23,6 +23,7 @@ from router.events.subscriber import (
     MalformedInput,
     Restarted,
 )
+from tests.support.eventually import eventually
 
 BS = 4
 WORKER = 7
@@ -152,8 +153,8 @@ async def test_lost_history_is_resynced_from_the_snapshot_with_later_batches_kep
     f.feed.on_notice(delivered(0, stored(1)))
     f.feed.on_notice(HistoryLost(first_missing=1, resumed_at=None, reason="gap too large"))
     f.feed.on_notice(HistoryLost(first_missing=1, resumed_at=None, reason="again"))
-    await asyncio.sleep(0)  # the resync task starts and waits for the snapshot
-    assert f.feed.resyncing and gate.calls == 1  # one fetch for both
+    await eventually(lambda: gate.calls == 1, "the snapshot asked for")
+    assert f.feed.resyncing and gate.calls == 1  # one fetch for both notices
     f.feed.on_notice(delivered(5, stored(20)))  # covered by the snapshot (seq 5)
     f.feed.on_notice(delivered(6, stored(30)))  # after it
     assert f.held() == {1}, "held while the snapshot is fetched"
@@ -178,7 +179,7 @@ async def test_an_unusable_snapshot_clears_and_keeps_every_held_batch(
     f = fed(gate)
     f.feed.on_notice(delivered(0, stored(1)))
     f.feed.on_notice(HistoryLost(first_missing=1, resumed_at=None, reason="gap"))
-    await asyncio.sleep(0)
+    await eventually(lambda: gate.calls == 1, "the snapshot asked for")
     f.feed.on_notice(delivered(2, stored(30)))
     gate.opened.set()
     await asyncio.wait_for(f.feed._resync, 10)  # type: ignore[arg-type]
@@ -217,7 +218,7 @@ async def test_stopping_the_feed_cancels_a_resync_in_flight(fed: Callable[..., F
     gate = Gate(snapshot(1, 10))
     f = fed(gate)
     f.feed.on_notice(HistoryLost(first_missing=0, resumed_at=None, reason="gap"))
-    await asyncio.sleep(0)
+    await eventually(lambda: gate.calls == 1, "the snapshot asked for")
     assert f.feed.resyncing
     await f.feed.stop()
     assert not f.feed.resyncing and f.held() == set()
