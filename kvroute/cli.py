@@ -41,6 +41,12 @@ def _router_defaults() -> dict[str, Any]:
             "dynamo_queue_weight": dynamo.queue_weight}
 
 
+def _up_defaults() -> dict[str, Any]:
+    from router.settings import RouterSettings
+
+    return {"port": RouterSettings().port}
+
+
 def _tail_defaults() -> dict[str, Any]:
     from router.events.transport import DEFAULT_MAX_MESSAGE_BYTES
 
@@ -288,13 +294,14 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
 
 def _add_up(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("up", help="run the router and N sim workers on this machine",
+                       formatter_class=formatter_showing(_up_defaults),
                        description="Starts N simulated workers and the router on 127.0.0.1 "
                        "(free ports), waits until ready, prints the endpoint, and stops them "
                        "all on Ctrl-C or SIGTERM.")
     p.add_argument("--workers", type=positive_int, default=3,
                    help="sim workers (default %(default)s)")
-    p.add_argument("--port", type=int, default=8000,
-                   help="router port (default %(default)s; 0: any)")
+    p.add_argument("--port", type=int,
+                   help="router port (default %(default)s, the router's; 0: any)")
     p.add_argument("--worker-arg", action="append", metavar="FLAG",
                    help="extra flag for every worker, e.g. --worker-arg=--speedup=10")
     p.add_argument("--router-arg", action="append", metavar="FLAG",
