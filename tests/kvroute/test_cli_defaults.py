@@ -5,6 +5,9 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -15,6 +18,7 @@ from router.events.transport import DEFAULT_MAX_MESSAGE_BYTES
 from router.settings import RouterSettings
 from workers.settings import WorkerSettings
 
+REPO = Path(__file__).resolve().parents[2]
 ROUTER = {f.name: f.default for f in dataclasses.fields(RouterSettings)}
 WORKER = {f.name: f.default for f in dataclasses.fields(WorkerSettings)}
 #: Each subcommand whose flags take their defaults from settings, and those defaults.
@@ -96,3 +100,13 @@ def test_rule_constants_in_the_help_are_the_rules() -> None:
     assert f"runs {queue:g} blocks past the shortest" in text
     assert (f"{pressure.WARMUP_WEIGHT:g} down to {pressure.HIGH_PRESSURE_WEIGHT:g}") in text
     assert f"({SchedulerConfig.dynamo().queue_weight:g} = Dynamo)" in text
+
+
+def test_building_the_parser_loads_neither_router_nor_worker() -> None:
+    # The defaults are read when help is printed; `kvroute events tail` starts without them.
+    code = ("import sys, kvroute.cli as c; c.build_parser(); "
+            "print(sorted({m.split('.')[0] for m in sys.modules} & {'router', 'workers', "
+            "'bench'}))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=60, cwd=REPO, check=True).stdout
+    assert out.strip() == "[]"
