@@ -14,7 +14,7 @@ realistic prefix sharing, then measures for each implementation, in one run:
 and ``floor_128_reads_us``: 128 independent random prefetched reads from a plain table as
 large as the native index, the memory system's floor for one query. The reference is
 measured on a smaller index (``pairs`` says how large): building 1M blocks in pure Python
-takes minutes. See ``docs/index.md`` for what the numbers taught us.
+takes minutes. See ``docs/prefix_index.md`` for what the numbers taught us.
 
 The workload: 32 system prompts of 8-64 blocks, each held by most workers; conversations of
 32-256 blocks after a system prompt, each on one worker; engines commit a conversation's

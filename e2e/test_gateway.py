@@ -20,7 +20,8 @@ import pytest
 
 from bench.envoy import envoy_binary
 from e2e.gateway import Envoy, Epp
-from e2e.harness import Process, Worker, wait_for
+from e2e.harness import NOT_YET, Process, Worker
+from tests.support.eventually import eventually_blocking
 from tests.support.servers import sse_events
 
 pytestmark = [pytest.mark.slow,
@@ -163,7 +164,8 @@ def test_a_killed_worker_is_avoided_and_no_worker_gives_503(
     # (Envoy answers 503): the index still names it as the prefix's holder. A failed request
     # moves only its own session and predictions, so a success alone does not mean the
     # EPP has noticed. Once it has, every request goes to the live one.
-    wait_for(lambda: gw.epps[0].healthy_workers() == 1, 10, "the EPP to notice the kill")
+    eventually_blocking(lambda: gw.epps[0].healthy_workers() == 1, "the EPP to notice the kill",
+                        tolerate=NOT_YET)
     for i in range(4):
         r = envoy.complete(SYSTEM + f"after {i}")
         assert r.status_code == 200
@@ -173,7 +175,7 @@ def test_a_killed_worker_is_avoided_and_no_worker_gives_503(
     def refused() -> bool:
         r = envoy.complete("anything")
         return r.status_code == 503 and r.json()["error"]["type"] == "service_unavailable"
-    wait_for(refused, 10, "the EPP to answer 503 with no worker left")
+    eventually_blocking(refused, "the EPP to answer 503 with no worker left", tolerate=NOT_YET)
 
 
 def test_two_replicas_make_the_same_choices(gateway: Callable[..., Gateway]) -> None:
@@ -187,8 +189,8 @@ def test_two_replicas_make_the_same_choices(gateway: Callable[..., Gateway]) -> 
         holders[p] = r.headers["x-kvroute-worker"]
     by_address = {gw.address(w): w for w in gw.workers}
     for p, address in holders.items():  # the holders published what they hold
-        wait_for(lambda p=p, address=address: len(by_address[address].resident())
-                 >= len(p.encode()) // 32, 5, "the holder's events")
+        eventually_blocking(lambda p=p, address=address: len(by_address[address].resident())
+                            >= len(p.encode()) // 32, "the holder's events", tolerate=NOT_YET)
     # Replica b never saw these requests; it learned the holders from their KV events.
     for p, address in holders.items():
         r = b.complete(p + "second, through the other replica")

@@ -12,7 +12,8 @@ from typing import Any
 import openai
 import pytest
 
-from e2e.harness import Router, wait_for
+from e2e.harness import NOT_YET, Router
+from tests.support.eventually import eventually_blocking
 
 IMAGE_A = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4
 IMAGE_B = b"\x89PNG\r\n\x1a\n" + bytes(reversed(range(256))) * 4
@@ -67,7 +68,8 @@ def test_images_by_digest_route_to_the_holder(cluster: Any) -> None:
     first = chat(router, data_url(IMAGE_A), "Question one. " * 6)
     assert first.status_code == 200, first.text
     holder = first.headers["x-kvroute-worker"]
-    wait_for(lambda: sum(w["blocks"]["device"] for w in router.workers()) >= 7, 5, "indexed")
+    eventually_blocking(lambda: sum(w["blocks"]["device"] for w in router.workers()) >= 7,
+                        "indexed", tolerate=NOT_YET)
     again = chat(router, data_url(IMAGE_A), "Another question entirely. " * 6)
     assert again.headers["x-kvroute-worker"] == holder
     matched = int(again.headers["x-kvroute-matched-blocks"])
@@ -79,7 +81,8 @@ def test_images_by_uuid_route_without_the_bytes(cluster: Any, image_server: str)
     first = chat(router, f"{image_server}/a.png", "Question one. " * 6, uuid="sku-001")
     assert first.status_code == 200, first.text
     holder = first.headers["x-kvroute-worker"]
-    wait_for(lambda: sum(w["blocks"]["device"] for w in router.workers()) >= 7, 5, "indexed")
+    eventually_blocking(lambda: sum(w["blocks"]["device"] for w in router.workers()) >= 7,
+                        "indexed", tolerate=NOT_YET)
     # the router cannot fetch a remote image, but the UUID names it
     again = chat(router, f"{image_server}/a.png", "Another question. " * 6, uuid="sku-001")
     assert again.headers["x-kvroute-worker"] == holder
@@ -94,7 +97,8 @@ def test_other_content_under_the_same_uuid_is_never_served_from_cache(
     router, _ = cluster(workers=1, worker_settings=ALLOW_LOOPBACK)
     a = chat(router, f"{image_server}/a.png", "Question. " * 6, uuid="sku-001")
     assert a.status_code == 200
-    wait_for(lambda: router.workers()[0]["blocks"]["device"] >= 7, 5, "indexed")
+    eventually_blocking(lambda: router.workers()[0]["blocks"]["device"] >= 7, "indexed",
+                        tolerate=NOT_YET)
     b = chat(router, f"{image_server}/b.png", "Question. " * 6, uuid="sku-001")
     assert b.status_code == 200
     # the router's hint said "cached" (same UUID); the worker's reuse is by content

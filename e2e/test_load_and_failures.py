@@ -11,9 +11,12 @@ from typing import Any
 
 import httpx
 
-from e2e.harness import Router, wait_for
+from e2e.harness import NOT_YET, Router
+from tests.support.eventually import eventually_blocking
 
 HOT = "The shared system prompt of a busy agent fleet. " * 40  # 1,960 bytes: 61 blocks
+#: Tokens each held stream asks for: minutes of decoding on the sim worker, never reached.
+HELD_TOKENS = 60_000
 
 
 def stream_completion(router: Router, prompt: str, max_tokens: int,
@@ -36,34 +39,72 @@ def stream_completion(router: Router, prompt: str, max_tokens: int,
             "error": any(isinstance(e, dict) and "error" in e for e in events)}
 
 
-def hot_prefix_waves(router: Router) -> tuple[str, list[dict[str, Any]]]:
-    """Warm one worker with the hot prefix, then stream 64 completions over it in 8 waves of
-    8, each wave sent once the last one decodes; returns the holder and the results."""
+def held_stream(router: Router, prompt: str, started: threading.Event,
+                release: threading.Event) -> dict[str, Any]:
+    """Stream one long completion, set ``started`` at its first event (from then on the
+    router books it as decoding), read it until ``release``, then leave; ``ended`` says
+    whether it ended first (it must not: it asks for minutes of tokens)."""
+    body = {"model": "kvroute-sim", "prompt": prompt, "max_tokens": HELD_TOKENS,
+            "stream": True}
+    first: Any = None
+    ended = False
+    with httpx.Client(base_url=router.url, timeout=60) as client, \
+            client.stream("POST", "/v1/completions", json=body) as r:
+        worker = r.headers.get("x-kvroute-worker")
+        for line in r.iter_lines():  # leaving the loop closes the stream
+            if line.startswith("data: ") and first is None:
+                first = line[6:]
+                started.set()
+            ended = line == "data: [DONE]"
+            if release.is_set() or ended:
+                break
+    started.set()  # also when it failed: the test then reports what came back
+    return {"worker": worker, "status": r.status_code, "first": first, "ended": ended}
+
+
+def in_flight(router: Router) -> list[int]:
+    """Requests the router's books hold on each worker (its own decision's view)."""
+    body = {"model": "kvroute-sim", "prompt": "probe", "max_tokens": 1}
+    answer = router.client.post("/debug/route", json=body).json()
+    return [w["active_requests"] for w in answer["workers"]]
+
+
+def hot_prefix_held(router: Router, streams: int = 64) -> tuple[str, list[dict[str, Any]]]:
+    """Warm one worker with the hot prefix, then start ``streams`` long completions over it
+    one at a time, each once the one before decodes, all held open; returns the holder and
+    the results (after releasing them)."""
     first = router.complete(HOT + "warm up")
     holder = first.headers["x-kvroute-worker"]
-    wait_for(lambda: next(w for w in router.workers() if w["url"] == holder)
-             ["blocks"]["device"] >= len(HOT) // 32, 5, "the hot prefix indexed")
-    with ThreadPoolExecutor(64) as pool:
+    eventually_blocking(lambda: next(w for w in router.workers() if w["url"] == holder)
+                        ["blocks"]["device"] >= len(HOT) // 32, "the hot prefix indexed",
+                        tolerate=NOT_YET)
+    release = threading.Event()
+    with ThreadPoolExecutor(streams) as pool:
         futures = []
-        for wave in range(8):
-            started = [threading.Event() for _ in range(8)]
-            futures += [pool.submit(stream_completion, router, HOT + f"q{wave}.{i}", 300, s)
-                        for i, s in enumerate(started)]
-            assert all(s.wait(30) for s in started), "a wave's streams started"
+        try:
+            for i in range(streams):
+                started = threading.Event()
+                futures.append(pool.submit(held_stream, router, HOT + f"q{i}", started,
+                                           release))
+                assert started.wait(30), f"stream {i} began"
+            assert sum(in_flight(router)) == streams, "every stream is still held"
+        finally:
+            release.set()
         results = [f.result(60) for f in futures]
-    assert all(r["status"] == 200 and not r["error"] for r in results)
+    assert all(r["status"] == 200 and "choices" in json.loads(r["first"]) for r in results)
+    assert not any(r["ended"] for r in results), "a held stream ended by itself"
     return holder, results
 
 
 def test_a_hot_prefix_spreads_under_load_and_returns_when_load_falls(cluster: Any) -> None:
-    # Each of the 64 streams (300 tokens) holds the prefix's 61 blocks while it decodes; at
-    # weight 32 per prefill block the holder's decode load outweighs the 62 blocks a cold
-    # worker would prefill once about 32 of them run there. (A stream counts as decode load
-    # from its first token: a burst that all arrives before any first token stays on the
-    # holder, which CI's slower machine showed; CHANGELOG.md, "How the routing defaults were
-    # chosen", says why.)
+    # Each of the 64 streams holds the prefix's 61 blocks while it decodes; at weight 32 per
+    # prefill block the holder's decode load outweighs the 62 blocks a cold worker would
+    # prefill once about 32 of them run there. The load is the router's own books, made
+    # exact: each stream is sent once the one before has its first token (so it is booked
+    # as decoding), and none ends before the last is sent (each asks for far more tokens
+    # than the test takes), so no decision depends on how fast the machine is.
     router, _ = cluster(workers=3)
-    holder, results = hot_prefix_waves(router)
+    holder, results = hot_prefix_held(router)
     used = {r["worker"] for r in results}
     counts = sorted((sum(r["worker"] == u for r in results) for u in used), reverse=True)
     print(f"64 concurrent hot-prefix requests spread over {len(used)} workers: {counts}")
@@ -71,7 +112,10 @@ def test_a_hot_prefix_spreads_under_load_and_returns_when_load_falls(cluster: An
     assert counts[0] <= 48, "no pile-up on one worker"
     on_holder = sum(r["worker"] == holder for r in results)
     assert 24 <= on_holder <= 40, "the holder took the first ones, about the 32 the weights say"
-    # load has fallen: the prefix goes to a worker holding all of it again
+    assert [r["worker"] for r in results[:24]] == [holder] * 24
+    # load has fallen (the streams left): the prefix goes to a worker holding all of it again
+    eventually_blocking(lambda: in_flight(router) == [0, 0, 0], "the streams' bookings gone",
+                        tolerate=NOT_YET)
     after = router.complete(HOT + "after the burst")
     assert int(after.headers["x-kvroute-matched-blocks"]) == len(HOT) // 32
     assert after.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == \
@@ -82,12 +126,14 @@ def test_kill_9_of_a_worker_under_load(cluster: Any) -> None:
     router, workers = cluster(workers=3)
     first = router.complete(HOT + "warm up")
     victim = next(w for w in workers if w.url == first.headers["x-kvroute-worker"])
-    wait_for(lambda: len(router.indexed(victim)) >= len(HOT) // 32, 5, "victim indexed")
+    eventually_blocking(lambda: len(router.indexed(victim)) >= len(HOT) // 32, "victim indexed",
+                        tolerate=NOT_YET)
     with ThreadPoolExecutor(4) as pool:
         in_flight = [pool.submit(stream_completion, router, HOT + f"long {i}", 400)
                      for i in range(4)]
-        wait_for(lambda: victim.alive() and httpx.get(f"{victim.url}/load").json()["running"]
-                 >= 2, 10, "streams running on the victim")
+        eventually_blocking(lambda: victim.alive()
+                            and httpx.get(f"{victim.url}/load").json()["running"] >= 2,
+                            "streams running on the victim", tolerate=NOT_YET)
         victim.kill()  # SIGKILL
         killed_at = time.monotonic()
         streams = [f.result(60) for f in in_flight]
@@ -99,13 +145,15 @@ def test_kill_9_of_a_worker_under_load(cluster: Any) -> None:
     after = [router.complete(HOT + f"after {i}") for i in range(6)]
     assert [a.status_code for a in after] == [200] * 6
     assert all(a.headers["x-kvroute-worker"] != victim.url for a in after)
-    wait_for(lambda: router.indexed(victim) == {}, 5, "the dead worker's entries gone")
+    eventually_blocking(lambda: router.indexed(victim) == {}, "the dead worker's entries gone",
+                        tolerate=NOT_YET)
     gone_after = time.monotonic() - killed_at
     # it comes back as a new instance on the same address: learned from scratch
     victim.start()
     victim.wait_healthy()
-    wait_for(lambda: next(w for w in router.workers() if w["url"] == victim.url)["state"]
-             == "healthy", 10, "the victim back in the candidate set")
+    eventually_blocking(lambda: next(w for w in router.workers() if w["url"] == victim.url)
+                        ["state"] == "healthy", "the victim back in the candidate set",
+                        tolerate=NOT_YET)
     described = next(w for w in router.workers() if w["url"] == victim.url)
     assert described["counters"].get("restarts", 0) + 1 >= 1
     assert router.indexed(victim) == victim.resident() == {}
@@ -128,10 +176,11 @@ def test_requests_keep_flowing_while_a_worker_dies(cluster: Any) -> None:
 
     thread = threading.Thread(target=traffic)
     thread.start()
-    wait_for(lambda: done[0] >= 20, 20, "traffic before the fault")
+    eventually_blocking(lambda: done[0] >= 20, "traffic before the fault", 20, tolerate=NOT_YET)
     workers[1].kill()
     at_kill = done[0]
-    wait_for(lambda: done[0] >= at_kill + 50, 30, "traffic after the fault")
+    eventually_blocking(lambda: done[0] >= at_kill + 50, "traffic after the fault", 30,
+                        tolerate=NOT_YET)
     stop.set()
     thread.join(30)
     assert failures == [], f"requests failed: {failures}"

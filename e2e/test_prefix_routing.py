@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from e2e.harness import wait_for
+from e2e.harness import NOT_YET
+from tests.support.eventually import eventually_blocking
 
 SYSTEM = "You are a careful assistant. Answer briefly and cite the source. " * 8  # 520 bytes
 
@@ -16,8 +17,9 @@ def test_follow_up_goes_to_the_holder_and_cached_tokens_match(cluster: Any) -> N
     holder = first.headers["x-kvroute-worker"]
     # the holder's events reach the router: its index has the prompt's full blocks
     prompt_blocks = len((SYSTEM + "Question one?").encode()) // 32
-    wait_for(lambda: next(w for w in router.workers() if w["url"] == holder)["blocks"]["device"]
-             >= prompt_blocks, 5, "the holder's blocks in the router's index")
+    eventually_blocking(lambda: next(w for w in router.workers() if w["url"] == holder)
+                        ["blocks"]["device"] >= prompt_blocks,
+                        "the holder's blocks in the router's index", tolerate=NOT_YET)
     follow = router.complete(SYSTEM + "Question two, a different one?")
     assert follow.status_code == 200
     assert follow.headers["x-kvroute-worker"] == holder
@@ -30,8 +32,8 @@ def test_salted_requests_never_match_each_other(cluster: Any) -> None:
     router, _ = cluster(workers=2)
     a = router.complete(SYSTEM + "salted", cache_salt="tenant-a")
     assert a.status_code == 200
-    wait_for(lambda: sum(w["blocks"]["device"] for w in router.workers()) > 0, 5,
-             "blocks indexed")
+    eventually_blocking(lambda: sum(w["blocks"]["device"] for w in router.workers()) > 0,
+                        "blocks indexed", tolerate=NOT_YET)
     b = router.complete(SYSTEM + "salted", cache_salt="tenant-b")
     assert b.headers["x-kvroute-matched-blocks"] == "0"
     assert b.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
@@ -47,7 +49,8 @@ def test_a_lora_adapter_is_its_own_scope(cluster: Any) -> None:
     body = {"model": "sql-adapter", "prompt": SYSTEM + "lora", "max_tokens": 2}
     first = router.client.post("/v1/completions", json=body)
     assert first.status_code == 200
-    wait_for(lambda: sum(w["blocks"]["device"] for w in router.workers()) > 0, 5, "indexed")
+    eventually_blocking(lambda: sum(w["blocks"]["device"] for w in router.workers()) > 0, "indexed",
+                        tolerate=NOT_YET)
     again = router.client.post("/v1/completions", json={**body, "prompt": SYSTEM + "lora 2"})
     assert again.headers["x-kvroute-worker"] == first.headers["x-kvroute-worker"]
     matched = int(again.headers["x-kvroute-matched-blocks"])
@@ -70,14 +73,15 @@ def test_queue_weight_auto_follows_eviction_pressure_a_fixed_one_does_not(cluste
     assert _gauge(router, "kvroute_queue_weight") == 0.5  # caches warming up
     for i in range(12):
         assert router.complete(f"{i:04d} " + "distinct prompt text " * 47).status_code == 200
-    wait_for(lambda: _gauge(router, "kvroute_eviction_pressure") >= 0.5, 10,
-             "the removals to reach the router")
+    eventually_blocking(lambda: _gauge(router, "kvroute_eviction_pressure") >= 0.5,
+                        "the removals to reach the router", tolerate=NOT_YET)
     assert _gauge(router, "kvroute_queue_weight") < 0.25  # churning caches: wait, not recompute
     fixed, _ = cluster(workers=1, worker_settings={"num_blocks": 64, "speedup": 50},
                        router_settings={"queue_weight": 0.5})
     for i in range(6):
         assert fixed.complete(f"{i:04d} " + "distinct prompt text " * 47).status_code == 200
-    wait_for(lambda: _gauge(fixed, "kvroute_eviction_pressure") > 0, 10, "removals seen")
+    eventually_blocking(lambda: _gauge(fixed, "kvroute_eviction_pressure") > 0, "removals seen",
+                        tolerate=NOT_YET)
     assert _gauge(fixed, "kvroute_queue_weight") == 0.5  # fixed: the pressure does not move it
 
 

@@ -23,7 +23,8 @@ import pytest
 
 from bench.stock_vllm import BLOCK_SIZE, MODEL_NAME, VllmServer, find_vllm_python
 from bench.tiny_model import write_tiny_llama
-from e2e.harness import Router, wait_for
+from e2e.harness import NOT_YET, Router
+from tests.support.eventually import eventually_blocking
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
@@ -134,7 +135,8 @@ def test_a_follow_up_reaches_the_holder_and_vllm_reports_cached_tokens(pair: Pai
         prefix = text(seed, 150)  # several full blocks
         first = complete(pair.router, prefix)
         holder = pair.server(first.headers["x-kvroute-worker"])
-        wait_for(lambda h=holder: pair.blocks(h) >= 3, 30, "the holder's blocks indexed")
+        eventually_blocking(lambda h=holder: pair.blocks(h) >= 3, "the holder's blocks indexed", 30,
+                            tolerate=NOT_YET)
         follow = complete(pair.router, prefix + " " + text(seed + 100, 20))
         assert follow.headers["x-kvroute-worker"] == holder.url
         assert int(follow.headers["x-kvroute-matched-blocks"]) >= 3
@@ -148,7 +150,8 @@ def test_a_chat_repeat_hits_the_cache_through_the_chat_template(pair: Pair) -> N
     first = pair.router.client.post("/v1/chat/completions", json=body)
     assert first.status_code == 200, first.text
     holder = pair.server(first.headers["x-kvroute-worker"])
-    wait_for(lambda: pair.blocks(holder) >= 3, 30, "the chat's blocks indexed")
+    eventually_blocking(lambda: pair.blocks(holder) >= 3, "the chat's blocks indexed", 30,
+                        tolerate=NOT_YET)
     again = pair.router.client.post("/v1/chat/completions", json=body)
     assert again.status_code == 200, again.text
     assert again.headers["x-kvroute-worker"] == holder.url
@@ -159,7 +162,7 @@ def test_a_chat_repeat_hits_the_cache_through_the_chat_template(pair: Pair) -> N
 def test_reset_prefix_cache_on_vllm_empties_the_routers_view(pair: Pair) -> None:
     answer = complete(pair.router, text(30, 150))
     holder = pair.server(answer.headers["x-kvroute-worker"])
-    wait_for(lambda: pair.blocks(holder) >= 3, 30, "blocks indexed")
+    eventually_blocking(lambda: pair.blocks(holder) >= 3, "blocks indexed", 30, tolerate=NOT_YET)
     reset = httpx.post(f"{holder.url}/reset_prefix_cache", timeout=30)
     assert reset.status_code == 200, reset.text
     # vLLM publishes the clear with its next engine step: give it one, too short to store a
@@ -167,29 +170,33 @@ def test_reset_prefix_cache_on_vllm_empties_the_routers_view(pair: Pair) -> None
     nudge = httpx.post(f"{holder.url}/v1/completions", timeout=60, json={
         "model": MODEL_NAME, "prompt": "hi", "max_tokens": 1})
     assert nudge.status_code == 200, nudge.text
-    wait_for(lambda: pair.blocks(holder) == 0, 30, "the router's view of it emptied")
+    eventually_blocking(lambda: pair.blocks(holder) == 0, "the router's view of it emptied", 30,
+                        tolerate=NOT_YET)
 
 
 def test_a_killed_server_fails_over_and_a_restarted_one_is_relearned(pair: Pair) -> None:
     prefix = text(40, 150)
     holder = pair.server(complete(pair.router, prefix).headers["x-kvroute-worker"])
     other = next(s for s in pair.servers if s is not holder)
-    wait_for(lambda: pair.blocks(holder) >= 3, 30, "blocks indexed")
+    eventually_blocking(lambda: pair.blocks(holder) >= 3, "blocks indexed", 30, tolerate=NOT_YET)
 
     holder.kill(signal.SIGKILL)
     # The follow-up would go to the dead holder: it is served by the other server instead.
     assert complete(pair.router, prefix + " again").headers["x-kvroute-worker"] == other.url
-    wait_for(lambda: pair.worker(holder)["state"] == "unhealthy" and pair.blocks(holder) == 0,
-             30, "the dead server's entries dropped")
+    eventually_blocking(lambda: pair.worker(holder)["state"] == "unhealthy"
+                        and pair.blocks(holder) == 0, "the dead server's entries dropped", 30,
+                        tolerate=NOT_YET)
     assert complete(pair.router, prefix).headers["x-kvroute-worker"] == other.url
 
     holder.start()
     holder.wait_healthy()
-    wait_for(lambda: pair.worker(holder)["state"] == "healthy", 30, "the server back")
+    eventually_blocking(lambda: pair.worker(holder)["state"] == "healthy", "the server back", 30,
+                        tolerate=NOT_YET)
     for seed in range(50, 70):  # fresh prefixes until one lands on the restarted server
         answer = complete(pair.router, text(seed, 150))
         if answer.headers["x-kvroute-worker"] == holder.url:
             break
     else:
         raise AssertionError("no request reached the restarted server")
-    wait_for(lambda: pair.blocks(holder) >= 3, 30, "the restarted server's blocks indexed")
+    eventually_blocking(lambda: pair.blocks(holder) >= 3, "the restarted server's blocks indexed",
+                        30, tolerate=NOT_YET)

@@ -203,7 +203,12 @@ def _example(url: str) -> str:
 
 def run_up(args: argparse.Namespace) -> int:
     """Run the cluster until Ctrl-C or SIGTERM."""
-    cluster = Cluster(args.workers, args.port or 0, worker_args=args.worker_arg or [],
+    port = args.port
+    if port is None:  # the router's own default port
+        from router.settings import RouterSettings
+
+        port = RouterSettings().port
+    cluster = Cluster(args.workers, port or 0, worker_args=args.worker_arg or [],
                       router_args=args.router_arg or [], log_dir=args.log_dir)
     stopping = False
 

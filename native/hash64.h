@@ -175,7 +175,7 @@ static inline int kv_absorb_objects_scalar(PyObject **w, size_t n, uint64_t *acc
  * running OR and AND over the block say at the end whether every size was 1. The digit is
  * used as read, so a block with a size-0 int (zero, whose digit need not be 0) or a size
  * other than 1 is redone by the scalar reader. Per-token work is what the time goes on:
- * this halves it (docs/index.md). */
+ * this halves it (docs/prefix_index.md). */
 static inline int kv_absorb_objects(PyObject **w, size_t n, uint64_t *acc) {
     const PyTypeObject *T = &PyLong_Type;
     uint64_t acc0 = 0, acc1 = 0, k = 0;

@@ -11,7 +11,7 @@
  * of two sat at 47% load: 117.5 bytes per block-worker pair at 1M blocks, 86 now. Dense
  * linear probing is slow where it matters (misses and erases walk clusters), so the block
  * table stays 53-67% full and grows 1.25x; the engine maps, off the query path, run to 80%
- * and grow 1.5x (docs/index.md).
+ * and grow 1.5x (docs/prefix_index.md).
  */
 #ifndef KVROUTE_TABLE_H
 #define KVROUTE_TABLE_H

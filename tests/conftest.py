@@ -3,14 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.support.eventually import DEFAULT_TIMEOUT, eventually
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -43,18 +43,10 @@ class NoticeLog:
     def of(self, kind: type) -> list[Any]:
         return [i for i in self.items if isinstance(i, kind)]
 
-    async def wait_for(self, predicate: Callable[[list[Any]], bool], timeout: float = 5.0,
-                       what: str = "condition") -> None:
-        """Wait until ``predicate(items)`` holds, woken by each new item; fail after timeout."""
-        deadline = time.monotonic() + timeout
-        while not predicate(self.items):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                raise AssertionError(f"timed out after {timeout}s waiting for {what}; "
-                                     f"got {len(self.items)} items")
-            self._changed.clear()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._changed.wait(), left)
+    async def wait_for(self, predicate: Callable[[list[Any]], bool],
+                       timeout: float = DEFAULT_TIMEOUT, what: str = "condition") -> None:
+        """Wait until ``predicate(items)`` holds, woken by each new item (:func:`eventually`)."""
+        await eventually(lambda: self.items, what, timeout, until=predicate, wake=self._changed)
 
 
 @pytest.fixture

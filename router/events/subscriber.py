@@ -223,10 +223,6 @@ class EventSubscriber:
             self._context.term()
             self._own_context = False
 
-    async def request_replay(self, from_seq: int) -> None:
-        """Ask for a replay from ``from_seq`` now (e.g. after the caller lost its state)."""
-        await self._act(self._sequencer.replay_from(from_seq, time.monotonic()))
-
     # -- the loop ---------------------------------------------------------------------------
 
     async def _run(self) -> None:

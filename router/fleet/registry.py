@@ -30,6 +30,12 @@ through the adapter every ``health_interval`` seconds:
 - a worker whose event subscription stopped (:attr:`EventFeed.failure`) is unhealthy with that
   reason, its entries dropped, and is subscribed afresh on the next check that it answers.
 
+One round of polling is :meth:`Registry.poll_once`: it starts a check of every worker whose
+previous check has ended and waits for them all; the loop started by :meth:`Registry.start`
+starts the same round every ``health_interval`` without waiting, so a worker slow to answer
+delays no other worker's check. Times (how long a worker has been unhealthy) are read from the
+registry's ``clock``, so a test drives the grace with rounds and a clock of its own.
+
 Every answer is untrusted input, parsed by the adapter (kvroute's worker by
 :mod:`router.fleet.worker_answers`, stock engines by :mod:`router.fleet.engines.stock`).
 Whatever goes wrong
@@ -166,13 +172,16 @@ class Registry:
         forget: called with a worker id whenever its entries are dropped.
         http: the client for control calls (model info, load, snapshots).
         on_events: passed to every feed (called with each applied batch's events).
+        clock: seconds on any monotonic origin (``time.monotonic``; a test passes its own).
     """
 
     def __init__(self, settings: FleetSettings, index: IndexLike, load: LoadTracker,
                  tokenizer_identity: str, forget: Callable[[int], None],
                  http: httpx.AsyncClient,
-                 on_events: Callable[[int, list[Event]], None] | None = None) -> None:
+                 on_events: Callable[[int, list[Event]], None] | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self._settings = settings
+        self._clock = clock
         self._event_transport = settings.event_transport
         self._on_events = on_events
         self._index = index
@@ -185,6 +194,7 @@ class Registry:
         self._healthy = HealthyWorkers(self._entries)
         self._next_id = 0
         self._poll: asyncio.Task[None] | None = None
+        self._checks: dict[int, asyncio.Task[None]] = {}  # each worker's check in flight
         self.mm_tokens_per_image: int | None = None
         #: Workers found by DNS (``settings.discover``), from :meth:`start` on.
         self.discovery: Discovery | None = None
@@ -227,7 +237,7 @@ class Registry:
         url = config.url
         if self.find(url) is not None:
             raise ValueError(f"worker {url} is registered already")
-        entry = WorkerEntry(self._next_id, url, unhealthy_since=time.monotonic(), config=config,
+        entry = WorkerEntry(self._next_id, url, unhealthy_since=self._clock(), config=config,
                             liveness=self._liveness())
         try:
             await self._connect(entry)
@@ -255,7 +265,7 @@ class Registry:
 
     def _liveness(self) -> Liveness:
         s = self._settings
-        return Liveness(s.health_misses, s.health_timeout)
+        return Liveness(s.health_misses, s.health_timeout, self._clock)
 
     async def remove(self, worker: int) -> WorkerEntry:
         """Unregister a worker: stop its feed and drop its entries and load.
@@ -294,38 +304,40 @@ class Registry:
             with contextlib.suppress(asyncio.CancelledError):
                 await self._poll
             self._poll = None
+        checks, self._checks = list(self._checks.values()), {}
+        for task in checks:
+            task.cancel()
+        await asyncio.gather(*checks, return_exceptions=True)
         for entry in self._entries.values():
             if entry.feed is not None:
                 await entry.feed.stop()
                 entry.feed = None
 
     async def _poll_forever(self) -> None:
-        # Each worker's check is a task of its own, started every interval unless the last
-        # one is still running: a worker slow to answer delays no other worker's check.
-        checks: dict[int, asyncio.Task[None]] = {}
-        try:
-            while True:
-                await asyncio.sleep(self._settings.health_interval)
-                try:
-                    for entry in list(self._entries.values()):
-                        task = checks.get(entry.id)
-                        if task is None or task.done():
-                            checks[entry.id] = asyncio.create_task(
-                                self._check_guarded(entry), name=f"kvroute-health-{entry.id}")
-                    for worker in checks.keys() - self._entries.keys():
-                        checks.pop(worker).cancel()  # removed
-                except Exception:  # a bug here must not end failure detection for good
-                    log.exception("health poll round failed; polling goes on")
-        finally:
-            for task in checks.values():
-                task.cancel()
-            await asyncio.gather(*checks.values(), return_exceptions=True)
+        while True:
+            await asyncio.sleep(self._settings.health_interval)
+            try:
+                self._start_checks()
+            except Exception:  # a bug here must not end failure detection for good
+                log.exception("health poll round failed; polling goes on")
 
     async def poll_once(self) -> None:
-        """Poll every worker's load once (health), concurrently, and wait for every answer.
+        """One round of health polling: check every worker's load (a worker whose check from
+        an earlier round still runs keeps that one), concurrently, and wait for every check.
         An exception while checking one worker marks that worker unhealthy and touches no
         other."""
-        await asyncio.gather(*(self._check_guarded(e) for e in list(self._entries.values())))
+        await asyncio.gather(*self._start_checks(), return_exceptions=True)
+
+    def _start_checks(self) -> list[asyncio.Task[None]]:
+        # Each worker's check is a task of its own, started unless its last one still runs.
+        for worker in self._checks.keys() - self._entries.keys():
+            self._checks.pop(worker).cancel()  # removed
+        for entry in list(self._entries.values()):
+            task = self._checks.get(entry.id)
+            if task is None or task.done():
+                self._checks[entry.id] = asyncio.create_task(
+                    self._check_guarded(entry), name=f"kvroute-health-{entry.id}")
+        return list(self._checks.values())
 
     async def _check_guarded(self, entry: WorkerEntry) -> None:
         try:
@@ -408,7 +420,7 @@ class Registry:
                               ) -> None:
         """Take ``entry`` out of the candidate set; ``gone``: it did not answer at all (hung,
         dead or unreachable), so requests waiting for its first byte are sent elsewhere."""
-        now = time.monotonic()
+        now = self._clock()
         entry.counters["health_failures"] = entry.counters.get("health_failures", 0) + 1
         if entry.state is WorkerState.HEALTHY:
             log.warning("worker %s unhealthy: %s", entry.url, reason)

@@ -120,10 +120,6 @@ class RoutingCore:
         live = float(self.sessions.live(worker)) if self.sessions is not None else 0.0
         return (load.pending_prefill_blocks, load.decode_blocks, load.active_requests, live)
 
-    def facts_changed(self, worker: int) -> None:
-        """Read ``worker``'s facts again (its model info changed)."""
-        self._refresh(worker)
-
     def workers(self) -> int:
         """How many workers are tracked."""
         return len(self._facts)

@@ -194,3 +194,26 @@ def test_seeds_over_the_trace_load_it_once_and_vary_only_the_randomness(
     assert [r["seed"] for r in runs] == [0, 1, 2]
     assert len({json.dumps(r["bounds"]) for r in runs}) == 1
     assert len({r["rows"][0]["ttft_mean_s"] for r in runs}) > 1  # random's picks follow the seed
+
+
+def test_kvroute_bench_runs_the_replay_through_the_entry_point(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    from kvroute.cli import main as kvroute
+
+    out = tmp_path / "out.json"
+    assert kvroute(["bench", "replay", "--trace", str(tiny_trace(tmp_path / "t.jsonl")),
+                    "--workers", "2", "--policies", "kvroute,round_robin", "--json", str(out),
+                    "--no-progress"]) == 0
+    assert [r["policy"] for r in json.loads(out.read_text())["runs"][0]["rows"]] == [
+        "kvroute", "round_robin"]
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as listed:
+        kvroute(["bench", "--help"])
+    assert listed.value.code == 0 and "replay" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as replay_help:
+        kvroute(["bench", "replay", "--help"])
+    assert replay_help.value.code == 0
+    assert "usage: kvroute bench replay" in capsys.readouterr().out
+    with pytest.raises(SystemExit) as unknown:
+        kvroute(["bench", "nope"])
+    assert unknown.value.code == 2 and "invalid choice: 'nope'" in capsys.readouterr().err

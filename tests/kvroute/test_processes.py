@@ -7,12 +7,12 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import httpx
 
 from kvroute.up import free_port
+from tests.support.eventually import eventually_blocking
 
 
 def children_of(pid: int) -> set[int]:
@@ -41,15 +41,8 @@ def alive(pid: int) -> bool:
 
 
 def wait_http(url: str, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            if httpx.get(url, timeout=1).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    raise AssertionError(f"{url} did not answer in {timeout}s")
+    eventually_blocking(lambda: httpx.get(url, timeout=1).status_code == 200,
+                        f"{url} to answer", timeout, interval=0.05, tolerate=(httpx.HTTPError,))
 
 
 def test_worker_exits_cleanly_on_sigterm() -> None:
@@ -96,10 +89,8 @@ def test_up_serves_a_request_and_sigterm_leaves_no_orphans() -> None:
         assert len(spawned) >= 3, "a router and two workers"
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(30) == 0
-        deadline = time.monotonic() + 10
-        while any(alive(p) for p in spawned) and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not [p for p in spawned if alive(p)], "no child outlives kvroute up"
+        eventually_blocking(lambda: [p for p in spawned if alive(p)],
+                            "no child to outlive kvroute up", until=lambda left: not left)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)

@@ -13,6 +13,7 @@ import pytest
 
 from router.http.app import create_app
 from router.settings import RouterSettings
+from tests.support.eventually import eventually
 from tests.support.servers import ScriptedWorker, UvicornServer, sse_events
 
 BODY = {"model": "kvroute-sim", "prompt": "hello router " * 8, "max_tokens": 4}
@@ -35,12 +36,8 @@ async def router_for(
 
 
 async def wait_ready(client: httpx.AsyncClient, workers: int) -> None:
-    for _ in range(200):
-        r = await client.get("/ready")
-        if r.status_code == 200 and r.json()["workers"] == workers:
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"router never had {workers} healthy workers: {r.text}")
+    await eventually(lambda: client.get("/ready"), f"the router ready with {workers} workers",
+                     until=lambda r: r.status_code == 200 and r.json()["workers"] == workers)
 
 
 async def test_streaming_passes_through_with_routing_headers() -> None:
@@ -145,10 +142,8 @@ async def test_a_new_instance_id_is_seen_as_a_restart() -> None:
         # the worker goes away and comes back as a new instance
         worker.instance_id = "scripted-2"
         await worker.__aexit__(None, None, None)
-        for _ in range(100):
-            if (await client.get("/ready")).status_code == 503:
-                break
-            await asyncio.sleep(0.02)
+        await eventually(lambda: client.get("/ready"), "the router to see it gone",
+                         until=lambda r: r.status_code == 503)
         await worker.__aenter__()
         await wait_ready(client, 1)
         described = (await client.get("/workers")).json()["workers"][0]

@@ -21,6 +21,7 @@ from aiohttp import web
 
 from httpapi.server import DEFAULT_LIMITS, ConnectionLimits, server_config
 from kvroute.up import free_port
+from tests.support.eventually import eventually
 
 
 class UvicornServer:
@@ -40,13 +41,14 @@ class UvicornServer:
 
     async def __aenter__(self) -> UvicornServer:
         self._task = asyncio.create_task(self.server.serve())
-        for _ in range(500):
-            if self.server.started:
-                return self
+
+        def started() -> bool:
             if self._task.done():
-                self._task.result()
-            await asyncio.sleep(0.01)
-        raise RuntimeError("uvicorn did not start in 5 s")
+                self._task.result()  # it failed to start: raise its error
+            return bool(self.server.started)
+
+        await eventually(started, "uvicorn to start", interval=0.01)
+        return self
 
     async def __aexit__(self, *exc: object) -> None:
         self.server.should_exit = True

@@ -7,7 +7,7 @@ tier it is first offloaded there (the engine copies it), so a later prefix hit c
 (onboard) instead of recomputing it.
 
 The pool does no I/O. Every change a consumer of the event stream must know about is appended
-to a list of facts (:class:`BlockStored`, :class:`BlockRemoved`, :class:`AllBlocksCleared`) that
+to a list of facts (:class:`BlocksCommitted`, :class:`BlocksEvicted`, :class:`PoolCleared`) that
 the caller drains with :meth:`BlockPool.take_events` and hands to the event sink. Copies the
 engine must perform are returned as :class:`BlockCopy` values.
 """
@@ -22,17 +22,17 @@ from indexer.wire import MEDIUM_CPU, MEDIUM_GPU
 from workers.cache.block_keys import BlockKey, KeyedBlock
 
 __all__ = [
-    "AllBlocksCleared",
     "BlockCopy",
     "BlockPool",
-    "BlockRemoved",
-    "BlockStored",
+    "BlocksCommitted",
+    "BlocksEvicted",
     "CacheEvent",
+    "PoolCleared",
 ]
 
 
 @dataclass(frozen=True, slots=True)
-class BlockStored:
+class BlocksCommitted:
     """Blocks committed on ``medium``, a chain run: each block's parent is the one before it."""
 
     medium: str
@@ -40,7 +40,7 @@ class BlockStored:
 
 
 @dataclass(frozen=True, slots=True)
-class BlockRemoved:
+class BlocksEvicted:
     """Blocks that left ``medium``, in the order they left."""
 
     medium: str
@@ -48,11 +48,11 @@ class BlockRemoved:
 
 
 @dataclass(frozen=True, slots=True)
-class AllBlocksCleared:
+class PoolCleared:
     """Every committed block, on every tier, is gone."""
 
 
-CacheEvent = BlockStored | BlockRemoved | AllBlocksCleared
+CacheEvent = BlocksCommitted | BlocksEvicted | PoolCleared
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,10 +147,6 @@ class BlockPool:
     def evictable_blocks(self) -> list[int]:
         """Evictable device blocks, next to be evicted first."""
         return list(self._evictable)
-
-    def host_lru_blocks(self) -> list[int]:
-        """Occupied host blocks, next to be evicted first."""
-        return list(self._host_lru)
 
     # -- changes ---------------------------------------------------------------------------
 
@@ -253,7 +249,7 @@ class BlockPool:
                     self._evictable[b] = None
 
     def reset(self) -> bool:
-        """Forget every committed block on both tiers and record :class:`AllBlocksCleared`.
+        """Forget every committed block on both tiers and record :class:`PoolCleared`.
 
         Returns:
             ``False``, changing nothing, when a request still holds a device block.
@@ -268,7 +264,7 @@ class BlockPool:
         self._host_by_key.clear()
         self._host_lru.clear()
         self._host_free = deque(range(self.host_blocks))
-        self._events.append(AllBlocksCleared())
+        self._events.append(PoolCleared())
         return True
 
     def take_events(self) -> list[CacheEvent]:
@@ -280,15 +276,15 @@ class BlockPool:
 
     def _flush_run(self, medium: str, run: list[KeyedBlock]) -> None:
         if run:
-            self._events.append(BlockStored(medium, tuple(run)))
+            self._events.append(BlocksCommitted(medium, tuple(run)))
             run.clear()
 
     def _record_removed(self, medium: str, key: BlockKey) -> None:
         last = self._events[-1] if self._events else None
-        if isinstance(last, BlockRemoved) and last.medium == medium:
+        if isinstance(last, BlocksEvicted) and last.medium == medium:
             last.keys.append(key)
         else:
-            self._events.append(BlockRemoved(medium, [key]))
+            self._events.append(BlocksEvicted(medium, [key]))
 
     def _evict(self, b: int, pinned: set[int], copies: list[BlockCopy]) -> None:
         kb = self._committed[b]
@@ -304,7 +300,7 @@ class BlockPool:
                 self._host_lru[h] = None
                 self.offloads += 1
                 copies.append(BlockCopy(b, h))
-                self._events.append(BlockStored(MEDIUM_CPU, (kb,)))
+                self._events.append(BlocksCommitted(MEDIUM_CPU, (kb,)))
         self._record_removed(MEDIUM_GPU, kb.key)
 
     def _take_host_block(self, pinned: set[int]) -> int | None:

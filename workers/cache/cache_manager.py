@@ -264,7 +264,7 @@ class CacheManager:
         self.pool.free(reversed(req.block_ids))
 
     def reset_prefix_cache(self) -> bool:
-        """Forget every cached block on both tiers (records ``AllBlocksCleared``).
+        """Forget every cached block on both tiers (records ``PoolCleared``).
 
         Returns:
             ``False``, changing nothing, while any request holds blocks.

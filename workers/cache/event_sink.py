@@ -75,7 +75,7 @@ class EventSink:
         4. A block stored and removed on one medium within a batch publishes nothing.
         5. A removal is published only for a block the consumer was told about: a dropped
            block's removal would name a hash the consumer never saw.
-        6. The pool's ``AllBlocksCleared`` is published in place, after everything captured
+        6. The pool's ``PoolCleared`` is published in place, after everything captured
            before it and outside the cap, and empties the view, so the same prefix is reported
            again once it is cached again.
     """
@@ -92,11 +92,6 @@ class EventSink:
         self._pending_stored = 0
         self._resident: dict[tuple[str, BlockKey], KeyedBlock] = {}
         self._known: dict[BlockKey, int] = {}  # key -> on how many mediums it is resident
-
-    @property
-    def has_pending(self) -> bool:
-        """Whether facts wait for :meth:`next_batch`."""
-        return bool(self._pending)
 
     def resident_keys(self, medium: str) -> set[BlockKey]:
         """Return the keys a consumer of every batch so far believes resident on ``medium``."""
@@ -116,7 +111,7 @@ class EventSink:
     def capture(self, events: Iterable[CacheEvent]) -> None:
         """Take cache facts (from ``CacheManager.take_events``) into the pending batch."""
         for event in events:
-            if not isinstance(event, pool.BlockStored):
+            if not isinstance(event, pool.BlocksCommitted):
                 self._pending.append(event)
                 continue
             if self.hints is not None:
@@ -127,7 +122,7 @@ class EventSink:
             kept = event.blocks[:room]
             self.stats.dropped[DROP_CAP] += len(event.blocks) - len(kept)
             if kept:
-                self._pending.append(pool.BlockStored(event.medium, kept))
+                self._pending.append(pool.BlocksCommitted(event.medium, kept))
                 self._pending_stored += len(kept)
 
     def next_batch(self, ts: float, rank: int) -> KVEventBatch | None:
@@ -144,15 +139,15 @@ class EventSink:
         cancelled = self._coalesce(facts)
         out: list[WireEvent] = []
         for i, fact in enumerate(facts):
-            if isinstance(fact, pool.BlockStored):
+            if isinstance(fact, pool.BlocksCommitted):
                 self._publish_stored(i, fact, cancelled, out)
-            elif isinstance(fact, pool.BlockRemoved):
+            elif isinstance(fact, pool.BlocksEvicted):
                 hashes = [wire_hash(k) for k in fact.keys if self._forget(fact.medium, k)]
                 if hashes:
                     out.append(BlockRemoved(block_hashes=hashes, medium=fact.medium, group_idx=0))
                     self.stats.removed += len(hashes)
             else:
-                assert isinstance(fact, pool.AllBlocksCleared), f"unknown cache fact {fact!r}"
+                assert isinstance(fact, pool.PoolCleared), f"unknown cache fact {fact!r}"
                 out.append(AllBlocksCleared())
                 self._resident.clear()
                 self._known.clear()
@@ -201,10 +196,10 @@ class EventSink:
         open_stores: dict[tuple[str, BlockKey], tuple[int, int]] = {}
         cancelled: set[tuple[int, int]] = set()
         for i, fact in enumerate(facts):
-            if isinstance(fact, pool.BlockStored):
+            if isinstance(fact, pool.BlocksCommitted):
                 for j, kb in enumerate(fact.blocks):
                     open_stores[(fact.medium, kb.key)] = (i, j)
-            elif isinstance(fact, pool.BlockRemoved):
+            elif isinstance(fact, pool.BlocksEvicted):
                 for key in fact.keys:
                     at = open_stores.pop((fact.medium, key), None)
                     if at is not None:
@@ -215,7 +210,11 @@ class EventSink:
         return cancelled
 
     def _publish_stored(
-        self, i: int, fact: pool.BlockStored, cancelled: set[tuple[int, int]], out: list[WireEvent]
+        self,
+        i: int,
+        fact: pool.BlocksCommitted,
+        cancelled: set[tuple[int, int]],
+        out: list[WireEvent],
     ) -> None:
         run: list[KeyedBlock] = []
         for j, kb in enumerate(fact.blocks):

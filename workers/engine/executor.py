@@ -25,6 +25,7 @@ import asyncio
 import hashlib
 import struct
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -171,6 +172,7 @@ class SimExecutor:
         speedup: how much faster than the model to run (the modeled time is divided by it).
         vocab: token ids to draw outputs from; leave specials (EOS above all) out of it.
         block_size: positions per block, for the cost of onboarding host-tier blocks.
+        sleep: how a pass waits out its seconds (``asyncio.sleep``; a test passes a recorder).
 
     Notes:
         1. Output token ``i`` of a request is a BLAKE2b function of its prompt's token ids,
@@ -187,6 +189,7 @@ class SimExecutor:
         speedup: float = 1.0,
         vocab: range = BYTE_TEXT_VOCAB,
         block_size: int = 32,
+        sleep: Callable[[float], Awaitable[object]] = asyncio.sleep,
     ) -> None:
         if not speedup > 0:
             raise ValueError(f"speedup must be positive, got {speedup}")
@@ -198,6 +201,7 @@ class SimExecutor:
         self.speedup = speedup
         self.vocab = vocab
         self.block_size = block_size
+        self._sleep = sleep
         self._seeds: OrderedDict[str, tuple[Prompt, bytes]] = OrderedDict()
 
     def modeled_seconds(self, plan: IterationPlan) -> float:
@@ -230,7 +234,7 @@ class SimExecutor:
             sampled[d.request_id] = self._sample(d.request_id, d.prompt, d.output_index)
         seconds = self.modeled_seconds(plan) / self.speedup
         # Always yield, so that a very large speedup cannot starve the event loop.
-        await asyncio.sleep(seconds if seconds >= _MIN_SLEEP_S else 0)
+        await self._sleep(seconds if seconds >= _MIN_SLEEP_S else 0)
         return sampled, seconds
 
     def _sample(self, request_id: str, prompt: Prompt, index: int) -> int:

@@ -7,7 +7,6 @@ full-duplex body hand-back, the subset hint, the load booking and its release, a
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 import logging
@@ -29,6 +28,7 @@ from kvroute.up import free_port
 from router.epp import DESTINATION_HEADER, epp_server
 from router.service import RouterService
 from router.settings import RouterSettings
+from tests.support.eventually import eventually
 from tests.support.servers import ScriptedWorker
 
 BODY = {"model": "kvroute-sim", "prompt": "hello picker " * 8, "max_tokens": 4}
@@ -209,18 +209,14 @@ async def test_health_follows_the_workers() -> None:
             return reply.status  # type: ignore[no-any-return]
 
         serving = health_pb2.HealthCheckResponse.SERVING
-        for _ in range(100):
-            if await status("readiness") == serving:
-                break
-            await asyncio.sleep(0.02)
+        await eventually(lambda: status("readiness"), "readiness serving",
+                         until=lambda s: s == serving)
         for name in ("liveness", "readiness", "",
                      "envoy.service.ext_proc.v3.ExternalProcessor"):
             assert await status(name) == serving, name
         await service.registry.remove(service.registry.entries()[0].id)
-        for _ in range(200):
-            if await status("readiness") != serving:
-                break
-            await asyncio.sleep(0.02)
+        await eventually(lambda: status("readiness"), "readiness not serving",
+                         until=lambda s: s != serving)
         assert await status("readiness") == health_pb2.HealthCheckResponse.NOT_SERVING
         assert await status("liveness") == serving
 

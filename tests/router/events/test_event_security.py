@@ -3,7 +3,7 @@ the stream and its replays; a router with another key, or none, receives nothing
 
 from __future__ import annotations
 
-import contextlib
+import itertools
 from pathlib import Path
 from typing import Any
 
@@ -16,6 +16,7 @@ from kvroute.keys import generate_keypair
 from router.events.subscriber import Delivered, EventSubscriber
 from router.events.transport import CurveClientKeys, EventTransport
 from router.settings import SettingsError, load_settings
+from tests.support.eventually import eventually
 from workers.cache.publisher import CurveServerKeys, EventPublisher
 from workers.settings import WorkerSettingsError, load_worker_settings
 
@@ -66,12 +67,16 @@ async def test_only_an_authorized_router_receives_events(keys: dict[str, Path],
     try:
         for sub in subs:
             await sub.start()
-        for i in range(5, 300):  # until the authorized router has the live stream too
-            await pub.publish(batch(i))
-            with contextlib.suppress(AssertionError):
-                await good.wait_for(lambda items: any(
-                    isinstance(n, Delivered) and not n.replayed for n in items), timeout=0.05)
-                break
+        blocks = itertools.count(5)
+
+        async def publish_one() -> bool:  # until the authorized router has the live stream too
+            if any(isinstance(n, Delivered) and not n.replayed for n in good.items):
+                return True
+            await pub.publish(batch(next(blocks)))
+            return False
+
+        await eventually(publish_one, "the live stream at the authorized router",
+                         interval=0.05)
         last = pub.next_seq - 1
         await good.wait_for(lambda items: any(isinstance(n, Delivered) and n.seq == last
                                               for n in items), what="the last batch")
@@ -106,11 +111,14 @@ async def test_the_replay_port_does_not_answer_a_plain_request(keys: dict[str, P
                               from_seq=0, transport=transport(keys["router_secret"],
                                                               keys["worker_pub"]))
         await sub.start()
-        for _ in range(250):
+        async def publish_one() -> bool:
             if sub_log:
-                break
+                return True
             await pub.publish(batch(1))
             await dealer.poll(20)
+            return False
+
+        await eventually(publish_one, "the authorized subscriber's first batch")
         await sub.stop()
         assert sub_log and isinstance(sub_log[0], Delivered)
         assert await dealer.poll(0) == 0, "the plain client got no reply"

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -21,6 +22,7 @@ from router.events.subscriber import (
     MalformedInput,
     Restarted,
 )
+from tests.support.eventually import eventually
 from workers.cache.publisher import EventPublisher
 
 ANY_PORT = "tcp://127.0.0.1:*"
@@ -53,15 +55,16 @@ async def publisher() -> Any:
 async def publish_until_seen(pub: EventPublisher, log: Any, predicate: Any,
                              first_block: int = 0) -> None:
     """Publish batches until ``predicate`` holds: a SUB joins on its own schedule, and this
-    waits for it without sleeping a fixed time (bounded: 200 batches)."""
-    for i in range(200):
-        await pub.publish(batch(first_block + i))
-        try:
-            await log.wait_for(lambda _: predicate(), timeout=0.05)
-            return
-        except AssertionError:
-            continue
-    raise AssertionError("the subscriber never saw the stream")
+    waits for it without sleeping a fixed time."""
+    blocks = itertools.count(first_block)
+
+    async def publish_one() -> bool:
+        if predicate():
+            return True
+        await pub.publish(batch(next(blocks)))
+        return False
+
+    await eventually(publish_one, "the subscriber to see the stream", interval=0.05)
 
 
 async def subscribe(pub: EventPublisher, log: Any, **kwargs: Any) -> EventSubscriber:
@@ -200,15 +203,16 @@ async def test_garbage_frames_do_not_stop_the_subscriber(notice_log: Any) -> Non
     sub = EventSubscriber(endpoint, log)
     await sub.start()
     good = encode_batch(batch(0))
-    seq = 0
-    for _ in range(200):  # until the subscription is live
-        await pub.send_multipart([b"", pack_seq(seq), good])
-        seq += 1
-        try:
-            await log.wait_for(lambda _: bool(log.of(Delivered)), timeout=0.02)
-            break
-        except AssertionError:
-            continue
+    seqs = itertools.count()
+
+    async def send_good() -> bool:
+        if log.of(Delivered):
+            return True
+        await pub.send_multipart([b"", pack_seq(next(seqs)), good])
+        return False
+
+    await eventually(send_good, "the subscription live", interval=0.02)
+    seq = next(seqs)
     garbage = [
         [b"only-one-frame"],
         [b"", b"1234567", good],  # 7-byte seq
@@ -246,7 +250,6 @@ async def test_replay_router_ignores_malformed_requests(publisher: EventPublishe
 
 
 async def test_stop_leaves_no_task_behind(publisher: EventPublisher, notice_log: Any) -> None:
-    import asyncio
 
     before = {t.get_name() for t in asyncio.all_tasks()}
     sub = await subscribe(publisher, notice_log())
@@ -279,15 +282,6 @@ async def silent_replay(log: Any, **kwargs: Any) -> AsyncIterator[
         ctx.term()
 
 
-async def _until(predicate: Any, timeout: float, what: str) -> None:
-    """Poll ``predicate`` every 20 ms, for ``timeout`` seconds at most."""
-    for _ in range(int(timeout / 0.02)):
-        if predicate():
-            return
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
-
-
 async def test_an_unanswered_probe_is_not_history_lost(notice_log: Any) -> None:
     # A probe checks for trailing loss on a quiet stream. If the replay endpoint never
     # answers, nothing is known to be lost: reporting history lost would make the router
@@ -295,7 +289,7 @@ async def test_an_unanswered_probe_is_not_history_lost(notice_log: Any) -> None:
     log = notice_log()
     async with silent_replay(log, probe_interval=0.05, replay_timeout=0.1) as (pub, sub):
         await publish_until_seen(pub, log, lambda: bool(log.of(Delivered)))
-        await _until(lambda: sub.stats.probe_timeouts >= 2, 5.0, "two unanswered probes")
+        await eventually(lambda: sub.stats.probe_timeouts >= 2, "two unanswered probes")
         assert not log.of(HistoryLost)
         last = sub.last_seq
         assert last is not None
@@ -330,7 +324,7 @@ async def test_a_batch_that_continues_the_stream_ends_a_probe_at_once(notice_log
         await publish_until_seen(pub, log, lambda: bool(log.of(Delivered)))
         last = sub.last_seq
         assert last is not None
-        await _until(lambda: sub.stats.probes >= 1, 5.0, "a probe in flight")
+        await eventually(lambda: sub.stats.probes >= 1, "a probe in flight")
         await pub.publish(batch(600))
         await log.wait_for(lambda _: delivered_seqs(log)[-1] == last + 1, timeout=2.0,
                            what="the batch, well before the 30 s replay timeout")

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 from typing import Any
 
 import zmq
@@ -20,6 +21,7 @@ from indexer.wire import (
 )
 from router.events.subscriber import Delivered, EventSubscriber, HistoryLost
 from router.events.transport import EventTransport
+from tests.support.eventually import eventually
 from workers.cache.publisher import EventPublisher
 
 ANY_PORT = "tcp://127.0.0.1:*"
@@ -36,16 +38,19 @@ def delivered_seqs(log: Any) -> list[int]:
 
 async def send_until(pub: zmq.asyncio.Socket, log: Any, first_seq: int,
                      predicate: Any) -> int:
-    """Send good batches from ``first_seq`` on until ``predicate`` holds (bounded: 300);
-    returns the next seq to send."""
-    seq = first_seq
-    for _ in range(300):
+    """Send good batches from ``first_seq`` on until ``predicate`` holds; returns the next
+    seq to send."""
+    seqs = itertools.count(first_seq)
+
+    async def send_one() -> bool:
+        if predicate():
+            return True
+        seq = next(seqs)
         await pub.send_multipart([b"", pack_seq(seq), encode_batch(batch(seq))])
-        seq += 1
-        with contextlib.suppress(AssertionError):
-            await log.wait_for(lambda _: predicate(), timeout=0.05)
-            return seq
-    raise AssertionError("the subscriber never saw the batches")
+        return False
+
+    await eventually(send_one, "the subscriber to see the batches", interval=0.05)
+    return next(seqs)
 
 
 async def test_an_oversize_message_is_dropped_counted_and_the_stream_goes_on(
@@ -113,11 +118,15 @@ async def test_a_replay_that_never_covers_a_gap_is_asked_a_bounded_number_of_tim
                           max_replay_attempts=5)
     await sub.start()
     try:
-        for i in range(300):  # until the subscription is live
-            await pub.publish(batch(i))
-            with contextlib.suppress(AssertionError):
-                await log.wait_for(lambda _: bool(log.of(Delivered)), timeout=0.05)
-                break
+        blocks = itertools.count()
+
+        async def publish_one() -> bool:
+            if log.of(Delivered):
+                return True
+            await pub.publish(batch(next(blocks)))
+            return False
+
+        await eventually(publish_one, "the subscription live", interval=0.05)
         first_missing = pub.next_seq
         pub.drop_next(3)
         for i in range(4):

@@ -5,12 +5,12 @@ byte."""
 from __future__ import annotations
 
 import asyncio
-import time
 from typing import Any
 
 import httpx
 
 from tests.router.test_router_service import BODY, router_for
+from tests.support.eventually import eventually
 from tests.support.servers import ScriptedWorker, sse_events
 
 
@@ -25,15 +25,15 @@ async def described(client: httpx.AsyncClient, worker: ScriptedWorker) -> dict[s
     return next(w for w in workers if w["url"] == worker.url)  # type: ignore[no-any-return]
 
 
-async def wait_state(client: httpx.AsyncClient, worker: ScriptedWorker, state: str,
-                     timeout: float = 10.0) -> dict[str, Any]:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        entry = await described(client, worker)
-        if entry["state"] == state:
-            return entry
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"{worker.url} never became {state}: {entry}")
+def queued_blocks(route: dict[str, Any], worker: ScriptedWorker) -> float:
+    """The prefill blocks a ``/debug/route`` answer weighs as queued on ``worker``."""
+    return next(w["prefill_blocks"] for w in route["workers"] if w["url"] == worker.url)
+
+
+async def wait_state(client: httpx.AsyncClient, worker: ScriptedWorker, state: str
+                     ) -> dict[str, Any]:
+    return await eventually(lambda: described(client, worker), f"{worker.url} {state}",
+                            until=lambda entry: entry["state"] == state)
 
 
 async def test_a_load_answer_out_of_range_marks_that_worker_and_polling_goes_on() -> None:
@@ -72,20 +72,20 @@ async def test_a_malformed_model_info_on_reconnect_marks_that_worker_and_polling
         bad.model_info_extra = {"data_parallel_rank": "x"}
         bad.load_answer = b'{"running": 0}'
         # reconnecting reads /model_info anew: the bad rank keeps it out, with the reason
-        deadline = time.monotonic() + 10
-        while "data_parallel_rank" not in ((await described(client, bad))["last_error"] or ""):
-            assert time.monotonic() < deadline, await described(client, bad)
-            await asyncio.sleep(0.02)
+        await eventually(lambda: described(client, bad), "the bad rank named",
+                         until=lambda w: "data_parallel_rank" in (w["last_error"] or ""))
         assert (await described(client, bad))["state"] == "unhealthy"
         good.pause()
         await wait_state(client, good, "unhealthy")
 
 
 async def test_a_worker_slow_to_reconnect_delays_no_other_workers_check() -> None:
+    # The router's own poll loop (tests/router/fleet/test_health_polling.py drives the same
+    # rounds one at a time).
     async with (
         ScriptedWorker() as slow,
         ScriptedWorker() as good,
-        router_for(slow, good, ready=2, health_timeout=0.3) as client,
+        router_for(slow, good, ready=2) as client,
     ):
         slow.load_answer = b"not json"
         await wait_state(client, slow, "unhealthy")
@@ -93,11 +93,8 @@ async def test_a_worker_slow_to_reconnect_delays_no_other_workers_check() -> Non
         before = slow.model_info_calls
         assert slow.model_info_ended == before
         slow.load_answer = b'{"running": 0}'
-        deadline = time.monotonic() + 10
-        while slow.model_info_calls == before:  # its reconnect began, and waits
-            assert time.monotonic() < deadline, "no reconnect"
-            await asyncio.sleep(0.02)
-        good.pause()
+        await eventually(lambda: slow.model_info_calls > before, "its reconnect to begin")
+        good.load_answer = b"not json"  # an answer, at once: no timeout in the way
         await wait_state(client, good, "unhealthy")
         # seen while the other's /model_info call still waits (the router allows it 5 s)
         assert slow.model_info_ended == before
@@ -142,22 +139,29 @@ async def test_a_stream_the_engine_failed_before_its_first_token_is_retried_else
 
 async def test_a_stream_that_never_begins_is_sent_elsewhere_at_its_deadline() -> None:
     # The stalled worker's /load still answers and it sends a stream's headers: only the
-    # request's own first-byte deadline (the floor, here 0.3 s) can move it.
+    # request's own first-byte deadline (the floor, here 0.3 s) can move it. The other worker
+    # reports a deep queue, so every request tries the stalled one first (and its deadline
+    # passes however loaded the machine is: it never answers) and then the busy one, which
+    # as a fallback waits the proxy's ceiling, not the floor.
     async with (
         ScriptedWorker("stall") as stalled,
-        ScriptedWorker() as good,
-        router_for(stalled, good, ready=2, first_byte_floor=0.3) as client,
+        ScriptedWorker() as busy,
     ):
-        answers = [await client.post("/v1/completions", json={
-            **BODY, "prompt": f"r{i} " * 20, "stream": True}, timeout=8) for i in range(6)]
-        assert [a.status_code for a in answers] == [200] * 6
-        assert {a.headers["x-kvroute-worker"] for a in answers} == {good.url}
-        assert all(sse_events(a.content)[-1] == "[DONE]" for a in answers)
-        metrics = (await client.get("/metrics")).text
-        assert counted(metrics, "kvroute_upstream_failures_total", 'cause="deadline"') == len(
-            stalled.requests)
-        assert len(stalled.requests) >= 1, "the stalled worker was tried first at least once"
-        await asyncio.wait_for(stalled.cancelled.wait(), 5)  # the abandoned request cancelled
+        busy.load_answer = b'{"running": 0, "waiting": 64, "pending_prefill_tokens": 1000000}'
+        async with router_for(stalled, busy, ready=2, first_byte_floor=0.3) as client:
+            await eventually(lambda: client.post("/debug/route", json=BODY),
+                             "the busy worker's queue in the router's books",
+                             until=lambda r: queued_blocks(r.json(), busy) > 1000)
+            answers = [await client.post("/v1/completions", json={
+                **BODY, "prompt": f"r{i} " * 20, "stream": True}, timeout=60)
+                for i in range(6)]
+            assert [a.status_code for a in answers] == [200] * 6
+            assert {a.headers["x-kvroute-worker"] for a in answers} == {busy.url}
+            assert all(sse_events(a.content)[-1] == "[DONE]" for a in answers)
+            metrics = (await client.get("/metrics")).text
+            assert counted(metrics, "kvroute_upstream_failures_total", 'cause="deadline"') == 6
+            assert len(stalled.requests) == 6, "every request tried the stalled worker first"
+            await eventually(stalled.cancelled.is_set, "the abandoned request cancelled")
 
 
 async def test_a_worker_whose_health_probe_hangs_gives_up_its_waiting_requests() -> None:
@@ -165,11 +169,11 @@ async def test_a_worker_whose_health_probe_hangs_gives_up_its_waiting_requests()
     async with (
         ScriptedWorker() as paused,
         ScriptedWorker() as good,
-        router_for(paused, good, ready=2, first_byte_floor=60, health_timeout=0.3) as client,
+        router_for(paused, good, ready=2, first_byte_floor=60) as client,
     ):
-        paused.pause()
+        paused.pause()  # its probe ends at the default health timeout: it never answers
         sends = [client.post("/v1/completions", json={**BODY, "prompt": f"p{i} " * 20},
-                             timeout=8) for i in range(6)]
+                             timeout=60) for i in range(6)]
         answers = await asyncio.gather(*sends)
         assert [a.status_code for a in answers] == [200] * 6
         assert {a.headers["x-kvroute-worker"] for a in answers} == {good.url}

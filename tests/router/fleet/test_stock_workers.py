@@ -4,7 +4,6 @@ health, refusals and ``/workers`` are seen through the real registry and app."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
@@ -18,6 +17,7 @@ from aiohttp import web
 from kvroute.up import free_port
 from router.http.app import create_app
 from router.settings import RouterSettings
+from tests.support.eventually import eventually
 from tests.support.servers import UvicornServer
 
 DATA = Path(__file__).resolve().parents[2] / "data" / "engines"
@@ -73,12 +73,10 @@ async def listed(client: httpx.AsyncClient) -> list[dict[str, Any]]:
 
 
 async def until(client: httpx.AsyncClient, check: Any, what: str) -> dict[str, Any]:
-    for _ in range(200):
-        workers = await listed(client)
-        if workers and check(workers[0]):
-            return workers[0]
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"never {what}: {workers}")
+    """The first listed worker, once ``check`` holds for it."""
+    workers = await eventually(lambda: listed(client), f"the worker {what}",
+                               until=lambda ws: bool(ws) and check(ws[0]))
+    return workers[0]
 
 
 async def test_a_vllm_worker_is_described_from_its_models_and_metrics() -> None:

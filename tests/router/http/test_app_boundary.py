@@ -4,7 +4,6 @@ mid-body, prompts refused by length alone, and connection limits."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
 import re
@@ -17,6 +16,7 @@ import pytest
 from httpapi.server import ConnectionLimits
 from router.http.app import create_app
 from router.settings import RouterSettings
+from tests.support.eventually import eventually
 from tests.support.raw_http import (
     closed_by_peer,
     get_with_header,
@@ -41,11 +41,9 @@ async def router(*workers: ScriptedWorker, limits: ConnectionLimits | None = Non
     app = create_app(settings)
     async with UvicornServer(app, limits=limits or ConnectionLimits()) as server, \
             httpx.AsyncClient(base_url=server.url) as client:
-        for _ in range(200):
-            r = await client.get("/ready")
-            if r.status_code == 200 and r.json()["workers"] == len(workers):
-                break
-            await asyncio.sleep(0.02)
+        await eventually(lambda: client.get("/ready"), f"{len(workers)} workers ready",
+                         until=lambda r: r.status_code == 200
+                         and r.json()["workers"] == len(workers))
         yield server, client
 
 
@@ -141,10 +139,9 @@ async def test_a_client_leaving_mid_body_is_counted_not_logged(
     async with ScriptedWorker() as worker, router(worker) as (server, client):
         for _ in range(3):
             await leave_mid_body(server.port, "/v1/completions")
-        for _ in range(250):
-            if await metric(client, "kvroute_client_disconnects_total", 'stage="body"') >= 3:
-                break
-            await asyncio.sleep(0.02)
+        await eventually(lambda: metric(client, "kvroute_client_disconnects_total",
+                                        'stage="body"'), "3 disconnects counted",
+                         until=lambda n: n >= 3)
         assert await metric(client, "kvroute_client_disconnects_total", 'stage="body"') == 3
     assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
     assert worker.requests == []

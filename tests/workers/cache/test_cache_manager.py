@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 
 from workers.cache.block_keys import ImageSpan, Prompt, RequestBlocks, Scope, image_digest
-from workers.cache.block_pool import AllBlocksCleared, BlockCopy, BlockRemoved, BlockStored
+from workers.cache.block_pool import BlockCopy, BlocksCommitted, BlocksEvicted, PoolCleared
 from workers.cache.cache_manager import Allocation, CacheManager, Growth
 
 
@@ -21,12 +21,12 @@ def facts(manager: CacheManager) -> list[tuple[Any, ...]]:
     """The recorded facts, with keys, in order."""
     out: list[tuple[Any, ...]] = []
     for e in manager.take_events():
-        if isinstance(e, BlockStored):
+        if isinstance(e, BlocksCommitted):
             out.append(("stored", e.medium, [kb.key for kb in e.blocks]))
-        elif isinstance(e, BlockRemoved):
+        elif isinstance(e, BlocksEvicted):
             out.append(("removed", e.medium, list(e.keys)))
         else:
-            assert isinstance(e, AllBlocksCleared)
+            assert isinstance(e, PoolCleared)
             out.append(("cleared",))
     return out
 

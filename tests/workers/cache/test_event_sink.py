@@ -33,12 +33,12 @@ def h(*blocks: KeyedBlock) -> list[int]:
     return [wire_hash(b.key) for b in blocks]
 
 
-def stored(medium: str, *blocks: KeyedBlock) -> pool.BlockStored:
-    return pool.BlockStored(medium, blocks)
+def stored(medium: str, *blocks: KeyedBlock) -> pool.BlocksCommitted:
+    return pool.BlocksCommitted(medium, blocks)
 
 
-def removed(medium: str, *blocks: KeyedBlock) -> pool.BlockRemoved:
-    return pool.BlockRemoved(medium, [b.key for b in blocks])
+def removed(medium: str, *blocks: KeyedBlock) -> pool.BlocksEvicted:
+    return pool.BlocksEvicted(medium, [b.key for b in blocks])
 
 
 def shape(events: list[object]) -> list[tuple[object, ...]]:
@@ -163,7 +163,7 @@ def test_reset_is_ordered_uncapped_and_forgets_residency() -> None:
 
     # In one batch: B2 stored, the cache cleared, then B0 and B1 cached again. The cap is
     # already reached by B2 and B0, yet the clear goes out, in place.
-    sink.capture([stored("GPU", B2), pool.AllBlocksCleared(), stored("GPU", B0, B1)])
+    sink.capture([stored("GPU", B2), pool.PoolCleared(), stored("GPU", B0, B1)])
     batch = sink.next_batch(1.0, 0)
     assert batch is not None and shape(batch.events) == [
         ("stored", "GPU", h(B2), wire_hash(B1.key)),
@@ -175,7 +175,7 @@ def test_reset_is_ordered_uncapped_and_forgets_residency() -> None:
     assert [e.block_hashes for e in sink.snapshot_events()] == [h(B0)]
 
     # The same prefix is reported again once cached again.
-    sink.capture([pool.AllBlocksCleared(), stored("GPU", B0, B1)])
+    sink.capture([pool.PoolCleared(), stored("GPU", B0, B1)])
     batch = sink.next_batch(2.0, 0)
     assert batch is not None
     assert shape(batch.events) == [("cleared",), ("stored", "GPU", h(B0, B1), None)]

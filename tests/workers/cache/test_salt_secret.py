@@ -20,7 +20,7 @@ from workers.settings import WorkerSettings, WorkerSettingsError, load_worker_se
 def first_extra_keys(salt_key: bytes | None) -> list[str]:
     blocks = RequestBlocks(Prompt([1, 2, 3, 4], scope=Scope(salt="tenant-a")), 2)
     sink = EventSink(salt_key=salt_key)
-    sink.capture([pool.BlockStored("GPU", (blocks.block(0), blocks.block(1)))])
+    sink.capture([pool.BlocksCommitted("GPU", (blocks.block(0), blocks.block(1)))])
     batch = sink.next_batch(0.0, 0)
     assert batch is not None and b"tenant-a" not in encode_batch(batch)
     (event,) = batch.events

@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from httpapi.server import ConnectionLimits
+from tests.support.eventually import eventually
 from tests.support.raw_http import (
     closed_by_peer,
     get_with_header,
@@ -117,10 +118,8 @@ async def test_a_client_leaving_mid_body_is_counted_not_logged(
     async with worker() as (server, client):
         for _ in range(3):
             await leave_mid_body(server.port, "/v1/completions")
-        for _ in range(250):
-            if await disconnects(client) >= 3:
-                break
-            await asyncio.sleep(0.02)
+        await eventually(lambda: disconnects(client), "3 disconnects counted",
+                         until=lambda n: n >= 3)
         assert await disconnects(client) == 3
     assert not [r for r in caplog.records if r.exc_info or r.levelno >= logging.ERROR]
 
