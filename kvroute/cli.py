@@ -166,13 +166,13 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
       "(default: none; loopback, private, link-local, multicast and unspecified addresses "
       "are refused)")
     a("--max-images-per-request", type=int,
-      help="image parts a chat request may carry; more is a 400 (default 16)")
+      help="image parts a chat request may carry; more is a 400 (default %(default)s)")
     a("--max-image-request-bytes", type=int,
       help="fetched image bytes per request, all its images together; more is a 400 "
-      "(default 64 MiB)")
+      "(default %(default)s bytes)")
     a("--max-image-fetch-bytes", type=int,
       help="fetched image bytes in flight across all requests; a request past them is a "
-      "503 (default 256 MiB)")
+      "503 (default %(default)s bytes)")
     a("--no-image-hints", dest="image_hints", action="store_false", default=None,
       help="publish no image UUID routing hints")
     a("--curve-secret-key", metavar="FILE",
