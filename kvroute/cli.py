@@ -169,10 +169,10 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
       help="image parts a chat request may carry; more is a 400 (default %(default)s)")
     a("--max-image-request-bytes", type=int,
       help="fetched image bytes per request, all its images together; more is a 400 "
-      "(default %(default)s bytes)")
+      "(default %(default)s)")
     a("--max-image-fetch-bytes", type=int,
       help="fetched image bytes in flight across all requests; a request past them is a "
-      "503 (default %(default)s bytes)")
+      "503 (default %(default)s)")
     a("--no-image-hints", dest="image_hints", action="store_false", default=None,
       help="publish no image UUID routing hints")
     a("--curve-secret-key", metavar="FILE",
