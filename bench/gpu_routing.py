@@ -29,6 +29,16 @@ interleaved so that drift in the machine touches each alike; ``summary`` in the 
 table's last lines) gives each pair's medians and its p50 range. One run decides little here:
 the same setting's TTFT p50 spread .599-.846 s over four runs on the H200 (``docs/gpu.md``).
 
+``--slo S`` replaces ``--loads`` with a capacity search (:mod:`bench.capacity`): per policy one
+cluster, every worker's cache emptied before each probe, a bisection over loads in
+``--capacity-range`` for the highest whose TTFT p99 stays under S; printed with the goodput
+there and kv's sustained load over round-robin's.
+
+``--mps auto`` (the default) runs the workers under CUDA MPS where ``nvidia-cuda-mps-control``
+is found, started before the cluster and stopped after it (:mod:`bench.gpu.mps`); four workers'
+decode steps ran 1.4x faster together under it (``docs/gpu.md``). ``--max-num-batched-tokens``
+sets the workers' prefill chunk.
+
 Requests longer than ``--max-model-len`` are left out of the window (and counted): the longest
 trace prompts (up to 191k tokens) would otherwise be refused by the router.
 
