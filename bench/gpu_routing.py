@@ -29,6 +29,16 @@ interleaved so that drift in the machine touches each alike; ``summary`` in the 
 table's last lines) gives each pair's medians and its p50 range. One run decides little here:
 the same setting's TTFT p50 spread .599-.846 s over four runs on the H200 (``docs/gpu.md``).
 
+``--slo S`` replaces ``--loads`` with a capacity search (:mod:`bench.capacity`): per policy one
+cluster, every worker's cache emptied before each probe, a bisection over loads in
+``--capacity-range`` for the highest whose TTFT p99 stays under S; printed with the goodput
+there and kv's sustained load over round-robin's.
+
+``--mps auto`` (the default) runs the workers under CUDA MPS where ``nvidia-cuda-mps-control``
+is found, started before the cluster and stopped after it (:mod:`bench.gpu.mps`); four workers'
+decode steps ran 1.4x faster together under it (``docs/gpu.md``). ``--max-num-batched-tokens``
+sets the workers' prefill chunk.
+
 Requests longer than ``--max-model-len`` are left out of the window (and counted): the longest
 trace prompts (up to 191k tokens) would otherwise be refused by the router.
 
@@ -61,6 +71,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from bench.capacity import capacity_table, goodput, search_capacity, sustained_ratio
+from bench.gpu.mps import MODES, Mps
 from bench.live import replay_live, summarize_live
 from bench.workloads import (
     DEFAULT_TRACE,
@@ -72,8 +84,7 @@ from bench.workloads import (
 )
 from kvroute.up import Cluster
 
-__all__ = ["main", "run_policy", "summarize_repeats", "window"]
-
+__all__ = ["Fleet", "main", "run_capacity", "run_policy", "summarize_repeats", "window"]
 
 
 def window(path: Path, first: int, count: int, max_len: int,
@@ -178,42 +189,100 @@ class ProcessMemory:
             self._stop.wait(1.0)
 
 
+class Fleet:
+    """A started cluster routed by one policy (``with``: start, warm up; stop on leaving), and
+    replays against it; each replay's row."""
+
+    def __init__(self, args: argparse.Namespace, policy: str, log_dir: str | None) -> None:
+        worker_args = ["--engine", "torch", "--torch-model", args.model, "--device",
+                       args.device, "--max-model-len", str(args.max_model_len),
+                       "--gpu-memory-utilization", str(args.gpu_memory_utilization
+                                                       or 0.9 / args.workers)]
+        if args.max_num_batched_tokens is not None:
+            worker_args += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
+        if args.kv_memory_gb is not None:
+            worker_args += ["--kv-memory-gb", str(args.kv_memory_gb)]
+        self.args, self.policy = args, policy
+        self.cluster = Cluster(args.workers, worker_args=worker_args,
+                               router_args=["--policy", policy, "--seed", "0"], log_dir=log_dir)
+        self.processes = ProcessMemory()
+        self.ready_s = 0.0
+
+    def __enter__(self) -> Fleet:
+        self.processes.__enter__()
+        try:
+            started = time.perf_counter()
+            self.cluster.start(timeout=self.args.ready_timeout)
+            warm_up(self.cluster, self.args.warmup_tokens)
+            self.ready_s = time.perf_counter() - started
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.cluster.stop()
+        finally:
+            self.processes.__exit__()
+
+    def reset(self) -> None:
+        """Empty every worker's prefix cache (between probes of a capacity search)."""
+        for url in _worker_urls(self.cluster):
+            _post(f"{url}/reset_prefix_cache", {}, 30)
+
+    def replay(self, requests: Sequence[WorkloadRequest], slo_s: float | None = None
+               ) -> dict[str, Any]:
+        """Replay ``requests`` against the router; one row (with goodput when ``slo_s``)."""
+        urls = _worker_urls(self.cluster)
+        before = [_metric_sum(u, self.args.requests_metric) for u in urls]
+        records, makespan = asyncio.run(replay_live(self.cluster.url, requests,
+                                                    concurrency=self.args.concurrency))
+        after = [_metric_sum(u, self.args.requests_metric) for u in urls]
+        row = summarize_live(records, makespan, self.policy)
+        ok = [r for r in records if r.error is None]
+        shares = [a - b for a, b in zip(after, before, strict=True)]
+        row.update(
+            ready_s=self.ready_s,
+            prompt_tok_s=sum(r.prompt_tokens for r in ok) / makespan if makespan else 0.0,
+            worker_requests=shares,
+            request_imbalance=max(shares) / (sum(shares) / len(shares)) if sum(shares) else 0.0,
+            worker_memory=[_worker_memory(u) for u in urls],
+            process_peak_bytes=sorted(self.processes.peak.values()),
+        )
+        if slo_s is not None:
+            row["goodput_req_s"], row["goodput_prompt_tok_s"] = goodput(
+                [r.ttft_s for r in ok], [r.prompt_tokens for r in ok], makespan, slo_s)
+        return row
+
+
 def run_policy(args: argparse.Namespace, policy: str, requests: Sequence[WorkloadRequest],
                log_dir: str | None) -> dict[str, Any]:
     """Start a fresh cluster routed by ``policy``, replay ``requests``, stop it; one row."""
-    worker_args = ["--engine", "torch", "--torch-model", args.model, "--device", args.device,
-                   "--max-model-len", str(args.max_model_len),
-                   "--gpu-memory-utilization", str(args.gpu_memory_utilization
-                                                   or 0.9 / args.workers)]
-    if args.kv_memory_gb is not None:
-        worker_args += ["--kv-memory-gb", str(args.kv_memory_gb)]
-    cluster = Cluster(args.workers, worker_args=worker_args,
-                      router_args=["--policy", policy, "--seed", "0"], log_dir=log_dir)
-    try:
-        with ProcessMemory() as processes:
-            started = time.perf_counter()
-            cluster.start(timeout=args.ready_timeout)
-            warm_up(cluster, args.warmup_tokens)
-            ready_s = time.perf_counter() - started
-            before = [_metric_sum(u, args.requests_metric) for u in _worker_urls(cluster)]
-            records, makespan = asyncio.run(replay_live(cluster.url, requests,
-                                                        concurrency=args.concurrency))
-            after = [_metric_sum(u, args.requests_metric) for u in _worker_urls(cluster)]
-            memory = [_worker_memory(u) for u in _worker_urls(cluster)]
-    finally:
-        cluster.stop()
-    row = summarize_live(records, makespan, policy)
-    ok = [r for r in records if r.error is None]
-    shares = [a - b for a, b in zip(after, before, strict=True)]
-    row.update(
-        ready_s=ready_s,
-        prompt_tok_s=sum(r.prompt_tokens for r in ok) / makespan if makespan else 0.0,
-        worker_requests=shares,
-        request_imbalance=max(shares) / (sum(shares) / len(shares)) if sum(shares) else 0.0,
-        worker_memory=memory,
-        process_peak_bytes=sorted(processes.peak.values()),
-    )
-    return row
+    with Fleet(args, policy, log_dir) as fleet:
+        return fleet.replay(requests)
+
+
+def run_capacity(args: argparse.Namespace, requests: Sequence[WorkloadRequest],
+                 prompt_tokens: int) -> dict[str, dict[str, Any]]:
+    """``--slo``: per policy, one cluster, and a bisection over loads in ``--capacity-range``
+    (:func:`bench.capacity.search_capacity`), every worker's cache emptied before each probe."""
+    lo, hi = (float(x) for x in args.capacity_range.split(","))
+    span = requests[-1].arrival_s or 1.0
+    results = {}
+    for policy in args.policies.split(","):
+        with Fleet(args, policy, args.log_dir) as fleet:
+            def probe(load: float, fleet: Fleet = fleet) -> dict[str, Any]:
+                fleet.reset()
+                scaled = scale_rate(requests, span / (prompt_tokens / (load * args.cold_rate)))
+                row = fleet.replay(scaled, args.slo)
+                row.update(load=load, arrival_span_s=scaled[-1].arrival_s)
+                print(f"# {json.dumps(row)}", flush=True)
+                return row
+
+            results[policy] = search_capacity(probe, slo_s=args.slo, lo=lo, hi=hi,
+                                              steps=args.capacity_steps)
+    return results
 
 
 def _table(result: dict[str, Any]) -> str:
@@ -306,6 +375,17 @@ def build_parser() -> argparse.ArgumentParser:
     a("--loads", default="0.9", help="offered prompt tokens/s over --cold-rate, comma-separated")
     a("--cold-rate", type=float, default=150_000.0, help="the device's cold prefill tokens/s")
     a("--policies", default="round_robin,kv", help="router policies, comma-separated")
+    a("--max-num-batched-tokens", type=int, default=None,
+      help="each worker's prefill chunk cap (default: the worker's, 8192)")
+    a("--mps", choices=MODES, default="auto",
+      help="CUDA MPS for the workers: started before them and stopped after (bench.gpu.mps); "
+      "auto uses it where nvidia-cuda-mps-control is found (default auto)")
+    a("--slo", type=float, default=None, metavar="SECONDS",
+      help="capacity mode: per policy, the highest load in --capacity-range whose TTFT p99 "
+      "stays under SECONDS, goodput there, and kv's over round-robin's (replaces --loads)")
+    a("--capacity-range", default="0.2,1.2", metavar="LO,HI",
+      help="capacity mode: the loads searched (default 0.2,1.2)")
+    a("--capacity-steps", type=int, default=3, help="capacity mode: bisection steps (default 3)")
     a("--repeats", type=int, default=1,
       help="runs of each load and policy, each on a fresh cluster (default 1)")
     a("--concurrency", type=int, default=2048, help="requests in flight at most")
@@ -328,6 +408,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         else:
             requests, skipped = generated(args)
         loads = [float(x) for x in args.loads.split(",")]
+        if args.slo is not None:
+            lo, hi = (float(x) for x in args.capacity_range.split(","))
+            if not (args.slo > 0 and 0 < lo < hi and args.capacity_steps >= 0):
+                raise ValueError("--slo must be positive, --capacity-range LO,HI with "
+                                 "0 < LO < HI, --capacity-steps at least 0")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -347,16 +432,31 @@ def main(argv: Sequence[str] | None = None) -> int:
         "output_scale": args.output_scale,
         "output_tokens": sum(r.output_length for r in requests), "runs": [],
     }
-    for load in loads:
-        scaled = scale_rate(requests, span / (prompt_tokens / (load * args.cold_rate)))
-        for repeat in range(args.repeats):
-            for policy in args.policies.split(","):
-                row = run_policy(args, policy, scaled, args.log_dir)
-                row.update(load=load, arrival_span_s=scaled[-1].arrival_s, repeat=repeat)
-                result["runs"].append(row)
-                print(f"# {json.dumps(row)}", flush=True)
+    with Mps(args.mps) as mps:
+        print(f"# CUDA MPS: {mps.status}", flush=True)
+        result["mps"] = mps.status
+        if args.slo is not None:
+            capacity = run_capacity(args, requests, prompt_tokens)
+            result["capacity"] = {"slo_s": args.slo, "ratio": sustained_ratio(capacity),
+                                  "policies": capacity}
+            result["runs"] = [r["row"] for r in capacity.values() if r["row"] is not None]
+        else:
+            for load in loads:
+                scaled = scale_rate(requests, span / (prompt_tokens / (load * args.cold_rate)))
+                for repeat in range(args.repeats):
+                    for policy in args.policies.split(","):
+                        row = run_policy(args, policy, scaled, args.log_dir)
+                        row.update(load=load, arrival_span_s=scaled[-1].arrival_s,
+                                   repeat=repeat)
+                        result["runs"].append(row)
+                        print(f"# {json.dumps(row)}", flush=True)
+    for row in result["runs"]:
+        row.setdefault("repeat", 0)
     result["summary"] = summarize_repeats(result["runs"])
     print(_table(result), flush=True)
+    if "capacity" in result:
+        print(capacity_table(result["capacity"]["policies"], args.slo,
+                             f"load = offered prompt tok/s over {args.cold_rate:.0f}"), flush=True)
     if args.json_path:
         Path(args.json_path).parent.mkdir(parents=True, exist_ok=True)
         Path(args.json_path).write_text(json.dumps(result, indent=1))

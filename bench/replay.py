@@ -80,6 +80,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
                             "over all runs")
     a("--jobs", type=positive_int, default=1,
       help="simulations run in this many processes at once (default 1)")
+    a("--slo", type=positive_float, default=None, metavar="SECONDS",
+      help="capacity mode: per policy, the highest --rate-scale in --capacity-range whose TTFT "
+      "p99 stays under SECONDS (bisection; bench.capacity), goodput there, kv over round-robin")
+    a("--capacity-range", default="0.25,4", metavar="LO,HI",
+      help="capacity mode: the rate scales searched (default 0.25,4)")
+    a("--capacity-steps", type=int, default=6, help="capacity mode: bisection steps (default 6)")
     a("--json", dest="json_path", metavar="OUT", help="write the results as JSON here")
     a("--plot-dir", metavar="DIR", help="write PNG plots here")
     a("--sensitivity", action="store_true",
@@ -199,6 +205,10 @@ def run_bench(args: argparse.Namespace) -> int:
     from bench.report import per_worker_table, plot, table, write_json
     from bench.targets import describe, summary_line, tally, verdict
 
+    if args.slo is not None and not args.live:
+        from bench.capacity import run_replay_capacity
+
+        return run_replay_capacity(args)
     seeds = args.seeds if args.seeds is not None else [args.seed]
     try:
         if args.live and args.per_worker:

@@ -1,15 +1,17 @@
-"""bench.gpu's attention section on the CPU (tiny model): one entry per chunk shape that fits
-the cache, each timed; shapes past the cache are left out, not failed."""
+"""bench.gpu's attention, decode-context and prefill-context sections on the CPU (tiny
+model): one entry per chunk shape that fits the cache, each timed; shapes past the cache are
+left out, not failed."""
 
 from __future__ import annotations
 
 import argparse
+import json
 
 import pytest
 
 pytest.importorskip("torch")
 
-from bench import gpu
+from bench.gpu import attention, decode_context, harness, prefill_context
 from workers.cache.cache_manager import CacheManager
 
 
@@ -17,10 +19,10 @@ def test_attention_section_times_each_shape_that_fits_the_cache(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     args = argparse.Namespace(model="tiny", device="cpu", repeats=2)
-    ex = gpu._executor(args, CacheManager(64, gpu.BS))
-    fits, too_long = (16, 40), (16, 64 * gpu.BS)  # 2 blocks; 65 blocks of a 64-block cache
-    monkeypatch.setattr(gpu, "ATTENTION_SHAPES", (fits, too_long))
-    rows = gpu.bench_attention(args, ex)
+    ex = harness.executor(args, CacheManager(64, harness.BS))
+    fits, too_long = (16, 40), (16, 64 * harness.BS)  # 2 blocks; 65 blocks of a 64-block cache
+    monkeypatch.setattr(attention, "ATTENTION_SHAPES", (fits, too_long))
+    rows = attention.bench_attention(args, ex)
     assert [(r["new"], r["cached"]) for r in rows] == [fits]
     assert rows[0]["ms"] > 0
 
@@ -29,10 +31,10 @@ def test_decode_context_section_times_both_ways_and_fits_a_cost_per_token(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     args = argparse.Namespace(model="tiny", device="cpu", repeats=2)
-    ex = gpu._executor(args, CacheManager(64, gpu.BS))
+    ex = harness.executor(args, CacheManager(64, harness.BS))
     shapes = ((2, 64), (4, 256))
-    monkeypatch.setattr(gpu, "DECODE_CONTEXT_SHAPES", shapes)
-    out = gpu.bench_decode_context(args, ex)
+    monkeypatch.setattr(decode_context, "DECODE_CONTEXT_SHAPES", shapes)
+    out = decode_context.bench_decode_context(args, ex)
     assert [(r["batch"], r["context"]) for r in out["shapes"]] == list(shapes)
     assert all(r["gathered_ms"] > 0 and r["in_place_ms"] > 0 for r in out["shapes"])
     assert out["layers"] == ex.model.config.num_layers
@@ -44,18 +46,19 @@ def test_decode_context_section_times_both_ways_and_fits_a_cost_per_token(
 def test_per_token_cost_is_the_slope_over_batch_times_context() -> None:
     rows = [{"batch": 1, "context": 1000, "ms": 1.0}, {"batch": 2, "context": 1000, "ms": 1.5},
             {"batch": 4, "context": 1000, "ms": 2.5}]
-    assert gpu.per_token_ns(rows, "ms") == pytest.approx(500.0)  # 0.5 ms per 1,000 tokens
-    assert gpu.per_token_ns(rows[:1], "ms") is None
+    # 0.5 ms per 1,000 tokens
+    assert decode_context.per_token_ns(rows, "ms") == pytest.approx(500.0)
+    assert decode_context.per_token_ns(rows[:1], "ms") is None
 
 
 def test_prefill_context_section_times_each_shape_and_fits_the_cached_costs(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     args = argparse.Namespace(model="tiny", device="cpu", repeats=2)
-    ex = gpu._executor(args, CacheManager(64, gpu.BS))
+    ex = harness.executor(args, CacheManager(64, harness.BS))
     shapes = ((8, 0), (8, 64), (8, 256), (32, 0), (32, 256))
-    monkeypatch.setattr(gpu, "PREFILL_CONTEXT_SHAPES", shapes)
-    out = gpu.bench_prefill_context(args, ex)
+    monkeypatch.setattr(prefill_context, "PREFILL_CONTEXT_SHAPES", shapes)
+    out = prefill_context.bench_prefill_context(args, ex)
     assert [(r["new"], r["cached"]) for r in out["shapes"]] == list(shapes)
     assert all(r["ms"] > 0 for r in out["shapes"])
     assert isinstance(out["per_cached_ms"], float)
@@ -67,7 +70,22 @@ def test_cached_costs_fit_the_time_a_cache_adds() -> None:
     # ms(n, c) = 1 + n / 1000 + 2e-4 * c + 1e-7 * n * c, exactly
     rows = [{"new": n, "cached": c, "ms": 1 + n / 1000 + 2e-4 * c + 1e-7 * n * c}
             for n in (64, 512) for c in (0, 1024, 8192)]
-    a, b = gpu.cached_costs(rows)  # type: ignore[misc]
+    a, b = prefill_context.cached_costs(rows)  # type: ignore[misc]
     assert a == pytest.approx(2e-4) and b == pytest.approx(1e-7)
     # without the n's cache-free row, nothing to subtract
-    assert gpu.cached_costs([r for r in rows if r["new"] == 64 and r["cached"]]) is None
+    assert prefill_context.cached_costs([r for r in rows if r["new"] == 64 and r["cached"]]) is None
+
+
+def test_the_entry_point_runs_the_decode_section_eager_on_the_cpu(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    from bench.gpu.__main__ import main
+
+    assert main(["--model", "tiny", "--device", "cpu", "--sections", "decode",
+                 "--decode-steps", "4", "--json"]) == 0
+    out = capsys.readouterr().out
+    result = json.loads(out[out.index("\n{") + 1:])
+    # No CUDA, so no graphs: one eager row per batch size.
+    assert [(d["mode"], d["batch"]) for d in result["decode"]] == [
+        ("eager", 1), ("eager", 8), ("eager", 32)]
+    assert all(d["tokens_per_s"] > 0 for d in result["decode"])

@@ -102,3 +102,39 @@ def test_round_robin_and_kv_clusters_of_torch_workers_replay_the_trace(tmp_path:
     assert "round-robin TTFT p50 / kv TTFT p50" in run.stdout
     assert [(m["policy"], m["runs"]) for m in result["summary"]] == [("round_robin", 1), ("kv", 1)]
     assert all(r["repeat"] == 0 for r in result["runs"])
+
+
+def test_capacity_mode_searches_each_policy_on_one_cluster_and_prints_the_ratio(
+    tmp_path: Path,
+) -> None:
+    pytest.importorskip("torch")
+    trace = _trace(tmp_path / "t.jsonl", [(i * 50, 712, 2, [0, 1 + i]) for i in range(12)])
+    out = tmp_path / "out.json"
+    run = subprocess.run(
+        [sys.executable, "-m", "bench.gpu_routing", "--workers", "2", "--model", "tiny",
+         "--device", "cpu", "--kv-memory-gb", "0.02", "--trace", str(trace), "--count", "12",
+         "--cold-rate", "20000", "--warmup-tokens", "64", "--slo", "30",
+         "--capacity-range", "0.2,1", "--capacity-steps", "0", "--mps", "off",
+         "--log-dir", str(tmp_path / "logs"), "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
+    result = json.loads(out.read_text())
+    assert result["mps"] == "off"
+    capacity = result["capacity"]["policies"]
+    assert set(capacity) == {"round_robin", "kv"}
+    for policy in capacity.values():
+        # a 30 s SLO on an idle CPU fleet: both ends of the range met, no bisection
+        assert [p["load"] for p in policy["probes"]] == [0.2, 1.0]
+        assert policy["sustained"] == 1.0 and policy["at_least"]
+        assert policy["row"]["errors"] == 0 and policy["row"]["goodput_req_s"] > 0
+    assert result["capacity"]["ratio"] == pytest.approx(1.0)
+    assert "kv sustains 1.00x round-robin's load at this SLO" in run.stdout
+
+
+def test_a_bad_capacity_range_exits_2_before_starting_anything(tmp_path: Path) -> None:
+    trace = _trace(tmp_path / "t.jsonl", [(0, 100, 1, [1])])
+    run = subprocess.run([sys.executable, "-m", "bench.gpu_routing", "--trace", str(trace),
+                          "--slo", "2", "--capacity-range", "1,0.5"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60)
+    assert run.returncode == 2
+    assert "--capacity-range LO,HI with 0 < LO < HI" in run.stderr

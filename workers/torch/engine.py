@@ -29,6 +29,7 @@ import asyncio
 import gc
 import logging
 import time
+from array import array
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -398,6 +399,9 @@ class TorchExecutor:
         self.graph_bytes = 0  # the graph pool, measured at capture
         self.out_of_memory = 0  # passes that ran out of device memory
         self.cache_releases = 0  # times the allocator's cache was emptied after a pass
+        # The last pass's host time until its work was issued, and the wait for the device
+        # after that (what the benchmarks split an iteration's time by).
+        self.last_issue_s = self.last_wait_s = 0.0
         # Reserved memory past which the allocator's cache is emptied after a pass: then the
         # next pass, which needs at most the profiled worst iteration, stays in the budget
         # however the cache fragments.
@@ -440,11 +444,15 @@ class TorchExecutor:
         started = time.perf_counter()
         try:
             logits = self.logits(plan)
+            issued = time.perf_counter()
+            if self.kv.device.type == "cuda":  # sampling waits for the device anyway
+                torch.cuda.current_stream(self.kv.device).synchronize()
         except torch.cuda.OutOfMemoryError:
             self.out_of_memory += 1
             if self.kv.device.type == "cuda":
                 torch.cuda.empty_cache()
             raise
+        self.last_issue_s, self.last_wait_s = issued - started, time.perf_counter() - issued
         if (self._release_above is not None
                 and torch.cuda.memory_reserved(self.kv.device) > self._release_above):
             torch.cuda.empty_cache()
@@ -497,21 +505,25 @@ class TorchExecutor:
         from workers.torch.model import PagedBatch
 
         bs, vocab = self.block_size, self.model.config.vocab_size
-        layers = self.model.config.num_layers
+        stride = 2 * self.model.config.num_layers * bs
         device = self.kv.device
-        tokens: list[int] = []
-        positions: list[int] = []
-        slot_blocks: list[int] = []
+        # Host inputs in ``array('q')`` and per-chunk tensor arithmetic: ``torch.tensor`` over
+        # lists of Python ints, and a generator per token, cost milliseconds an iteration at
+        # 8k tokens on the device's host (``docs/gpu.md``).
+        tokens = array("q")
+        slot_parts: list[Any] = []
+        position_parts: list[Any] = []
         prefill: list[tuple[int, int, int, Any]] = []
         rows: list[int] = []
         ids: list[str] = []
         for c in plan.prefill:
             first, end = len(tokens), c.start + c.num_new_tokens
             tokens.extend(c.token_ids)
-            positions.extend(range(c.start, end))
-            slot_blocks.extend(c.block_ids[p // bs] for p in range(c.start, end))
-            table = torch.tensor(c.block_ids[: -(-end // bs)], dtype=torch.long)
-            prefill.append((first, c.start, c.num_new_tokens, table.to(device)))
+            pos = torch.arange(c.start, end, dtype=torch.long)
+            used = torch.frombuffer(array("q", c.block_ids[: -(-end // bs)]), dtype=torch.long)
+            position_parts.append(pos)
+            slot_parts.append(used[pos // bs] * stride + pos % bs)
+            prefill.append((first, c.start, c.num_new_tokens, used.to(device)))
             if c.samples:
                 rows.append(len(tokens) - 1)
                 ids.append(c.request_id)
@@ -520,28 +532,33 @@ class TorchExecutor:
         width = 0
         if plan.decode:
             width = max(-(-d.context_len // bs) for d in plan.decode)
-            padded = [list(d.block_ids[: -(-d.context_len // bs)]) for d in plan.decode]
-            tables = torch.tensor(
-                [t + [0] * (width - len(t)) for t in padded], dtype=torch.long
-            ).to(device)
-            lens = torch.tensor([d.context_len for d in plan.decode], dtype=torch.long).to(device)
+            flat = array("q")
             for d in plan.decode:
-                p = d.context_len - 1
-                rows.append(len(tokens))
-                ids.append(d.request_id)
-                tokens.append(d.token_id)
-                positions.append(p)
-                slot_blocks.append(d.block_ids[p // bs])
-        bad = next((t for t in tokens if not 0 <= t < vocab), None)
-        if bad is not None:
+                used = -(-d.context_len // bs)
+                flat.extend(d.block_ids[:used])
+                flat.extend(_zeros(width - used))
+            tables = torch.frombuffer(flat, dtype=torch.long).view(len(plan.decode), width)
+            tables = tables.to(device)
+            lens = torch.tensor([d.context_len for d in plan.decode], dtype=torch.long).to(device)
+            positions = [d.context_len - 1 for d in plan.decode]
+            rows.extend(range(len(tokens), len(tokens) + len(plan.decode)))
+            ids.extend(d.request_id for d in plan.decode)
+            tokens.extend(d.token_id for d in plan.decode)
+            pos = torch.tensor(positions, dtype=torch.long)
+            position_parts.append(pos)
+            slot_parts.append(torch.tensor([d.block_ids[p // bs] for d, p in
+                                            zip(plan.decode, positions, strict=True)],
+                                           dtype=torch.long) * stride + pos % bs)
+        token_ids = torch.frombuffer(tokens, dtype=torch.long)
+        outside = (token_ids < 0) | (token_ids >= vocab)
+        if bool(outside.any()):
+            bad = int(token_ids[outside][0])
             raise ValueError(f"token id {bad} is outside the model's vocabulary [0, {vocab})")
-        pos = torch.tensor(positions, dtype=torch.long)
+        positions_all = torch.cat(position_parts)
         batch = PagedBatch(
-            token_ids=torch.tensor(tokens, dtype=torch.long).to(device),
-            positions=pos.to(device),
-            slot_rows=(
-                torch.tensor(slot_blocks, dtype=torch.long) * (2 * layers * bs) + pos % bs
-            ).to(device),
+            token_ids=token_ids.to(device),
+            positions=positions_all.to(device),
+            slot_rows=torch.cat(slot_parts).to(device),
             prefill=tuple(prefill),
             decode_offset=decode_offset,
             decode_tables=tables,
@@ -550,3 +567,7 @@ class TorchExecutor:
             decode_max_context=width * bs,
         )
         return batch, ids
+
+
+def _zeros(n: int) -> array[int]:
+    return array("q", bytes(8 * n))

@@ -147,9 +147,10 @@ def _kernel(q: Tensor, kv: Tensor, tables: Tensor, lens: Tensor, *, queries: int
     )
     if splits > 1:
         combine = loaded[3]
-        combine[(tiles, hkv)](
+        combine[(tiles, hkv, group if decode else rows)](
             part, stats, out, queries, out.stride(0), out.stride(1),
-            G=group, BLOCK_Q=block_q, M=rows, D=d, SPLITS=splits, DECODE=decode, num_warps=4,
+            G=group, BLOCK_Q=block_q, M=rows, D=d, SPLITS=splits, SPLITS_P2=_pow2(splits),
+            DECODE=decode, num_warps=2,
         )
     return out
 
@@ -232,39 +233,44 @@ def _build_kernel(triton: Any, tl: Any) -> Any:  # Triton's modules; the jitted 
 
 
 def _build_combine(triton: Any, tl: Any) -> Any:  # Triton's modules; the jitted kernel
+    # One program per query row (a (tile, KV head, row) grid): every share's statistics and
+    # partial output are loaded at once, as one [SPLITS_P2] vector and one [SPLITS_P2, D]
+    # tile, instead of in a loop over the shares. The loop, one program per (tile, KV head),
+    # was latency-bound: with few sequences (16 programs, 33 shares) it took longer than the
+    # attention it combined (``docs/gpu.md``).
     @triton.jit
     def combine_shares_kernel(
         Part, Stats, Out, n_queries, stride_ot, stride_oh,
         G: tl.constexpr, BLOCK_Q: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
-        SPLITS: tl.constexpr, DECODE: tl.constexpr,
+        SPLITS: tl.constexpr, SPLITS_P2: tl.constexpr, DECODE: tl.constexpr,
     ):
         tile = tl.program_id(0)
         kvh = tl.program_id(1)
+        row = tl.program_id(2)
         heads = tl.num_programs(1)
-        rows = tl.arange(0, M)
-        dims = tl.arange(0, D)
-        qi = rows // G
+        qi = row // G
         if DECODE:
-            token = tile + qi * 0
+            token = tile
             valid = qi < 1
         else:
             token = tile * BLOCK_Q + qi
             valid = (qi < BLOCK_Q) & (token < n_queries)
-        top = tl.full([M], float("-inf"), tl.float32)
-        for split in range(SPLITS):
-            at = ((tile * SPLITS + split) * heads + kvh) * M + rows
-            top = tl.maximum(top, tl.load(Stats + at * 2))
-        top = tl.where(top == float("-inf"), 0.0, top)
-        acc = tl.zeros([M, D], tl.float32)
-        total = tl.zeros([M], tl.float32)
-        for split in range(SPLITS):
-            at = ((tile * SPLITS + split) * heads + kvh) * M + rows
-            weight = tl.exp2(tl.load(Stats + at * 2) - top)  # a share that saw nothing: 0
-            total += weight * tl.load(Stats + at * 2 + 1)
-            acc += weight[:, None] * tl.load(Part + at[:, None] * D + dims[None, :])
-        head = kvh * G + rows % G
-        res = acc / tl.where(total == 0.0, 1.0, total)[:, None]
-        tl.store(Out + token[:, None] * stride_ot + head[:, None] * stride_oh + dims[None, :],
-                 res.to(Out.dtype.element_ty), mask=valid[:, None])
+        if valid:
+            shares = tl.arange(0, SPLITS_P2)
+            real = shares < SPLITS
+            at = ((tile * SPLITS + shares) * heads + kvh) * M + row
+            top_each = tl.load(Stats + at * 2, mask=real, other=float("-inf"))
+            sums = tl.load(Stats + at * 2 + 1, mask=real, other=0.0)
+            top = tl.max(top_each, 0)
+            top = tl.where(top == float("-inf"), 0.0, top)
+            weight = tl.exp2(top_each - top)  # a share that saw nothing: 0
+            total = tl.sum(weight * sums, 0)
+            dims = tl.arange(0, D)
+            part = tl.load(Part + at[:, None] * D + dims[None, :], mask=real[:, None], other=0.0)
+            acc = tl.sum(weight[:, None] * part, 0)
+            res = acc / tl.where(total == 0.0, 1.0, total)
+            head = kvh * G + row % G
+            tl.store(Out + token * stride_ot + head * stride_oh + dims,
+                     res.to(Out.dtype.element_ty))
 
     return combine_shares_kernel
