@@ -195,12 +195,18 @@ async def _fetch_one(client: httpx.AsyncClient, url: str, max_bytes: int,
                 raise _Failed(f"{target} answered HTTP {response.status_code}")
             chunks: list[bytes] = []
             size = 0
-            async for chunk in response.aiter_bytes():
-                size += len(chunk)
-                if size > max_bytes:
-                    raise _Failed(f"{target} is over {max_bytes} bytes")
-                tally.add(len(chunk))
-                chunks.append(chunk)
+            try:
+                async for chunk in response.aiter_bytes():
+                    size += len(chunk)
+                    if size > max_bytes:
+                        raise _Failed(f"{target} is over {max_bytes} bytes")
+                    tally.add(len(chunk))
+                    chunks.append(chunk)
+            except BaseException:
+                # A traceback keeps this frame alive until the cycle collector runs: the
+                # bytes read so far go now, not then.
+                chunks.clear()
+                raise
         finally:
             await response.aclose()
         data = b"".join(chunks)
