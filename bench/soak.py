@@ -19,6 +19,11 @@ It prints, at the end:
 - the router's event-loop lag, as the time a ``GET /health`` takes (sent every 100 ms): p50,
   p99 and max.
 
+With ``--hostile``, hostile clients and peers run beside the traffic
+(:mod:`bench.soak_hostile`): slow bodies, 2 MB headers, 16-image fan-out, and a stock-engine
+stand-in whose metrics grow and whose event port is a rogue publisher; what each got back is
+printed after the figures above.
+
 Every loop ends at the deadline, every request has a timeout, and every child is stopped on
 the way out, whatever happened.
 """
@@ -39,6 +44,7 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
+from bench import soak_hostile
 from bench.http_load import spawn, stop
 from kvroute.up import free_port
 
@@ -64,6 +70,7 @@ class Tally:
     health_failed: int = 0
     rss: list[tuple[float, int, dict[str, int], int]] = field(default_factory=list)
     faults: list[tuple[float, str]] = field(default_factory=list)
+    hostile: soak_hostile.Hostile | None = None
 
     @property
     def requests(self) -> int:
@@ -241,15 +248,24 @@ def report(tally: Tally, seconds: float) -> str:
     lines += ["", f"event-loop lag (GET /health, {len(h)} probes, {tally.health_failed} failed): "
               f"p50 {_percentile(h, 0.5) * 1e3:.1f} ms, p99 {_percentile(h, 0.99) * 1e3:.1f} ms, "
               f"max {max(h, default=float('nan')) * 1e3:.1f} ms"]
+    if tally.hostile is not None:
+        lines += ["", *tally.hostile.report()]
     return "\n".join(lines)
 
 
 async def soak(seconds: float, concurrency: int, faults: bool, seed: int,
-               worker_args: list[str], router_args: list[str]) -> Tally:
+               worker_args: list[str], router_args: list[str], hostile: bool = False) -> Tally:
     """Run the soak for ``seconds`` and return what was seen (children stopped on return)."""
+    tally = Tally()
+    peers: soak_hostile.HostilePeers | None = None
+    if hostile:
+        tally.hostile = soak_hostile.Hostile()
+        peers = soak_hostile.HostilePeers(tally.hostile)
+        await peers.start()
+        worker_args = [*worker_args, "--allow-image-hosts", "127.0.0.1"]
+        router_args = [*router_args, "--worker", peers.stock_worker]
     workers = [Worker(i, worker_args) for i in range(3)]
     router: subprocess.Popen[bytes] | None = None
-    tally = Tally()
     try:
         for w in workers:
             await asyncio.to_thread(w.start)
@@ -266,8 +282,17 @@ async def soak(seconds: float, concurrency: int, faults: bool, seed: int,
                  _watch(router, workers, started, deadline, max(seconds / 12, 0.5), tally)]
         if faults:
             tasks.append(_faults(workers, started, seconds, tally))
+        if peers is not None and tally.hostile is not None:
+            tasks += [soak_hostile.slow_bodies(port, deadline, tally.hostile),
+                      soak_hostile.big_headers(port, deadline, tally.hostile),
+                      soak_hostile.image_fan_out(base, peers, deadline, tally.hostile),
+                      peers.rogue(deadline, seed)]
         await asyncio.gather(*tasks)
+        if peers is not None and tally.hostile is not None:
+            await soak_hostile.read_stand_in(base, peers, tally.hostile)
     finally:
+        if peers is not None:
+            await peers.stop()
         for w in workers:
             w.signal(signal.SIGCONT)
         for proc in [router, *(w.proc for w in workers)]:
@@ -285,6 +310,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-faults", dest="faults", action="store_false",
                    help="no kill, restart or pause: traffic only")
     p.add_argument("--seed", type=int, default=0, help="the traffic mix's seed")
+    p.add_argument("--hostile", action="store_true",
+                   help="also run hostile clients and peers (bench.soak_hostile)")
     p.add_argument("--worker-arg", action="append", default=[], metavar="FLAG",
                    help="an extra flag for every worker (repeatable)")
     p.add_argument("--router-arg", action="append", default=[], metavar="FLAG",
@@ -294,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     if not seconds > 0 or args.concurrency < 1:
         p.error("the run length and --concurrency must be positive")
     tally = asyncio.run(soak(seconds, args.concurrency, args.faults, args.seed,
-                             args.worker_arg, args.router_arg))
+                             args.worker_arg, args.router_arg, args.hostile))
     print(report(tally, seconds))
     return 0
 
