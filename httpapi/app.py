@@ -18,7 +18,9 @@ Rules:
        answered ahead of FastAPI: no middleware, no routing table, no request object. Rules
        1 and 2 still hold for it; everything else (headers, streaming, a client that leaves
        mid-answer) is its own business. Other methods on its path go to FastAPI, which
-       answers 405. The router serves its two forwarding endpoints this way: FastAPI's
+       answers 405. Middleware added to the FastAPI app never sees a raw route: what must
+       see every request wraps the app given to the server (as :mod:`httpapi.server` does
+       with the body deadline). The router serves its two forwarding endpoints this way: FastAPI's
        middleware stack cost more CPU per request than the routing decision
        (``docs/routing.md`` has the figures).
 """
