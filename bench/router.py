@@ -79,7 +79,7 @@ What the measurements taught (all on this 2-core machine, other jobs running at 
 - Where a forwarded request's CPU goes (router pinned nowhere, 16 connections, a 1,000-byte
   completions prompt, an nginx backend answering a fixed completion, so the backend costs
   nothing): uvicorn answering a fixed body alone costs ~35 µs a request; uvicorn forwarding
-  through the proxy's aiohttp client ~200-220 µs; the whole router was 553-698 µs. A decision
+  through the proxy's aiohttp client ~200-225 µs; the whole router was 553-698 µs. A decision
   with its booking is ~57 µs warm and ~156 µs on a cold cache (after a 2 ms sleep), the
   metrics calls 6 and ~39 µs, parsing and checking the body 2 and ~20 µs. Serving the two
   forwarding endpoints as raw ASGI routes ahead of FastAPI (no middleware stack, routing
