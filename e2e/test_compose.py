@@ -20,8 +20,8 @@ import openai
 import pytest
 
 from e2e.containers import REPO, Runtime, unusable
-from e2e.harness import wait_for
 from kvroute.up import free_port
+from tests.support.eventually import eventually_blocking
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
@@ -66,8 +66,9 @@ def test_compose_serves_routes_fails_over_and_comes_down(
     project, env = deployment
     base = f"http://127.0.0.1:{env['KVROUTE_PUBLISH_PORT']}"
     assert len(runtime.containers(project)) == 4
-    wait_for(lambda: httpx.get(f"{base}/ready", timeout=5).json().get("workers") == 3, 240,
-             "the router in its container to see three healthy workers")
+    eventually_blocking(lambda: httpx.get(f"{base}/ready", timeout=5).json().get("workers") == 3,
+                        "the router in its container to see three healthy workers", 240,
+                        tolerate=(httpx.HTTPError, ValueError))
     client = openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
 
     holder, matched, text = _completion(client, PROMPT)
@@ -76,7 +77,7 @@ def test_compose_serves_routes_fails_over_and_comes_down(
     def repeat_hits() -> bool:
         worker, blocks, _ = _completion(client, PROMPT)
         return worker == holder and blocks > 0
-    wait_for(repeat_hits, 60, "a repeat to hit its prefix holder")
+    eventually_blocking(repeat_hits, "a repeat to hit its prefix holder", 60)
 
     # Kill the holder's container: the next requests still succeed (failover), and the prefix
     # is learned again on whichever worker serves it now.
@@ -89,7 +90,7 @@ def test_compose_serves_routes_fails_over_and_comes_down(
         first, _, _ = _completion(client, PROMPT + " once more")
         again, blocks, _ = _completion(client, PROMPT + " once more")
         return again == first and blocks > 0
-    wait_for(relearned, 120, "the prompt to be learned again after the holder died")
+    eventually_blocking(relearned, "the prompt to be learned again after the holder died", 120)
 
     runtime.compose(project, REPO / "docker-compose.yml", "down", env=env)
     assert runtime.containers(project) == []
