@@ -232,7 +232,11 @@ class HFTokenizer:
             digest.update(len(part).to_bytes(8, "big"))
             digest.update(part)
         self.identity = "hf:" + digest.hexdigest()[:16]
-        self.max_bytes_per_token = _max_bytes_per_token(json.loads(raw))
+        #: The parsed ``tokenizer.json``, and the library's tokenizer built from it (for
+        #: :mod:`openai_request.segment_cache`, which encodes segment by segment).
+        self.spec: dict[str, Any] = json.loads(raw)
+        self.backend = self._tok
+        self.max_bytes_per_token = _max_bytes_per_token(self.spec)
 
     def _token_id(self, token: str | None, what: str) -> int | None:
         if token is None:
