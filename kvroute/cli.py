@@ -243,6 +243,9 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
     a("--port", type=int, help="port (default %(default)s)")
     a("--block-size", type=int, help="must equal the workers' (default %(default)s)")
     a("--tokenizer", help="must be the workers' tokenizer (default: byte-level)")
+    a("--tokenize", choices=["match", "full"],
+      help="match (default): tokenize by cached segments, only as far as some worker holds "
+      "the prompt, estimating the rest's length; full: every token of every prompt")
     # Routing: each flag and its reason in docs/routing.md.
     a("--policy", choices=["kv", "dynamo", "round_robin", "random"],
       help="kv: kvroute's rule; dynamo: NVIDIA Dynamo's cost rule; round_robin or random "

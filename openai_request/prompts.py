@@ -21,6 +21,11 @@ Rules:
        ``mm_uuids``: a list with one entry (string or ``null``) per image, or
        ``{"image": [...]}``. Both may be given when they agree.
     4. Every ``ValueError`` is a caller mistake worded for an HTTP 400 reply.
+    5. Given a :data:`Reach` and a tokenizer that walks (:class:`~openai_request.segment_cache.
+       SegmentedTokenizer`), a text prompt without images is encoded in doubling steps of
+       :data:`FIRST_STEP_CHARS` characters and stops once the reach wants no more; the rest
+       is then estimated (:attr:`PromptTokens.estimated_tokens`). The router does this; a
+       worker, which serves the prompt, never does.
 """
 
 from __future__ import annotations
@@ -42,10 +47,14 @@ from openai_request.images import (
 )
 from openai_request.tokenizer import Tokenizer
 
-__all__ = ["Fetch", "PromptTokens", "build_prompt"]
+__all__ = ["FIRST_STEP_CHARS", "Fetch", "PromptTokens", "Reach", "build_prompt"]
 
 #: Returns a remote image's bytes, or ``None`` when the caller cannot or will not fetch it.
 Fetch = Callable[[str], bytes | None]
+#: Called with the ids known so far and the request's cache salt: whether more are wanted.
+Reach = Callable[[list[int], "str | None"], bool]
+#: The characters a walking encode takes first (rule 5); each further step doubles.
+FIRST_STEP_CHARS = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,12 +66,20 @@ class PromptTokens:
         images: the images in position order, non-overlapping, each inside ``token_ids``.
         cache_salt: the request's ``cache_salt``; requests with different salts never share KV.
         model: the requested model name (a LoRA adapter's name selects that adapter).
+        estimated_tokens: tokens after ``token_ids`` that were not encoded, estimated from
+            their bytes (rule 5); 0 when ``token_ids`` is the whole prompt.
     """
 
     token_ids: list[int]
     images: list[ImageSpan] = field(default_factory=list)
     cache_salt: str | None = None
     model: str | None = None
+    estimated_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        """The prompt's length: the ids known plus the estimate of the rest."""
+        return len(self.token_ids) + self.estimated_tokens
 
     def matchable_tokens(self, *, by_uuid: bool = False) -> int:
         """Return how many leading positions can be hashed for a prefix lookup.
@@ -89,6 +106,7 @@ def build_prompt(
     max_image_bytes: int,
     fetch: Fetch | None,
     check_token_ids: bool = True,
+    reach: Reach | None = None,
 ) -> PromptTokens:
     """Turn a request body into its prompt tokens (rules in the module docstring).
 
@@ -104,6 +122,7 @@ def build_prompt(
             this off: it only hashes the ids (the hash refuses anything but ints) and the
             worker, which must validate, answers a bad id with the reason; an 8k-token check
             costs the router ~60 µs of its decision.
+        reach: encode a text prompt only as far as this wants (rule 5).
 
     Returns:
         The prompt tokens.
@@ -127,14 +146,18 @@ def build_prompt(
     if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
         raise ValueError("cache_salt must be a non-empty string")
 
+    walker = _Walker(tokenizer, reach, cache_salt) if reach is not None else None
     if kind == "completions":
-        token_ids = _completion_ids(body, tokenizer, check_token_ids)
+        token_ids = _completion_ids(body, tokenizer, check_token_ids, walker)
         if "mm_uuids" not in body:  # the common case, kept short: a router decides on it
-            return PromptTokens(token_ids, [], cache_salt, model)
+            rest = walker.estimated if walker is not None else 0
+            return PromptTokens(token_ids, [], cache_salt, model, rest)
         refs: list[ImageRef] = []
         starts: list[int] = []
     else:
-        token_ids, refs, starts = _chat_ids(body, tokenizer, mm_tokens_per_image)
+        token_ids, refs, starts = _chat_ids(body, tokenizer, mm_tokens_per_image, walker)
+        if not refs and walker is not None and walker.estimated:
+            return PromptTokens(token_ids, [], cache_salt, model, walker.estimated)
     uuids = _merge_uuids(refs, body.get("mm_uuids"))
     images = [
         ImageSpan(
@@ -151,8 +174,32 @@ def build_prompt(
 _PROMPT_SHAPE = "prompt must be a string, a list of token ids, or a list holding one of those"
 
 
-def _completion_ids(body: dict[str, Any], tokenizer: Tokenizer, check: bool = True
-                    ) -> list[int]:
+class _Walker:
+    """Rule 5: encodes one text as far as ``reach`` wants, keeping the estimate of the rest."""
+
+    def __init__(self, tokenizer: Tokenizer, reach: Reach, salt: str | None) -> None:
+        self._walk = getattr(tokenizer, "walk", None)
+        self._reach = reach
+        self._salt = salt
+        self.estimated = 0
+
+    def encode(self, tokenizer: Tokenizer, text: str, special: bool) -> list[int]:
+        if self._walk is None:
+            return tokenizer.encode(text, add_special_tokens=special)
+        walk = self._walk(text, add_special_tokens=special)
+        step = FIRST_STEP_CHARS
+        while not walk.done:
+            walk.advance(step)
+            if not walk.done and not self._reach(walk.ids, self._salt):
+                self.estimated = walk.rest_tokens()
+                break
+            step *= 2
+        ids: list[int] = walk.ids
+        return ids
+
+
+def _completion_ids(body: dict[str, Any], tokenizer: Tokenizer, check: bool = True,
+                    walker: _Walker | None = None) -> list[int]:
     if "prompt" not in body:
         raise ValueError("prompt is required")
     prompt = body["prompt"]
@@ -164,7 +211,10 @@ def _completion_ids(body: dict[str, Any], tokenizer: Tokenizer, check: bool = Tr
     if isinstance(prompt, str):
         if not prompt:
             raise ValueError("prompt must not be empty")
-        return tokenizer.encode(prompt, add_special_tokens=_special_tokens(body, True))
+        special = _special_tokens(body, True)
+        if walker is not None:
+            return walker.encode(tokenizer, prompt, special)
+        return tokenizer.encode(prompt, add_special_tokens=special)
     if not isinstance(prompt, list):
         raise ValueError(_PROMPT_SHAPE)
     if not prompt:
@@ -204,7 +254,8 @@ def _is_token_id(value: Any) -> bool:
 
 
 def _chat_ids(
-    body: dict[str, Any], tokenizer: Tokenizer, mm_tokens_per_image: int
+    body: dict[str, Any], tokenizer: Tokenizer, mm_tokens_per_image: int,
+    walker: _Walker | None = None,
 ) -> tuple[list[int], list[ImageRef], list[int]]:
     if "messages" not in body:
         raise ValueError("messages is required")
@@ -225,6 +276,8 @@ def _chat_ids(
             f"the chat template rendered {len(pieces) - 1} image markers for {len(refs)} images"
         )
     special = _special_tokens(body, False)
+    if walker is not None and not refs:
+        return walker.encode(tokenizer, text, special), [], []
     segments = [tokenizer.encode(piece, add_special_tokens=special and k == 0)
                 for k, piece in enumerate(pieces)]
     token_ids, starts = splice_images(segments, mm_tokens_per_image, tokenizer.image_token_id)

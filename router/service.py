@@ -21,11 +21,12 @@ import httpx
 from indexer.events import Event
 from indexer.index import PrefixIndex
 from openai_request.bodies import ApiError
-from openai_request.prompts import PromptTokens, build_prompt
-from openai_request.tokenizer import Tokenizer, load_tokenizer
+from openai_request.prompts import PromptTokens, Reach, build_prompt
+from openai_request.segment_cache import SegmentedTokenizer
+from openai_request.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 from router.fleet.registry import Registry, WorkerEntry
 from router.routing.core import RoutingCore, WorkerFacts
-from router.routing.prompt_path import HashingTerms, request_hashes
+from router.routing.prompt_path import HashingTerms, PrefixReach, request_hashes
 from router.routing.scheduler import Decision, SchedulerConfig
 from router.routing.sessions import Continuation
 from router.settings import RouterSettings
@@ -99,6 +100,9 @@ class RouterService:
     def __init__(self, settings: RouterSettings, http: httpx.AsyncClient) -> None:
         self.settings = settings
         self.tokenizer: Tokenizer = load_tokenizer(settings.tokenizer)
+        if settings.tokenize == "match" and isinstance(self.tokenizer, HFTokenizer):
+            self.tokenizer = SegmentedTokenizer(self.tokenizer)
+            self.tokenizer.log_mode()
         self.index = PrefixIndex(settings.block_size)
         self.core = RoutingCore(settings.core_settings(), facts=self._facts,
                                 capacity=self._capacity)
@@ -158,9 +162,10 @@ class RouterService:
                 names.update((e.info.model, *e.info.lora_adapters))
         return sorted(names)
 
-    def tokenize(self, body: Any, kind: str) -> PromptTokens:
-        """Turn a request body into its prompt tokens, as the workers will. Reads only the
-        tokenizer and settings, so it may run in a worker thread for a large body.
+    def tokenize(self, body: Any, kind: str, reach: Reach | None = None) -> PromptTokens:
+        """Turn a request body into its prompt tokens, as the workers will (with ``reach``,
+        only as far as it wants). Without ``reach`` it reads only the tokenizer and settings,
+        so it may run in a worker thread for a large body.
 
         Raises:
             ApiError: the body is invalid (400).
@@ -169,7 +174,7 @@ class RouterService:
             return build_prompt(body, kind, self.tokenizer,  # type: ignore[arg-type]
                                 mm_tokens_per_image=self.registry.mm_tokens_per_image or 1,
                                 max_image_bytes=self.settings.max_image_bytes, fetch=None,
-                                check_token_ids=False)
+                                check_token_ids=False, reach=reach)
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
 
@@ -187,10 +192,16 @@ class RouterService:
         model = body.get("model") if isinstance(body, dict) else None
         fleet = self._fleet(self.registry.candidates(), model)
         entries, ids, by_id = fleet.entries, fleet.ids, fleet.by_id
+        reach: PrefixReach | None = None
         if prompt is None:
-            prompt = self.tokenize(body, kind)
-        # Only workers the prompt fits are candidates; 400 when it fits none.
-        size = len(prompt.token_ids)
+            reach = self._reach(fleet, model)
+            prompt = self.tokenize(body, kind, reach)
+        # Only workers the prompt fits are candidates; 400 when it fits none (told by the
+        # exact count: an estimate past the limit is tokenized in full).
+        size = prompt.total_tokens
+        if fleet.min_model_len and size > fleet.min_model_len and prompt.estimated_tokens:
+            prompt, reach = self.tokenize(body, kind), None
+            size = len(prompt.token_ids)
         if fleet.min_model_len and size > fleet.min_model_len:
             entries = [e for e in entries if not (e.info and e.info.max_model_len)
                        or size <= e.info.max_model_len]
@@ -204,7 +215,10 @@ class RouterService:
         assert first.info is not None, "a candidate always has model info"
         lora = model if model is not None and model != first.info.model else None
         try:
-            hashes = request_hashes(prompt, terms, lora)
+            if reach is not None and reach.walked and terms is fleet.terms and not prompt.images:
+                hashes = reach.finish(prompt)  # hashed as the prompt was tokenized
+            else:
+                hashes = request_hashes(prompt, terms, lora)
         except ValueError as exc:  # token ids that are not ints in [0, 2**64)
             raise ApiError(400, f"the prompt's token ids are invalid: {exc}", param="prompt"
                            ) from None
@@ -212,13 +226,36 @@ class RouterService:
         matches = self.index.match(hashes) if hashes else {}
         workers = None if len(entries) == self.core.workers() else ids
         routed = self.core.decide(hashes, matches, now, self.rng, workers=workers,
-                                  tokens=len(prompt.token_ids))
+                                  tokens=size)
         decision = routed.decision
         if self.settings.policy in ("round_robin", "random"):
             decision = self._baseline(decision, entries)
         request_id = f"{self._id_prefix}-{next(self._ids)}"
         return Route(request_id, prompt, hashes, decision, by_id, now,
                      time.perf_counter() - started, routed.continued)
+
+    def _reach(self, fleet: _Fleet, model: str | None) -> PrefixReach | None:
+        """Under ``--tokenize match``, the reach that stops tokenizing past the index's
+        longest match, for the fleet's first candidate's terms."""
+        if self.settings.tokenize != "match" or not isinstance(self.tokenizer, SegmentedTokenizer):
+            return None
+        first = fleet.entries[0]
+        assert first.info is not None, "a candidate always has model info"
+        lora = model if model is not None and model != first.info.model else None
+        return PrefixReach(fleet.terms, lora, self._held)
+
+    def _held(self, hashes: list[int]) -> int:
+        """The longest leading run of ``hashes`` some worker holds, by the index or by the
+        predictions a decision would extend it with."""
+        matches = self.index.match(hashes)
+        best = max((run for run, _ in matches.values()), default=0)
+        if best == len(hashes):
+            return best
+        now = time.monotonic()
+        for residency in (self.predicted, self.approximate):
+            for w in {*matches, *residency.holders(hashes[0], now)}:
+                best = max(best, residency.extend(w, hashes, matches.get(w, (0, 0))[0], now))
+        return best
 
     def prompt_bound(self, body: Any) -> int:
         """The longest prompt, in tokens, that some worker serving the body's model takes (0:

@@ -38,6 +38,7 @@ __all__ = ["POLICIES", "RouterSettings", "SettingsError", "load_settings"]
 #: cost rule (:meth:`router.routing.scheduler.SchedulerConfig.dynamo`; ``--overlap-weight`` still
 #: applies). ``round_robin`` and ``random`` ignore the cache: baselines to measure against.
 POLICIES = ("kv", "dynamo", "round_robin", "random")
+TOKENIZE_MODES = ("match", "full")
 
 #: The cost rule's defaults, defined once (:class:`router.routing.scheduler.SchedulerConfig`).
 _RULE = SchedulerConfig()
@@ -59,6 +60,9 @@ class RouterSettings:
     workers: tuple[str, ...] = ()
     block_size: int = 32
     tokenizer: str | None = None
+    #: ``match``: cached segments, only as far as some worker holds the prompt's blocks (the
+    #: rest estimated); ``full``: every token, the whole prompt at once, as the workers do.
+    tokenize: str = "match"
     policy: str = "kv"
     overlap_weight: float = _RULE.overlap_weight
     #: None: ``auto`` (by eviction pressure, :mod:`router.routing.pressure`).
@@ -119,6 +123,8 @@ class RouterSettings:
             (self.queue_weight is None or self.queue_weight >= 0,
              "queue_weight must be >= 0 (or auto: by eviction pressure)"),
             (self.session_weight >= 0, "session_weight must be >= 0 (0 = no session term)"),
+            (self.tokenize in TOKENIZE_MODES,
+             f"tokenize {self.tokenize!r} is not one of {', '.join(TOKENIZE_MODES)}"),
             (self.policy in POLICIES,
              f"policy {self.policy!r} is not one of {', '.join(POLICIES)}"),
             (self.predict_ttl > 0 and self.approximate_ttl > 0, "ttls must be positive"),

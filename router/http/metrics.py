@@ -15,6 +15,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, generate_la
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from router.http.tokenize_metrics import tokenize_families
+
 if TYPE_CHECKING:
     from router.fleet.registry import WorkerEntry
     from router.service import Route, RouterService
@@ -96,6 +98,7 @@ class _StateCollector:
         index = GaugeMetricFamily("kvroute_index_blocks", "Distinct blocks in the prefix index")
         index.add_metric([], service.index.num_blocks())
         yield index
+        yield from tokenize_families(service.tokenizer)
         states = GaugeMetricFamily("kvroute_workers", "Registered workers by state",
                                    labels=["state"])
         for state in ("healthy", "unhealthy", "incompatible"):

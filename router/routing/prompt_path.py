@@ -13,19 +13,26 @@ workers' events use:
   the worker publishes it (:func:`indexer.hashing.salt_tag` for kvroute workers, keyed by the
   cluster's salt secret when they say ``hmac-sha256-16``; raw for engines that publish it
   raw).
+
+Under ``--tokenize match`` the router tokenizes only as far as the index holds the prompt:
+:class:`PrefixReach` is the :data:`openai_request.prompts.Reach` that hashes each block as
+its tokens become known and asks the index whether some worker still holds them all; past the
+first block no worker holds, the rest of the prompt matters only by its length, which the
+tokenizer estimates.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from indexer.hashing import SALT_TAG_HMAC, SALT_TAG_SHA256, salt_tag
 from indexer.index import block_hashes, scope_seed
 from openai_request.prompts import PromptTokens
 
-__all__ = ["HashingTerms", "published_salt", "request_hashes"]
+__all__ = ["HashingTerms", "PrefixReach", "published_salt", "request_hashes"]
 
 log = logging.getLogger(__name__)
 
@@ -111,3 +118,56 @@ def request_hashes(prompt: PromptTokens, terms: HashingTerms, lora: str | None =
         for b in range(span.start // size, (end - 1) // size + 1):
             mm[b].append((identity, max(0, b * size - span.start)))
     return block_hashes(tokens, size, seed=seed, mm=mm)
+
+
+#: The longest leading run of the given hashes that some worker holds or is predicted to hold.
+Held = Callable[[list[int]], int]
+
+
+class PrefixReach:
+    """Hashes a text prompt's blocks as they are tokenized and says whether to go on.
+
+    Call it with the ids known so far (a growing prefix of one prompt's ids, as
+    :func:`openai_request.prompts.build_prompt` does): it hashes the new full blocks after the
+    last ones, asks ``held``, and wants more while some worker holds every block hashed.
+    Only for prompts without images (the walk never runs on those).
+
+    Args:
+        terms: how the target workers name blocks.
+        lora: the LoRA adapter the request selects, if any.
+        held: the index's (and the predictions') longest run.
+    """
+
+    def __init__(self, terms: HashingTerms, lora: str | None, held: Held) -> None:
+        self._terms = terms
+        self._lora = lora
+        self._held = held
+        self._seed: int | None = None
+        self.hashes: list[int] = []
+        #: It was called: the prompt's ids came from a walking encode, never from the body.
+        self.walked = False
+
+    def __call__(self, ids: list[int], salt: str | None) -> bool:
+        """Whether tokens past ``ids`` are wanted: every full block so far is held."""
+        self.walked = True
+        self._extend(ids, salt)
+        if not self.hashes:
+            return True
+        return self._held(self.hashes) == len(self.hashes)
+
+    def finish(self, prompt: PromptTokens) -> list[int]:
+        """The hashes of all the prompt's full blocks (those hashed so far, then the rest)."""
+        assert not prompt.images, "a reach walks prompts without images only"
+        self._extend(prompt.token_ids, prompt.cache_salt)
+        return self.hashes
+
+    def _extend(self, ids: list[int], salt: str | None) -> None:
+        size = self._terms.block_size
+        if self._seed is None:
+            published = published_salt(salt, self._terms.salt_hashing, self._terms.salt_key)
+            self._seed = scope_seed(self._lora, published)
+        start, stop = len(self.hashes) * size, len(ids) // size * size
+        if stop > start:
+            parent = self.hashes[-1] if self.hashes else None
+            self.hashes.extend(block_hashes(ids[start:stop], size, seed=self._seed,
+                                            parent=parent))

@@ -1,0 +1,68 @@
+"""``--tokenize match``: the router tokenizes a long prompt only as far as some worker holds
+(or is predicted to hold) its blocks, estimates the rest, and its hashes are a prefix of the
+exact mode's; ``--tokenize full`` tokenizes everything, as the workers do."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import httpx
+
+from openai_request.segment_cache import SegmentedTokenizer
+from router.fleet.worker_table import WorkerInfo
+from router.routing.prompt_path import request_hashes
+from router.service import RouterService
+from router.settings import RouterSettings
+from tests.fixtures.tokenizer_files import write_tiny_tokenizer
+
+#: About 40 KB: ten steps of the walk's first 4,096 characters.
+BODY = {"model": "m", "prompt": " ".join(f"the router holds block {i} of the cached prompt"
+                                         for i in range(900))}
+
+
+def service_for(tmp_path: Path, http: httpx.AsyncClient, tokenize: str) -> RouterService:
+    write_tiny_tokenizer(tmp_path)
+    service = RouterService(RouterSettings(tokenizer=str(tmp_path), block_size=16, seed=1,
+                                           tokenize=tokenize), http)
+    for w in range(2):
+        service.registry.adopt(WorkerInfo(url=f"http://w{w}", model="m", block_size=16,
+                                          tokenizer=service.tokenizer.identity,
+                                          instance_id=f"i{w}", max_model_len=1 << 20))
+    return service
+
+
+async def test_a_new_prompt_is_tokenized_only_past_its_first_unheld_block(tmp_path: Path
+                                                                          ) -> None:
+    async with httpx.AsyncClient() as http:
+        service = service_for(tmp_path, http, "match")
+        assert isinstance(service.tokenizer, SegmentedTokenizer)
+        exact = service.tokenizer.inner.encode(BODY["prompt"], add_special_tokens=True)
+        first = service.decide(BODY, "completions")
+        known = len(first.prompt.token_ids)
+        # Nothing is held: the walk stopped after its first step, a prefix of the exact ids.
+        assert 0 < known < len(exact) // 5
+        assert first.prompt.token_ids == exact[:known]
+        assert first.hashes == request_hashes(first.prompt, service._fleet(
+            service.registry.candidates(), "m").terms)
+        # The estimate of the rest, from the ratio of what was tokenized, is near the truth.
+        assert abs(first.prompt.total_tokens - len(exact)) < 0.2 * len(exact)
+        assert service.tokenizer.stats().estimated_tokens == first.prompt.estimated_tokens
+        # Once the worker is predicted to hold those blocks, the next walk goes one step
+        # further and matches all of them.
+        service.dispatched(first, first.worker)
+        again = service.decide(BODY, "completions")
+        assert again.decision.worker == first.decision.worker
+        assert again.decision.chosen.matched_blocks == len(first.hashes)
+        assert len(again.prompt.token_ids) > known
+        assert again.prompt.token_ids == exact[:len(again.prompt.token_ids)]
+        assert service.tokenizer.stats().hits > 0  # the first step came from the cache
+
+
+async def test_full_mode_tokenizes_every_token(tmp_path: Path) -> None:
+    async with httpx.AsyncClient() as http:
+        service = service_for(tmp_path, http, "full")
+        assert not isinstance(service.tokenizer, SegmentedTokenizer)
+        route = service.decide(BODY, "completions")
+        exact = service.tokenizer.encode(BODY["prompt"], add_special_tokens=True)
+        assert route.prompt.token_ids == exact and route.prompt.estimated_tokens == 0
+        assert len(route.hashes) == len(exact) // 16
