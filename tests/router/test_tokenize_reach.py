@@ -66,3 +66,23 @@ async def test_full_mode_tokenizes_every_token(tmp_path: Path) -> None:
         exact = service.tokenizer.encode(BODY["prompt"], add_special_tokens=True)
         assert route.prompt.token_ids == exact and route.prompt.estimated_tokens == 0
         assert len(route.hashes) == len(exact) // 16
+
+
+async def test_both_modes_match_the_same_held_prefix(tmp_path: Path) -> None:
+    async with httpx.AsyncClient() as http:
+        for mode in ("full", "match"):
+            (tmp_path / mode).mkdir()
+        full = service_for(tmp_path / "full", http, "full")
+        match = service_for(tmp_path / "match", http, "match")
+        hashes = full.decide(BODY, "completions").hashes
+        held = len(hashes) * 3 // 5
+        for service in (full, match):  # the second worker holds 60% of the prompt
+            worker = service.registry.candidates()[1].id
+            service.index.store_hashes(worker, hashes[:held])
+        exact, walked = full.decide(BODY, "completions"), match.decide(BODY, "completions")
+        assert walked.decision.worker == exact.decision.worker
+        assert walked.decision.chosen.matched_blocks == exact.decision.chosen.matched_blocks \
+            == held
+        # The walk went past the held blocks, and not to the end.
+        assert held < len(walked.hashes) < len(hashes)
+        assert walked.hashes == hashes[:len(walked.hashes)]
