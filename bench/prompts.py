@@ -221,7 +221,11 @@ def over_http(folder: Path, shapes: list[str], sizes: dict[str, int], n: int,
         for mode in ("match", "full"):
             port = free_port()
             args = ["router", "--port", str(port), "--tokenizer", str(folder),
-                    "--tokenize", mode, "--health-interval", "1"]
+                    "--tokenize", mode, "--health-interval", "1",
+                    # A worker encoding a 128k-token prompt on a loaded 2-core machine may
+                    # answer its health probe late: that is not what this measures.
+                    "--health-timeout", "10", "--unhealthy-grace", "60",
+                    "--first-byte-floor", "60", "--first-byte-timeout", "120"]
             for p in ports:
                 args += ["--worker", f"http://127.0.0.1:{p}"]
             procs.append(spawn(args, f"http://127.0.0.1:{port}", health="/ready"))
@@ -250,7 +254,8 @@ def over_http(folder: Path, shapes: list[str], sizes: dict[str, int], n: int,
                                             headers={"content-type": "application/json"})
                             elapsed = time.perf_counter() - started
                             if r.status_code != 200:
-                                raise RuntimeError(f"{name}: {r.status_code} {r.text[:200]}")
+                                raise RuntimeError(f"{name}, {shape} {label}: "
+                                                   f"{r.status_code} {r.text[:200]}")
                             if k:
                                 times[name].append(elapsed)
                                 if pid:
@@ -301,18 +306,16 @@ def main(argv: list[str] | None = None) -> None:
 
     sample = Language(99).text(200_000)
     chars_per_token = len(sample) / len(load_tokenizer(str(folder)).encode(sample))
-    report: dict[str, list[Any]] = {"in_process": in_process(folder, list(SHAPES), sizes, n, chars_per_token)}
-    if not args.no_http:
-        report["http"] = over_http(folder, list(SHAPES), sizes, n, chars_per_token)
-    report["load_average"] = [round(x, 2) for x in os.getloadavg()]
-    if args.json:
-        print(json.dumps(report, indent=1))
-        return
-    for part, rows in report.items():
+    parts = [("in_process", in_process)] + ([] if args.no_http else [("http", over_http)])
+    for part, run in parts:
+        rows = run(folder, list(SHAPES), sizes, n, chars_per_token)
+        rows.append({"load_average": [round(x, 2) for x in os.getloadavg()]})
+        if args.json:
+            print(json.dumps({part: rows}), flush=True)
+            continue
         print(f"== {part}")
         for row in rows:
-            print("  " + ("  ".join(f"{k}={v}" for k, v in row.items())
-                          if isinstance(row, dict) else str(row)))
+            print("  " + "  ".join(f"{k}={v}" for k, v in row.items()), flush=True)
 
 
 if __name__ == "__main__":

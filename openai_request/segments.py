@@ -1,8 +1,8 @@
 """Where a Hugging Face tokenizer's text may be cut so that tokenizing the pieces one by one
 gives exactly the ids of tokenizing it whole.
 
-:func:`plan_splits` reads a ``tokenizer.json`` and returns a :class:`SplitPlan` (or the reason
-it offers none); :meth:`SplitPlan.split` cuts a text into segments by it. Two kinds of cut are
+:func:`plan_splits` reads a ``tokenizer.json`` and returns a :class:`SplitPlan`, with notes on
+the cuts it does not allow; :meth:`SplitPlan.split` cuts a text into segments by it. Two kinds of cut are
 provable from the file alone:
 
 1. **Around added tokens.** ``tokenizers`` first splits the text on its non-normalized added
@@ -22,10 +22,14 @@ provable from the file alone:
      (``\\s+(?!\\S)``) only ever looks at whitespace, which ``X`` is not.
    - Metaspace, BERT's and the whitespace pre-tokenizers break at every space.
    - Normalizers that act per character (Unicode normal forms, lowercasing, BERT's, a
-     one-character ``Replace``): a space is a starter, so nothing composes or reorders across
-     it. ``Prepend`` and Metaspace's ``prepend_scheme`` add a ``▁`` only to a piece that
-     does not already start with one; a piece cut this way starts with a space, so it is
-     encoded by the *continuing* encoder (the same file with those prepends turned off).
+     one-character ``Replace`` of nothing spacing): a space is a starter, so nothing composes
+     or reorders across it, and no non-space character normalizes to text ending in a space
+     (checked over all of Unicode), which keeps the regex proof's ``X`` a non-space. BERT's
+     spacing of CJK characters breaks that, so with it only pre-tokenizers that break at
+     every whitespace are cut.
+   - ``Prepend`` and Metaspace's ``prepend_scheme`` add a ``▁`` only to a piece that does not
+     already start with one; a piece cut this way starts with a space, so it is encoded by
+     the *continuing* encoder (the same file with those prepends turned off).
 
    A normalized added token holding whitespace could span such a cut, so its presence turns
    cuts at spaces off. The piece after an added token is encoded by the *fresh* encoder,
@@ -180,6 +184,10 @@ def plan_splits(spec: dict[str, Any], added_tokens: dict[int, Any],
         if reason:
             notes.append(reason)
             at_spaces = False
+    if at_spaces and _spaces_at_ends(spec.get("normalizer")) and _regex_breaks(
+            spec.get("pre_tokenizer")):
+        notes.append("the normalizer may add spaces that a regex pre-tokenizer joins")
+        at_spaces = False
     if spaced_normalized:
         notes.append(f"normalized added token {spaced_normalized!r} holds a space")
         at_spaces = False
@@ -239,13 +247,26 @@ def _normalizer_problem(n: Any) -> str:
     if kind == "Sequence":
         return next((r for m in n.get("normalizers") or () if (r := _normalizer_problem(m))), "")
     if kind == "Replace":
-        old = (n.get("pattern") or {}).get("String")
-        if isinstance(old, str) and len(old) == 1:
+        # A one-character pattern, and nothing spacing: replacing the cut's space (by "▁")
+        # would let a regex join it to the character before.
+        old, new = (n.get("pattern") or {}).get("String"), n.get("content")
+        if (isinstance(old, str) and len(old) == 1 and isinstance(new, str)
+                and not any(c.isspace() or c == "\u2581" for c in old + new)):
             return ""
-        return "the normalizer replaces more than one character"
+        return "the normalizer replaces more than one character, or spaces"
     if kind in _PER_CHARACTER_NORMALIZERS:
         return ""
     return f"normalizer {kind} may act across spaces"
+
+
+def _spaces_at_ends(n: Any) -> bool:
+    """Whether the normalizer may end a non-space character's text with a space (BERT's
+    spacing of CJK characters; no Unicode normal form does)."""
+    if not isinstance(n, dict):
+        return False
+    if n.get("type") == "Sequence":
+        return any(_spaces_at_ends(m) for m in n.get("normalizers") or ())
+    return n.get("type") == "BertNormalizer" and n.get("handle_chinese_chars", True) is not False
 
 
 def _pre_tokenizer_problem(p: Any) -> str:
@@ -286,6 +307,17 @@ def _pre_tokenizer(p: Any) -> tuple[bool, str]:
             return True, ""
         return False, "the Split pre-tokenizer's pattern is not a proven one"
     return False, f"pre-tokenizer {kind} is not known to break at spaces"
+
+
+def _regex_breaks(p: Any) -> bool:
+    """Whether the pre-tokenizer breaks by a regex (whose proof needs the character before a
+    cut to stay a non-space), not at every whitespace."""
+    if not isinstance(p, dict):
+        return False
+    if p.get("type") == "Sequence":
+        return any(_regex_breaks(q) for q in p.get("pretokenizers") or ())
+    return p.get("type") == "Split" or (p.get("type") == "ByteLevel"
+                                        and bool(p.get("use_regex", True)))
 
 
 def _model_problem(model: Any) -> str:

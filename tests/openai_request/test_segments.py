@@ -259,3 +259,18 @@ def test_the_cache_is_bounded_by_bytes_least_recent_out() -> None:
     assert cache.get((1, "aaaa")) is None  # another encoder's key
     assert cache.get((0, "aaaa")) == [1, 2] and cache.get((0, "cccc")) == [5, 6]
     assert (cache.hits, cache.misses, cache.bytes, len(cache)) == (3, 2, 2 * one, 2)
+
+
+@pytest.mark.parametrize(("normalizer", "note"), [
+    (normalizers.Replace(" ", "\u2581"), "spaces"),  # "X▁" could be one regex match
+    (normalizers.BertNormalizer(), "regex pre-tokenizer"),  # "中" becomes " 中 "
+    (normalizers.Strip(), "may act across spaces"),
+])
+def test_normalizers_that_could_join_across_a_space_keep_only_added_token_cuts(
+        tmp_path: Path, normalizer: Any, note: str) -> None:
+    tok = byte_level()
+    tok.normalizer = normalizer
+    cut = SegmentedTokenizer(_load(tok, tmp_path), segment_chars=1)
+    assert cut.mode == "added tokens" and any(note in n for n in cut.plan.notes)
+    text = "a. b</s>中 x"
+    assert cut.encode(text) == cut.inner.encode(text)
