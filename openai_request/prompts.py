@@ -24,8 +24,12 @@ Rules:
     5. Given a :data:`Reach` and a tokenizer that walks (:class:`~openai_request.segment_cache.
        SegmentedTokenizer`), a text prompt without images is encoded in doubling steps of
        :data:`FIRST_STEP_CHARS` characters and stops once the reach wants no more; the rest
-       is then estimated (:attr:`PromptTokens.estimated_tokens`). The router does this; a
-       worker, which serves the prompt, never does.
+       is then estimated (:attr:`PromptTokens.estimated_tokens`). It also stops once it has
+       had to tokenize :data:`WALK_ENCODE_LIMIT_CHARS` characters the cache did not hold,
+       which bounds the time one request holds the router's event loop to what a 256 KB
+       body took before walks (a prompt held further than that by the workers but new to
+       this router, say after a restart, is then matched only that far). The router does
+       this; a worker, which serves the prompt, never does.
 """
 
 from __future__ import annotations
@@ -47,7 +51,8 @@ from openai_request.images import (
 )
 from openai_request.tokenizer import Tokenizer
 
-__all__ = ["FIRST_STEP_CHARS", "Fetch", "PromptTokens", "Reach", "build_prompt"]
+__all__ = ["FIRST_STEP_CHARS", "WALK_ENCODE_LIMIT_CHARS", "Fetch", "PromptTokens", "Reach",
+           "build_prompt"]
 
 #: Returns a remote image's bytes, or ``None`` when the caller cannot or will not fetch it.
 Fetch = Callable[[str], bytes | None]
@@ -55,6 +60,8 @@ Fetch = Callable[[str], bytes | None]
 Reach = Callable[[list[int], "str | None"], bool]
 #: The characters a walking encode takes first (rule 5); each further step doubles.
 FIRST_STEP_CHARS = 4096
+#: The most characters a walking encode tokenizes that the cache did not hold (rule 5).
+WALK_ENCODE_LIMIT_CHARS = 256 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,7 +197,8 @@ class _Walker:
         step = FIRST_STEP_CHARS
         while not walk.done:
             walk.advance(step)
-            if not walk.done and not self._reach(walk.ids, self._salt):
+            if not walk.done and (walk.encoded_chars >= WALK_ENCODE_LIMIT_CHARS
+                                  or not self._reach(walk.ids, self._salt)):
                 self.estimated = walk.rest_tokens()
                 break
             step *= 2

@@ -261,27 +261,30 @@ class SegmentedTokenizer:
         return TokenizeStats(c.hits, c.misses, c.bytes, len(c), self._encoded_bytes,
                              self._encoded_tokens, self._error, self._estimated)
 
-    def _encode(self, segments: list[Segment]) -> list[list[int]]:
-        """Ids of each segment: cached, or encoded in one batch per encoder and cached."""
-        out: list[list[int] | None] = []
+    def _encode(self, segments: list[Segment]) -> list[tuple[list[int], bool]]:
+        """Ids of each segment and whether they were known (an added token, or cached); the
+        others are encoded in one batch per encoder and cached."""
+        out: list[tuple[list[int], bool]] = []
         missing: dict[int, list[int]] = {}
         for k, seg in enumerate(segments):
             if seg.token is not None:
-                out.append([seg.token])
+                out.append(([seg.token], True))
                 continue
             ids = self.cache.get((seg.encoder, seg.text))
-            out.append(ids)
             if ids is None:
                 missing.setdefault(seg.encoder, []).append(k)
+                out.append(([], False))  # encoded below
+            else:
+                out.append((ids, True))
         for encoder, where in missing.items():
             texts = [segments[k].text for k in where]
             encoded = self._encoders[encoder].encode_batch_fast(texts, add_special_tokens=False)
             for k, text, enc in zip(where, texts, encoded, strict=True):
                 ids = enc.ids
-                out[k] = ids
+                out[k] = (ids, False)
                 self.cache.put((encoder, text), ids)
                 self._learn(len(text.encode("utf-8")), len(ids))
-        return out  # type: ignore[return-value]  # every None was filled above
+        return out
 
     def _learn(self, utf8_bytes: int, tokens: int) -> None:
         with self._stats_lock:
@@ -298,6 +301,7 @@ class Walk:
     Attributes:
         ids: the ids known so far (with the special-token head, and the tail once done).
         done: every segment is encoded.
+        encoded_chars: characters this walk had to tokenize (not found in the cache).
     """
 
     def __init__(self, tokenizer: SegmentedTokenizer, segments: list[Segment], text: str,
@@ -309,6 +313,7 @@ class Walk:
         self._chars = 0
         self._tail = tail or []
         self.ids = ids
+        self.encoded_chars = 0
         self.done = not segments
         if self.done:
             self.ids.extend(self._tail)
@@ -324,8 +329,11 @@ class Walk:
             self._chars += len(self._segments[end].text)
             end += 1
         before = len(self.ids)
-        for ids in self._tokenizer._encode(self._segments[start:end]):
+        segments = self._segments[start:end]
+        for seg, (ids, hit) in zip(segments, self._tokenizer._encode(segments), strict=True):
             self.ids.extend(ids)
+            if not hit:
+                self.encoded_chars += len(seg.text)
         self._next = end
         if end == len(self._segments):
             self.done = True

@@ -2,8 +2,8 @@
 gives exactly the ids of tokenizing it whole.
 
 :func:`plan_splits` reads a ``tokenizer.json`` and returns a :class:`SplitPlan`, with notes on
-the cuts it does not allow; :meth:`SplitPlan.split` cuts a text into segments by it. Two kinds of cut are
-provable from the file alone:
+the cuts it does not allow; :meth:`SplitPlan.split` cuts a text into segments by it. Two kinds
+of cut are provable from the file alone:
 
 1. **Around added tokens.** ``tokenizers`` first splits the text on its non-normalized added
    tokens (leftmost-longest), then normalizes, pre-tokenizes and models each piece on its

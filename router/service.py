@@ -18,6 +18,7 @@ from typing import Any, Literal
 
 import httpx
 
+from httpapi.body import TOKENIZE_OFF_LOOP_BYTES
 from indexer.events import Event
 from indexer.index import PrefixIndex
 from openai_request.bodies import ApiError
@@ -177,6 +178,14 @@ class RouterService:
                                 check_token_ids=False, reach=reach)
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
+
+    def tokenizes_off_loop(self, body_bytes: int) -> bool:
+        """Whether a body of ``body_bytes`` should be tokenized in a thread (:meth:`tokenize`)
+        before :meth:`decide`: only a large one, and never under ``--tokenize match``, whose
+        walk needs the index (on the event loop) and bounds its own work there."""
+        if isinstance(self.tokenizer, SegmentedTokenizer) and self.settings.tokenize == "match":
+            return False
+        return body_bytes > TOKENIZE_OFF_LOOP_BYTES
 
     def decide(self, body: Any, kind: str, prompt: PromptTokens | None = None) -> Route:
         """Tokenize (unless ``prompt`` is given, from :meth:`tokenize`), hash, match and score

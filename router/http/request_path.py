@@ -8,8 +8,9 @@ next-best one (:mod:`router.http.failover`); the answer names the worker and the
 in ``x-kvroute-*`` headers.
 
 A completions prompt whose length alone proves it longer than every worker's model is refused
-before it is encoded; a body over ``TOKENIZE_OFF_LOOP_BYTES`` is encoded in a thread, not on the
-event loop.
+before it is encoded; a body the service says is worth it
+(:meth:`~router.service.RouterService.tokenizes_off_loop`: over ``TOKENIZE_OFF_LOOP_BYTES``
+under ``--tokenize full``) is encoded in a thread, not on the event loop.
 
 A client that hangs up is only seen on the ASGI receive channel: one watcher task, started
 once the body is read, cancels the handler when the client leaves, so the upstream request is
@@ -27,7 +28,7 @@ from typing import Any
 
 from starlette.types import Message, Receive, Scope, Send
 
-from httpapi.body import TOKENIZE_OFF_LOOP_BYTES, receive_body, wait_for_disconnect
+from httpapi.body import receive_body, wait_for_disconnect
 from httpapi.responses import CLIENT_GONE_STATUS
 from openai_request.bodies import ApiError, fewest_prompt_tokens, parse_body, validate_request
 from openai_request.prompts import PromptTokens
@@ -121,7 +122,7 @@ async def decide(state: RouterState, body: dict[str, Any], kind: str, size: int)
         raise ApiError(400, f"the prompt has at least {fewest} tokens, more than the "
                        f"model's {max_len}", param="prompt", code="context_length_exceeded")
     prompt: PromptTokens | None = None
-    if size > TOKENIZE_OFF_LOOP_BYTES:
+    if service.tokenizes_off_loop(size):
         prompt = await asyncio.to_thread(service.tokenize, body, kind)
     return service.decide(body, kind, prompt)
 

@@ -7,7 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
+import pytest
 
+from openai_request import prompts
 from openai_request.segment_cache import SegmentedTokenizer
 from router.fleet.worker_table import WorkerInfo
 from router.routing.prompt_path import request_hashes
@@ -86,3 +88,24 @@ async def test_both_modes_match_the_same_held_prefix(tmp_path: Path) -> None:
         # The walk went past the held blocks, and not to the end.
         assert held < len(walked.hashes) < len(hashes)
         assert walked.hashes == hashes[:len(walked.hashes)]
+
+
+async def test_a_walk_tokenizes_a_bounded_amount_the_cache_lacks(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The workers hold the whole prompt but this router never saw it (another replica routed
+    # it): the walk stops after the limit of uncached characters, estimating the rest; once
+    # those segments are cached, the next request walks further at the same cost.
+    monkeypatch.setattr(prompts, "WALK_ENCODE_LIMIT_CHARS", 8192)
+    async with httpx.AsyncClient() as http:
+        (tmp_path / "full").mkdir()
+        (tmp_path / "match").mkdir()
+        hashes = service_for(tmp_path / "full", http, "full").decide(BODY, "completions").hashes
+        service = service_for(tmp_path / "match", http, "match")
+        service.index.store_hashes(service.registry.candidates()[0].id, hashes)
+        first = service.decide(BODY, "completions")
+        assert first.prompt.estimated_tokens > 0
+        assert 8192 <= len(service.tokenizer.decode(first.prompt.token_ids)) < 3 * 8192
+        second = service.decide(BODY, "completions")
+        assert len(second.prompt.token_ids) > len(first.prompt.token_ids)
+        assert second.hashes == hashes[:len(second.hashes)]
+        assert second.decision.chosen.matched_blocks == len(second.hashes)
