@@ -14,10 +14,10 @@ tokens. Prompts of 1k, 8k, 32k and 128k tokens, four traffic shapes:
 Two parts, one run, ``--tokenize match`` (the default) against ``--tokenize full``:
 
 1. In process, ``cpu_ms``: the process CPU time (all threads: the tokenizer encodes a
-   batch of segments on several) of what the router does per request
-   (parse the body, tokenize, hash, match, score, book), as the app does it (a body over
-   256 KB is tokenized whole, off the event loop). Each request is booked, so a repeat is
-   predicted resident where the last one went.
+   batch of segments on several) of what the router does per request (parse the body,
+   tokenize, hash, match, score, book), as the app does it (under ``full`` a body over
+   256 KB is tokenized whole, off the event loop). Each request is booked, and the worker
+   it went to is then told to hold the whole prompt, as that worker's events would.
 2. Over HTTP (unless ``--no-http``): two simulated workers (``--speedup 1e9``, the same
    tokenizer) behind two routers, one per mode; each request goes straight to a worker and
    through each router in turn. ``added_p50_ms`` / ``added_p99_ms`` are router minus
@@ -148,14 +148,13 @@ def bodies(shape: str, tokens: int, n: int, chars_per_token: float, seed: int
 def in_process(folder: Path, shapes: list[str], sizes: dict[str, int], n: int,
                chars_per_token: float) -> list[dict[str, Any]]:
     """Part 1: CPU per request of the router's own work, per mode."""
-    from httpapi.body import TOKENIZE_OFF_LOOP_BYTES
     from router.fleet.worker_table import WorkerInfo
     from router.service import RouterService
     from router.settings import RouterSettings
 
     http = httpx.AsyncClient()
     services = {}
-    for mode in ("match", "full"):
+    for mode in ("full", "match"):  # full first: its hashes stand for the worker's events
         service = RouterService(RouterSettings(tokenizer=str(folder), block_size=32, seed=1,
                                                tokenize=mode), http)
         for w in range(2):
@@ -171,16 +170,21 @@ def in_process(folder: Path, shapes: list[str], sizes: dict[str, int], n: int,
             cpu: dict[str, list[float]] = {"match": [], "full": []}
             known: list[int] = []
             for k, raw in enumerate(raws):
+                whole: list[int] = []
                 for mode, service in services.items():
                     started = time.process_time()
                     body = msgspec.json.decode(raw)
                     prompt = (service.tokenize(body, "chat")
-                              if len(raw) > TOKENIZE_OFF_LOOP_BYTES else None)
+                              if service.tokenizes_off_loop(len(raw)) else None)
                     route = service.decide(body, "chat", prompt)
                     service.dispatched(route, route.worker)
                     service.load.finished(route.request_id)
+                    spent = time.process_time() - started
+                    # The worker caches the whole prompt and says so in its events.
+                    whole = whole or route.hashes
+                    service.index.store_hashes(route.worker.id, whole)
                     if k:  # the first body only primes the repeat and the conversation
-                        cpu[mode].append(time.process_time() - started)
+                        cpu[mode].append(spent)
                         if mode == "match":
                             known.append(len(route.prompt.token_ids))
             rows.append({"shape": shape, "size": label, "bytes": len(raws[-1]),
