@@ -31,10 +31,11 @@ of cut are provable from the file alone:
      already start with one; a piece cut this way starts with a space, so it is encoded by
      the *continuing* encoder (the same file with those prepends turned off).
 
-   A normalized added token holding whitespace could span such a cut, so its presence turns
-   cuts at spaces off. The piece after an added token is encoded by the *fresh* encoder,
-   except under Metaspace's ``prepend_scheme: first``, which prepends only at the text's
-   start.
+   A normalized added token holding whitespace could span such a cut, and one beside a
+   prepend splits a segment into pieces that each get the prepend in the whole text, so
+   either turns cuts at spaces off. The piece after an added token is encoded by the *fresh*
+   encoder, except under Metaspace's ``prepend_scheme: first``, which prepends only at the
+   text's start.
 
 Anything else (truncation or padding in the file, an unknown normalizer, model or
 pre-tokenizer, BPE dropout) keeps only the cuts it provably allows, possibly none: then the
@@ -158,10 +159,12 @@ def plan_splits(spec: dict[str, Any], added_tokens: dict[int, Any],
     if spec.get("truncation") or spec.get("padding"):
         return SplitPlan(None, {}, False, FRESH, ("the file truncates or pads",))
     plain: dict[str, int] = {}
+    normalized = False
     unsafe_added = ""
     spaced_normalized = ""
     for token_id, token in added_tokens.items():
         if token.normalized:
+            normalized = True
             if any(c.isspace() or c == "\u2581" for c in token.content):
                 spaced_normalized = token.content
             continue
@@ -187,6 +190,11 @@ def plan_splits(spec: dict[str, Any], added_tokens: dict[int, Any],
     if at_spaces and _spaces_at_ends(spec.get("normalizer")) and _regex_breaks(
             spec.get("pre_tokenizer")):
         notes.append("the normalizer may add spaces that a regex pre-tokenizer joins")
+        at_spaces = False
+    if at_spaces and normalized and continuing_spec(spec) is not None:
+        # A normalized added token splits the text inside a segment, and the piece after it
+        # gets the prepend in the whole text but not from the continuing encoder.
+        notes.append("normalized added tokens beside a prepending normalizer or pre-tokenizer")
         at_spaces = False
     if spaced_normalized:
         notes.append(f"normalized added token {spaced_normalized!r} holds a space")

@@ -36,7 +36,7 @@ from tests.fixtures.tokenizer_files import CHAT_TEMPLATE
 
 SPECIALS = ["<unk>", "<s>", "</s>", "<|image|>", "<|im_start|>", "<|im_end|>", "<|user|>",
             "<|assistant|>", "<|system|>", "<|end|>"]
-#: Added tokens that are not special: one normalized, one not.
+#: Added tokens that are not special: one not normalized, one normalized.
 EXTRA = [AddedToken("<tool>", normalized=False), AddedToken("kvroute", normalized=True)]
 LLAMA3_REGEX = next(r for r in PROVEN_REGEXES if r"\p{N}{1,3}" in r)
 QWEN2_REGEX = next(r for r in PROVEN_REGEXES if r"|\p{N}|" in r)
@@ -73,9 +73,9 @@ def _corpus(seed: int = 7) -> list[str]:
     return lines + [" ".join(PIECES)] * 3
 
 
-def _train(tok: Tokenizer, trainer: Any) -> Tokenizer:
+def _train(tok: Tokenizer, trainer: Any, extra: list[AddedToken] = EXTRA) -> Tokenizer:
     tok.train_from_iterator(_corpus(), trainer=trainer)
-    tok.add_tokens(EXTRA)
+    tok.add_tokens(extra)
     return tok
 
 
@@ -85,11 +85,11 @@ def _bpe_trainer(byte_level: bool = False) -> Any:
                                **extra)
 
 
-def byte_level(add_prefix_space: bool = False) -> Tokenizer:
+def byte_level(add_prefix_space: bool = False, extra: list[AddedToken] = EXTRA) -> Tokenizer:
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=add_prefix_space)
     tok.decoder = decoders.ByteLevel()
-    _train(tok, _bpe_trainer(byte_level=True))
+    _train(tok, _bpe_trainer(byte_level=True), extra)
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     return tok
 
@@ -106,12 +106,12 @@ def split_regex(regex: str, nfc: bool) -> Tokenizer:
     return _train(tok, _bpe_trainer(byte_level=True))
 
 
-def metaspace(scheme: str) -> Tokenizer:
+def metaspace(scheme: str, extra: list[AddedToken] = EXTRA[:1]) -> Tokenizer:
     """SentencePiece style: Metaspace pre-tokenizer, byte fallback off, BOS post-processor."""
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=scheme)
     tok.decoder = decoders.Metaspace(prepend_scheme=scheme)
-    _train(tok, _bpe_trainer())
+    _train(tok, _bpe_trainer(), extra)
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", 1)])
     return tok
 
@@ -141,12 +141,16 @@ def wordpiece() -> Tokenizer:
 
 KINDS = {
     "byte-level": (byte_level, "segments"),
-    "byte-level-prefix-space": (lambda: byte_level(True), "segments"),
+    # A prepend and only plain added tokens: cut at spaces; with a normalized added token
+    # (which splits a segment, each piece prepended), only around added tokens.
+    "byte-level-prefix-space": (lambda: byte_level(True, EXTRA[:1]), "segments"),
+    "byte-level-prefix-space-normalized-added": (lambda: byte_level(True), "added tokens"),
     "llama3-split": (lambda: split_regex(LLAMA3_REGEX, False), "segments"),
     "qwen2-split-nfc": (lambda: split_regex(QWEN2_REGEX, True), "segments"),
     "gpt2-split": (lambda: split_regex(GPT2_REGEX, False), "segments"),
     "metaspace-first": (lambda: metaspace("first"), "segments"),
     "metaspace-always": (lambda: metaspace("always"), "segments"),
+    "metaspace-always-normalized-added": (lambda: metaspace("always", EXTRA), "added tokens"),
     "llama2-legacy": (llama2_legacy, "added tokens"),
     "wordpiece": (wordpiece, "segments"),
 }
