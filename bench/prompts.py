@@ -20,23 +20,32 @@ Two parts, one run, ``--tokenize match`` (the default) against ``--tokenize full
    it went to is then told to hold the whole prompt, as that worker's events would.
 2. Over HTTP (unless ``--no-http``): two simulated workers (``--speedup 1e9``, the same
    tokenizer) behind two routers, one per mode; each request goes straight to a worker and
-   through each router in turn. ``added_p50_ms`` / ``added_p99_ms`` are router minus
-   straight-to-worker; ``router_cpu_ms`` is the router process's CPU seconds over the
+   through each router in turn. ``added_p50_ms`` / ``added_p99_ms`` are percentiles of
+   router minus straight-to-worker, request by request (a first-time prompt: each path gets
+   its own); ``router_cpu_ms`` is the router process's CPU seconds over the
    requests it served (from ``/proc``).
 
-What the measurements taught (2-core machine, other jobs running):
+What the measurements taught (2-core machine shared with other jobs, load average 3-10):
 
-- Whole-prompt tokenization costs ~1.3 µs per token with this tokenizer, linear in the
-  prompt, and dominates the router's work on long prompts: everything else (parse, chat
-  template, hashing, match) is a few percent of it.
-- Segment cache: a repeated or continued prompt's segments are dictionary hits; the
-  router's CPU per request drops to the cost of parsing, rendering, hashing and the cut
-  regex. The cuts at spaces come every 2,048 characters (~500 tokens): a miss re-encodes at
-  most that much around each change.
-- Tokenizing only as far as the match: a first-time prompt costs the first 4,096 characters
-  of tokenization plus the estimate; the estimate of the rest (bytes over the learned
-  bytes-per-token ratio) was within a few percent on this generated text
-  (``estimate_error``).
+- Whole-prompt tokenization costs ~2.3 µs a token with this tokenizer (4.8 characters a
+  token), linear in the prompt, and is nearly all of the router's work on a long prompt under
+  ``--tokenize full``: ~82 ms of CPU for a 150 KB prompt, ~370 ms for 600 KB.
+- Segment cache: a repeated or continued prompt's segments are look-ups, and what is left is
+  parsing the body, rendering the template, cutting (one regex search a segment), hashing and
+  matching, ~14 µs a KB: 2.1 ms of CPU for a repeated 150 KB prompt in process, 4.4 ms in the
+  router process over HTTP (the HTTP path adds ~2 ms at that size). Cuts at spaces come every
+  2,048 characters (~430 tokens): a changed text re-encodes at most that much around each
+  change; a segment's look-up (~1-2 µs) is small against its tokenization (~1 ms).
+- Tokenizing only as far as the match: a first-time prompt costs its first 4,096 characters
+  of tokenization plus the estimate of the rest, 3-6 ms of CPU from 38 KB to 600 KB. The
+  estimate (bytes over the bytes-per-token ratio of all text tokenized) was off by 2.6% on
+  this text (``estimate_error``).
+- Before a large body could be walked on the event loop (the walk needs the index), bodies
+  over 256 KB were tokenized whole in a thread: a first-time 600 KB prompt cost 196 ms of CPU
+  instead of 6 ms.
+- Wall-clock figures here move by tens of milliseconds from run to run: the straight-to-worker
+  path includes the worker's own whole-prompt tokenization (~250 ms at 32k tokens), whose
+  jitter under load dwarfs the router's few milliseconds. Read ``router_cpu_ms`` first.
 - Figures with the command that printed them are in ``docs/benchmarks.md``.
 """
 
@@ -267,10 +276,12 @@ def over_http(folder: Path, shapes: list[str], sizes: dict[str, int], n: int,
                     row: dict[str, Any] = {"shape": shape, "size": label,
                                            "direct_p50_ms": _ms(times["direct"], 50)}
                     for mode in routers:
-                        row[f"added_p50_ms_{mode}"] = round(
-                            _ms(times[mode], 50) - _ms(times["direct"], 50), 2)
-                        row[f"added_p99_ms_{mode}"] = round(
-                            _ms(times[mode], 99) - _ms(times["direct"], 99), 2)
+                        # Paired: each request through the router against the same body
+                        # straight to the worker just before it.
+                        added = [r - d for r, d in zip(times[mode], times["direct"],
+                                                        strict=True)]
+                        row[f"added_p50_ms_{mode}"] = _ms(added, 50)
+                        row[f"added_p99_ms_{mode}"] = _ms(added, 99)
                         row[f"router_cpu_ms_{mode}"] = round(cpu[mode] / n * 1e3, 2)
                     rows.append(row)
         return rows
