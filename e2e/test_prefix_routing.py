@@ -91,12 +91,13 @@ def test_a_chat_stays_with_its_session_and_the_router_counts_it(cluster: Any) ->
     first = router.complete(turn)
     assert first.status_code == 200
     holder = first.headers["x-kvroute-worker"]
+    holder_id = first.headers["x-kvroute-worker-id"]
     for follow in (" Answer one. Question two?", " Answer two. Question three?"):
         turn += follow  # each turn sends the conversation so far
         again = router.complete(turn)
         assert again.status_code == 200 and again.headers["x-kvroute-worker"] == holder
     assert _gauge(router, "kvroute_session_continue_rate") == 1.0
-    assert _gauge(router, f'kvroute_sessions{{worker="{holder}"}}') == 1.0
+    assert _gauge(router, f'kvroute_sessions{{worker="{holder_id}"}}') == 1.0
     body = {"model": "kvroute-sim", "prompt": turn + " Question four?", "max_tokens": 2}
     debug = router.client.post("/debug/route", json=body).json()
     assert debug["continues_session_on"] == next(

@@ -26,6 +26,8 @@ __all__ = ["MalformedAnswer", "parse_load", "parse_model_info"]
 _Count = Annotated[int, msgspec.Meta(ge=0, le=1 << 40)]
 #: Amounts a worker may report as floats (blocks, tokens), finite and in the same range.
 _Amount = Annotated[float, msgspec.Meta(ge=0, le=float(1 << 40))]
+#: A share, such as the KV cache in use.
+_Fraction = Annotated[float, msgspec.Meta(ge=0, le=1)]
 
 
 class MalformedAnswer(ValueError):
@@ -60,6 +62,7 @@ class _Load(msgspec.Struct):
     waiting: _Count = 0
     pending_prefill_tokens: _Amount = 0.0
     decode_blocks: _Amount = 0.0
+    kv_usage: _Fraction = 0.0
 
 
 _MODEL_INFO = msgspec.json.Decoder(_ModelInfo)
@@ -124,4 +127,4 @@ def parse_load(raw: bytes, block_size: int) -> ReportedLoad:
         raise MalformedAnswer(f"/load: {exc}") from None
     return ReportedLoad(running=load.running, waiting=load.waiting,
                         pending_prefill_blocks=load.pending_prefill_tokens / block_size,
-                        decode_blocks=load.decode_blocks)
+                        decode_blocks=load.decode_blocks, kv_usage=load.kv_usage)

@@ -1,35 +1,57 @@
 """The router's Prometheus metrics, on a registry of its own (one per app, so tests and
 replicas in one process never collide).
 
-Request-path figures are recorded as they happen; state (index size, worker states, event
-lag, gaps, replays, resyncs, malformed input) is read from the service at scrape time.
+Request-path figures are recorded as they happen, each request through a
+:class:`RequestTimer`; state (index size, worker states and load, event lag, gaps, replays,
+resyncs, malformed input, the pool gauges) is read from the service at scrape time
+(:mod:`router.http.state_metrics`). Per-worker families are labelled with the worker's id,
+bounded (:mod:`router.http.worker_labels`). No ``_created`` series: they double the series
+count and no dashboard reads them.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from router.http.tokenize_metrics import tokenize_families
+from router.http.state_metrics import StateCollector
+from router.http.worker_labels import WorkerLabels
 
 if TYPE_CHECKING:
     from router.fleet.registry import WorkerEntry
     from router.service import Route, RouterService
 
-__all__ = ["RouterMetrics"]
+__all__ = ["RequestTimer", "RouterMetrics"]
 
-_FEED_COUNTERS = ("batches", "replayed", "gaps", "history_lost", "resyncs", "snapshots", "restarts",
-                  "malformed", "snapshot_failures", "feed_failures", "over_capacity")
-#: Counters the subscriber keeps itself, with their help texts.
-_SUBSCRIBER_COUNTERS = {
-    "oversize": "Connections dropped for a message over the event size limit, per worker",
-    "replay_retries": "Replays asked again after one that did not cover a gap, per worker",
-}
+disable_created_metrics()
+
+#: Seconds to a stream's first token.
+TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+#: Seconds between a stream's tokens.
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.25, 0.5, 1.0)
+#: Seconds from a request's arrival to the end of its answer.
+DURATION_BUCKETS = (0.01, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0)
+#: Seconds from a request's arrival to its first upstream send.
+ROUTER_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2, 0.25)
+
+
+class _PerWorker(NamedTuple):
+    label: str
+    ttft: Histogram
+    itl: Histogram
+    duration_stream: Histogram
+    duration_whole: Histogram
+    #: The worker's children of the counters with more labels, by family and label values.
+    counted: dict[tuple[str, ...], Counter]
 
 
 class RouterMetrics:
@@ -37,34 +59,83 @@ class RouterMetrics:
 
     def __init__(self, service: RouterService) -> None:
         self._service = service
-        self.registry = CollectorRegistry()
+        self.registry = r = CollectorRegistry()
         self.requests = Counter("kvroute_requests", "Requests answered, by endpoint and status",
-                                ["endpoint", "status"], registry=self.registry)
+                                ["endpoint", "status"], registry=r)
         self.decision = Histogram(
             "kvroute_decision_seconds", "Time to tokenize, hash, match and score a request",
             buckets=(25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2),
-            registry=self.registry)
+            registry=r)
+        self.before_upstream = Histogram(
+            "kvroute_router_seconds",
+            "Time from a request's arrival to its first upstream send (body, decision, booking)",
+            buckets=ROUTER_BUCKETS, registry=r)
         self.predicted = Counter("kvroute_predicted_cached_tokens",
                                  "Prompt tokens the router expected cached where it sent them",
-                                 registry=self.registry)
+                                 registry=r)
         self.reported = Counter("kvroute_reported_cached_tokens",
                                 "Cached prompt tokens the workers reported for routed requests",
-                                registry=self.registry)
+                                registry=r)
         self.prediction_error = Histogram(
             "kvroute_cached_tokens_error", "Reported minus predicted cached tokens, per request",
-            buckets=(-4096, -1024, -256, -64, -1, 0, 1, 64, 256, 1024, 4096),
-            registry=self.registry)
+            buckets=(-4096, -1024, -256, -64, -1, 0, 1, 64, 256, 1024, 4096), registry=r)
         self.upstream_failures = Counter(
             "kvroute_upstream_failures",
             "Workers that failed before answering (the request went to the next one), by "
             "cause: connect, status (5xx), stream_error, deadline (no first byte in time or "
             "the worker stopped answering its health probe)",
-            ["worker", "attempt", "cause"], registry=self.registry)
-        self.registry.register(_StateCollector(service))
+            ["worker", "attempt", "cause"], registry=r)
+        self.upstream_requests = Counter(
+            "kvroute_upstream_requests", "Answers that began from the worker, by status",
+            ["worker", "status"], registry=r)
+        self.upstream_errors = Counter(
+            "kvroute_upstream_errors",
+            "Worker errors, by cause: the causes of kvroute_upstream_failures, and midstream "
+            "(a stream that broke after its first byte)", ["worker", "cause"], registry=r)
+        self.ttft = Histogram("kvroute_time_to_first_token_seconds",
+                              "Time from a streamed request's arrival to its first token",
+                              ["worker"], buckets=TTFT_BUCKETS, registry=r)
+        self.itl = Histogram("kvroute_inter_token_latency_seconds",
+                             "Time between a stream's chunks, over the events in the later one",
+                             ["worker"], buckets=ITL_BUCKETS, registry=r)
+        self.duration = Histogram(
+            "kvroute_request_duration_seconds",
+            "Time from a request's arrival to the end of its answer, streamed or not",
+            ["worker", "stream"], buckets=DURATION_BUCKETS, registry=r)
+        self._counters = {"kvroute_upstream_failures": self.upstream_failures,
+                          "kvroute_upstream_requests": self.upstream_requests,
+                          "kvroute_upstream_errors": self.upstream_errors}
+        self._workers: WorkerLabels[_PerWorker] = WorkerLabels(self._children, self._forget)
+        self.registry.register(StateCollector(service))
+
+    def _children(self, worker: str) -> _PerWorker:
+        return _PerWorker(worker, self.ttft.labels(worker), self.itl.labels(worker),
+                          self.duration.labels(worker, "true"),
+                          self.duration.labels(worker, "false"), {})
+
+    def _forget(self, worker: str) -> None:
+        per = self._workers.get_known(worker)
+        for family in (self.ttft, self.itl):
+            family.remove(worker)
+        for stream in ("true", "false"):
+            self.duration.remove(worker, stream)
+        for name, *labels in per.counted if per is not None else ():
+            self._counters[name].remove(worker, *labels)
+
+    def _count(self, per: _PerWorker, name: str, *labels: str) -> None:
+        key = (name, *labels)
+        child = per.counted.get(key)
+        if child is None:
+            child = per.counted[key] = self._counters[name].labels(per.label, *labels)
+        child.inc()
 
     def request(self, endpoint: str, status: int) -> None:
         """Count one answered request."""
         self.requests.labels(endpoint, str(status)).inc()
+
+    def timer(self, arrived: float) -> RequestTimer:
+        """A timer for a request that arrived at ``arrived`` (``time.perf_counter()``)."""
+        return RequestTimer(self, arrived)
 
     def decided(self, route: Route) -> None:
         """Record a routing decision's latency and the cached tokens it expects."""
@@ -81,90 +152,61 @@ class RouterMetrics:
 
     def upstream_failure(self, worker: WorkerEntry, attempt: int, cause: str) -> None:
         """Count a worker failing before its first byte."""
-        self.upstream_failures.labels(worker.url, str(attempt), cause).inc()
+        per = self._workers.get(worker.id)
+        self._count(per, "kvroute_upstream_failures", str(attempt), cause)
+        self._count(per, "kvroute_upstream_errors", cause)
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
+        self._workers.prune(e.id for e in self._service.registry.entries())
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 
-class _StateCollector:
-    def __init__(self, service: RouterService) -> None:
-        self._service = service
+class RequestTimer:
+    """One request's clock: the time it spent in the router, then its answer's timing.
 
-    def collect(self) -> Iterator[Metric]:
-        service = self._service
-        entries = service.registry.entries()
-        index = GaugeMetricFamily("kvroute_index_blocks", "Distinct blocks in the prefix index")
-        index.add_metric([], service.index.num_blocks())
-        yield index
-        yield from tokenize_families(service.tokenizer)
-        states = GaugeMetricFamily("kvroute_workers", "Registered workers by state",
-                                   labels=["state"])
-        for state in ("healthy", "unhealthy", "incompatible"):
-            states.add_metric([state], sum(e.state.value == state for e in entries))
-        yield states
-        now = time.monotonic()
-        pressure = GaugeMetricFamily(
-            "kvroute_eviction_pressure",
-            "Device blocks the workers removed in the pressure window over their peak resident")
-        pressure.add_metric([], service.pressure.pressure(now))
-        yield pressure
-        weight = GaugeMetricFamily("kvroute_queue_weight",
-                                   "The queue weight a routing decision now uses")
-        weight.add_metric([], service.queue_weight(now))
-        yield weight
-        if service.sessions is not None:
-            live = GaugeMetricFamily("kvroute_sessions",
-                                     "Live chat or agent sessions homed on the worker",
-                                     labels=["worker"])
-            for e in entries:
-                live.add_metric([e.url], service.sessions.live(e.id))
-            yield live
-            rate = GaugeMetricFamily(
-                "kvroute_session_continue_rate",
-                "Share of routed requests a next turn followed (rather than expired)")
-            rate.add_metric([], service.sessions.continue_rate)
-            yield rate
-        lag = GaugeMetricFamily("kvroute_event_lag_seconds",
-                                "Now minus the timestamp of the worker's latest event batch",
-                                labels=["worker"])
-        for e in entries:
-            if e.feed is not None:
-                lag.add_metric([e.url], e.feed.last_lag)
-        yield lag
-        health = CounterMetricFamily(
-            "kvroute_health_failures",
-            "Health polls that failed (no answer in time, error status, malformed answer)",
-            labels=["worker"])
-        for e in entries:
-            health.add_metric([e.url], e.counters.get("health_failures", 0))
-        yield health
-        oversize = CounterMetricFamily(
-            "kvroute_control_answers_oversize",
-            "Control-plane answers (model info, load, models, health, metrics) refused for "
-            "passing the size limit, per worker", labels=["worker"])
-        for e in entries:
-            oversize.add_metric([e.url], e.counters.get("oversize_answers", 0))
-        yield oversize
-        predicted = GaugeMetricFamily(
-            "kvroute_predicted_blocks",
-            "Blocks the router predicts resident without an event saying so yet",
-            labels=["worker"])
-        for e in entries:
-            residency = service.approximate if e.approximate else service.predicted
-            predicted.add_metric([e.url], residency.size(e.id))
-        yield predicted
-        for name in _FEED_COUNTERS:
-            family = CounterMetricFamily(f"kvroute_events_{name}",
-                                         f"Event stream {name.replace('_', ' ')}, per worker",
-                                         labels=["worker"])
-            for e in entries:
-                family.add_metric([e.url], e.counters.get(name, 0))
-            yield family
-        for name, text in _SUBSCRIBER_COUNTERS.items():
-            family = CounterMetricFamily(f"kvroute_events_{name}", text, labels=["worker"])
-            for e in entries:
-                if e.feed is not None:
-                    family.add_metric([e.url], getattr(e.feed.subscriber.stats, name))
-            yield family
+    Created when the request arrives; :meth:`sending` before the first upstream send,
+    :meth:`answered` once a worker began to answer, :meth:`chunk` for each streamed chunk,
+    :meth:`done` when the answer ended.
+    """
+
+    __slots__ = ("_arrived", "_last", "_metrics", "_per", "_stream")
+
+    def __init__(self, metrics: RouterMetrics, arrived: float) -> None:
+        self._metrics = metrics
+        self._arrived = arrived
+        self._last = 0.0
+        self._per: _PerWorker | None = None
+        self._stream = False
+
+    def sending(self) -> None:
+        """The request is about to go upstream for the first time."""
+        self._metrics.before_upstream.observe(time.perf_counter() - self._arrived)
+
+    def answered(self, worker: WorkerEntry, status: int, stream: bool) -> None:
+        """``worker`` began to answer with ``status``."""
+        metrics = self._metrics
+        self._per = per = metrics._workers.get(worker.id)
+        self._stream = stream
+        metrics._count(per, "kvroute_upstream_requests", str(status))
+
+    def chunk(self, data: bytes) -> None:
+        """A streamed chunk went to the client (the first one times the first token)."""
+        per = self._per
+        assert per is not None, "chunk() before answered()"
+        now = time.perf_counter()
+        if not self._last:
+            per.ttft.observe(now - self._arrived)
+        else:
+            per.itl.observe((now - self._last) / max(1, data.count(b"data:")))
+        self._last = now
+
+    def done(self, broken: bool = False) -> None:
+        """The answer ended (``broken``: a stream that failed after its first byte)."""
+        per = self._per
+        if per is None:
+            return
+        duration = per.duration_stream if self._stream else per.duration_whole
+        duration.observe(time.perf_counter() - self._arrived)
+        if broken:
+            self._metrics._count(per, "kvroute_upstream_errors", "midstream")

@@ -92,6 +92,8 @@ class UpstreamAnswer:
     #: Called whenever body bytes arrive: the worker's data path is alive
     #: (:mod:`router.fleet.liveness`).
     on_progress: Callable[[], None] | None = None
+    #: Set when the stream failed after its first byte (its last chunk is an SSE error).
+    broken: bool = False
 
     async def read(self) -> bytes:
         """Read the whole body (non-streaming answers), then release the connection.
@@ -129,6 +131,7 @@ class UpstreamAnswer:
                 yield chunk
         except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
             message = f"the worker failed mid-stream: {type(exc).__name__}: {exc}".rstrip(": ")
+            self.broken = True
             yield sse_error(message, "upstream_error")
         finally:
             self.response.close()

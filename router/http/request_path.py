@@ -24,6 +24,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import time
 from typing import Any
 
 from starlette.types import Message, Receive, Scope, Send
@@ -33,6 +34,7 @@ from httpapi.responses import CLIENT_GONE_STATUS
 from openai_request.bodies import ApiError, fewest_prompt_tokens, parse_body, validate_request
 from openai_request.prompts import PromptTokens
 from router.http.failover import Sent, send_with_failover
+from router.http.metrics import RequestTimer
 from router.http.proxy import UpstreamUnavailable
 from router.http.state import RouterState
 from router.service import Route
@@ -57,6 +59,7 @@ class Forward:
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         state, path = self.state, self.path
         metrics = state.metrics
+        timer = metrics.timer(time.perf_counter())
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         max_bytes = state.settings.max_body_bytes
         try:
@@ -73,6 +76,7 @@ class Forward:
         watcher.add_done_callback(lambda w: w.cancelled() or this.cancel())
         stream = bool(body.get("stream"))
         answering = False
+        timer.sending()
         try:
             try:
                 sent = await send_with_failover(state.service, state.proxy, state.first_byte,
@@ -82,11 +86,13 @@ class Forward:
                 metrics.request(path, exc.status)
                 raise
             metrics.request(path, sent.answer.status)
-            if stream and sent.answer.status == 200:
+            streamed = stream and sent.answer.status == 200
+            timer.answered(sent.worker, sent.answer.status, streamed)
+            if streamed:
                 answering = True
-                await _relay(state, sent, route, send, watcher)
+                await _relay(state, sent, route, send, watcher, timer)
             else:
-                start, content = await _whole(state, sent, route)
+                start, content = await _whole(state, sent, route, timer)
                 watcher.cancel()
                 await send(start)
                 await send({"type": "http.response.body", "body": content})
@@ -145,14 +151,18 @@ def _start(sent: Sent, route: Route, default_type: bytes, length: int | None = N
     return {"type": "http.response.start", "status": answer.status, "headers": headers}
 
 
-async def _whole(state: RouterState, sent: Sent, route: Route) -> tuple[Message, bytes]:
+async def _whole(state: RouterState, sent: Sent, route: Route, timer: RequestTimer
+                 ) -> tuple[Message, bytes]:
     """Read a whole answer; return its start message and body."""
+    broken = False
     try:
         content = await sent.answer.read()
     except UpstreamUnavailable as exc:
+        broken = True
         raise ApiError(502, str(exc), "upstream_error") from None
     finally:
         state.service.load.finished(route.request_id)
+        timer.done(broken)
     found = _CACHED.search(content)
     if found and sent.answer.status == 200:
         state.metrics.reported_cached(route, int(found.group(1)))
@@ -160,7 +170,7 @@ async def _whole(state: RouterState, sent: Sent, route: Route) -> tuple[Message,
 
 
 async def _relay(state: RouterState, sent: Sent, route: Route, send: Send,
-                 watcher: asyncio.Task[None]) -> None:
+                 watcher: asyncio.Task[None], timer: RequestTimer) -> None:
     """Pass a stream back chunk by chunk; the first chunk marks the first token."""
     load = state.service.load
     try:
@@ -174,9 +184,11 @@ async def _relay(state: RouterState, sent: Sent, route: Route, send: Send,
                 found = _CACHED.search(chunk)
                 if found:
                     state.metrics.reported_cached(route, int(found.group(1)))
+                timer.chunk(chunk)
                 await send({"type": "http.response.body", "body": chunk, "more_body": True})
         # The last send completes the response, which wakes the watcher: stop it first.
         watcher.cancel()
         await send({"type": "http.response.body", "body": b""})
     finally:
         load.finished(route.request_id)
+        timer.done(sent.answer.broken)

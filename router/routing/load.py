@@ -32,6 +32,8 @@ class ReportedLoad:
     waiting: int = 0
     pending_prefill_blocks: float = 0.0
     decode_blocks: float = 0.0
+    #: The share of the worker's KV cache in use (0 when it does not say).
+    kv_usage: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -60,6 +62,7 @@ class _Books:
     external_prefill: float = 0.0
     external_decode: float = 0.0
     requests: set[str] = field(default_factory=set)
+    report: ReportedLoad | None = None
 
 
 class LoadTracker:
@@ -150,6 +153,7 @@ class LoadTracker:
         books = self._books.get(worker)
         if books is None:
             return
+        books.report = load
         books.external_active = max(0, load.running + load.waiting - books.active)
         if books.external_active == 0:
             # Every request there is ours. Its phase may differ between our books and the
@@ -169,6 +173,11 @@ class LoadTracker:
         return WorkerLoad(books.active + books.external_active,
                           max(0.0, books.prefill) + books.external_prefill,
                           max(0.0, books.decode) + books.external_decode)
+
+    def last_report(self, worker: int) -> ReportedLoad | None:
+        """The load ``worker`` reported last (None before its first report)."""
+        books = self._books.get(worker)
+        return None if books is None else books.report
 
     def in_flight(self, worker: int) -> int:
         """Requests this router has in flight on ``worker``."""

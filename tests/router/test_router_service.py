@@ -244,7 +244,7 @@ async def test_a_chat_turn_is_seen_as_its_sessions_continuation(sessions: bool) 
     if sessions:
         assert debug["continues_session_on"] == home and debug["chosen_id"] == home
         assert {w["id"]: w["sessions"] for w in debug["workers"]} == {home: 1, 1 - home: 0}
-        assert f'kvroute_sessions{{worker="{first.headers["x-kvroute-worker"]}"}} 1.0' in metrics
+        assert f'kvroute_sessions{{worker="{home}"}} 1.0' in metrics
     else:
         assert debug["continues_session_on"] is None and "kvroute_sessions" not in metrics
     assert fresh["continues_session_on"] is None

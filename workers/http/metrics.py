@@ -1,11 +1,12 @@
-"""The worker's Prometheus metrics, on a registry of its own; state is read at scrape time."""
+"""The worker's Prometheus metrics, on a registry of its own; state is read at scrape time.
+No ``_created`` series (as on the router)."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
@@ -13,6 +14,8 @@ if TYPE_CHECKING:
     from workers.runtime import WorkerRuntime
 
 __all__ = ["WorkerMetrics"]
+
+disable_created_metrics()
 
 
 class WorkerMetrics:

@@ -192,7 +192,7 @@ class StockEngine:
                              f"{info.block_size}: its events would no longer match the index")
         blocks = info.num_blocks if info else 0
         load = ReportedLoad(running=int(running), waiting=int(waiting),
-                            decode_blocks=usage * blocks)
+                            decode_blocks=usage * blocks, kv_usage=usage)
         if info is not None:
             await self._recheck_models(http, worker, info, timeout, load)
         return load

@@ -49,15 +49,15 @@ async def test_a_load_answer_out_of_range_marks_that_worker_and_polling_goes_on(
         assert (await client.get("/ready")).json() == {"ready": True, "workers": 1}
         # the poll loop still runs: the other worker's hang is seen
         good.pause()
-        await wait_state(client, good, "unhealthy")
+        good_id = (await wait_state(client, good, "unhealthy"))["id"]
         assert (await client.get("/ready")).status_code == 503
         # and the garbage one comes back once it answers sensibly
         bad.load_answer = b'{"running": 0}'
         await wait_state(client, bad, "healthy")
         assert (await client.get("/ready")).json() == {"ready": True, "workers": 1}
         metrics = (await client.get("/metrics")).text
-    assert counted(metrics, "kvroute_health_failures_total", f'worker="{bad.url}"') >= 1
-    assert counted(metrics, "kvroute_health_failures_total", f'worker="{good.url}"') >= 1
+    assert counted(metrics, "kvroute_health_failures_total", f'worker="{entry["id"]}"') >= 1
+    assert counted(metrics, "kvroute_health_failures_total", f'worker="{good_id}"') >= 1
 
 
 async def test_a_malformed_model_info_on_reconnect_marks_that_worker_and_polling_goes_on(

@@ -67,7 +67,8 @@ async def test_sglang_reads_page_size_and_load_from_its_metrics() -> None:
     assert (info.model, info.block_size, info.max_model_len) == (
         "meta-llama/Llama-3.1-8B-Instruct", 16, 131072)
     assert info.num_blocks == 471258 // 16
-    assert load == ReportedLoad(running=5, waiting=2, decode_blocks=0.25 * (471258 // 16))
+    assert load == ReportedLoad(running=5, waiting=2, decode_blocks=0.25 * (471258 // 16),
+                                kv_usage=0.25)
 
 
 async def test_trtllm_reads_its_metrics_path_and_tokens_per_block() -> None:
@@ -77,7 +78,7 @@ async def test_trtllm_reads_its_metrics_path_and_tokens_per_block() -> None:
         info = await adapter.describe(http, worker, router_block_size=32)
         load = await adapter.poll(http, worker, info)
     assert (info.model, info.block_size, info.num_blocks) == ("Qwen/Qwen3-8B", 32, 4096)
-    assert load == ReportedLoad(running=7, waiting=1, decode_blocks=2048.0)
+    assert load == ReportedLoad(running=7, waiting=1, decode_blocks=2048.0, kv_usage=0.5)
 
 
 # -- block size: engine, configuration, router --------------------------------------------------
@@ -157,7 +158,8 @@ async def test_lora_adapters_are_the_models_with_a_parent() -> None:
 async def test_the_kvroute_adapter_reads_model_info_and_load_as_before() -> None:
     model_info = {"model": "m", "block_size": 16, "tokenizer": "bytes-v1", "instance_id": "i1",
                   "events_endpoint": "tcp://*:5557", "kv_snapshot": True}
-    load = {"running": 2, "waiting": 1, "pending_prefill_tokens": 64, "decode_blocks": 9}
+    load = {"running": 2, "waiting": 1, "pending_prefill_tokens": 64, "decode_blocks": 9,
+            "kv_usage": 0.125}
     routes = {"/model_info": httpx.Response(200, json=model_info),
               "/load": httpx.Response(200, json=load)}
     async with served(routes) as http:
@@ -166,7 +168,7 @@ async def test_the_kvroute_adapter_reads_model_info_and_load_as_before() -> None
         reported = await adapter.poll(http, WorkerConfig("http://w:1"), info)
     assert (info.block_size, info.events_endpoint, info.snapshot) == (16, "tcp://w:5557", True)
     assert reported == ReportedLoad(running=2, waiting=1, pending_prefill_blocks=4.0,
-                                    decode_blocks=9.0)
+                                    decode_blocks=9.0, kv_usage=0.125)
 
 
 # -- how a failed poll reads: gone (no answer) or answered badly --------------------------------

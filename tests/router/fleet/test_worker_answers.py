@@ -79,7 +79,7 @@ def test_an_event_endpoint_is_read_as_the_router_can_reach_it(endpoint: str,
 def test_a_load_report_is_read_in_blocks_and_missing_figures_are_zero() -> None:
     raw = b'{"running": 3, "waiting": 1, "pending_prefill_tokens": 64, "decode_blocks": 7.5,' \
           b' "kv_usage": 0.5}'
-    assert parse_load(raw, 32) == ReportedLoad(3, 1, 2.0, 7.5)
+    assert parse_load(raw, 32) == ReportedLoad(3, 1, 2.0, 7.5, kv_usage=0.5)
     assert parse_load(b"{}", 32) == ReportedLoad()
 
 
@@ -89,6 +89,7 @@ def test_a_load_report_is_read_in_blocks_and_missing_figures_are_zero() -> None:
     (b'{"waiting": -1}', "waiting"),
     (b'{"pending_prefill_tokens": 1e999}', "pending_prefill_tokens"),
     (b'{"decode_blocks": "many"}', "decode_blocks"),
+    (b'{"kv_usage": 1.5}', "kv_usage"),
     (b"[1, 2]", "object"),
     (b"{", "truncated"),
 ])

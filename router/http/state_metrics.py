@@ -1,0 +1,154 @@
+"""The router's metrics read from its state at scrape time: the index, the workers' states and
+load, the event feeds, and the pool gauges under the Gateway API Inference Extension's names.
+
+Every per-worker family is labelled ``worker`` with the worker's id;
+``kvroute_worker_info{worker, url, engine}`` (always 1) names the worker behind an id.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from router.http.tokenize_metrics import tokenize_families
+
+if TYPE_CHECKING:
+    from router.service import RouterService
+
+__all__ = ["POOL_NAME", "StateCollector"]
+
+#: The ``name`` label of the ``inference_pool_*`` gauges (GIE labels them with the
+#: InferencePool's name; a router fronts one pool).
+POOL_NAME = "kvroute"
+
+_FEED_COUNTERS = ("batches", "replayed", "gaps", "history_lost", "resyncs", "snapshots", "restarts",
+                  "malformed", "snapshot_failures", "feed_failures", "over_capacity")
+#: Counters the subscriber keeps itself, with their help texts.
+_SUBSCRIBER_COUNTERS = {
+    "oversize": "Connections dropped for a message over the event size limit, per worker",
+    "replay_retries": "Replays asked again after one that did not cover a gap, per worker",
+}
+
+
+class StateCollector:
+    """A Prometheus collector over a :class:`~router.service.RouterService`'s state."""
+
+    def __init__(self, service: RouterService) -> None:
+        self._service = service
+
+    def collect(self) -> Iterator[Metric]:
+        """Yield every state family, read now."""
+        service = self._service
+        entries = service.registry.entries()
+        info = GaugeMetricFamily("kvroute_worker_info",
+                                 "The URL and engine of each registered worker id (always 1)",
+                                 labels=["worker", "url", "engine"])
+        for e in entries:
+            info.add_metric([str(e.id), e.url, e.engine], 1)
+        yield info
+        index = GaugeMetricFamily("kvroute_index_blocks", "Distinct blocks in the prefix index")
+        index.add_metric([], service.index.num_blocks())
+        yield index
+        yield from tokenize_families(service.tokenizer)
+        states = GaugeMetricFamily("kvroute_workers", "Registered workers by state",
+                                   labels=["state"])
+        for state in ("healthy", "unhealthy", "incompatible"):
+            states.add_metric([state], sum(e.state.value == state for e in entries))
+        yield states
+        in_flight = GaugeMetricFamily("kvroute_requests_in_flight",
+                                      "Requests this router has in flight on the worker",
+                                      labels=["worker"])
+        for e in entries:
+            in_flight.add_metric([str(e.id)], service.load.in_flight(e.id))
+        yield in_flight
+        yield from _pool(service)
+        now = time.monotonic()
+        pressure = GaugeMetricFamily(
+            "kvroute_eviction_pressure",
+            "Device blocks the workers removed in the pressure window over their peak resident")
+        pressure.add_metric([], service.pressure.pressure(now))
+        yield pressure
+        weight = GaugeMetricFamily("kvroute_queue_weight",
+                                   "The queue weight a routing decision now uses")
+        weight.add_metric([], service.queue_weight(now))
+        yield weight
+        if service.sessions is not None:
+            live = GaugeMetricFamily("kvroute_sessions",
+                                     "Live chat or agent sessions homed on the worker",
+                                     labels=["worker"])
+            for e in entries:
+                live.add_metric([str(e.id)], service.sessions.live(e.id))
+            yield live
+            rate = GaugeMetricFamily(
+                "kvroute_session_continue_rate",
+                "Share of routed requests a next turn followed (rather than expired)")
+            rate.add_metric([], service.sessions.continue_rate)
+            yield rate
+        lag = GaugeMetricFamily("kvroute_event_lag_seconds",
+                                "Now minus the timestamp of the worker's latest event batch",
+                                labels=["worker"])
+        for e in entries:
+            if e.feed is not None:
+                lag.add_metric([str(e.id)], e.feed.last_lag)
+        yield lag
+        health = CounterMetricFamily(
+            "kvroute_health_failures",
+            "Health polls that failed (no answer in time, error status, malformed answer)",
+            labels=["worker"])
+        for e in entries:
+            health.add_metric([str(e.id)], e.counters.get("health_failures", 0))
+        yield health
+        oversize = CounterMetricFamily(
+            "kvroute_control_answers_oversize",
+            "Control-plane answers (model info, load, models, health, metrics) refused for "
+            "passing the size limit, per worker", labels=["worker"])
+        for e in entries:
+            oversize.add_metric([str(e.id)], e.counters.get("oversize_answers", 0))
+        yield oversize
+        predicted = GaugeMetricFamily(
+            "kvroute_predicted_blocks",
+            "Blocks the router predicts resident without an event saying so yet",
+            labels=["worker"])
+        for e in entries:
+            residency = service.approximate if e.approximate else service.predicted
+            predicted.add_metric([str(e.id)], residency.size(e.id))
+        yield predicted
+        for name in _FEED_COUNTERS:
+            family = CounterMetricFamily(f"kvroute_events_{name}",
+                                         f"Event stream {name.replace('_', ' ')}, per worker",
+                                         labels=["worker"])
+            for e in entries:
+                family.add_metric([str(e.id)], e.counters.get(name, 0))
+            yield family
+        for name, text in _SUBSCRIBER_COUNTERS.items():
+            family = CounterMetricFamily(f"kvroute_events_{name}", text, labels=["worker"])
+            for e in entries:
+                if e.feed is not None:
+                    family.add_metric([str(e.id)], getattr(e.feed.subscriber.stats, name))
+            yield family
+
+
+def _pool(service: RouterService) -> Iterator[Metric]:
+    # GIE's pool gauges: ready endpoints, and the mean over them of the KV cache in use (a
+    # fraction) and of the queued requests, as each worker last reported them.
+    ready = service.registry.candidates()
+    reports = [r for r in (service.load.last_report(e.id) for e in ready) if r is not None]
+    pods = GaugeMetricFamily("inference_pool_ready_pods",
+                             "Workers in the pool that may take a request", labels=["name"])
+    pods.add_metric([POOL_NAME], len(ready))
+    yield pods
+    usage = GaugeMetricFamily("inference_pool_average_kv_cache_utilization",
+                              "Mean KV cache use (a fraction) over the ready workers",
+                              labels=["name"])
+    usage.add_metric([POOL_NAME], sum(r.kv_usage for r in reports) / len(reports)
+                     if reports else 0.0)
+    yield usage
+    queue = GaugeMetricFamily("inference_pool_average_queue_size",
+                              "Mean requests waiting in the ready workers' queues",
+                              labels=["name"])
+    queue.add_metric([POOL_NAME], sum(r.waiting for r in reports) / len(reports)
+                     if reports else 0.0)
+    yield queue
