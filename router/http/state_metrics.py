@@ -2,7 +2,7 @@
 load, the event feeds, and the pool gauges under the Gateway API Inference Extension's names.
 
 Every per-worker family is labelled ``worker`` with the worker's id;
-``kvroute_worker_info{worker, url, engine}`` (always 1) names the worker behind an id.
+``kvroute_upstream_info{worker, url, engine}`` (always 1) names the worker behind an id.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class StateCollector:
         """Yield every state family, read now."""
         service = self._service
         entries = service.registry.entries()
-        info = GaugeMetricFamily("kvroute_worker_info",
+        info = GaugeMetricFamily("kvroute_upstream_info",
                                  "The URL and engine of each registered worker id (always 1)",
                                  labels=["worker", "url", "engine"])
         for e in entries:

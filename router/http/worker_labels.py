@@ -4,7 +4,7 @@ A Prometheus client keeps every label value it ever saw until told to forget it.
 only grow (a worker that discovery drops and finds again gets a new one), so the families
 recorded on the request path drop a worker's series once it is unregistered
 (:meth:`WorkerLabels.prune`, at scrape time), and beyond :data:`MAX_WORKER_LABELS` live workers
-the rest share the value ``other``. The id, not the URL, is the label: ``kvroute_worker_info``
+the rest share the value ``other``. The id, not the URL, is the label: ``kvroute_upstream_info``
 maps one to the other (a URL is long, and a pod's changes on every restart).
 """
 

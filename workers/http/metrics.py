@@ -17,6 +17,9 @@ __all__ = ["WorkerMetrics"]
 
 disable_created_metrics()
 
+#: The load figures exported as they are on ``GET /load``.
+_LOAD = ("running", "waiting", "pending_prefill_tokens", "kv_usage")
+
 
 class WorkerMetrics:
     """Request counters plus a collector of engine, cache and event-sink state."""
@@ -53,11 +56,14 @@ class _EngineCollector:
 
     def collect(self) -> Iterator[Metric]:
         load = self._runtime.engine.load()
-        for name in ("running", "waiting", "pending_prefill_tokens", "kv_usage"):
+        for name in _LOAD:
             gauge = GaugeMetricFamily(f"kvroute_worker_{name}", f"Engine {name}")
             gauge.add_metric([], float(load.get(name, 0)))
             yield gauge
         for name, value in self._runtime.engine.stats().items():
+            # The statistics repeat some load figures: one family per name.
+            if name in _LOAD:
+                continue
             if isinstance(value, int | float) and not isinstance(value, bool):
                 # Engine statistics mix running totals and levels; exported as gauges, the
                 # type that is right for both when read at scrape time.
