@@ -26,6 +26,7 @@ from openai_request.prompts import PromptTokens, Reach, build_prompt
 from openai_request.segment_cache import SegmentedTokenizer
 from openai_request.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 from router.fleet.registry import Registry, WorkerEntry
+from router.fleet.unavailable import unavailable_reason
 from router.routing.core import RoutingCore, WorkerFacts
 from router.routing.prompt_path import HashingTerms, PrefixReach, request_hashes
 from router.routing.scheduler import Decision, SchedulerConfig
@@ -288,7 +289,9 @@ class RouterService:
             ApiError: no candidate (503), or none serves ``model`` (404).
         """
         if not candidates:
-            raise ApiError(503, "no worker is available", "service_unavailable")
+            raise ApiError(503, "no worker is available: "
+                           f"{unavailable_reason(self.registry.entries())}",
+                           "service_unavailable")
         if candidates is not self._fleet_key:
             self._fleet_key, self._fleets = candidates, {}
             self._fleet_capacity = sum(e.info.num_blocks for e in candidates if e.info)

@@ -16,6 +16,7 @@ from urllib.parse import urlsplit
 
 from openai_request.bodies import ApiError
 from router.fleet.registry import WorkerEntry
+from router.fleet.unavailable import unavailable_reason
 from router.http.metrics import RouterMetrics
 from router.service import Route, RouterService
 
@@ -110,7 +111,9 @@ class Picker:
                    for e in self.service.registry.candidates()]
         allowed = [a for a in allowed if subset is None or a[2] in subset]
         if not allowed:
-            raise ApiError(503, "no worker is available", "service_unavailable")
+            raise ApiError(503, "no worker is available: "
+                           f"{unavailable_reason(self.service.registry.entries())}",
+                           "service_unavailable")
         return min(allowed)[2]
 
     def first_byte(self, pick: Pick) -> None:

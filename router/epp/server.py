@@ -37,6 +37,7 @@ from openai_request.bodies import ApiError
 from router.epp import messages
 from router.epp.exchange import Exchange
 from router.epp.picker import Picker
+from router.fleet.unavailable import unavailable_reason
 from router.service import RouterService
 from router.settings import RouterSettings
 
@@ -106,7 +107,8 @@ def _metrics_app(picker: Picker) -> web.Application:
     async def ready(_: web.Request) -> web.Response:
         healthy = len(picker.service.registry.candidates())
         if healthy == 0:
-            return web.json_response({"ready": False, "reason": "no healthy worker"},
+            reason = unavailable_reason(picker.service.registry.entries())
+            return web.json_response({"ready": False, "reason": f"no healthy worker: {reason}"},
                                      status=503)
         return web.json_response({"ready": True, "workers": healthy})
 

@@ -69,6 +69,7 @@ from router.fleet.engines import (
 from router.fleet.first_byte_waits import FirstByteWaits
 from router.fleet.healthy import HealthyWorkers
 from router.fleet.liveness import Liveness, Verdict
+from router.fleet.unavailable import NO_WORKER_CONFIGURED, cause_of
 from router.fleet.worker_config import WorkerConfig, parse_worker, parse_workers
 from router.fleet.worker_table import IncompatibleWorker, WorkerInfo, WorkerState
 from router.routing.load import LoadTracker
@@ -100,6 +101,8 @@ class WorkerEntry:
     last_change: str | None = None
     #: Evidence of life from late probes and the data path.
     liveness: Liveness = field(default_factory=Liveness)
+    #: The cause last logged for its not being a candidate (each is logged once).
+    said: str | None = None
 
     @property
     def engine(self) -> str:
@@ -245,7 +248,7 @@ class Registry:
             _count_oversize(entry, exc)
             if must_answer:
                 raise
-            entry.last_error = str(exc)
+            self._unreachable(entry, str(exc))
         self._next_id += 1
         self._entries[entry.id] = entry
         self._healthy.changed()
@@ -284,6 +287,8 @@ class Registry:
 
     async def start(self) -> None:
         """Register the configured workers (not-yet-up ones are retried) and start polling."""
+        if not self._settings.workers and not self._settings.discover:
+            log.warning("%s", NO_WORKER_CONFIGURED)
         for worker in parse_workers(list(self._settings.workers)):
             try:
                 await self.add(worker, must_answer=False)
@@ -395,7 +400,7 @@ class Registry:
                 await self._connect(entry)
             except (WorkerUnreachable, IncompatibleWorker) as exc:
                 _count_oversize(entry, exc)
-                entry.last_error = str(exc)
+                self._unreachable(entry, str(exc))
                 return
         if not entry.removed:
             entry.liveness.answered()
@@ -424,9 +429,12 @@ class Registry:
         entry.counters["health_failures"] = entry.counters.get("health_failures", 0) + 1
         if entry.state is WorkerState.HEALTHY:
             log.warning("worker %s unhealthy: %s", entry.url, reason)
+            entry.said = cause_of(reason)
             entry.state = WorkerState.UNHEALTHY
             self._healthy.changed()
             entry.unhealthy_since = now
+        else:
+            self._unreachable(entry, reason)
         given_up = entry.waits.give_up() if gone else 0
         if given_up:
             log.warning("worker %s: %d requests waiting for a first byte sent elsewhere",
@@ -437,6 +445,15 @@ class Registry:
             log.warning("worker %s unhealthy for %.1fs: dropping its index entries",
                         entry.url, now - since)
             await self._disconnect(entry)
+
+    def _unreachable(self, entry: WorkerEntry, reason: str) -> None:
+        """Note why ``entry`` is still no candidate, logging each new cause once."""
+        entry.last_error = reason
+        cause = cause_of(reason)
+        if cause != entry.said and entry.state is not WorkerState.INCOMPATIBLE:
+            entry.said = cause
+            log.warning("worker %s is not available (%s): %s; retried every %gs", entry.url,
+                        cause, reason, self._settings.health_interval)
 
     async def _connect(self, entry: WorkerEntry) -> None:
         # Each await below lets remove() run: an entry unregistered meanwhile is left alone
@@ -480,6 +497,7 @@ class Registry:
                 return
         entry.indexed = True
         entry.state, entry.unhealthy_since, entry.last_error = WorkerState.HEALTHY, None, None
+        entry.said = None
         self._healthy.changed()
         log.info("worker %s ready (instance %s)", entry.url, info.instance_id)
 

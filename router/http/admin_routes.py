@@ -15,6 +15,7 @@ from httpapi.app import ADMIN_BODY_BYTES
 from httpapi.body import read_json
 from openai_request.bodies import ApiError
 from router.fleet.registry import WorkerEntry, WorkerUnreachable
+from router.fleet.unavailable import unavailable_reason
 from router.fleet.worker_config import parse_worker
 from router.fleet.worker_table import IncompatibleWorker
 from router.http.state import RouterState
@@ -30,7 +31,8 @@ def add_admin_routes(app: FastAPI, state: RouterState) -> None:
     async def ready() -> JSONResponse:
         healthy = len(state.service.registry.candidates())
         if healthy == 0:
-            return JSONResponse({"ready": False, "reason": "no healthy worker"}, 503)
+            reason = unavailable_reason(state.service.registry.entries())
+            return JSONResponse({"ready": False, "reason": f"no healthy worker: {reason}"}, 503)
         return JSONResponse({"ready": True, "workers": healthy})
 
     @app.get("/workers")

@@ -5,16 +5,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
 import pytest
 
+from router.fleet.unavailable import NO_WORKER_CONFIGURED
 from router.http.app import create_app
 from router.settings import RouterSettings
 from tests.support.eventually import eventually
-from tests.support.servers import ScriptedWorker, UvicornServer, sse_events
+from tests.support.servers import ScriptedWorker, UvicornServer, free_port, sse_events
 
 BODY = {"model": "kvroute-sim", "prompt": "hello router " * 8, "max_tokens": 4}
 
@@ -174,12 +176,41 @@ async def test_bad_bodies_get_openai_errors(body: bytes, status: int, kind: str)
     assert worker.requests == [], "nothing bad reached the worker"
 
 
-async def test_no_worker_means_503_and_not_ready() -> None:
-    async with router_for() as client:
-        ready = await client.get("/ready")
-        r = await client.post("/v1/completions", json=BODY)
+async def test_no_worker_means_503_and_not_ready_saying_why(
+        caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, "router.fleet.registry"):
+        async with router_for() as client:
+            ready = await client.get("/ready")
+            r = await client.post("/v1/completions", json=BODY)
     assert ready.status_code == 503
-    assert r.status_code == 503 and r.json()["error"]["message"] == "no worker is available"
+    assert ready.json()["reason"] == f"no healthy worker: {NO_WORKER_CONFIGURED}"
+    assert r.status_code == 503
+    assert r.json()["error"]["message"] == f"no worker is available: {NO_WORKER_CONFIGURED}"
+    assert [m.getMessage() for m in caplog.records] == [NO_WORKER_CONFIGURED]
+
+
+async def test_workers_that_are_down_are_named_in_the_503_and_logged_once(
+        caplog: pytest.LogCaptureFixture) -> None:
+    # Two configured workers nobody listens on: each is logged once however many polls fail.
+    down = [f"http://127.0.0.1:{free_port()}" for _ in range(2)]
+    with caplog.at_level(logging.WARNING, "router.fleet.registry"):
+        app = create_app(RouterSettings(workers=tuple(down), health_interval=0.02, seed=3))
+        async with UvicornServer(app) as router, httpx.AsyncClient(base_url=router.url) as c:
+            for _ in range(200):  # until several polls have failed for both
+                failures = [w["counters"].get("health_failures", 0)
+                            for w in (await c.get("/workers")).json()["workers"]]
+                if min(failures) >= 3:
+                    break
+                await asyncio.sleep(0.02)
+            r = await c.post("/v1/completions", json=BODY)
+            ready = await c.get("/ready")
+    assert min(failures) >= 3
+    assert r.json()["error"]["message"] == (
+        "no worker is available: 2 unhealthy (connection refused)")
+    assert ready.json()["reason"] == "no healthy worker: 2 unhealthy (connection refused)"
+    said = [m.getMessage() for m in caplog.records]
+    for url in down:
+        assert len([m for m in said if url in m]) == 1, said
 
 
 async def test_admin_endpoints_need_the_token() -> None:
