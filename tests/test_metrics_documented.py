@@ -6,15 +6,7 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-import httpx
-
-from httpapi.responses import disconnect_counter
-from router.http.metrics import RouterMetrics
-from router.routing.sessions import SessionTracker
-from router.service import RouterService
-from router.settings import RouterSettings
-from workers.http.api import create_app
-from workers.settings import WorkerSettings
+from tests.support.exported import exported, router_exposition, worker_exposition
 
 DOC = Path(__file__).parent.parent / "docs" / "operations.md"
 _NAME = re.compile(r"`((?:kvroute|inference_pool)_[a-z0-9_]+)(?:\{[^}`]*\})?`")
@@ -34,32 +26,6 @@ def documented(section: str) -> dict[str, str]:
         for name in _NAME.findall(cells[0]):
             found[name] = engine
     return found
-
-
-def exported(text: str) -> set[str]:
-    """The families in an exposition, as documented: counters with ``_total``, histograms
-    without their sample suffixes (both as the ``# TYPE`` lines name them)."""
-    return {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
-
-
-def router_exposition() -> str:
-    """The router's families, and the picker's own (``kvroute epp`` serves the router's)."""
-    from router.epp.picker import Picker
-    from router.epp.server import ExternalProcessor
-
-    service = RouterService(RouterSettings(seed=1), httpx.AsyncClient())
-    service.sessions = SessionTracker(max_heads=8)  # the session families show when on
-    metrics = RouterMetrics(service)
-    disconnect_counter(metrics.registry)  # the app registers it beside the metrics
-    ExternalProcessor(Picker(service, metrics))
-    return metrics.render()[0].decode()
-
-
-async def worker_exposition() -> str:
-    app = create_app(WorkerSettings(events_port=0, replay_port=0, speedup=1e6))
-    async with app.router.lifespan_context(app), httpx.AsyncClient(
-            transport=httpx.ASGITransport(app), base_url="http://worker") as client:
-        return (await client.get("/metrics")).text
 
 
 def test_every_router_family_is_documented_and_every_documented_one_exported() -> None:

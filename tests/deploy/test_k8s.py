@@ -1,6 +1,6 @@
 """The Kubernetes manifests, checked offline: every object against its schema (core kinds with
-kubernetes-validate's bundled schemas, the Inference Extension and Gateway API objects with
-the schemas in deploy/k8s/schemas), and the wiring between them."""
+kubernetes-validate's bundled schemas, the Inference Extension, Gateway API and Prometheus
+Operator objects with the schemas in deploy/k8s/schemas), and the wiring between them."""
 
 from __future__ import annotations
 
@@ -23,7 +23,8 @@ REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
 OVERLAYS = ("sim", "torch")
 SCHEMAS = {"inference.networking.k8s.io/v1": "inferencepool-v1.schema.json",
-           "gateway.networking.k8s.io/v1": "gateway-api-v1.schema.json"}
+           "gateway.networking.k8s.io/v1": "gateway-api-v1.schema.json",
+           "monitoring.coreos.com/v1": "podmonitor-v1.schema.json"}
 
 
 def _kustomize() -> list[str] | None:
@@ -42,6 +43,10 @@ def _files_named(folder: Path) -> list[Path]:
         path = (folder / entry).resolve()
         assert path.exists(), f"{folder}/kustomization.yaml names {entry}, which is missing"
         files += _files_named(path) if path.is_dir() else [path]
+    for entry in kustomization.get("components", []):
+        path = (folder / entry).resolve()
+        assert path.exists(), f"{folder}/kustomization.yaml names {entry}, which is missing"
+        files += _files_named(path)
     for patch in kustomization.get("patches", []):
         if "path" in patch:
             assert (folder / patch["path"]).exists(), f"patch {patch['path']} is missing"
@@ -104,7 +109,7 @@ def test_every_object_is_valid_against_its_schema(
     _, objects = rendered
     kinds = _validate(objects)
     assert kinds >= {"StatefulSet", "Deployment", "Service", "PodDisruptionBudget",
-                     "InferencePool", "Gateway", "HTTPRoute"}
+                     "InferencePool", "Gateway", "HTTPRoute", "PodMonitor"}
 
 
 def test_the_inference_pool_schema_refuses_what_the_api_refuses() -> None:
@@ -210,3 +215,19 @@ def test_the_gateway_route_pool_and_picker_point_at_each_other(
     (backend,) = route["spec"]["rules"][0]["backendRefs"]
     assert (backend["group"], backend["kind"], backend["name"]) == (
         "inference.networking.k8s.io", "InferencePool", "kvroute")
+
+
+def test_the_pod_monitor_scrapes_every_kvroute_pod_on_a_port_it_has(
+        rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    _, objects = rendered
+    monitor = _one(objects, "PodMonitor", "kvroute")
+    assert monitor["metadata"]["namespace"] == "kvroute"
+    (expression,) = monitor["spec"]["selector"]["matchExpressions"]
+    endpoints = {e["port"]: e["path"] for e in monitor["spec"]["podMetricsEndpoints"]}
+    workloads = [o for o in objects if o["kind"] in ("Deployment", "StatefulSet")]
+    for w in workloads:
+        name = w["spec"]["template"]["metadata"]["labels"][expression["key"]]
+        assert name in expression["values"], name
+        ports = {p["name"] for c in _containers(w) for p in c["ports"]}
+        assert ports & endpoints.keys(), f"{name} serves metrics on none of {endpoints}"
+    assert set(endpoints.values()) == {"/metrics"}

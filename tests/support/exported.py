@@ -1,0 +1,40 @@
+"""The metric families kvroute exports, read from a real router's and a real worker's
+registries: what the documentation check and the dashboard check compare against."""
+
+from __future__ import annotations
+
+import httpx
+
+from httpapi.responses import disconnect_counter
+from router.http.metrics import RouterMetrics
+from router.routing.sessions import SessionTracker
+from router.service import RouterService
+from router.settings import RouterSettings
+from workers.http.api import create_app
+from workers.settings import WorkerSettings
+
+
+def exported(text: str) -> set[str]:
+    """The families in an exposition, as documented: counters with ``_total``, histograms
+    without their sample suffixes (both as the ``# TYPE`` lines name them)."""
+    return {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE ")}
+
+
+def router_exposition() -> str:
+    """The router's families, and the picker's own (``kvroute epp`` serves the router's)."""
+    from router.epp.picker import Picker
+    from router.epp.server import ExternalProcessor
+
+    service = RouterService(RouterSettings(seed=1), httpx.AsyncClient())
+    service.sessions = SessionTracker(max_heads=8)  # the session families show when on
+    metrics = RouterMetrics(service)
+    disconnect_counter(metrics.registry)  # the app registers it beside the metrics
+    ExternalProcessor(Picker(service, metrics))
+    return metrics.render()[0].decode()
+
+
+async def worker_exposition() -> str:
+    app = create_app(WorkerSettings(events_port=0, replay_port=0, speedup=1e6))
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app), base_url="http://worker") as client:
+        return (await client.get("/metrics")).text
