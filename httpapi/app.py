@@ -23,6 +23,8 @@ Rules:
        with the body deadline). The router serves its two forwarding endpoints this way: FastAPI's
        middleware stack cost more CPU per request than the routing decision
        (``docs/routing.md`` has the figures).
+    6. Every HTTP request, raw routes included, gets a request id (:class:`httpapi.logs.RequestIds`)
+       that every line logged while it is handled names.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from httpapi.auth import NO_API_DOCS, check_bearer
 from httpapi.body import ClientGone
+from httpapi.logs import RequestIds
 from httpapi.responses import CLIENT_GONE_STATUS, error_response
 from openai_request.bodies import ApiError
 
@@ -88,8 +91,12 @@ class _App(FastAPI):
         super().__init__(**kwargs)
         self._state = state
         self._raw = dict(raw)
+        self._with_ids = RequestIds(self._dispatch)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self._with_ids(scope, receive, send)
+
+    async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             route = self._raw.get(scope["path"])
             if route is not None:

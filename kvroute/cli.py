@@ -198,6 +198,8 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
            "(whole decode passes; per-layer pieces of passes with prefill), and skip their "
            "capture at start (seconds, and a few GiB of graph memory)")
     a("--log-level", help="debug, info, warning (default %(default)s)")
+    a("--log-format", choices=["text", "json"],
+      help="text: one readable line; json: one JSON object a line (default %(default)s)")
 
 
 def _add_router(sub: argparse._SubParsersAction) -> None:
@@ -305,6 +307,8 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
       help="seconds before an unhealthy worker's entries go (default %(default)s)")
     a("--seed", type=int, help="seed for tie-breaking")
     a("--log-level", help="debug, info, warning (default %(default)s)")
+    a("--log-format", choices=["text", "json"],
+      help="text: one readable line; json: one JSON object a line (default %(default)s)")
 
 
 def _add_up(sub: argparse._SubParsersAction) -> None:
@@ -326,6 +330,8 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
                    help="seconds to wait for ready (default %(default)s)")
     p.add_argument("--status-interval", type=float, default=10.0,
                    help="seconds between status lines (default %(default)s)")
+    p.add_argument("--log-format", choices=["text", "json"],
+                   help="the router's and workers' log format (default text)")
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 import sys
 
@@ -34,7 +33,11 @@ def serve_epp(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"kvroute epp: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(level=settings.log_level.upper(),
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+    from httpapi.logs import configure_logging
+
+    try:
+        configure_logging(settings.log_level, settings.log_format)
+    except ValueError as exc:
+        print(f"kvroute epp: {exc}", file=sys.stderr)
+        return 2
     return run_epp(settings, port, metrics_port)

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
 
 import uvicorn
 
+from httpapi.logs import configure_logging
 from httpapi.server import raise_open_file_limit, server_config
 
 _OWN = ("command", "config", "events_command")
@@ -33,11 +33,13 @@ def serve(args: argparse.Namespace) -> int:
         print(f"kvroute {args.command}: {exc}", file=sys.stderr)
         return 2
     level = settings.log_level
-    logging.basicConfig(level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: "
-                        "%(message)s")
-    # One line per health poll would drown everything else: control-call logs only on trouble.
-    logging.getLogger("httpx").setLevel(max(logging.WARNING, logging.getLogger().level))
+    try:
+        configure_logging(level, settings.log_format)
+    except ValueError as exc:
+        print(f"kvroute {args.command}: {exc}", file=sys.stderr)
+        return 2
     limits = settings.connection_limits()
     raise_open_file_limit(limits)
-    uvicorn.Server(server_config(app, settings.host, settings.port, limits, level)).run()
+    uvicorn.Server(server_config(app, settings.host, settings.port, limits, level,
+                                 log_config=None)).run()
     return 0

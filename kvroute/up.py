@@ -208,8 +208,9 @@ def run_up(args: argparse.Namespace) -> int:
         from router.settings import RouterSettings
 
         port = RouterSettings().port
-    cluster = Cluster(args.workers, port or 0, worker_args=args.worker_arg or [],
-                      router_args=args.router_arg or [], log_dir=args.log_dir)
+    logs = ["--log-format", args.log_format] if args.log_format else []
+    cluster = Cluster(args.workers, port or 0, worker_args=[*logs, *(args.worker_arg or [])],
+                      router_args=[*logs, *(args.router_arg or [])], log_dir=args.log_dir)
     stopping = False
 
     def on_signal(signum: int, _: object) -> None:

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from httpapi.auth import check_bind, check_token, read_secret_file
+from httpapi.logs import LOG_FORMATS
 from httpapi.server import DEFAULT_LIMITS, ConnectionLimits
 from openai_request.bodies import MAX_BODY_BYTES
 from router.events.transport import (
@@ -84,6 +85,8 @@ class RouterSettings:
     worker_admin_token: str | None = None
     seed: int | None = None
     log_level: str = "info"
+    #: ``text`` or ``json`` (httpapi.logs).
+    log_format: str = "text"
     # event plane: message limits, CURVE keys, the salt-tag secret
     event_max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
     event_receive_hwm: int = DEFAULT_RECEIVE_HWM
@@ -143,6 +146,8 @@ class RouterSettings:
              "curve_secret_key and curve_server_key go together"),
             (self.max_body_bytes > 0, "max_body_bytes must be positive"),
             (self.discover_interval > 0, "discover_interval must be positive"),
+            (self.log_format in LOG_FORMATS,
+             f"log_format {self.log_format!r} is not one of {', '.join(LOG_FORMATS)}"),
         ]
         for ok, message in checks:
             if not ok:

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from httpapi.auth import check_bind, check_token, is_loopback, read_secret_file
+from httpapi.logs import LOG_FORMATS
 from httpapi.server import DEFAULT_LIMITS, ConnectionLimits
 from openai_request.bodies import MAX_BODY_BYTES
 from workers.cache.publisher import CurveServerKeys
@@ -72,6 +73,8 @@ class WorkerSettings:
     admin_token: str | None = None
     seed: int = 0
     log_level: str = "info"
+    #: ``text`` or ``json`` (httpapi.logs).
+    log_format: str = "text"
     # torch engine only
     torch_model: str = "tiny"
     device: str = "auto"
@@ -120,6 +123,9 @@ class WorkerSettings:
         if self.timing not in TIMING_MODELS:
             raise WorkerSettingsError(
                 f"timing must be {' or '.join(map(repr, TIMING_MODELS))}, got {self.timing!r}")
+        if self.log_format not in LOG_FORMATS:
+            raise WorkerSettingsError(f"log_format must be {' or '.join(map(repr, LOG_FORMATS))}, "
+                                      f"got {self.log_format!r}")
         if self.engine not in ("sim", "torch"):
             raise WorkerSettingsError(f"engine must be 'sim' or 'torch', got {self.engine!r}")
         if self.max_num_batched_tokens < self.block_size:
