@@ -216,7 +216,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--text", action="store_true",
                    help="send prompts as text, and run the peer routers too")
     args = p.parse_args(argv)
-    python = find_vllm_python()
+    try:
+        python = find_vllm_python()
+    except FileNotFoundError as exc:
+        print(f"python -m bench.stock_live: {exc}", file=sys.stderr)
+        return 2
     requests = shrink(scale_rate(load_trace(DEFAULT_TRACE, limit=args.requests),
                                  args.rate_scale), args.tokens_per_block, args.max_output)
     rows: list[dict[str, object]] = []

@@ -41,6 +41,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import tokenizers
 
+from openai_request.tokenizer_source import resolve_tokenizer
+
 __all__ = [
     "BOS_ID",
     "BYTE_OFFSET",
@@ -323,8 +325,10 @@ def load_tokenizer(path: str | None) -> Tokenizer:
 
     Args:
         path: ``None`` for the byte-level tokenizer; a directory holding ``tokenizer.json``
-            (and optionally ``tokenizer_config.json`` / ``chat_template.jinja``); or the path
-            of a ``tokenizer.json`` itself, whose directory is searched for the same extras.
+            (and optionally ``tokenizer_config.json`` / ``chat_template.jinja``); the path
+            of a ``tokenizer.json`` itself, whose directory is searched for the same extras;
+            or a Hugging Face model id in the local cache
+            (:mod:`openai_request.tokenizer_source`).
 
     Returns:
         The tokenizer.
@@ -335,7 +339,7 @@ def load_tokenizer(path: str | None) -> Tokenizer:
     """
     if path is None:
         return ByteTokenizer()
-    p = Path(path)
+    p = resolve_tokenizer(path)
     if p.is_dir():
         file, folder = p / "tokenizer.json", p
     elif p.is_file():

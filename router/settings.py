@@ -21,6 +21,7 @@ from httpapi.auth import check_bind, check_token, read_secret_file
 from httpapi.logs import LOG_FORMATS
 from httpapi.server import DEFAULT_LIMITS, ConnectionLimits
 from openai_request.bodies import MAX_BODY_BYTES
+from openai_request.tokenizer_source import resolve_tokenizer
 from router.events.transport import (
     DEFAULT_MAX_MESSAGE_BYTES,
     DEFAULT_RECEIVE_HWM,
@@ -152,6 +153,11 @@ class RouterSettings:
         for ok, message in checks:
             if not ok:
                 raise SettingsError(message)
+        if self.tokenizer is not None:  # at start, as one line, not in the app's lifespan
+            try:
+                resolve_tokenizer(self.tokenizer)
+            except ValueError as exc:
+                raise SettingsError(str(exc)) from None
         if self.salt_secret_file is not None:  # read once; the file wins over salt_secret
             try:
                 secret = read_secret_file(self.salt_secret_file, "salt_secret_file")

@@ -16,6 +16,7 @@ from httpapi.auth import check_bind, check_token, is_loopback, read_secret_file
 from httpapi.logs import LOG_FORMATS
 from httpapi.server import DEFAULT_LIMITS, ConnectionLimits
 from openai_request.bodies import MAX_BODY_BYTES
+from openai_request.tokenizer_source import resolve_tokenizer
 from workers.cache.publisher import CurveServerKeys
 from workers.engine.timing import DEFAULT_TIMING, TIMING_MODELS
 from workers.http.image_policy import ImageHostPolicy
@@ -123,6 +124,11 @@ class WorkerSettings:
         if self.timing not in TIMING_MODELS:
             raise WorkerSettingsError(
                 f"timing must be {' or '.join(map(repr, TIMING_MODELS))}, got {self.timing!r}")
+        if self.tokenizer is not None:  # at start, as one line, not in the app's lifespan
+            try:
+                resolve_tokenizer(self.tokenizer)
+            except ValueError as exc:
+                raise WorkerSettingsError(str(exc)) from None
         if self.log_format not in LOG_FORMATS:
             raise WorkerSettingsError(f"log_format must be {' or '.join(map(repr, LOG_FORMATS))}, "
                                       f"got {self.log_format!r}")

