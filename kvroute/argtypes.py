@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-__all__ = ["non_negative_int", "positive_float", "positive_int", "seed_list"]
+__all__ = ["non_negative_int", "port_range", "positive_float", "positive_int", "seed_list"]
 
 
 def non_negative_int(text: str) -> int:
@@ -49,3 +49,15 @@ def seed_list(text: str) -> list[int]:
     if len(set(seeds)) != len(seeds):
         raise argparse.ArgumentTypeError(f"a seed is named twice in {text!r}")
     return seeds
+
+
+def port_range(text: str) -> range:
+    """Ports as ``LOW-HIGH`` (inclusive), within 1..65535."""
+    low, dash, high = text.partition("-")
+    try:
+        first, last = int(low), int(high)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"give ports as LOW-HIGH, got {text!r}") from None
+    if not dash or not 0 < first <= last < 65536:
+        raise argparse.ArgumentTypeError(f"give ports as LOW-HIGH within 1-65535, got {text!r}")
+    return range(first, last + 1)

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from kvroute import __version__
-from kvroute.argtypes import non_negative_int, positive_int
+from kvroute.argtypes import non_negative_int, port_range, positive_int
 from kvroute.help_defaults import field_defaults, formatter_showing
 
 #: The one way into the benchmarks: imported only when ``kvroute bench`` runs.
@@ -320,7 +320,11 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workers", type=positive_int, default=3,
                    help="sim workers (default %(default)s)")
     p.add_argument("--port", type=int,
-                   help="router port (default %(default)s, the router's; 0: any)")
+                   help="router port (default KVROUTE_PORT, else %(default)s, the router's; "
+                   "0: any)")
+    p.add_argument("--worker-ports", type=port_range, metavar="LOW-HIGH",
+                   help="the workers' ports, three each (HTTP, events, replay), taken in "
+                   "order from this range (default: free ports in 20000-32767)")
     p.add_argument("--worker-arg", action="append", metavar="FLAG",
                    help="extra flag for every worker, e.g. --worker-arg=--speedup=10")
     p.add_argument("--router-arg", action="append", metavar="FLAG",

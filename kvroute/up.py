@@ -1,10 +1,13 @@
 """``kvroute up``: the router and N simulated workers on this machine, with one command.
 
-Starts each worker and then the router as child processes on 127.0.0.1 with free ports, waits
-until the router is ready, prints the endpoint and a request to paste, then a compact status
-line. Ctrl-C or SIGTERM stops every child it started: SIGTERM first, SIGKILL for any that has
-not exited within a few seconds; children also die with this process (``PR_SET_PDEATHSIG``),
-so none is orphaned even if ``kvroute up`` itself is killed.
+Starts each worker and then the router as child processes on 127.0.0.1 with free ports (or
+ports from ``--worker-ports``), waits until the router is ready, prints the endpoint and a
+request to paste, then a compact status line. A worker that dies is restarted on the same
+ports (:mod:`kvroute.restarts`: bounded, with backoff) or, past the bound, reported and left
+down; the router dying ends the cluster. Ctrl-C or SIGTERM, during start-up too, stops every
+child it started: SIGTERM first, SIGKILL for any that has not exited within a few seconds;
+children also die with this process (``PR_SET_PDEATHSIG``), so none is orphaned even if
+``kvroute up`` itself is killed.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+
+from kvroute.restarts import RestartSchedule
 
 __all__ = ["Cluster", "free_port", "run_up"]
 
@@ -92,6 +97,7 @@ class Child:
     name: str
     process: subprocess.Popen[bytes]
     url: str
+    args: list[str]
 
 
 class Cluster:
@@ -103,12 +109,23 @@ class Cluster:
         worker_args: extra flags for every worker.
         router_args: extra flags for the router.
         log_dir: where children's output goes (None: inherit this process's).
+        worker_ports: the ports the workers take, three each (HTTP, events, replay), in
+            order, skipping any in use (None: free ports anywhere).
+
+    Raises:
+        ValueError: no worker, or ``worker_ports`` too small for them.
     """
 
     def __init__(self, workers: int, port: int = 0, worker_args: Sequence[str] = (),
-                 router_args: Sequence[str] = (), log_dir: str | None = None) -> None:
+                 router_args: Sequence[str] = (), log_dir: str | None = None,
+                 worker_ports: range | None = None) -> None:
         if workers < 1:
             raise ValueError("at least one worker")
+        if worker_ports is not None and len(worker_ports) < 3 * workers:
+            raise ValueError(f"--worker-ports {worker_ports.start}-{worker_ports.stop - 1} "
+                             f"holds {len(worker_ports)} ports; {workers} workers need "
+                             f"{3 * workers} (HTTP, events and replay each)")
+        self.worker_ports = worker_ports
         self.workers = workers
         self.port = port or free_port()
         self.worker_args = list(worker_args)
@@ -121,6 +138,16 @@ class Cluster:
         """The router's base URL."""
         return f"http://127.0.0.1:{self.port}"
 
+    def _ports(self) -> list[int]:
+        """Three ports per worker."""
+        if self.worker_ports is None:
+            return [free_port() for _ in range(3 * self.workers)]
+        found = [p for p in self.worker_ports if _bindable(p)][: 3 * self.workers]
+        if len(found) < 3 * self.workers:
+            raise RuntimeError(f"--worker-ports has {len(found)} ports free; {self.workers} "
+                               f"workers need {3 * self.workers}")
+        return found
+
     def _spawn(self, name: str, args: list[str], url: str) -> Child:
         out = None
         if self.log_dir is not None:
@@ -129,9 +156,14 @@ class Cluster:
         process = subprocess.Popen([sys.executable, "-m", "kvroute.cli", *args], stdout=out,
                                    stderr=subprocess.STDOUT if out else None,
                                    preexec_fn=_die_with_parent, start_new_session=True)
-        child = Child(name, process, url)
+        child = Child(name, process, url, args)
         self.children.append(child)
         return child
+
+    def restart(self, child: Child) -> Child:
+        """Start ``child`` again with the same arguments (and so the same ports)."""
+        self.children.remove(child)
+        return self._spawn(child.name, child.args, child.url)
 
     def start(self, timeout: float = 60.0) -> None:
         """Start every worker, then the router; return once the router is ready.
@@ -140,11 +172,12 @@ class Cluster:
             RuntimeError: a child exited or the router was not ready in time.
         """
         urls = []
+        ports = self._ports()
         for i in range(self.workers):
-            port = free_port()
+            port, events, replay = ports[3 * i: 3 * i + 3]
             url = f"http://127.0.0.1:{port}"
             self._spawn(f"worker-{i}", ["worker", "--port", str(port), "--events-port",
-                                        str(free_port()), "--replay-port", str(free_port()),
+                                        str(events), "--replay-port", str(replay),
                                         *self.worker_args], url)
             urls.append(url)
         router = ["router", "--port", str(self.port)]
@@ -201,43 +234,97 @@ def _example(url: str) -> str:
     return f"curl -s {url}/v1/completions -H 'Content-Type: application/json' -d '{body}'"
 
 
-def run_up(args: argparse.Namespace) -> int:
-    """Run the cluster until Ctrl-C or SIGTERM."""
-    port = args.port
-    if port is None:  # the router's own default port
+class _Interrupted(Exception):
+    """Ctrl-C or SIGTERM while the cluster was starting."""
+
+
+def router_port(flag: int | None, env: dict[str, str] | os._Environ[str] = os.environ) -> int:
+    """The router's port: ``--port``, else ``KVROUTE_PORT`` (as ``kvroute router`` reads it),
+    else the router's default.
+
+    Raises:
+        ValueError: ``KVROUTE_PORT`` is not a port.
+    """
+    if flag is not None:
+        return flag
+    raw = env.get("KVROUTE_PORT")
+    if raw is None:
         from router.settings import RouterSettings
 
-        port = RouterSettings().port
+        return RouterSettings().port
+    try:
+        port = int(raw)
+    except ValueError:
+        raise ValueError(f"KVROUTE_PORT={raw!r} is not a port") from None
+    if not 0 <= port < 65536:
+        raise ValueError(f"KVROUTE_PORT={raw!r} is not in 0..65535")
+    return port
+
+
+def run_up(args: argparse.Namespace) -> int:
+    """Run the cluster until Ctrl-C or SIGTERM."""
     logs = ["--log-format", args.log_format] if args.log_format else []
-    cluster = Cluster(args.workers, port or 0, worker_args=[*logs, *(args.worker_arg or [])],
-                      router_args=[*logs, *(args.router_arg or [])], log_dir=args.log_dir)
-    stopping = False
+    try:
+        cluster = Cluster(args.workers, router_port(args.port),
+                          worker_args=[*logs, *(args.worker_arg or [])],
+                          router_args=[*logs, *(args.router_arg or [])], log_dir=args.log_dir,
+                          worker_ports=args.worker_ports)
+    except ValueError as exc:
+        print(f"kvroute up: {exc}", file=sys.stderr)
+        return 2
+    stopping = starting = False
 
     def on_signal(signum: int, _: object) -> None:
         nonlocal stopping
         stopping = True
+        if starting:  # stop waiting for readiness at once
+            raise _Interrupted
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    schedule = RestartSchedule()
+    due: dict[str, float] = {}
     try:
+        starting = True
         cluster.start(timeout=args.timeout)
+        starting = False
         print(f"kvroute is up: {cluster.url} (router + {args.workers} sim workers)")
         print(f"try:\n  {_example(cluster.url)}", flush=True)
         last = 0.0
         while not stopping:
-            for child in cluster.children:
-                if child.process.poll() is not None:
-                    print(f"{child.name} exited with {child.process.returncode}",
-                          file=sys.stderr)
-                    stopping = True
+            now = time.monotonic()
+            for child in list(cluster.children):
+                if child.name in due or child.process.poll() is None:
+                    if due.get(child.name, now + 1) <= now:
+                        del due[child.name]
+                        cluster.restart(child)
+                    continue
+                code = child.process.returncode
+                if child.name == "router":
+                    print(f"kvroute up: the router exited with {code}", file=sys.stderr)
+                    return 1
+                at = schedule.exited(child.name, now)
+                if at is None:
+                    print(f"kvroute up: {child.name} exited with {code} after "
+                          f"{schedule.limit} restarts; left down (the router routes around "
+                          "it)", file=sys.stderr, flush=True)
+                    cluster.children.remove(child)
+                    continue
+                print(f"kvroute up: {child.name} exited with {code}; restarting it in "
+                      f"{at - now:.0f}s (restart {schedule.restarts(child.name)} of "
+                      f"{schedule.limit})", file=sys.stderr, flush=True)
+                due[child.name] = at
             if time.monotonic() - last >= args.status_interval:
                 print(f"[{time.strftime('%H:%M:%S')}] {cluster.status()}", flush=True)
                 last = time.monotonic()
             time.sleep(0.2)
         return 0
+    except _Interrupted:
+        return 130
     except RuntimeError as exc:
         print(f"kvroute up: {exc}", file=sys.stderr)
         return 1
     finally:
+        starting = False
         print("stopping...", file=sys.stderr)
         cluster.stop()
