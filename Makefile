@@ -9,11 +9,17 @@ BIN := $(VENV)/bin
 setup: $(VENV)/.installed
 
 $(VENV)/.installed: pyproject.toml setup.py $(wildcard native/*.pyx native/*.h native/*.pxd)
+	@echo "setup: creating $(VENV)"
 	$(PYTHON) -m venv $(VENV)
+	@echo "setup: upgrading pip"
 	$(BIN)/pip install -q --upgrade pip
+	@echo "setup: installing kvroute and its dev and bench dependencies, building the Cython core (about a minute)"
 	$(BIN)/pip install -q -e ".[dev,bench]"
+	@echo "setup: done ($(VENV))"
 	touch $@
 
+# The router port is KVROUTE_PORT's (default 8000); flags for kvroute up go in ARGS, e.g.
+# KVROUTE_PORT=30094 make run ARGS="--workers 4".
 run: setup
 	$(BIN)/kvroute up $(ARGS)
 

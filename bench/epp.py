@@ -183,6 +183,7 @@ def run(requests: int, seconds: float, rounds: int = 3) -> dict[str, Any]:
         floor_config.write_text(render_envoy_config(floor_envoy_port, floor_admin_port,
                                                      floor_port))
         try:
+            _step("starting a worker, the router, the EPP and Envoy")
             procs.append(spawn(["worker", "--port", str(worker_port), "--events-port",
                                 str(free_port()), "--replay-port", str(free_port()),
                                 "--speedup", "1e9"], worker_url))
@@ -195,10 +196,13 @@ def run(requests: int, seconds: float, rounds: int = 3) -> dict[str, Any]:
             procs.append(epp)
             _wait_grpc_ready(epp_port, epp)
             procs.append(spawn_envoy(config, admin_port))
+            _step("measuring the direct path")
             direct = _measure(f"{worker_url}/v1/completions", requests, seconds)
+            _step("measuring the router path")
             routed = _measure(f"http://127.0.0.1:{router_port}/v1/completions", requests,
                               seconds)
             epp_url = f"http://127.0.0.1:{envoy_port}/v1/completions"
+            _step("measuring the EPP path")
             picked, epp_cpu, elapsed = _measure_epp(epp_url, requests, seconds, epp.pid)
             floor = subprocess.Popen([sys.executable, "-m", "bench.ext_proc_floor",
                                       "--grpc-port", str(floor_port), "--endpoint",
@@ -210,7 +214,8 @@ def run(requests: int, seconds: float, rounds: int = 3) -> dict[str, Any]:
             floor_url = f"http://127.0.0.1:{floor_envoy_port}/v1/completions"
             latency(floor_url, BODY, 100, warmup=0)  # Envoy's connections are open
             epp_rounds, floor_rounds = [], []
-            for _ in range(rounds):  # alternating: a busy machine weighs on both alike
+            for i in range(rounds):  # alternating: a busy machine weighs on both alike
+                _step(f"CPU round {i + 1} of {rounds}: the EPP, then the do-nothing floor")
                 epp_rounds.append(_cpu_us_per_request(epp_url, epp.pid, requests, seconds))
                 floor_rounds.append(_cpu_us_per_request(floor_url, floor.pid, requests,
                                                         seconds))
@@ -250,6 +255,11 @@ def run(requests: int, seconds: float, rounds: int = 3) -> dict[str, Any]:
         "cpu_rounds": rounds,
         "cpus": os.cpu_count(),
     }
+
+
+def _step(what: str) -> None:
+    """A progress line on stderr (the figures go to stdout at the end)."""
+    print(f"bench.epp: {what}", file=sys.stderr, flush=True)
 
 
 def spawn_envoy(config: Path, admin_port: int, timeout: float = 30
@@ -303,6 +313,7 @@ def main(argv: list[str] | None = None) -> None:
                         help="alternating EPP / floor runs for the CPU medians (default 3)")
     args = parser.parse_args(argv)
     seconds = 2.0 if args.quick else args.seconds
+    _step("the EPP's own work per request, in this process")
     figures = {"exchange_cpu_us_per_request": round(exchange_cpu_us(), 1)}
     figures |= run(500 if args.quick else 5000, seconds, max(1, args.rounds))
     print_figures(figures, args.json)
