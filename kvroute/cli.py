@@ -115,9 +115,13 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
                        description="Runs one engine worker: a paged KV cache, an engine (sim by "
                        "default), its OpenAI-compatible HTTP API and its KV event stream. "
                        "Every flag also reads KVROUTE_WORKER_<NAME> from the environment.")
-    a = p.add_argument
+    serving, engine = p.add_argument_group("serving"), p.add_argument_group("engine")
+    events, images = p.add_argument_group("KV events"), p.add_argument_group("images")
+    torch, logs = p.add_argument_group("torch engine"), p.add_argument_group("logging")
+    a = serving.add_argument
     a("--host", help="HTTP bind address (default %(default)s)")
     a("--port", type=int, help="HTTP port (default %(default)s)")
+    a = events.add_argument
     a("--events-host", help="address the event sockets bind (default %(default)s); off "
       "loopback it needs CURVE keys or --insecure-events")
     a("--insecure-events", action="store_const", const=True,
@@ -127,6 +131,7 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     a("--replay-port", type=int, help="KV event replay ROUTER port (default %(default)s)")
     a("--topic", help="topic frame of every event batch (default %(default)s)")
     a("--data-parallel-rank", type=int, help="this worker's rank; shifts both event ports")
+    a = engine.add_argument
     a("--engine", choices=["sim", "torch"], help="sim (no GPU) or torch (default %(default)s)")
     a("--model", help="served model name (default %(default)s); with --engine torch also the "
       "weights (tiny, llama-1b or a folder) unless --torch-model says otherwise")
@@ -147,10 +152,12 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     a("--mm-tokens-per-image", type=int,
       help="placeholder positions per image (default %(default)s)")
     a("--lora", dest="loras", action="append", help="serve a LoRA adapter by this name")
+    a = serving.add_argument
     a("--admin-token", help="bearer token for reset, snapshot and fault injection (visible "
       "in ps: prefer --admin-token-file or KVROUTE_WORKER_ADMIN_TOKEN)")
     a("--admin-token-file", metavar="PATH", help="read the admin token from this file")
     _add_http_limits(a, "worker")
+    a = events.add_argument
     a("--replay-buffer", type=int,
       help="event batches kept for replay (default %(default)s)")
     a("--max-pending-stored", type=int,
@@ -159,6 +166,7 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
       help="publish no KV events")
     a("--no-prefix-caching", dest="prefix_caching", action="store_false", default=None,
       help="never reuse KV blocks (and publish no events)")
+    a = images.add_argument
     a("--no-images", dest="images", action="store_false", default=None,
       help="refuse image parts")
     a("--allow-image-hosts", metavar="CIDR|HOST,...",
@@ -175,6 +183,7 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
       "503 (default %(default)s)")
     a("--no-image-hints", dest="image_hints", action="store_false", default=None,
       help="publish no image UUID routing hints")
+    a = events.add_argument
     a("--curve-secret-key", metavar="FILE",
       help="encrypt the event and replay ports with CURVE: this worker's secret certificate "
       "(kvroute keys generate); needs --curve-authorized-clients")
@@ -183,6 +192,7 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     a("--salt-secret", help="cluster secret that keys published cache-salt tags "
       "(HMAC-SHA256); routers need the same (default: unkeyed SHA-256 tags)")
     a("--salt-secret-file", metavar="FILE", help="read --salt-secret from FILE")
+    a = torch.add_argument
     a("--torch-model", help="torch engine: tiny, llama-1b or a local weights folder "
       "(default %(default)s, or --model's weights)")
     a("--device", help="torch engine: cuda, cpu or auto (default %(default)s)")
@@ -197,6 +207,7 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
       help="torch engine on CUDA: run every pass eagerly, not as replayed CUDA graphs "
            "(whole decode passes; per-layer pieces of passes with prefill), and skip their "
            "capture at start (seconds, and a few GiB of graph memory)")
+    a = logs.add_argument
     a("--log-level", help="debug, info, warning (default %(default)s)")
     a("--log-format", choices=["text", "json"],
       help="text: one readable line; json: one JSON object a line (default %(default)s)")
@@ -230,7 +241,12 @@ def _add_epp(sub: argparse._SubParsersAction) -> None:
 
 
 def _add_router_flags(p: argparse.ArgumentParser) -> None:
-    a = p.add_argument
+    workers, serving = p.add_argument_group("workers"), p.add_argument_group("serving")
+    routing = p.add_argument_group("routing (each flag's effect: docs/routing.md)")
+    events = p.add_argument_group("event plane")
+    health = p.add_argument_group("health and failover")
+    logs = p.add_argument_group("logging")
+    a = workers.add_argument
     a("--worker", dest="workers", action="append", metavar="URL[,KEY=VALUE...]",
       help="a worker's base URL, then its options: engine=kvroute|vllm|sglang|trtllm, "
       "events=tcp://HOST:PORT, replay=tcp://HOST:PORT, block_size=N (repeatable; also "
@@ -240,15 +256,18 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
       "--discover-interval seconds (a Kubernetes headless Service); repeatable")
     a("--discover-interval", type=float,
       help="seconds between DNS look-ups (default %(default)s)")
+    a = serving.add_argument
     a("--config", help="a TOML or JSON file of settings")
     a("--host", help="bind address (default %(default)s)")
     a("--port", type=int, help="port (default %(default)s)")
+    a = workers.add_argument
     a("--block-size", type=int, help="must equal the workers' (default %(default)s)")
     a("--tokenizer", help="must be the workers' tokenizer (default: byte-level)")
     a("--tokenize", choices=["match", "full"],
       help="match (default): tokenize by cached segments, only as far as some worker holds "
       "the prompt, estimating the rest's length; full: every token of every prompt")
     # Routing: each flag and its reason in docs/routing.md.
+    a = routing.add_argument
     a("--policy", choices=["kv", "dynamo", "round_robin", "random"],
       help="kv: kvroute's rule; dynamo: NVIDIA Dynamo's cost rule; round_robin or random "
       "ignore the cache (baselines) (default %(default)s)")
@@ -268,9 +287,11 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
     a("--predict-ttl", type=float,
       help="seconds a routed prompt counts as cached on its worker before its events arrive "
       "(default %(default)s)")
+    a = serving.add_argument
     a("--admin-token", help="bearer token for /workers and /debug/* (visible in ps: prefer "
       "--admin-token-file or KVROUTE_ADMIN_TOKEN)")
     a("--admin-token-file", metavar="PATH", help="read the admin token from this file")
+    a = events.add_argument
     a("--worker-admin-token", help="bearer token the workers want for /kv/snapshot")
     a("--event-max-message-bytes", type=int,
       help="largest event message taken from a worker; a connection carrying a larger one "
@@ -288,7 +309,8 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
     a("--salt-secret-file", metavar="FILE", help="read --salt-secret from FILE")
     a("--worker-admin-token-file", metavar="PATH",
       help="read the workers' admin token from this file")
-    _add_http_limits(a, "router")
+    _add_http_limits(serving.add_argument, "router")
+    a = health.add_argument
     a("--health-interval", type=float, help="seconds between load polls (default %(default)s)")
     a("--health-timeout", type=float,
       help="seconds a load poll may take before it counts as late (default %(default)s)")
@@ -305,7 +327,9 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
       help="longest wait for any answer's first byte (default %(default)s)")
     a("--unhealthy-grace", type=float,
       help="seconds before an unhealthy worker's entries go (default %(default)s)")
+    a = routing.add_argument
     a("--seed", type=int, help="seed for tie-breaking")
+    a = logs.add_argument
     a("--log-level", help="debug, info, warning (default %(default)s)")
     a("--log-format", choices=["text", "json"],
       help="text: one readable line; json: one JSON object a line (default %(default)s)")
@@ -340,7 +364,9 @@ def _add_up(sub: argparse._SubParsersAction) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """Return the parser for every subcommand."""
-    parser = argparse.ArgumentParser(prog="kvroute", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="kvroute", description="kvroute: a KV-aware router for LLM serving, its bundled "
+        "workers and tools; one subcommand per job.")
     parser.add_argument("--version", action="version", version=f"kvroute {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
     _add_events(sub)

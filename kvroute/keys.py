@@ -51,7 +51,7 @@ def generate_keypair(folder: str | Path, name: str) -> tuple[Path, Path]:
 def add_keys_parser(sub: argparse._SubParsersAction) -> None:
     """Add ``keys generate`` to the ``kvroute`` command."""
     keys = sub.add_parser("keys", help="manage CURVE keys of the KV event plane",
-                          description=__doc__.splitlines()[0])
+                          description="Writes CURVE keypairs for the KV event plane.")
     ksub = keys.add_subparsers(dest="keys_command", required=True)
     gen = ksub.add_parser(
         "generate", help="write a CURVE keypair (NAME.key, NAME.key_secret) into DIR",
