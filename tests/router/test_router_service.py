@@ -303,3 +303,11 @@ async def test_no_api_description_is_served(path: str) -> None:
         r = await client.get(path)
         with_token = await client.get(path, headers={"Authorization": "Bearer s3cret"})
     assert (r.status_code, with_token.status_code) == (404, 404)
+
+
+async def test_a_request_without_a_model_goes_to_any_worker() -> None:
+    # As vLLM's server allows (README): no model, and the worker answers as its own.
+    async with ScriptedWorker() as worker, router_for(worker, ready=1) as client:
+        r = await client.post("/v1/completions", json={"prompt": "no model named " * 4})
+    assert r.status_code == 200 and r.headers["x-kvroute-worker"] == worker.url
+    assert "model" not in worker.requests[0]
