@@ -63,7 +63,8 @@ def _hits(requests: Sequence[WorkloadRequest], block_size: int
 
 
 def compute_bounds(requests: Sequence[WorkloadRequest], block_size: int, workers: int,
-                   blocks_per_worker: int) -> Bounds:
+                   blocks_per_worker: int,
+                   hashed: Sequence[tuple[list[int], int]] | None = None) -> Bounds:
     """Return the unlimited and pooled-LRU hit-rate ceilings of a workload.
 
     Args:
@@ -71,6 +72,8 @@ def compute_bounds(requests: Sequence[WorkloadRequest], block_size: int, workers
         block_size: tokens per block.
         workers: workers in the cluster.
         blocks_per_worker: device blocks per worker.
+        hashed: each request's :func:`sequence_hashes` at ``block_size``, when already
+            computed (several cluster sizes over one workload hash it once).
 
     Raises:
         ValueError: no requests, or a non-positive size.
@@ -83,7 +86,8 @@ def compute_bounds(requests: Sequence[WorkloadRequest], block_size: int, workers
     seen: set[int] = set()
     lru: OrderedDict[int, None] = OrderedDict()
     hit_unlimited = hit_pooled = total = 0
-    for r, (hashes, hittable) in zip(requests, _hits(requests, block_size), strict=True):
+    hits = _hits(requests, block_size) if hashed is None else hashed
+    for r, (hashes, hittable) in zip(requests, hits, strict=True):
         total += r.input_length
         run = 0
         while run < hittable and hashes[run] in seen:
