@@ -96,6 +96,9 @@ def configure_logging(level: str, fmt: str = "text") -> None:
         logger = logging.getLogger(name)
         logger.handlers.clear()
         logger.propagate = True
+        # as an earlier uvicorn set-up in this process may have left it
+        logger.disabled = False
+        logger.setLevel(logging.NOTSET)
     # One line per health poll would drown everything else: control-call logs only on trouble.
     logging.getLogger("httpx").setLevel(max(logging.WARNING, numeric))
 

@@ -100,8 +100,9 @@ async def until(client: httpx.AsyncClient, check: Any, what: str) -> dict[str, A
 
 
 async def oversize_count(client: httpx.AsyncClient, url: str) -> float:
+    ids = {w["url"]: w["id"] for w in (await client.get("/workers")).json()["workers"]}
     text = (await client.get("/metrics")).text
-    line = f'kvroute_control_answers_oversize_total{{worker="{url}"}} '
+    line = f'kvroute_control_answers_oversize_total{{worker="{ids[url]}"}} '
     found = [ln for ln in text.splitlines() if ln.startswith(line)]
     return float(found[0].split()[-1]) if found else 0.0
 

@@ -9,6 +9,7 @@ import pytest
 
 from router.fleet.worker_config import WorkerConfig, format_worker, parse_worker, parse_workers
 from router.settings import SettingsError, load_settings
+from tests.fixtures.tokenizer_files import write_tiny_tokenizer
 
 VLLM = WorkerConfig("http://10.0.0.5:8000", engine="vllm", events="tcp://10.0.0.5:5557",
                     replay="tcp://10.0.0.5:5558", block_size=32)
@@ -29,8 +30,9 @@ def test_the_flat_form_round_trips() -> None:
 
 
 def test_toml_tables_json_lists_flags_and_environment_agree(tmp_path: Path) -> None:
+    llama = write_tiny_tokenizer(tmp_path)  # the settings refuse a missing one
     toml = tmp_path / "router.toml"
-    toml.write_text('tokenizer = "/models/llama"\n[[workers]]\nurl = "http://10.0.0.5:8000"\n'
+    toml.write_text(f'tokenizer = "{llama}"\n[[workers]]\nurl = "http://10.0.0.5:8000"\n'
                     'engine = "vllm"\nevents = "tcp://10.0.0.5:5557"\n'
                     'replay = "tcp://10.0.0.5:5558"\nblock_size = 32\n')
     json_file = tmp_path / "router.json"
@@ -39,7 +41,7 @@ def test_toml_tables_json_lists_flags_and_environment_agree(tmp_path: Path) -> N
                          '"block_size": 32}]}')
     flat = format_worker(VLLM)
     from_toml = load_settings({}, env={}, config_file=str(toml))
-    assert from_toml.tokenizer == "/models/llama"
+    assert from_toml.tokenizer == str(llama)
     for settings in (from_toml, load_settings({}, env={}, config_file=str(json_file)),
                      load_settings({"workers": [flat]}, env={}),
                      load_settings({}, env={"KVROUTE_WORKERS": flat})):
