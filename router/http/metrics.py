@@ -7,6 +7,12 @@ resyncs, malformed input, the pool gauges) is read from the service at scrape ti
 (:mod:`router.http.state_metrics`). Per-worker families are labelled with the worker's id,
 bounded (:mod:`router.http.worker_labels`). No ``_created`` series: they double the series
 count and no dashboard reads them.
+
+Cost: a :class:`RequestTimer` is about 11 µs of CPU for a stream of five chunks (each
+histogram observation takes prometheus_client's lock), and the request id of
+:class:`httpapi.logs.RequestIds` about 3 µs. ``python -m bench.router --quick`` printed
+``router_cpu_us_per_request`` 469-507 with both against 433-467 without, four runs each,
+alternated on a loaded 2-core machine.
 """
 
 from __future__ import annotations
