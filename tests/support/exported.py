@@ -3,6 +3,9 @@ registries: what the documentation check and the dashboard check compare against
 
 from __future__ import annotations
 
+import tempfile
+from pathlib import Path
+
 import httpx
 
 from httpapi.responses import disconnect_counter
@@ -10,6 +13,7 @@ from router.http.metrics import RouterMetrics
 from router.routing.sessions import SessionTracker
 from router.service import RouterService
 from router.settings import RouterSettings
+from tests.fixtures.tokenizer_files import write_tiny_tokenizer
 from workers.http.api import create_app
 from workers.settings import WorkerSettings
 
@@ -25,7 +29,11 @@ def router_exposition() -> str:
     from router.epp.picker import Picker
     from router.epp.server import ExternalProcessor
 
-    service = RouterService(RouterSettings(seed=1), httpx.AsyncClient())
+    # A Hugging Face tokenizer: the segment cache's families show with one.
+    with tempfile.TemporaryDirectory() as folder:
+        tokenizer = write_tiny_tokenizer(Path(folder))
+        service = RouterService(RouterSettings(seed=1, tokenizer=str(tokenizer)),
+                                httpx.AsyncClient())
     service.sessions = SessionTracker(max_heads=8)  # the session families show when on
     metrics = RouterMetrics(service)
     disconnect_counter(metrics.registry)  # the app registers it beside the metrics
