@@ -134,7 +134,7 @@ def _service(total_blocks: int, rng: random.Random, workers: int
         for _ in range(max(1, per_worker // 256)):
             service.index.store_hashes(w, [rng.getrandbits(64) for _ in range(256)])
         # Full caches, as in steady state: the queue weight follows the eviction pressure.
-        service.pressure.record(w, stored=per_worker, removed=0, now=now)
+        service.core.record_resident(w, stored=per_worker, removed=0, now=now)
     chains = []
     seed = scope_seed(None, None)
     for i in range(64):  # resident conversations the queries follow
@@ -161,7 +161,7 @@ def decision_latency(total_blocks: int, queries: int, workers: int = 8) -> dict[
         cpu.append(time.thread_time() - started_cpu)
         times.append(time.perf_counter() - started)
         service.dispatched(route, route.worker)  # booked as the router books it
-        service.load.finished(route.request_id)
+        service.finished(route)
     return {"decision_p50_us": round(percentile(times, 50) * 1e6, 1),
             "decision_p99_us": round(percentile(times, 99) * 1e6, 1),
             "decision_cpu_p50_us": round(percentile(cpu, 50) * 1e6, 1),

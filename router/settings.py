@@ -29,7 +29,7 @@ from router.events.transport import (
 from router.fleet.discovery import parse_target
 from router.fleet.registry import FleetSettings
 from router.fleet.worker_config import format_worker, parse_workers
-from router.routing.core import CoreSettings
+from router.routing.core import BASELINES, CoreSettings
 from router.routing.scheduler import SchedulerConfig
 
 __all__ = ["POLICIES", "RouterSettings", "SettingsError", "load_settings"]
@@ -225,9 +225,11 @@ class RouterSettings:
             _RULE, overlap_weight=self.overlap_weight,
             queue_weight=_RULE.queue_weight if self.queue_weight is None else self.queue_weight,
             session_weight=self.session_weight if self.sessions else 0.0)
+        baseline = self.policy in BASELINES
         return CoreSettings(rule, auto_queue=self.queue_weight is None,
                             predict_ttl=self.predict_ttl, approximate_ttl=self.approximate_ttl,
-                            sessions=self.sessions)
+                            sessions=self.sessions and not baseline,
+                            choice=self.policy if baseline else "kv")
 
 
 _TYPES = {f.name: f.type for f in fields(RouterSettings)}

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 
 from bench.policies.base import ClusterView, Policy, RouteRequest
 from indexer.events import Event
-from router.routing.core import RoutingCore, WorkerFacts
+from router.routing.core import RoutingCore
 from router.settings import RouterSettings
 
 __all__ = ["KvroutePolicy"]
@@ -48,12 +48,9 @@ class KvroutePolicy(Policy):
 
     def start(self, cluster: ClusterView) -> None:
         super().start(cluster)
-        facts = WorkerFacts()
-        capacity = float(cluster.capacity_blocks * cluster.num_workers)
-        self.core = RoutingCore(self.settings.core_settings(), facts=lambda w: facts,
-                                capacity=lambda: capacity)
+        self.core = RoutingCore(self.settings.core_settings())
         for w in range(cluster.num_workers):
-            self.core.load.add_worker(w)
+            self.core.worker_joined(w, capacity_blocks=float(cluster.capacity_blocks))
 
     def route(self, request: RouteRequest, now: float) -> int:
         hashes = request.hashes
@@ -68,11 +65,11 @@ class KvroutePolicy(Policy):
         return decision.worker
 
     def first_token(self, request_id: str, now: float) -> None:
-        self.core.load.first_token(request_id)
+        self.core.first_token(request_id)
 
     def finished(self, request_id: str, now: float) -> None:
-        self.core.load.finished(request_id)
+        self.core.finished(request_id)
 
     def index_events(self, worker: int, events: Sequence[Event], now: float) -> None:
-        self.core.observe(worker, events, now)
+        self.core.events_applied(worker, events, now)
 

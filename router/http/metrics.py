@@ -108,23 +108,23 @@ class _StateCollector:
         pressure = GaugeMetricFamily(
             "kvroute_eviction_pressure",
             "Device blocks the workers removed in the pressure window over their peak resident")
-        pressure.add_metric([], service.pressure.pressure(now))
+        pressure.add_metric([], service.core.eviction_pressure(now))
         yield pressure
         weight = GaugeMetricFamily("kvroute_queue_weight",
                                    "The queue weight a routing decision now uses")
         weight.add_metric([], service.queue_weight(now))
         yield weight
-        if service.sessions is not None:
+        if service.core.follows_sessions:
             live = GaugeMetricFamily("kvroute_sessions",
                                      "Live chat or agent sessions homed on the worker",
                                      labels=["worker"])
             for e in entries:
-                live.add_metric([e.url], service.sessions.live(e.id))
+                live.add_metric([e.url], service.core.live_sessions(e.id))
             yield live
             rate = GaugeMetricFamily(
                 "kvroute_session_continue_rate",
                 "Share of routed requests a next turn followed (rather than expired)")
-            rate.add_metric([], service.sessions.continue_rate)
+            rate.add_metric([], service.core.continue_rate)
             yield rate
         lag = GaugeMetricFamily("kvroute_event_lag_seconds",
                                 "Now minus the timestamp of the worker's latest event batch",
@@ -152,8 +152,7 @@ class _StateCollector:
             "Blocks the router predicts resident without an event saying so yet",
             labels=["worker"])
         for e in entries:
-            residency = service.approximate if e.approximate else service.predicted
-            predicted.add_metric([e.url], residency.size(e.id))
+            predicted.add_metric([e.url], service.core.predicted_blocks(e.id))
         yield predicted
         for name in _FEED_COUNTERS:
             family = CounterMetricFamily(f"kvroute_events_{name}",

@@ -9,6 +9,13 @@ with every term ``/debug/route`` shows; :meth:`RoutingCore.routed` books the req
 The HTTP router (:class:`router.service.RouterService`) and the benchmark's ``kvroute`` policy
 (:mod:`bench.policies.kvroute_policy`) are thin shells around it.
 
+The core is told, never asks: every fact comes in by a method as it happens (a worker joined,
+was described, left or had its cache cleared; it reported its load; its events were applied; a
+request was routed, produced its first token, finished or was withdrawn), and what callers
+need to know comes out by verbs (:meth:`RoutingCore.pending_prefill`, ...); its books stay
+inside. The cache-blind baselines (``round_robin``, ``random``) are choices the core makes in
+place of the rule, pricing only the worker they chose (its booking needs its hit).
+
 Pure: no I/O, no clock, no event loop; the caller passes ``now`` (monotonic seconds) and the
 random source. When every tracked worker is a candidate, the choice
 prices only the workers holding some of the prompt one by one (:mod:`router.routing.load_groups`);
@@ -20,30 +27,33 @@ from __future__ import annotations
 
 import dataclasses
 import random
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from indexer.events import Cleared, Event
-from router.routing.load import LoadTracker
+from router.routing.load import LoadTracker, ReportedLoad
 from router.routing.load_groups import LoadGroups, LoadKey, choose_fast
 from router.routing.pressure import EvictionPressure, queue_weight_for
 from router.routing.residency import PredictedResidency
-from router.routing.scheduler import Candidate, Decision, SchedulerConfig, WorkerCost, choose, price
+from router.routing.scheduler import (
+    Candidate,
+    Decision,
+    SchedulerConfig,
+    WorkerCost,
+    choose,
+    cost_of,
+    price,
+)
 from router.routing.sessions import Continuation, SessionTracker
 
-__all__ = ["CoreSettings", "Routed", "RoutingCore", "WorkerFacts"]
+__all__ = ["BASELINES", "CoreSettings", "Routed", "RoutingCore"]
+
+#: Cache-blind choices, measured against: the next worker in turn, or one at random.
+BASELINES = ("round_robin", "random")
 
 #: Match lengths per worker, as :meth:`indexer.index.PrefixIndex.match` gives them:
 #: ``worker -> (blocks matched on any tier, blocks matched on the device)``.
 Matches = Mapping[int, tuple[int, int]]
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerFacts:
-    """What the core needs to know of a worker besides its load."""
-
-    #: The worker publishes no KV events: its residency is learned from routing alone.
-    approximate: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +72,12 @@ class CoreSettings:
     sessions: bool = True
     #: Seconds of removals the eviction pressure counts.
     pressure_window: float = 10.0
+    #: ``kv``: the cost rule; or a cache-blind baseline (:data:`BASELINES`).
+    choice: str = "kv"
+
+    def __post_init__(self) -> None:
+        if self.choice != "kv" and self.choice not in BASELINES:
+            raise ValueError(f"choice {self.choice!r} is not kv, {', '.join(BASELINES)}")
 
 
 @dataclass(slots=True)
@@ -75,71 +91,157 @@ class Routed:
 class RoutingCore:
     """The router's state and decision, without I/O (module docstring).
 
+    The core is told, never asks: a shell tells it each fact as it happens (a worker joined,
+    was described, left, had its cache cleared or reported its load; events were applied; a
+    request was routed, produced its first token, finished or was withdrawn), with ``now``.
+
     Args:
         settings: the core's settings.
-        facts: returns a worker's :class:`WorkerFacts`; read whenever the worker's load
-            changes (an unknown worker: the defaults).
-        capacity: returns the workers' device KV blocks together (0: unknown); read only
-            while the caches may still be warming up.
     """
 
-    def __init__(self, settings: CoreSettings,
-                 facts: Callable[[int], WorkerFacts | None] = lambda w: None,
-                 capacity: Callable[[], float] = lambda: 0.0) -> None:
+    def __init__(self, settings: CoreSettings) -> None:
         self.settings = settings
         config = settings.scheduler
         if settings.auto_queue:
             config = dataclasses.replace(config, queue_weight=queue_weight_for(0.0, warming=True))
         #: The scheduler settings of the last decision (the queue terms follow the pressure).
         self.config = config
-        self.load = LoadTracker()
-        self.predicted = PredictedResidency(settings.predict_ttl)
-        self.approximate = PredictedResidency(settings.approximate_ttl, max_blocks=1 << 22)
-        self.pressure = EvictionPressure(settings.pressure_window)
-        self.sessions = SessionTracker() if settings.sessions else None
-        self._facts_of = facts
-        self._capacity = capacity
-        self._facts: dict[int, WorkerFacts] = {}
+        self._load = LoadTracker()
+        self._predicted = PredictedResidency(settings.predict_ttl)
+        self._approximate = PredictedResidency(settings.approximate_ttl, max_blocks=1 << 22)
+        self._pressure = EvictionPressure(settings.pressure_window)
+        self._sessions = SessionTracker() if settings.sessions else None
+        #: Tracked workers: whether each publishes no events (residency from routing alone).
+        self._tracked: dict[int, bool] = {}
+        self._capacity: dict[int, float] = {}
+        self._capacity_total = 0.0
         self._groups = LoadGroups()
-        self.load.on_change = self._refresh
-        if self.sessions is not None:
-            self.sessions.on_change = self._refresh
+        self._turns = 0
 
-    # -- the workers ------------------------------------------------------------------------
+    # -- facts about the workers --------------------------------------------------------------
+
+    def worker_joined(self, worker: int, *, approximate: bool = False,
+                      capacity_blocks: float = 0.0) -> None:
+        """``worker`` may be routed to from now on (idempotent); ``approximate``: it publishes
+        no KV events; ``capacity_blocks``: its device KV blocks (0: unknown)."""
+        self._load.add_worker(worker)
+        self.worker_described(worker, approximate=approximate, capacity_blocks=capacity_blocks)
+
+    def worker_described(self, worker: int, *, approximate: bool, capacity_blocks: float
+                         ) -> None:
+        """What ``worker`` is changed (its model info was read again): whether it publishes
+        events, and its device KV blocks (0: unknown). An unknown worker is ignored."""
+        if not self._load.tracked(worker):
+            return
+        self._tracked[worker] = approximate
+        self._capacity_total += capacity_blocks - self._capacity.get(worker, 0.0)
+        self._capacity[worker] = capacity_blocks
+        self._refresh(worker)
+
+    def worker_left(self, worker: int) -> list[str]:
+        """``worker`` left the fleet: drop its load, predictions, sessions and its place in
+        the eviction pressure. Returns the ids of the requests it had in flight."""
+        in_flight = self._load.remove_worker(worker)
+        self._tracked.pop(worker, None)
+        self._capacity_total -= self._capacity.pop(worker, 0.0)
+        self._forget(worker)
+        self._pressure.forget(worker)
+        self._refresh(worker)
+        self._settle()
+        return in_flight
+
+    def cache_cleared(self, worker: int, now: float) -> None:
+        """``worker``'s cached blocks were cleared (restarted, reset, or unhealthy too long):
+        drop every prediction and session on it; it keeps its peak as the pressure's
+        capacity."""
+        self._forget(worker)
+        self._pressure.observe(worker, [Cleared()], now)
+        self._settle()
+
+    def _forget(self, worker: int) -> None:
+        self._predicted.forget(worker)
+        self._approximate.forget(worker)
+        if self._sessions is not None:
+            self._sessions.forget(worker)
+
+    def load_reported(self, worker: int, load: ReportedLoad) -> None:
+        """``worker`` reported its own load (folded into the books)."""
+        self._load.reported(worker, load)
+        self._refresh(worker)
+
+    def events_applied(self, worker: int, events: Iterable[Event], now: float) -> None:
+        """``worker``'s normalised KV events were applied to the index at ``now``."""
+        self._pressure.observe(worker, events, now)
+
+    def record_resident(self, worker: int, stored: int, removed: int, now: float) -> None:
+        """Count blocks stored and removed on ``worker`` without their events (a benchmark
+        that fills caches directly)."""
+        self._pressure.record(worker, stored=stored, removed=removed, now=now)
 
     def _refresh(self, worker: int) -> None:
-        if self.load.tracked(worker):
-            self._facts[worker] = self._facts_of(worker) or WorkerFacts()
+        if worker in self._tracked:
             self._groups.update(worker, self._key(worker))
         else:
-            self._facts.pop(worker, None)
             self._groups.remove(worker)
 
+    def _settle(self) -> None:
+        """Regroup the workers whose live sessions changed."""
+        if self._sessions is not None:
+            for w in self._sessions.take_changed():
+                self._refresh(w)
+
     def _key(self, worker: int) -> LoadKey:
-        load = self.load.load(worker)
-        live = float(self.sessions.live(worker)) if self.sessions is not None else 0.0
+        load = self._load.load(worker)
+        live = float(self._sessions.live(worker)) if self._sessions is not None else 0.0
         return (load.pending_prefill_blocks, load.decode_blocks, load.active_requests, live)
+
+    # -- what the core knows, read ----------------------------------------------------------
 
     def workers(self) -> int:
         """How many workers are tracked."""
-        return len(self._facts)
+        return len(self._tracked)
 
-    def forget(self, worker: int, now: float, registered: bool) -> None:
-        """Drop every prediction and session on ``worker`` (its cached blocks were cleared).
-        A worker still ``registered`` (restarted, or unhealthy) keeps its peak as the
-        pressure's capacity; a removed one leaves the pressure entirely."""
-        self.predicted.forget(worker)
-        self.approximate.forget(worker)
-        if self.sessions is not None:
-            self.sessions.forget(worker)
-        if registered:
-            self.pressure.observe(worker, [Cleared()], now)
-        else:
-            self.pressure.forget(worker)
+    def pending_prefill(self, worker: int) -> float:
+        """Blocks of prefill queued on ``worker`` (routed, no first token yet)."""
+        return self._load.load(worker).pending_prefill_blocks
 
-    def observe(self, worker: int, events: Iterable[Event], now: float) -> None:
-        """``worker``'s normalised KV events were applied to the index at ``now``."""
-        self.pressure.observe(worker, events, now)
+    def in_flight(self, worker: int) -> int:
+        """Requests this router has in flight on ``worker``."""
+        return self._load.in_flight(worker)
+
+    def eviction_pressure(self, now: float) -> float:
+        """Device blocks evicted in the pressure window over the fleet's peak resident."""
+        return self._pressure.pressure(now)
+
+    @property
+    def follows_sessions(self) -> bool:
+        """Whether sessions are followed (``CoreSettings.sessions``)."""
+        return self._sessions is not None
+
+    def live_sessions(self, worker: int) -> int:
+        """Live sessions homed on ``worker`` (0 when sessions are not followed)."""
+        return 0 if self._sessions is None else self._sessions.live(worker)
+
+    @property
+    def continue_rate(self) -> float:
+        """The share of sessions a next turn continued (0 when not followed)."""
+        return 0.0 if self._sessions is None else self._sessions.continue_rate
+
+    def longest_held(self, hashes: Sequence[int], matches: Matches, now: float) -> int:
+        """The longest leading run of ``hashes`` some worker holds, by the index's
+        ``matches`` or by the predictions a decision would extend them with."""
+        best = max((run for run, _ in matches.values()), default=0)
+        if best == len(hashes) or not hashes:
+            return best
+        for residency in (self._predicted, self._approximate):
+            for w in {*matches, *residency.holders(hashes[0], now)}:
+                best = max(best, residency.extend(w, hashes, matches.get(w, (0, 0))[0], now))
+        return best
+
+    def predicted_blocks(self, worker: int) -> int:
+        """Blocks predicted resident on ``worker`` without an event saying so yet."""
+        residency = self._approximate if self._tracked.get(worker) else self._predicted
+        return residency.size(worker)
 
     # -- the decision -----------------------------------------------------------------------
 
@@ -148,8 +250,8 @@ class RoutingCore:
         eviction pressure's (:func:`router.routing.pressure.queue_weight_for`)."""
         if not self.settings.auto_queue:
             return self.settings.scheduler.queue_weight
-        pressure = self.pressure
-        if not pressure.warmed and pressure.warming(self._capacity()):
+        pressure = self._pressure
+        if not pressure.warmed and pressure.warming(self._capacity_total):
             return queue_weight_for(0.0, warming=True)
         return queue_weight_for(pressure.pressure(now))
 
@@ -162,7 +264,7 @@ class RoutingCore:
             hashes: the prompt's full blocks' hashes.
             matches: the index's matches for ``hashes``.
             now: monotonic seconds.
-            rng: breaks ties.
+            rng: breaks ties (and draws the ``random`` baseline's worker).
             workers: the candidates; None: every tracked worker.
             tokens: the prompt's length in tokens (a session continues only a longer one).
 
@@ -173,11 +275,14 @@ class RoutingCore:
         config = self.config
         if weight != config.queue_weight:
             config = self.config = dataclasses.replace(config, queue_weight=weight)
-        sessions = self.sessions
+        if self.settings.choice != "kv":
+            return Routed(self._baseline(hashes, matches, now, rng, workers), None)
+        sessions = self._sessions
         continued = home = None
         rate = 0.0
         if sessions is not None:
             continued = sessions.continuation(hashes, now, tokens)
+            self._settle()  # expired heads
             rate = sessions.continue_rate
             if continued is not None:
                 home = continued.worker
@@ -190,7 +295,7 @@ class RoutingCore:
             fast = choose_fast(blocks, holders, self._groups, config, rng, home, rate)
 
             def explain() -> tuple[WorkerCost, ...]:
-                candidates = self.candidates(sorted(self._facts), hashes, matches, now)
+                candidates = self.candidates(sorted(self._tracked), hashes, matches, now)
                 return tuple(price(blocks, candidates, config, home, rate).costs)
 
             decision = Decision(fast.worker, None, fast.overlap_weight, chosen=fast.chosen,
@@ -201,6 +306,29 @@ class RoutingCore:
         candidates = self.candidates(workers, hashes, matches, now)
         return Routed(choose(blocks, candidates, config, rng, home, rate), continued)
 
+    def _baseline(self, hashes: Sequence[int], matches: Matches, now: float,
+                  rng: random.Random, workers: Sequence[int] | None) -> Decision:
+        """A cache-blind choice: the next worker in turn, or one at random. Only the chosen
+        worker is priced (its booking needs the blocks it holds); the others' terms are
+        priced if read (``/debug/route``, fallbacks)."""
+        ids = sorted(self._tracked) if workers is None else list(workers)
+        if not ids:
+            raise ValueError("no candidate workers")
+        if self.settings.choice == "round_robin":
+            worker = ids[self._turns % len(ids)]
+            self._turns += 1
+        else:
+            worker = rng.choice(ids)
+        config = self.config
+        blocks = len(hashes)
+        chosen = cost_of(self._candidate(worker, hashes, matches.get(worker, (0, 0)), now),
+                         blocks, config)
+
+        def explain() -> tuple[WorkerCost, ...]:
+            return tuple(price(blocks, self.candidates(ids, hashes, matches, now), config).costs)
+
+        return Decision(worker, None, config.overlap_weight, chosen=chosen, explain=explain)
+
     def candidates(self, workers: Iterable[int], hashes: Sequence[int], matches: Matches,
                    now: float) -> list[Candidate]:
         """Every one of ``workers`` as the scheduler prices it."""
@@ -209,27 +337,27 @@ class RoutingCore:
     def _candidate(self, worker: int, hashes: Sequence[int], match: tuple[int, int],
                    now: float) -> Candidate:
         matched, device = match
-        facts = self._facts.get(worker)
-        approximate = facts is not None and facts.approximate
-        residency = self.approximate if approximate else self.predicted
+        residency = self._approximate if self._tracked.get(worker) else self._predicted
         extended = residency.extend(worker, hashes, matched, now)
         # A tracked worker's figures, as the groups keep them (every change of the books or
-        # the sessions calls back); an untracked one's, from the books.
-        key = self._groups.key(worker) if worker in self._facts else self._key(worker)
-        return Candidate(worker, extended, device + extended - matched, key[0], key[1], key[2],
-                         key[3])
+        # the sessions regroups it); an untracked one's, from the books.
+        key = self._groups.key(worker) if worker in self._tracked else self._key(worker)
+        return Candidate(worker=worker, matched_blocks=extended,
+                         device_matched_blocks=device + extended - matched,
+                         pending_prefill_blocks=key[0], decode_blocks=key[1],
+                         active_requests=key[2], sessions=key[3])
 
     def _holders(self, hashes: Sequence[int], matches: Matches, now: float
                  ) -> list[Candidate]:
         """The tracked workers that match some of the request (index or prediction)."""
-        tracked = self._facts  # holds exactly the tracked workers
+        tracked = self._tracked
         found: list[int] = []
         for w in matches:
             if w in tracked:
                 found.append(w)
         if hashes:
-            predicted = (self.predicted.holders(hashes[0], now)
-                         + self.approximate.holders(hashes[0], now))
+            predicted = (self._predicted.holders(hashes[0], now)
+                         + self._approximate.holders(hashes[0], now))
             if predicted:
                 seen = set(found)
                 for w in predicted:
@@ -241,7 +369,7 @@ class RoutingCore:
             candidates.append(self._candidate(w, hashes, matches.get(w, (0, 0)), now))
         return candidates
 
-    # -- booking ----------------------------------------------------------------------------
+    # -- facts about requests ---------------------------------------------------------------
 
     def credited(self, decision: Decision, worker: int) -> float:
         """The blocks ``decision`` credited as cached on ``worker`` (the chosen one or a
@@ -259,11 +387,29 @@ class RoutingCore:
             ValueError: the request id is in flight already, or the worker is not tracked.
         """
         blocks = len(hashes)
-        self.load.routed(request_id, worker, blocks - credited, max(blocks, 1))
-        facts = self._facts.get(worker) or WorkerFacts()
-        residency = self.approximate if facts.approximate else self.predicted
+        self._load.routed(request_id, worker, blocks - credited, max(blocks, 1))
+        self._refresh(worker)
+        residency = self._approximate if self._tracked.get(worker) else self._predicted
         residency.expire(now)  # amortised: only the expired front is looked at
         residency.predict(worker, hashes, now)
-        if self.sessions is not None:
-            self.sessions.routed(hashes, worker, now, continued, tokens)
+        if self._sessions is not None:
+            self._sessions.routed(hashes, worker, now, continued, tokens)
+            self._settle()
 
+    def first_token(self, request_id: str) -> None:
+        """The request produced its first token: its prefill is done, its decode begins."""
+        worker = self._load.first_token(request_id)
+        if worker is not None:
+            self._refresh(worker)
+
+    def finished(self, request_id: str) -> None:
+        """The request ended (answered, failed or cancelled): release its load. Idempotent."""
+        worker = self._load.finished(request_id)
+        if worker is not None:
+            self._refresh(worker)
+
+    def withdrawn(self, worker: int, hashes: Sequence[int]) -> None:
+        """``worker`` refused a request of ``hashes``: the blocks predicted there for it will
+        not be resident."""
+        residency = self._approximate if self._tracked.get(worker) else self._predicted
+        residency.withdraw(worker, hashes)

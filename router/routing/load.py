@@ -18,7 +18,6 @@ we saw.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 __all__ = ["LoadTracker", "ReportedLoad", "WorkerLoad"]
@@ -65,25 +64,19 @@ class _Books:
 class LoadTracker:
     """In-flight requests per worker, with each worker's reported load folded in.
 
-    :attr:`on_change`, when set, is called with a worker's id after anything this tracker
-    reports for that worker may have changed (the routing core keeps its workers ordered by
-    load with it), and after a worker is added or removed.
+    Every change names the worker whose figures it may have changed: :meth:`first_token` and
+    :meth:`finished` return it (None: nothing changed), the others take it (the routing core
+    keeps its workers ordered by load with it).
     """
 
     def __init__(self) -> None:
         self._books: dict[int, _Books] = {}
         self._requests: dict[str, _Request] = {}
-        self.on_change: Callable[[int], None] | None = None
-
-    def _changed(self, worker: int) -> None:
-        if self.on_change is not None:
-            self.on_change(worker)
 
     def add_worker(self, worker: int) -> None:
         """Start tracking ``worker`` (idempotent)."""
         if worker not in self._books:
             self._books[worker] = _Books()
-            self._changed(worker)
 
     def tracked(self, worker: int) -> bool:
         """Whether ``worker`` is tracked."""
@@ -96,7 +89,6 @@ class LoadTracker:
             return []
         for rid in books.requests:
             self._requests.pop(rid, None)
-        self._changed(worker)
         return sorted(books.requests)
 
     def routed(self, request_id: str, worker: int, prefill_blocks: float,
@@ -116,34 +108,35 @@ class LoadTracker:
         books.requests.add(request_id)
         books.active += 1
         books.prefill += prefill_blocks
-        self._changed(worker)
 
-    def first_token(self, request_id: str) -> None:
-        """The request produced its first token: prefill done, decode begins."""
+    def first_token(self, request_id: str) -> int | None:
+        """The request produced its first token: prefill done, decode begins. Returns its
+        worker, or None when nothing changed (unknown, or prefilled already)."""
         req = self._requests.get(request_id)
         if req is None or req.prefilled:
-            return
+            return None
         req.prefilled = True
         books = self._books[req.worker]
         books.prefill -= req.prefill_blocks
         books.decode += req.decode_blocks
-        self._changed(req.worker)
+        return req.worker
 
-    def finished(self, request_id: str) -> None:
-        """The request ended (success, error or cancel); releases what it held."""
+    def finished(self, request_id: str) -> int | None:
+        """The request ended (success, error or cancel); releases what it held. Returns its
+        worker, or None when nothing changed (unknown, or its worker removed)."""
         req = self._requests.pop(request_id, None)
         if req is None:
-            return
+            return None
         books = self._books.get(req.worker)
         if books is None:
-            return
+            return None
         books.requests.discard(request_id)
         books.active -= 1
         if req.prefilled:
             books.decode -= req.decode_blocks
         else:
             books.prefill -= req.prefill_blocks
-        self._changed(req.worker)
+        return req.worker
 
     def reported(self, worker: int, load: ReportedLoad) -> None:
         """Fold in the worker's own report of its load."""
@@ -159,7 +152,6 @@ class LoadTracker:
         else:
             books.external_prefill = max(0.0, load.pending_prefill_blocks - books.prefill)
             books.external_decode = max(0.0, load.decode_blocks - books.decode)
-        self._changed(worker)
 
     def load(self, worker: int) -> WorkerLoad:
         """The load to weigh for ``worker`` (zero for an unknown worker)."""

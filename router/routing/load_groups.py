@@ -45,7 +45,8 @@ class LoadGroups:
         3. ``_decode`` and ``_sessions`` hold each tracked worker's figure once, sorted.
         4. ``_ids`` holds each tracked worker once, sorted.
 
-    :func:`choose_fast` reads these lists in place.
+    :func:`choose_fast` reads them through the read-only views below (the lists
+    themselves, not copies: a caller must not change them).
     """
 
     def __init__(self) -> None:
@@ -65,6 +66,34 @@ class LoadGroups:
     def key(self, worker: int) -> LoadKey:
         """The figures ``worker`` is priced on."""
         return self._key[worker]
+
+    def key_of(self, worker: int) -> LoadKey | None:
+        """The figures ``worker`` is priced on; None when it is not tracked."""
+        return self._key.get(worker)
+
+    @property
+    def order(self) -> Sequence[LoadKey]:
+        """Each group's key once, sorted (least pending prefill first)."""
+        return self._order
+
+    def members(self, key: LoadKey) -> list[int]:
+        """The workers of the group ``key``, sorted (do not change the list)."""
+        return self._members[key]
+
+    @property
+    def ids(self) -> list[int]:
+        """Every tracked worker, sorted (do not change the list)."""
+        return self._ids
+
+    @property
+    def least_decode(self) -> float:
+        """The least decode load of any tracked worker (there must be one)."""
+        return self._decode[0]
+
+    @property
+    def fewest_sessions(self) -> float:
+        """The fewest live sessions of any tracked worker (there must be one)."""
+        return self._sessions[0]
 
     def update(self, worker: int, key: LoadKey) -> None:
         """Put ``worker`` in the group of ``key`` (tracking it if new)."""
@@ -108,7 +137,9 @@ class LoadGroups:
 
 def candidate_of(worker: int, key: LoadKey, matched: int = 0, device: int = 0) -> Candidate:
     """The scheduler's view of a worker with these load figures."""
-    return Candidate(worker, matched, device, key[0], key[1], key[2], key[3])
+    return Candidate(worker=worker, matched_blocks=matched, device_matched_blocks=device,
+                     pending_prefill_blocks=key[0], decode_blocks=key[1],
+                     active_requests=key[2], sessions=key[3])
 
 
 class FastChoice:
@@ -140,23 +171,24 @@ def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadG
     Raises:
         ValueError: no tracked worker, or a negative block count.
     """
-    if not groups._key:
+    if not len(groups):
         raise ValueError("no candidate workers")
     if request_blocks < 0:
         raise ValueError(f"request_blocks must be >= 0, got {request_blocks}")
     held: dict[int, Candidate] = {}
     for c in holders:
         held[c.worker] = c
-    if home is not None and home in groups._key:
-        key = groups._key[home]
-        if stays_home(key[0], groups._order[0][0], config):
-            c = held.get(home) or candidate_of(home, key)
-            return FastChoice(home, cost_of(c, request_blocks, config),
-                              config.overlap_weight, True)
+    order = groups.order
+    home_key = groups.key_of(home) if home is not None else None
+    if home is not None and home_key is not None and stays_home(home_key[0], order[0][0],
+                                                                config):
+        c = held.get(home) or candidate_of(home, home_key)
+        return FastChoice(home, cost_of(c, request_blocks, config), config.overlap_weight,
+                          True)
     session_price = fewest = 0.0
     sessions = config.session_weight > 0
     if sessions:
-        fewest = groups._sessions[0]
+        fewest = groups.fewest_sessions
         session_price = config.overlap_weight * (config.session_weight * continue_rate)
     priced: list[WorkerCost] = []
     best = (math.inf, 0)
@@ -173,13 +205,13 @@ def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadG
     # same float): weight * (B + queue_weight * pending) + decode, plus the session term.
     factor = config.queue_weight
     weight = config.overlap_weight
-    floor = groups._decode[0]
+    floor = groups.least_decode
     tied_groups: list[tuple[LoadKey, list[int], float]] = []  # key, members, prefill
-    for key in groups._order:
+    for key in order:
         prefill = request_blocks + factor * key[0]
         if weight * prefill + floor - best[0] > _SLACK * (abs(best[0]) + 1.0):
             break
-        members = groups._members[key]
+        members = groups.members(key)
         if len(members) <= len(held) and all(w in held for w in members):
             continue
         cost = weight * prefill + key[1]
@@ -196,22 +228,22 @@ def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadG
             tied.append(wc.worker)
     runs: list[list[int]] = []
     skipped: list[int] = []  # the held workers inside the tied groups
-    if len(tied_groups) == len(groups._order):  # every group ties: one run, the fleet
-        runs.append(groups._ids)
+    if len(tied_groups) == len(order):  # every group ties: one run, the fleet
+        runs.append(groups.ids)
         skipped = sorted(held)
     else:
         for _, members, _ in tied_groups:
             runs.append(members)
         if runs and held:
             keys = {key for key, _, _ in tied_groups}
-            skipped = sorted(w for w in held if groups._key[w] in keys)
+            skipped = sorted(w for w in held if groups.key(w) in keys)
     tied.sort()
     worker = _draw(runs, skipped, tied, rng)
     if tied and _has(tied, worker):
         for wc in priced:
             if wc.worker == worker:
                 return FastChoice(worker, wc, weight, False)
-    key = groups._key[worker]
+    key = groups.key(worker)
     prefill = 0.0
     for group in tied_groups:
         if group[0] == key:
@@ -219,7 +251,9 @@ def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadG
             break
     # The terms cost_of gives a worker of group ``key`` (it matches nothing); best[0] is the
     # cost, session term included.
-    chosen = WorkerCost(worker, 0, 0, 0.0, prefill, key[1], key[2], best[0], key[3])
+    chosen = WorkerCost(worker=worker, matched_blocks=0, device_matched_blocks=0,
+                        credited_blocks=0.0, prefill_blocks=prefill, decode_blocks=key[1],
+                        active_requests=key[2], cost=best[0], sessions=key[3])
     return FastChoice(worker, chosen, weight, False)
 
 

@@ -86,7 +86,7 @@ class Candidate:
     sessions: float = 0.0
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, kw_only=True)
 class WorkerCost:
     """The terms of one candidate's cost, as ``/debug/route`` shows them."""
 
@@ -155,9 +155,11 @@ def cost_of(candidate: Candidate, request_blocks: int, config: SchedulerConfig) 
     credited = device + config.host_credit * (matched - device)
     prefill = (request_blocks - credited) + config.queue_weight * candidate.pending_prefill_blocks
     cost = config.overlap_weight * prefill + candidate.decode_blocks
-    return WorkerCost(candidate.worker, matched, device, credited, prefill,
-                      candidate.decode_blocks, candidate.active_requests, cost,
-                      candidate.sessions)
+    return WorkerCost(worker=candidate.worker, matched_blocks=matched,
+                      device_matched_blocks=device, credited_blocks=credited,
+                      prefill_blocks=prefill, decode_blocks=candidate.decode_blocks,
+                      active_requests=candidate.active_requests, cost=cost,
+                      sessions=candidate.sessions)
 
 
 @dataclass(slots=True)

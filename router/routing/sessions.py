@@ -30,7 +30,7 @@ about 240 bytes a head, so 63 MB at the default bound of 262,144 live heads).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = ["Continuation", "SessionTracker"]
@@ -82,13 +82,19 @@ class SessionTracker:
         self._ended = 0.0
         #: The share of heads continued rather than expired (0 before any outcome).
         self.continue_rate = 0.0
-        #: Called with a worker's id after its live sessions changed (the routing core keeps
-        #: its workers ordered by them).
-        self.on_change: Callable[[int], None] | None = None
+        # Workers whose live sessions changed since the last take_changed().
+        self._changed_workers: set[int] = set()
 
     def _changed(self, worker: int) -> None:
-        if self.on_change is not None:
-            self.on_change(worker)
+        self._changed_workers.add(worker)
+
+    def take_changed(self) -> set[int]:
+        """The workers whose live sessions changed since the last call (the routing core
+        keeps its workers ordered by them)."""
+        changed = self._changed_workers
+        if changed:
+            self._changed_workers = set()
+        return changed
 
     @property
     def mean_gap(self) -> float | None:

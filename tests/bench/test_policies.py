@@ -18,6 +18,7 @@ from bench.policies import (
 )
 from indexer.index import GLOBAL_SEED, block_hashes
 from openai_request.prompts import PromptTokens
+from router.routing.load import ReportedLoad
 from router.routing.prompt_path import HashingTerms, request_hashes
 from tests.support.policies import BS, FakeCluster
 
@@ -170,7 +171,8 @@ def test_kvroute_queue_weight_trades_waiting_against_recomputing(queue_weight: f
     p.start(cluster)
     req = rr("a", PROMPT)
     cluster.index.store_hashes(0, req.hashes)  # worker 0 holds all 10 blocks ...
-    p.core.load.routed("queued", 0, 20.0, 20)  # ... behind 20 blocks of pending prefill
+    # ... behind 20 blocks of pending prefill (another router's, in the worker's report)
+    p.core.load_reported(0, ReportedLoad(running=1, pending_prefill_blocks=20.0))
     # Weight 1: 0 + 20 > 10 + 0, recompute on worker 1. Weight 0.25: 0 + 5 < 10, wait on 0.
     assert p.route(req, 0.0) == expected
 
@@ -203,8 +205,8 @@ def _decoding_on_worker_0(policy: str) -> tuple[FakeCluster, KvroutePolicy]:
     (p,) = make_policies(policy)
     assert isinstance(p, KvroutePolicy)
     p.start(cluster)
-    p.core.load.routed("decoding", 0, 0.0, 300)  # worker 0 decodes 300 blocks of context
-    p.first_token("decoding", 0.0)
+    # worker 0 decodes 300 blocks of context (another router's, in the worker's report)
+    p.core.load_reported(0, ReportedLoad(running=1, decode_blocks=300.0))
     return cluster, p
 
 
@@ -219,11 +221,12 @@ def test_kvroute_keeps_a_continuing_session_home_until_its_queue_runs_away(
     home = p.route(rr("turn1", PROMPT), 0.0)
     p.first_token("turn1", 0.1)
     p.finished("turn1", 0.2)
-    p.core.load.routed("long-decode", home, 0.0, 3000)  # 3,000 blocks decoding at home
-    p.first_token("long-decode", 0.3)
+    # 3,000 blocks decoding at home (another router's, in the worker's report)
+    p.core.load_reported(home, ReportedLoad(running=1, decode_blocks=3000.0))
     # Leaving costs 32 x 10 = 320; staying 3,000 of decode: by cost, the turn leaves.
     turn2 = PROMPT + tuple(range(60, 68))
     assert (p.route(rr("turn2", turn2), 1.0) == home) is stays
     if stays:  # 200 blocks queued at home, past the 128 allowed: the next turn leaves
-        p.core.load.routed("queued", home, 200.0, 200)
+        p.core.load_reported(home, ReportedLoad(running=3, pending_prefill_blocks=208.0,
+                                                decode_blocks=3000.0))
         assert p.route(rr("turn3", turn2 + tuple(range(70, 78))), 2.0) != home

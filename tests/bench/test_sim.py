@@ -83,4 +83,4 @@ def test_sessions_keep_continuing_turns_on_their_worker_under_load() -> None:
     moved_before, _, _ = _moved_turns(reqs, "kvroute[sessions=off]")
     assert turns > 300 and moved_before > 0
     assert moved < moved_before
-    assert policy.core.sessions is not None and policy.core.sessions.continue_rate > 0.5
+    assert policy.core.follows_sessions and policy.core.continue_rate > 0.5

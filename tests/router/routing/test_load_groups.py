@@ -10,7 +10,7 @@ import random
 
 import pytest
 
-from router.routing.core import CoreSettings, RoutingCore, WorkerFacts
+from router.routing.core import CoreSettings, RoutingCore
 from router.routing.load import ReportedLoad
 from router.routing.load_groups import LoadGroups, choose_fast
 from router.routing.scheduler import SchedulerConfig, choose
@@ -25,12 +25,12 @@ def _config(rng: random.Random) -> SchedulerConfig:
     )
 
 
-def _fleet(rng: random.Random, workers: int) -> tuple[RoutingCore, dict[int, WorkerFacts]]:
-    facts = {w: WorkerFacts(approximate=rng.random() < 0.2) for w in range(workers)}
-    core = RoutingCore(CoreSettings(auto_queue=False), facts=facts.get)
+def _fleet(rng: random.Random, workers: int) -> tuple[RoutingCore, dict[int, bool]]:
+    approximate = {w: rng.random() < 0.2 for w in range(workers)}
+    core = RoutingCore(CoreSettings(auto_queue=False))
     for w in range(workers):
-        core.load.add_worker(w)
-    return core, facts
+        core.worker_joined(w, approximate=approximate[w])
+    return core, approximate
 
 
 def _agree(core: RoutingCore, rng: random.Random, hashes: list[int],
@@ -73,15 +73,15 @@ def test_the_fast_choice_is_the_full_scans(seed: int) -> None:
                     routed.continued, len(hashes) * 32 + rng.randrange(2))
         in_flight.append(rid)
         for r in rng.sample(in_flight, min(len(in_flight), rng.randint(0, 2))):
-            core.load.first_token(r)
+            core.first_token(r)
         if in_flight and rng.random() < 0.4:
-            core.load.finished(in_flight.pop(rng.randrange(len(in_flight))))
+            core.finished(in_flight.pop(rng.randrange(len(in_flight))))
         if rng.random() < 0.05:
-            core.load.reported(rng.randrange(workers), ReportedLoad(
+            core.load_reported(rng.randrange(workers), ReportedLoad(
                 rng.randint(0, 9), rng.randint(0, 9), float(rng.randint(0, 50)),
                 float(rng.randint(0, 50))))
         if rng.random() < 0.05:
-            core.forget(rng.randrange(workers), now, registered=True)
+            core.cache_cleared(rng.randrange(workers), now)
 
 
 def test_an_idle_fleet_is_one_group_and_ties_draw_as_the_scan_does() -> None:
@@ -104,8 +104,8 @@ def test_groups_that_differ_only_in_free_sessions_tie_and_draw_as_the_scan_does(
     for i in range(150):  # a head per request, none continued
         hashes = [rng.getrandbits(32) for _ in range(4)]
         core.routed(f"r{i}", rng.randrange(96), hashes, 0.0, 0.0, None, 128)
-        core.load.finished(f"r{i}")
-    assert core.sessions is not None and core.sessions.continue_rate == 0.0
+        core.finished(f"r{i}")
+    assert core.follows_sessions and core.continue_rate == 0.0
     assert len(core._groups.groups()) >= 3
     for seed in range(40):
         draw = random.Random(seed)
@@ -125,16 +125,17 @@ def test_the_groups_follow_the_books() -> None:
     core, _ = _fleet(rng, 10)
     for i in range(200):
         w = rng.randrange(10)
-        core.load.routed(f"r{i}", w, float(rng.randint(0, 5)), float(rng.randint(1, 5)))
+        hashes = [rng.getrandbits(32) for _ in range(rng.randint(1, 5))]
+        core.routed(f"r{i}", w, hashes, float(rng.randint(0, len(hashes))), 0.0)
         if rng.random() < 0.5:
-            core.load.first_token(f"r{rng.randrange(i + 1)}")
+            core.first_token(f"r{rng.randrange(i + 1)}")
         if rng.random() < 0.3:
-            core.load.finished(f"r{rng.randrange(i + 1)}")
+            core.finished(f"r{rng.randrange(i + 1)}")
     for w in range(10):
         assert core._groups.key(w) == core._key(w)
-    core.load.remove_worker(4)
+    core.worker_left(4)
     assert 4 not in core._groups and len(core._groups) == 9
-    assert core._groups._ids == [0, 1, 2, 3, 5, 6, 7, 8, 9]
+    assert core._groups.ids == [0, 1, 2, 3, 5, 6, 7, 8, 9]
 
 
 def test_an_empty_fleet_is_a_caller_error() -> None:
@@ -151,7 +152,7 @@ def test_a_fleet_with_a_worker_left_out_is_priced_in_full() -> None:
 
 def test_a_lazy_explanation_lists_every_worker_cheapest_first() -> None:
     core, _ = _fleet(random.Random(0), 5)
-    core.load.routed("busy", 3, 50.0, 60.0)
+    core.routed("busy", 3, list(range(100, 160)), 10.0, 0.0)
     routed = core.decide([7, 8], {3: (2, 2)}, 0.0, random.Random(0))
     costs = routed.decision.costs
     assert sorted(c.worker for c in costs) == list(range(5))

@@ -13,7 +13,7 @@ from router.routing.core import CoreSettings, RoutingCore
 def _idle_pair() -> RoutingCore:
     core = RoutingCore(CoreSettings(auto_queue=False))
     for w in (0, 1):
-        core.load.add_worker(w)
+        core.worker_joined(w)
     return core
 
 
@@ -23,8 +23,8 @@ def _route(core: RoutingCore, name: str, hashes: list[int], now: float,
     worker = routed.decision.worker
     core.routed(name, worker, hashes, core.credited(routed.decision, worker), now,
                 routed.continued, 32 * len(hashes) + 1)
-    core.load.first_token(name)
-    core.load.finished(name)
+    core.first_token(name)
+    core.finished(name)
     return worker
 
 
@@ -37,7 +37,7 @@ def test_requests_sharing_only_a_prefix_all_go_to_its_holder() -> None:
     workers = [_route(core, f"r{i}", prefix + [1000 + 10 * i + j for j in range(4)],
                       0.1 * i, rng) for i in range(12)]
     assert workers == [workers[0]] * 12
-    assert core.sessions is not None and core.sessions.continue_rate == 0.0
+    assert core.follows_sessions and core.continue_rate == 0.0
 
 
 def test_a_live_conversation_outweighs_a_shorter_shared_opening() -> None:
