@@ -29,10 +29,10 @@ from openai_request.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 from router.fleet.facts import FleetFacts
 from router.fleet.registry import Registry, WorkerEntry
 from router.fleet.worker_table import WorkerInfo
-from router.routing.core import RoutingCore
+from router.routing.core import Prediction, RoutingCore
 from router.routing.load import ReportedLoad
 from router.routing.prompt_path import HashingTerms, PrefixReach, request_hashes
-from router.routing.scheduler import Decision, SchedulerConfig
+from router.routing.scheduler import Decision
 from router.routing.sessions import Continuation
 from router.settings import RouterSettings
 
@@ -102,8 +102,8 @@ class _CoreFacts(FleetFacts):
         self._core = core
         self._described = described
 
-    def joined(self, worker: int, info: WorkerInfo | None) -> None:
-        self._core.worker_joined(worker, approximate=_approximate(info),
+    def joined(self, worker: int, engine: str, info: WorkerInfo | None) -> None:
+        self._core.worker_joined(worker, engine=engine, approximate=_approximate(info),
                                  capacity_blocks=_capacity(info))
 
     def described(self, worker: int, info: WorkerInfo) -> None:
@@ -164,19 +164,11 @@ class RouterService:
         self._fleet_key: list[WorkerEntry] | None = None
         self._fleets: dict[str | None, _Fleet] = {}
 
-    @property
-    def scheduler(self) -> SchedulerConfig:
-        """The cost rule's settings of the last decision (the queue terms follow the
-        eviction pressure under ``auto``)."""
-        return self.core.config
 
     def _candidates_changed(self) -> None:
         """A worker's model info may have changed: work out the fleets again."""
         self._fleet_key = None
 
-    def queue_weight(self, now: float) -> float:
-        """The queue weight a decision at ``now`` uses (fixed, or by eviction pressure)."""
-        return self.core.queue_weight(now)
 
     def models(self) -> list[str]:
         """Models served by healthy workers."""
@@ -318,8 +310,8 @@ class RouterService:
     def dispatched(self, route: Route, worker: WorkerEntry) -> None:
         """Book a request as sent to ``worker``: load, predicted residency, and its session
         (now living on ``worker``; a fallback moves it again, without counting it twice)."""
-        credited = self.core.credited(route.decision, worker.id)
-        self.core.routed(route.request_id, worker.id, route.hashes, credited, time.monotonic(),
+        terms = route.decision.terms(worker.id)
+        self.core.routed(route.request_id, worker.id, route.hashes, terms, time.monotonic(),
                          route.continued, len(route.prompt.token_ids))
         route.continued = None
 
@@ -334,9 +326,10 @@ class RouterService:
         """``worker`` refused the request: withdraw the blocks predicted there for it."""
         self.core.withdrawn(worker.id, route.hashes)
 
-    def first_token(self, route: Route) -> None:
-        """The worker began answering ``route``: its prefill is done."""
-        self.core.first_token(route.request_id)
+    def first_token(self, route: Route) -> Prediction | None:
+        """The worker began answering ``route``: its prefill is done; returns the predicted
+        and the delivered time to it (None: told before)."""
+        return self.core.first_token(route.request_id, time.monotonic())
 
     def finished(self, route: Route) -> None:
         """``route`` ended (answered, failed or abandoned): release its load. Idempotent."""

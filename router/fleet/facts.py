@@ -21,9 +21,9 @@ __all__ = ["FleetFacts"]
 class FleetFacts:
     """The facts a registry reports; each method ignores its fact here (module docstring)."""
 
-    def joined(self, worker: int, info: WorkerInfo | None) -> None:
-        """``worker`` was registered (``info``: its model info, None while it has not
-        answered)."""
+    def joined(self, worker: int, engine: str, info: WorkerInfo | None) -> None:
+        """``worker`` was registered; ``engine``: its kind (``kvroute``, ``vllm``, ...);
+        ``info``: its model info, None while it has not answered."""
 
     def described(self, worker: int, info: WorkerInfo) -> None:
         """``worker``'s model info was read (again, after a reconnect or restart)."""

@@ -242,7 +242,7 @@ class Registry:
         self._next_id += 1
         self._entries[entry.id] = entry
         self._healthy.changed()
-        self._facts.joined(entry.id, entry.info)
+        self._facts.joined(entry.id, entry.engine, entry.info)
         return entry
 
     def adopt(self, info: WorkerInfo) -> WorkerEntry:
@@ -253,7 +253,7 @@ class Registry:
         self._next_id += 1
         self._entries[entry.id] = entry
         self._healthy.changed()
-        self._facts.joined(entry.id, info)
+        self._facts.joined(entry.id, entry.engine, info)
         return entry
 
     def _liveness(self) -> Liveness:

@@ -110,10 +110,12 @@ class _StateCollector:
             "Device blocks the workers removed in the pressure window over their peak resident")
         pressure.add_metric([], service.core.eviction_pressure(now))
         yield pressure
-        weight = GaugeMetricFamily("kvroute_queue_weight",
-                                   "The queue weight a routing decision now uses")
-        weight.add_metric([], service.queue_weight(now))
-        yield weight
+        factor = GaugeMetricFamily("kvroute_rate_factor",
+                                   "The worker's learned factor on its engine kind's rates",
+                                   labels=["worker"])
+        for e in entries:
+            factor.add_metric([e.url], service.core.rate_factor(e.id))
+        yield factor
         if service.core.follows_sessions:
             live = GaugeMetricFamily("kvroute_sessions",
                                      "Live chat or agent sessions homed on the worker",

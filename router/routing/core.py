@@ -1,31 +1,34 @@
 """The routing core: what the router knows of its workers, and the decision it makes from it.
 
 :class:`RoutingCore` holds everything a decision reads besides the prefix index: the load books
-(:mod:`router.routing.load`), predicted residency (:mod:`router.routing.residency`), live sessions
-(:mod:`router.routing.sessions`) and the eviction pressure that sets the queue weight under ``auto``
-(:mod:`router.routing.pressure`). :meth:`RoutingCore.decide` takes a request's block hashes, the
-index's matches for them and ``now``, and returns the :class:`~router.routing.scheduler.Decision`
-with every term ``/debug/route`` shows; :meth:`RoutingCore.routed` books the request where it went.
-The HTTP router (:class:`router.service.RouterService`) and the benchmark's ``kvroute`` policy
-(:mod:`bench.policies.kvroute_policy`) are thin shells around it.
+(:mod:`router.routing.load`), each worker's rates and their learned factor
+(:mod:`router.routing.rates`), predicted residency (:mod:`router.routing.residency`), live
+sessions (:mod:`router.routing.sessions`, shown, not priced) and the eviction pressure
+(:mod:`router.routing.pressure`, shown). :meth:`RoutingCore.decide` takes a request's block
+hashes, the index's matches for them and ``now``, and returns the
+:class:`~router.routing.scheduler.Decision` with every term ``/debug/route`` shows: each
+candidate priced by the time to first token it would give. :meth:`RoutingCore.routed` books
+the request where it went. The HTTP router (:class:`router.service.RouterService`) and the
+benchmark's ``kvroute`` policy (:mod:`bench.policies.kvroute_policy`) are thin shells around it.
 
 The core is told, never asks: every fact comes in by a method as it happens (a worker joined,
 was described, left or had its cache cleared; it reported its load; its events were applied; a
 request was routed, produced its first token, finished or was withdrawn), and what callers
 need to know comes out by verbs (:meth:`RoutingCore.pending_prefill`, ...); its books stay
-inside. The cache-blind baselines (``round_robin``, ``random``) are choices the core makes in
-place of the rule, pricing only the worker they chose (its booking needs its hit).
+inside. A first token also teaches the worker's rate factor: the seconds it took against the
+work predicted for it (:class:`~router.routing.rates.RateScale`), unless rates are set by hand.
+The cache-blind baselines (``round_robin``, ``random``) are choices the core makes in place of
+the rule, pricing only the worker they chose (its booking needs its hit). ``dynamo`` is NVIDIA
+Dynamo's rule as fixed rates in blocks (:data:`~router.routing.rates.DYNAMO_RATES`).
 
 Pure: no I/O, no clock, no event loop; the caller passes ``now`` (monotonic seconds) and the
-random source. When every tracked worker is a candidate, the choice
-prices only the workers holding some of the prompt one by one (:mod:`router.routing.load_groups`);
-otherwise every candidate is priced (:func:`router.routing.scheduler.choose`). Both give the same
-decision.
+random source. When every tracked worker is a candidate, the choice prices only the workers
+holding some of the prompt one by one (:mod:`router.routing.load_groups`); otherwise every
+candidate is priced (:func:`router.routing.scheduler.choose`). Both give the same decision.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import random
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -33,21 +36,17 @@ from dataclasses import dataclass
 from indexer.events import Cleared, Event
 from router.routing.load import LoadTracker, ReportedLoad
 from router.routing.load_groups import LoadGroups, LoadKey, choose_fast
-from router.routing.pressure import EvictionPressure, queue_weight_for
+from router.routing.pressure import EvictionPressure
+from router.routing.rates import DEFAULT_RATES, DYNAMO_RATES, Rates, RateScale
 from router.routing.residency import PredictedResidency
-from router.routing.scheduler import (
-    Candidate,
-    Decision,
-    SchedulerConfig,
-    WorkerCost,
-    choose,
-    cost_of,
-    price,
-)
+from router.routing.scheduler import Candidate, Decision, WorkerCost, choose, cost_of, price
 from router.routing.sessions import Continuation, SessionTracker
 
-__all__ = ["BASELINES", "CoreSettings", "Routed", "RoutingCore"]
+__all__ = ["BASELINES", "POLICIES", "CoreSettings", "Prediction", "Routed", "RoutingCore"]
 
+#: ``kv``: the time to first token from each worker's rates; ``dynamo``: NVIDIA Dynamo's rule
+#: (blocks, not seconds); the cache-blind baselines.
+POLICIES = ("kv", "dynamo", "round_robin", "random")
 #: Cache-blind choices, measured against: the next worker in turn, or one at random.
 BASELINES = ("round_robin", "random")
 
@@ -60,24 +59,60 @@ Matches = Mapping[int, tuple[int, int]]
 class CoreSettings:
     """The core's settings (the router's flags, read once)."""
 
-    #: The cost rule's weights; ``queue_weight`` is the fixed one unless ``auto_queue``.
-    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
-    #: Queue weight by eviction pressure (:mod:`router.routing.pressure`) instead of the fixed one.
-    auto_queue: bool = True
+    #: One of :data:`POLICIES`.
+    policy: str = "kv"
+    #: Tokens per KV block (the rates are per token; the books are in blocks).
+    block_size: int = 32
+    #: Rates per token set by hand for every worker (None: each engine kind's default,
+    #: :data:`router.routing.rates.DEFAULT_RATES`, and learned unless ``learn`` is off).
+    rates: Rates | None = None
+    #: Learn each worker's rate factor from its first tokens (never with hand-set rates).
+    learn: bool = True
     #: Seconds a routed prompt's blocks count as resident before events say so.
     predict_ttl: float = 10.0
     #: Seconds a routed prompt's blocks count as resident on a worker without events.
     approximate_ttl: float = 120.0
-    #: Follow sessions (continuations stay home; the session term).
+    #: Follow sessions (shown in ``/debug/route`` and ``/metrics``; not priced).
     sessions: bool = True
     #: Seconds of removals the eviction pressure counts.
     pressure_window: float = 10.0
-    #: ``kv``: the cost rule; or a cache-blind baseline (:data:`BASELINES`).
-    choice: str = "kv"
 
     def __post_init__(self) -> None:
-        if self.choice != "kv" and self.choice not in BASELINES:
-            raise ValueError(f"choice {self.choice!r} is not kv, {', '.join(BASELINES)}")
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy {self.policy!r} is not one of {', '.join(POLICIES)}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+
+    @property
+    def learns(self) -> bool:
+        """Whether rate factors are learned (the ``kv`` rule on default rates)."""
+        return self.learn and self.rates is None and self.policy == "kv"
+
+    def base_rates(self, engine: str) -> Rates:
+        """The per-block rates of a worker of ``engine`` before its learned factor."""
+        if self.policy == "dynamo":
+            return DYNAMO_RATES
+        rates = self.rates or DEFAULT_RATES.get(engine, DEFAULT_RATES["kvroute"])
+        return rates.per_block(self.block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """What a first token told: the predicted time to it and the delivered one, in seconds."""
+
+    worker: int
+    predicted_s: float
+    delivered_s: float
+
+
+@dataclass(slots=True)
+class _Booked:
+    """What the core remembers of a routed request until its first token."""
+
+    routed_at: float
+    predicted_s: float
+    #: The predicted seconds less ``first_s``, at the worker's unscaled rates.
+    work_s: float
 
 
 @dataclass(slots=True)
@@ -91,21 +126,12 @@ class Routed:
 class RoutingCore:
     """The router's state and decision, without I/O (module docstring).
 
-    The core is told, never asks: a shell tells it each fact as it happens (a worker joined,
-    was described, left, had its cache cleared or reported its load; events were applied; a
-    request was routed, produced its first token, finished or was withdrawn), with ``now``.
-
     Args:
         settings: the core's settings.
     """
 
     def __init__(self, settings: CoreSettings) -> None:
         self.settings = settings
-        config = settings.scheduler
-        if settings.auto_queue:
-            config = dataclasses.replace(config, queue_weight=queue_weight_for(0.0, warming=True))
-        #: The scheduler settings of the last decision (the queue terms follow the pressure).
-        self.config = config
         self._load = LoadTracker()
         self._predicted = PredictedResidency(settings.predict_ttl)
         self._approximate = PredictedResidency(settings.approximate_ttl, max_blocks=1 << 22)
@@ -115,16 +141,33 @@ class RoutingCore:
         self._tracked: dict[int, bool] = {}
         self._capacity: dict[int, float] = {}
         self._capacity_total = 0.0
+        self._kind: dict[int, str] = {}  # each worker's engine kind
+        # Per engine kind: its rates per block before the learned factor, the factor learned
+        # from every worker of the kind, and the factor applied (moved on a 2% change).
+        self._base: dict[str, Rates] = {}
+        self._scale: dict[str, RateScale] = {}
+        self._applied: dict[str, float] = {}
+        self._rates: dict[int, Rates] = {}  # per worker, per block, the factor applied
+        self._booked: dict[str, _Booked] = {}
         self._groups = LoadGroups()
         self._turns = 0
+        self._default_rates = settings.base_rates("kvroute")
 
     # -- facts about the workers --------------------------------------------------------------
 
-    def worker_joined(self, worker: int, *, approximate: bool = False,
+    def worker_joined(self, worker: int, *, engine: str = "kvroute", approximate: bool = False,
                       capacity_blocks: float = 0.0) -> None:
-        """``worker`` may be routed to from now on (idempotent); ``approximate``: it publishes
-        no KV events; ``capacity_blocks``: its device KV blocks (0: unknown)."""
+        """``worker`` may be routed to from now on (idempotent); ``engine``: its kind (sets
+        its default rates); ``approximate``: it publishes no KV events; ``capacity_blocks``:
+        its device KV blocks (0: unknown)."""
         self._load.add_worker(worker)
+        if worker not in self._kind:
+            self._kind[worker] = engine
+            if engine not in self._base:
+                self._base[engine] = self.settings.base_rates(engine)
+                self._scale[engine] = RateScale()
+                self._applied[engine] = 1.0
+            self._rates[worker] = self._scaled(engine)
         self.worker_described(worker, approximate=approximate, capacity_blocks=capacity_blocks)
 
     def worker_described(self, worker: int, *, approximate: bool, capacity_blocks: float
@@ -139,15 +182,18 @@ class RoutingCore:
         self._refresh(worker)
 
     def worker_left(self, worker: int) -> list[str]:
-        """``worker`` left the fleet: drop its load, predictions, sessions and its place in
-        the eviction pressure. Returns the ids of the requests it had in flight."""
+        """``worker`` left the fleet: drop its load, rates, predictions, sessions and its place
+        in the eviction pressure. Returns the ids of the requests it had in flight."""
         in_flight = self._load.remove_worker(worker)
+        for rid in in_flight:
+            self._booked.pop(rid, None)
         self._tracked.pop(worker, None)
         self._capacity_total -= self._capacity.pop(worker, 0.0)
+        self._kind.pop(worker, None)
+        self._rates.pop(worker, None)
         self._forget(worker)
         self._pressure.forget(worker)
         self._refresh(worker)
-        self._settle()
         return in_flight
 
     def cache_cleared(self, worker: int, now: float) -> None:
@@ -156,7 +202,6 @@ class RoutingCore:
         capacity."""
         self._forget(worker)
         self._pressure.observe(worker, [Cleared()], now)
-        self._settle()
 
     def _forget(self, worker: int) -> None:
         self._predicted.forget(worker)
@@ -184,16 +229,14 @@ class RoutingCore:
         else:
             self._groups.remove(worker)
 
-    def _settle(self) -> None:
-        """Regroup the workers whose live sessions changed."""
-        if self._sessions is not None:
-            for w in self._sessions.take_changed():
-                self._refresh(w)
-
     def _key(self, worker: int) -> LoadKey:
         load = self._load.load(worker)
-        live = float(self._sessions.live(worker)) if self._sessions is not None else 0.0
-        return (load.pending_prefill_blocks, load.decode_blocks, load.active_requests, live)
+        r = self._rates.get(worker, self._default_rates)
+        factor = self.rate_factor(worker)
+        wait = (factor * load.pending_prefill_s + r.prefill_s * load.external_prefill_blocks
+                + r.decode_s * load.decode_blocks)
+        return (wait, r.prefill_s, r.context_s, r.first_s, load.active_requests,
+                load.pending_prefill_blocks, load.decode_blocks)
 
     # -- what the core knows, read ----------------------------------------------------------
 
@@ -204,6 +247,27 @@ class RoutingCore:
     def pending_prefill(self, worker: int) -> float:
         """Blocks of prefill queued on ``worker`` (routed, no first token yet)."""
         return self._load.load(worker).pending_prefill_blocks
+
+    def wait(self, worker: int) -> float:
+        """Seconds of work queued on ``worker`` ahead of a new request, as priced now."""
+        return self._key(worker)[0]
+
+    def rates(self, worker: int) -> Rates:
+        """``worker``'s rates per block, its learned factor applied."""
+        return self._rates.get(worker, self._default_rates)
+
+    def rate_factor(self, worker: int) -> float:
+        """``worker``'s learned factor on its engine kind's rates (1: none learned)."""
+        kind = self._kind.get(worker)
+        return self._applied[kind] if kind is not None else 1.0
+
+    def _scaled(self, kind: str) -> Rates:
+        base, f = self._base[kind], self._applied[kind]
+        if f == 1.0:
+            return base
+        return Rates(prefill_s=base.prefill_s * f, context_s=base.context_s * f,
+                     decode_s=base.decode_s * f, onboard_s=base.onboard_s * f,
+                     first_s=base.first_s)
 
     def in_flight(self, worker: int) -> int:
         """Requests this router has in flight on ``worker``."""
@@ -245,16 +309,6 @@ class RoutingCore:
 
     # -- the decision -----------------------------------------------------------------------
 
-    def queue_weight(self, now: float) -> float:
-        """The queue weight a decision at ``now`` uses: the fixed one, or under ``auto`` the
-        eviction pressure's (:func:`router.routing.pressure.queue_weight_for`)."""
-        if not self.settings.auto_queue:
-            return self.settings.scheduler.queue_weight
-        pressure = self._pressure
-        if not pressure.warmed and pressure.warming(self._capacity_total):
-            return queue_weight_for(0.0, warming=True)
-        return queue_weight_for(pressure.pressure(now))
-
     def decide(self, hashes: Sequence[int], matches: Matches, now: float,
                rng: random.Random, *, workers: Sequence[int] | None = None, tokens: int = 0
                ) -> Routed:
@@ -271,40 +325,29 @@ class RoutingCore:
         Raises:
             ValueError: no candidate worker.
         """
-        weight = self.queue_weight(now)
-        config = self.config
-        if weight != config.queue_weight:
-            config = self.config = dataclasses.replace(config, queue_weight=weight)
-        if self.settings.choice != "kv":
+        if self.settings.policy in BASELINES:
             return Routed(self._baseline(hashes, matches, now, rng, workers), None)
-        sessions = self._sessions
-        continued = home = None
-        rate = 0.0
-        if sessions is not None:
-            continued = sessions.continuation(hashes, now, tokens)
-            self._settle()  # expired heads
-            rate = sessions.continue_rate
-            if continued is not None:
-                home = continued.worker
+        continued = None
+        if self._sessions is not None:
+            continued = self._sessions.continuation(hashes, now, tokens)
         blocks = len(hashes)
         if workers is not None and len(workers) == len(self._groups) and all(
                 w in self._groups for w in workers):
             workers = None
         if workers is None:
             holders = self._holders(hashes, matches, now)
-            fast = choose_fast(blocks, holders, self._groups, config, rng, home, rate)
+            fast = choose_fast(blocks, holders, self._groups, rng)
 
             def explain() -> tuple[WorkerCost, ...]:
                 candidates = self.candidates(sorted(self._tracked), hashes, matches, now)
-                return tuple(price(blocks, candidates, config, home, rate).costs)
+                return tuple(price(blocks, candidates).costs)
 
-            decision = Decision(fast.worker, None, fast.overlap_weight, chosen=fast.chosen,
-                                explain=explain)
-            return Routed(decision, continued)
+            return Routed(Decision(fast.worker, None, chosen=fast.chosen, explain=explain),
+                          continued)
         if not workers:
             raise ValueError("no candidate workers")
         candidates = self.candidates(workers, hashes, matches, now)
-        return Routed(choose(blocks, candidates, config, rng, home, rate), continued)
+        return Routed(choose(blocks, candidates, rng), continued)
 
     def _baseline(self, hashes: Sequence[int], matches: Matches, now: float,
                   rng: random.Random, workers: Sequence[int] | None) -> Decision:
@@ -314,24 +357,23 @@ class RoutingCore:
         ids = sorted(self._tracked) if workers is None else list(workers)
         if not ids:
             raise ValueError("no candidate workers")
-        if self.settings.choice == "round_robin":
+        if self.settings.policy == "round_robin":
             worker = ids[self._turns % len(ids)]
             self._turns += 1
         else:
             worker = rng.choice(ids)
-        config = self.config
         blocks = len(hashes)
         chosen = cost_of(self._candidate(worker, hashes, matches.get(worker, (0, 0)), now),
-                         blocks, config)
+                         blocks)
 
         def explain() -> tuple[WorkerCost, ...]:
-            return tuple(price(blocks, self.candidates(ids, hashes, matches, now), config).costs)
+            return tuple(price(blocks, self.candidates(ids, hashes, matches, now)).costs)
 
-        return Decision(worker, None, config.overlap_weight, chosen=chosen, explain=explain)
+        return Decision(worker, None, chosen=chosen, explain=explain)
 
     def candidates(self, workers: Iterable[int], hashes: Sequence[int], matches: Matches,
                    now: float) -> list[Candidate]:
-        """Every one of ``workers`` as the scheduler prices it."""
+        """Every one of ``workers`` as the rule prices it."""
         return [self._candidate(w, hashes, matches.get(w, (0, 0)), now) for w in workers]
 
     def _candidate(self, worker: int, hashes: Sequence[int], match: tuple[int, int],
@@ -339,13 +381,14 @@ class RoutingCore:
         matched, device = match
         residency = self._approximate if self._tracked.get(worker) else self._predicted
         extended = residency.extend(worker, hashes, matched, now)
-        # A tracked worker's figures, as the groups keep them (every change of the books or
-        # the sessions regroups it); an untracked one's, from the books.
+        # A tracked worker's figures, as the groups keep them (every change of its books or
+        # rates regroups it); an untracked one's, from the books.
         key = self._groups.key(worker) if worker in self._tracked else self._key(worker)
         return Candidate(worker=worker, matched_blocks=extended,
-                         device_matched_blocks=device + extended - matched,
-                         pending_prefill_blocks=key[0], decode_blocks=key[1],
-                         active_requests=key[2], sessions=key[3])
+                         device_matched_blocks=device + extended - matched, wait_s=key[0],
+                         rates=self._rates.get(worker, self._default_rates),
+                         pending_prefill_blocks=key[5], decode_blocks=key[6],
+                         active_requests=key[4])
 
     def _holders(self, hashes: Sequence[int], matches: Matches, now: float
                  ) -> list[Candidate]:
@@ -371,39 +414,64 @@ class RoutingCore:
 
     # -- facts about requests ---------------------------------------------------------------
 
-    def credited(self, decision: Decision, worker: int) -> float:
-        """The blocks ``decision`` credited as cached on ``worker`` (the chosen one or a
-        fallback)."""
-        if worker == decision.worker:
-            return decision.chosen.credited_blocks
-        return next(c.credited_blocks for c in decision.costs if c.worker == worker)
-
-    def routed(self, request_id: str, worker: int, hashes: Sequence[int], credited: float,
+    def routed(self, request_id: str, worker: int, hashes: Sequence[int], terms: WorkerCost,
                now: float, continued: Continuation | None = None, tokens: int = 0) -> None:
-        """Book a request as sent to ``worker``: its uncached blocks as pending prefill, its
-        prompt as resident there from now, and its session as living there.
+        """Book a request as sent to ``worker``, priced there as ``terms`` (the decision's,
+        :meth:`~router.routing.scheduler.Decision.terms`): its prefill as queued work there,
+        its prompt as resident there from now, and its session as living there.
 
         Raises:
             ValueError: the request id is in flight already, or the worker is not tracked.
         """
         blocks = len(hashes)
-        self._load.routed(request_id, worker, blocks - credited, max(blocks, 1))
+        factor = self.rate_factor(worker)
+        self._load.routed(request_id, worker, float(terms.prefill_blocks), max(blocks, 1),
+                          terms.prefill_s / factor)
+        first = self.rates(worker).first_s
+        self._booked[request_id] = _Booked(now, terms.cost, (terms.cost - first) / factor)
         self._refresh(worker)
         residency = self._approximate if self._tracked.get(worker) else self._predicted
         residency.expire(now)  # amortised: only the expired front is looked at
         residency.predict(worker, hashes, now)
         if self._sessions is not None:
             self._sessions.routed(hashes, worker, now, continued, tokens)
-            self._settle()
 
-    def first_token(self, request_id: str) -> None:
-        """The request produced its first token: its prefill is done, its decode begins."""
+    def first_token(self, request_id: str, now: float) -> Prediction | None:
+        """The request produced its first token at ``now``: its prefill is done, its decode
+        begins; the seconds it took teach its worker's rate factor. Returns the prediction
+        and what was delivered (None: not in flight, or told before)."""
         worker = self._load.first_token(request_id)
-        if worker is not None:
+        booked = self._booked.pop(request_id, None)
+        if worker is None:
+            return None
+        if booked is None:
             self._refresh(worker)
+            return None
+        delivered = now - booked.routed_at
+        kind = self._kind.get(worker)
+        if self.settings.learns and kind is not None:
+            self._learn(kind, booked.work_s, max(0.0, delivered - self._base[kind].first_s))
+        self._refresh(worker)
+        return Prediction(worker, booked.predicted_s, delivered)
+
+    def _learn(self, kind: str, work_s: float, delivered_s: float) -> None:
+        """Fold one first token into ``kind``'s factor; past a 2% move, reprice every worker
+        of the kind (so the fleet is not regrouped at every first token)."""
+        scale = self._scale[kind]
+        if not scale.observed(work_s, delivered_s):
+            return
+        if abs(scale.factor / self._applied[kind] - 1.0) <= 0.02:
+            return
+        self._applied[kind] = scale.factor
+        rates = self._scaled(kind)
+        for w, k in self._kind.items():
+            if k == kind:
+                self._rates[w] = rates
+                self._refresh(w)
 
     def finished(self, request_id: str) -> None:
         """The request ended (answered, failed or cancelled): release its load. Idempotent."""
+        self._booked.pop(request_id, None)
         worker = self._load.finished(request_id)
         if worker is not None:
             self._refresh(worker)

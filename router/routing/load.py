@@ -35,11 +35,16 @@ class ReportedLoad:
 
 @dataclass(frozen=True, slots=True)
 class WorkerLoad:
-    """The load the scheduler weighs for one worker."""
+    """The load the rule weighs for one worker."""
 
     active_requests: int
+    #: Ours and the worker's report's foreign ones.
     pending_prefill_blocks: float
     decode_blocks: float
+    #: Seconds of prefill booked for our requests (at the rates they were priced at).
+    pending_prefill_s: float = 0.0
+    #: Foreign prefill from the worker's report, in blocks (priced at the worker's rates).
+    external_prefill_blocks: float = 0.0
 
 
 @dataclass(slots=True)
@@ -47,6 +52,7 @@ class _Request:
     worker: int
     prefill_blocks: float
     decode_blocks: float
+    prefill_s: float
     prefilled: bool = False
 
 
@@ -55,6 +61,7 @@ class _Books:
     active: int = 0
     prefill: float = 0.0
     decode: float = 0.0
+    prefill_s: float = 0.0
     external_active: int = 0
     external_prefill: float = 0.0
     external_decode: float = 0.0
@@ -92,9 +99,9 @@ class LoadTracker:
         return sorted(books.requests)
 
     def routed(self, request_id: str, worker: int, prefill_blocks: float,
-               decode_blocks: float) -> None:
-        """A request was sent to ``worker``: ``prefill_blocks`` uncached blocks to prefill,
-        then ``decode_blocks`` held while it decodes.
+               decode_blocks: float, prefill_s: float = 0.0) -> None:
+        """A request was sent to ``worker``: ``prefill_blocks`` uncached blocks to prefill
+        (``prefill_s`` seconds of work), then ``decode_blocks`` held while it decodes.
 
         Raises:
             ValueError: the request id is already in flight, or the worker is unknown.
@@ -104,10 +111,11 @@ class LoadTracker:
         books = self._books.get(worker)
         if books is None:
             raise ValueError(f"worker {worker} is not tracked")
-        self._requests[request_id] = _Request(worker, prefill_blocks, decode_blocks)
+        self._requests[request_id] = _Request(worker, prefill_blocks, decode_blocks, prefill_s)
         books.requests.add(request_id)
         books.active += 1
         books.prefill += prefill_blocks
+        books.prefill_s += prefill_s
 
     def first_token(self, request_id: str) -> int | None:
         """The request produced its first token: prefill done, decode begins. Returns its
@@ -118,6 +126,7 @@ class LoadTracker:
         req.prefilled = True
         books = self._books[req.worker]
         books.prefill -= req.prefill_blocks
+        books.prefill_s -= req.prefill_s
         books.decode += req.decode_blocks
         return req.worker
 
@@ -136,6 +145,9 @@ class LoadTracker:
             books.decode -= req.decode_blocks
         else:
             books.prefill -= req.prefill_blocks
+            books.prefill_s -= req.prefill_s
+        if not books.active:  # nothing left: no float residue either
+            books.prefill = books.decode = books.prefill_s = 0.0
         return req.worker
 
     def reported(self, worker: int, load: ReportedLoad) -> None:
@@ -160,7 +172,8 @@ class LoadTracker:
             return WorkerLoad(0, 0.0, 0.0)
         return WorkerLoad(books.active + books.external_active,
                           max(0.0, books.prefill) + books.external_prefill,
-                          max(0.0, books.decode) + books.external_decode)
+                          max(0.0, books.decode) + books.external_decode,
+                          max(0.0, books.prefill_s), books.external_prefill)
 
     def in_flight(self, worker: int) -> int:
         """Requests this router has in flight on ``worker``."""
