@@ -75,9 +75,10 @@ class KvroutePolicy(Policy):
     def finished(self, request_id: str, now: float) -> None:
         self.core.finished(request_id)
 
-    def predictions(self) -> list[tuple[float, float]]:
-        """Each first token's predicted and delivered seconds since routing, in order."""
-        return self._predictions
+    def predictions(self) -> list[tuple[float, float]] | None:
+        """Each first token's predicted and delivered seconds since routing, in order (None
+        under a rule that prices in blocks or not at all: ``dynamo``, the baselines)."""
+        return self._predictions if self.settings.policy == "kv" else None
 
     def index_events(self, worker: int, events: Sequence[Event], now: float) -> None:
         self.core.events_applied(worker, events, now)

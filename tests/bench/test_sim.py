@@ -89,3 +89,15 @@ def test_requests_cached_behind_a_giant_cold_prefill_do_not_queue_behind_it() ->
         assert q.ttft_s < 1.5
 
 
+
+
+def test_regret_counts_what_a_cache_blind_policy_gives_up() -> None:
+    from bench.report import summarize
+
+    reqs = workload()
+    blind = summarize(simulate(reqs, POLICIES["round_robin"](), CONFIG, seed=5), None)
+    kv = summarize(simulate(reqs, POLICIES["kvroute"](), CONFIG, seed=5), None)
+    # Round-robin sends turns away from the worker holding their conversation.
+    assert blind["hit_lost"] > kv["hit_lost"]
+    # Only kvroute predicts its time to first token; the error is a share.
+    assert kv["prediction_error"] >= 0.0 and blind["prediction_error"] != blind["prediction_error"]
