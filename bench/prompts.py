@@ -187,7 +187,7 @@ def in_process(folder: Path, shapes: list[str], sizes: dict[str, int], n: int,
                               if service.tokenizes_off_loop(len(raw)) else None)
                     route = service.decide(body, "chat", prompt)
                     service.dispatched(route, route.worker)
-                    service.load.finished(route.request_id)
+                    service.finished(route)
                     spent = time.process_time() - started
                     # The worker caches the whole prompt and says so in its events.
                     whole = whole or route.hashes

@@ -71,7 +71,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
            "every step (9x dearer a token of context)")
     a("--set", dest="router_settings", action="append", default=[], metavar="NAME=VALUE",
       help="a router setting for every kvroute policy in the run, as the router's flag "
-           "--NAME takes it (repeatable; e.g. --set queue_weight=0.5 --set sessions=off)")
+           "--NAME takes it (repeatable; e.g. --set learn_rates=off --set sessions=off)")
     seeds = p.add_mutually_exclusive_group()
     seeds.add_argument("--seed", type=int, default=0,
                        help="seed of generators and policies (default 0)")

@@ -12,6 +12,13 @@ Figures per policy (:data:`METRIC_KEYS`):
 - ``load_imbalance``: max over mean of the workers' busy time (1.0 is perfect balance).
 - ``decision_us_mean``, ``decision_us_p99``: wall time of the routing decision (hashing,
   index match and scoring), on this machine, in Python.
+- ``hit_lost``, ``time_lost``: the share of decisions that lost a hit (another worker held
+  more of the prompt with no more prefill queued) or time (another worker's estimated TTFT
+  was lower by more than 25%), judged against the simulated cluster as it was
+  (:class:`bench.sim.Regret`).
+- ``prediction_error``, ``prediction_p50_error``: for a policy that predicts its TTFT
+  (``kvroute``), the median of each request's ``|predicted - delivered| / delivered``, and the
+  predicted p50 against the delivered p50 (signed).
 """
 
 from __future__ import annotations
@@ -49,6 +56,10 @@ METRIC_KEYS = (
     "preemptions",
     "makespan_s",
     "wall_s",
+    "hit_lost",
+    "time_lost",
+    "prediction_error",
+    "prediction_p50_error",
 )
 
 
@@ -85,8 +96,24 @@ def summarize(result: SimResult, bounds: Bounds | None) -> dict[str, Any]:
         "event_wall_s": dict(result.event_wall_s),
         "event_batches": result.event_batches,
         "event_bytes": result.event_bytes,
+        "hit_lost": result.regret.hit_lost / max(result.regret.decisions, 1),
+        "time_lost": result.regret.time_lost / max(result.regret.decisions, 1),
+        **_prediction_error(result.predictions),
     }
     return row
+
+
+def _prediction_error(predictions: list[tuple[float, float]] | None) -> dict[str, float]:
+    """The median relative error of each predicted TTFT against the delivered one, and the
+    error of the predicted p50 against the delivered p50 (NaN for a policy that does not
+    predict)."""
+    pairs = [(p, d) for p, d in predictions or () if d > 0]
+    if not pairs:
+        return {"prediction_error": math.nan, "prediction_p50_error": math.nan}
+    delivered = percentile([d for _, d in pairs], 50)
+    return {"prediction_error": percentile([abs(p - d) / d for p, d in pairs], 50),
+            "prediction_p50_error": (percentile([p for p, _ in pairs], 50) - delivered)
+            / delivered}
 
 
 def per_worker(result: SimResult) -> list[dict[str, Any]]:
@@ -128,6 +155,10 @@ _COLUMNS = (
     ("ttft_p99_s", "p99", "{:.3f}"),
     ("e2e_p50_s", "E2E p50", "{:.3f}"),
     ("e2e_p99_s", "p99", "{:.3f}"),
+    ("hit_lost", "hit lost", "{:.1%}"),
+    ("time_lost", "time lost", "{:.1%}"),
+    ("prediction_error", "pred err", "{:.0%}"),
+    ("prediction_p50_error", "p50 err", "{:+.0%}"),
     ("output_tok_s", "out tok/s", "{:.0f}"),
     ("load_imbalance", "imbal", "{:.2f}"),
     ("decision_us_mean", "dec us", "{:.0f}"),
@@ -140,10 +171,17 @@ def table(rows: Sequence[dict[str, Any]], title: str = "") -> str:
     return _aligned(rows, _COLUMNS, title)
 
 
+def _cell(value: Any, fmt: str) -> str:
+    """``value`` in ``fmt``; a missing figure (NaN, or absent) as ``-``."""
+    if isinstance(value, float) and math.isnan(value):
+        return "-"
+    return fmt.format(value)
+
+
 def _aligned(rows: Sequence[dict[str, Any]], columns: Sequence[tuple[str, str, str]],
              title: str) -> str:
     head = [h for _, h, _ in columns]
-    body = [[fmt.format(row[key]) for key, _, fmt in columns] for row in rows]
+    body = [[_cell(row.get(key, math.nan), fmt) for key, _, fmt in columns] for row in rows]
     widths = [max(len(x) for x in col) for col in zip(head, *body, strict=False)]
     lines = [title] if title else []
     lines.append("  ".join(h.rjust(w) if i else h.ljust(w)

@@ -6,13 +6,12 @@ Three figures, in one run:
 1. ``decision_p50_us`` / ``decision_p99_us``: :meth:`RouterService.decide` end to end
    (tokenize, hash, match, score) for an 8,192-token prompt, with 8 workers (or each count
    ``--workers`` names: ``decision_p99_us_at_1024`` and so on) and 1,000,000 blocks in the
-   index, every worker's cache full (past the warm-up, so the queue weight follows the
-   eviction pressure); half the prompts follow a resident chain for 4,096 tokens, half share
-   nothing. In process, no sockets. Each decision is booked as the router books a request
-   it sends (load, predicted residency, the session head) and then finished. The body
-   carries token ids (the router hashes them without checking them against the vocabulary;
-   the worker does). A fresh random prompt is built between decisions, as a server parses a
-   body, so each decision starts with cold caches.
+   index, every worker's cache full; half the prompts follow a resident chain for 4,096
+   tokens, half share nothing. In process, no sockets. Each decision is booked as the
+   router books a request it sends (load, predicted residency, the session head) and then
+   finished. The body carries token ids (the router hashes them without checking them
+   against the vocabulary; the worker does). A fresh random prompt is built between
+   decisions, as a server parses a body, so each decision starts with cold caches.
    ``decision_cpu_*`` count the thread's CPU time alone, the figure to read on a shared
    machine: there a wall-clock p99 is mostly the time the process waited for a core. To
    compare two versions, alternate their runs in one sitting (a checkout of each, the same
@@ -133,8 +132,8 @@ def _service(total_blocks: int, rng: random.Random, workers: int
     for w in range(workers):  # filler: random chains, 256 blocks each (or fewer)
         for _ in range(max(1, per_worker // 256)):
             service.index.store_hashes(w, [rng.getrandbits(64) for _ in range(256)])
-        # Full caches, as in steady state: the queue weight follows the eviction pressure.
-        service.pressure.record(w, stored=per_worker, removed=0, now=now)
+        # Full caches, as in steady state (the eviction pressure sees them).
+        service.core.record_resident(w, stored=per_worker, removed=0, now=now)
     chains = []
     seed = scope_seed(None, None)
     for i in range(64):  # resident conversations the queries follow
@@ -161,7 +160,7 @@ def decision_latency(total_blocks: int, queries: int, workers: int = 8) -> dict[
         cpu.append(time.thread_time() - started_cpu)
         times.append(time.perf_counter() - started)
         service.dispatched(route, route.worker)  # booked as the router books it
-        service.load.finished(route.request_id)
+        service.finished(route)
     return {"decision_p50_us": round(percentile(times, 50) * 1e6, 1),
             "decision_p99_us": round(percentile(times, 99) * 1e6, 1),
             "decision_cpu_p50_us": round(percentile(cpu, 50) * 1e6, 1),

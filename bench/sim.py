@@ -16,6 +16,15 @@ and each applied batch's normalised events (:meth:`~bench.policies.base.Policy.i
 Events at one instant are processed in this order: event deliveries, then iteration ends,
 then arrivals; among equals, first scheduled first. The run is deterministic for a seed.
 
+Regret (:class:`Regret`): at each arrival the simulation also looks at the cluster as it
+really is, not as the policy sees it: how many of the prompt's leading blocks each worker
+holds (either tier) and how many prompt tokens it still has to prefill, and from those an
+estimate of each worker's time to first token (the timing model's cost a token of its queued
+prefill, plus the request's own prefill over what it holds, attention included). A
+decision *lost a hit* when another worker held more blocks with no more queued; it *lost
+time* when its estimate exceeded the least by more than :data:`TIME_LOST_MARGIN` of itself
+(the error allowed a prediction). The same judge for every policy.
+
 Output tokens are the workload's (:meth:`~bench.workloads.WorkloadRequest.output_tokens`), so
 generated blocks are cached and reused exactly as a multi-turn workload expects.
 """
@@ -35,14 +44,19 @@ from indexer.decode import DecodeStats, decode_batch
 from indexer.events import Cleared, MmItem, Removed, Stored
 from indexer.index import PrefixIndex
 from indexer.wire import AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, encode_batch
-from workers.cache.block_keys import Prompt
+from workers.cache.block_keys import Prompt, RequestBlocks
 from workers.cache.cache_manager import CacheManager
 from workers.cache.event_sink import EventSink
 from workers.engine.batcher import Batcher, EngineRequest
 from workers.engine.executor import IterationPlan, SimExecutor
 from workers.engine.timing import DEFAULT_TIMING, TIMING_MODELS, TimingModel
 
-__all__ = ["EVENT_PATHS", "RequestRecord", "SimConfig", "SimResult", "simulate"]
+__all__ = ["EVENT_PATHS", "TIME_LOST_MARGIN", "Regret", "RequestRecord", "SimConfig",
+           "SimResult", "simulate"]
+
+#: A decision lost time when its worker's estimated TTFT exceeded the least by more than this
+#: share of its own (the prediction error allowed, :class:`Regret`).
+TIME_LOST_MARGIN = 0.25
 
 #: How events reach the index: over the wire format, or as structs in process.
 EVENT_PATHS = ("wire", "direct")
@@ -154,6 +168,20 @@ class SimResult:
     event_wall_s: dict[str, float] = field(default_factory=dict)
     decode_stats: dict[str, int] = field(default_factory=dict)
     decode_context_s: list[float] = field(default_factory=list)
+    regret: Regret = field(default_factory=lambda: Regret())
+    #: Each first token's predicted and delivered seconds, from a policy that predicts them.
+    predictions: list[tuple[float, float]] | None = None
+
+
+@dataclass(slots=True)
+class Regret:
+    """Decisions judged against the cluster as it was (module docstring)."""
+
+    decisions: int = 0
+    #: Another worker held more of the prompt with no more prefill queued.
+    hit_lost: int = 0
+    #: The chosen worker's estimated TTFT exceeded the least by more than the margin.
+    time_lost: int = 0
 
 
 class _Worker:
@@ -208,6 +236,33 @@ def _normalised(batch: KVEventBatch) -> list[Stored | Removed | Cleared]:
     return out
 
 
+def _judge(workers: list[_Worker], prompt: Prompt, timing: TimingModel, block_size: int,
+           chosen: int, regret: Regret) -> None:
+    """Count one decision's regret (module docstring)."""
+    blocks = RequestBlocks(prompt, block_size)
+    full = (blocks.num_tokens - 1) // block_size
+    keys = [blocks.block(i).key for i in range(full)]
+    held, queued, estimate = [], [], []
+    for w in workers:
+        pool, n = w.cache.pool, 0
+        for key in keys:
+            if pool.cached_block(key) is None and pool.host_block(key) is None:
+                break
+            n += 1
+        ahead = w.batcher.pending_prefill_tokens
+        cached = n * block_size
+        held.append(n)
+        queued.append(ahead)
+        estimate.append(timing.prefill_per_token_ms * ahead
+                        + timing.prefill_ms(blocks.num_tokens - cached, cached))
+    regret.decisions += 1
+    mine = held[chosen]
+    if any(h > mine and q <= queued[chosen] for h, q in zip(held, queued, strict=True)):
+        regret.hit_lost += 1
+    if estimate[chosen] - min(estimate) > TIME_LOST_MARGIN * estimate[chosen]:
+        regret.time_lost += 1
+
+
 def simulate(requests: Sequence[WorkloadRequest], policy: Policy, config: SimConfig,
              seed: int = 0, progress: Any = None) -> SimResult:
     """Run one policy over a workload on a fresh cluster.
@@ -251,6 +306,7 @@ def simulate(requests: Sequence[WorkloadRequest], policy: Policy, config: SimCon
     iterations = 0
     last_t = 0.0
     perf = time.perf_counter
+    regret = Regret()
 
     def start_iteration(w: _Worker, now: float) -> None:
         nonlocal serial, iterations
@@ -283,9 +339,10 @@ def simulate(requests: Sequence[WorkloadRequest], policy: Policy, config: SimCon
             records.append(rec)
             by_id[r.request_id] = rec
             outputs[r.request_id] = r.output_tokens()
+            prompt = Prompt(tokens, r.images)
+            _judge(workers, prompt, config.timing, config.block_size, worker, regret)
             w = workers[worker]
-            w.batcher.add(EngineRequest(r.request_id, Prompt(tokens, r.images),
-                                        r.output_length))
+            w.batcher.add(EngineRequest(r.request_id, prompt, r.output_length))
             if idle[worker]:
                 start_iteration(w, now)
         elif kind == _DONE:
@@ -362,4 +419,6 @@ def simulate(requests: Sequence[WorkloadRequest], policy: Policy, config: SimCon
         event_wall_s=ev_wall if uses_events else {},
         decode_stats=stats.as_dict() if uses_events and wire else {},
         decode_context_s=[w.context_s for w in workers],
+        regret=regret,
+        predictions=policy.predictions(),
     )

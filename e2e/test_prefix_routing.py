@@ -64,25 +64,21 @@ def _gauge(router: Any, name: str) -> float:
     return float(next(line.split()[-1] for line in text.splitlines() if line.startswith(name)))
 
 
-def test_queue_weight_auto_follows_eviction_pressure_a_fixed_one_does_not(cluster: Any) -> None:
+def test_the_eviction_pressure_and_the_rate_factor_are_in_the_metrics(cluster: Any) -> None:
     # Two workers of 64 blocks each (4,096 tokens of KV together); twelve distinct 1,000-byte
-    # prompts need 372 blocks, so the caches evict and say so in their events. auto is the
-    # default.
+    # prompts need 372 blocks, so the caches evict and say so in their events. Each first
+    # token teaches the workers' rate factor (shared by their engine kind), from 1.
     router, _ = cluster(workers=2, worker_settings={"num_blocks": 64, "speedup": 50})
     assert _gauge(router, "kvroute_eviction_pressure") == 0.0
-    assert _gauge(router, "kvroute_queue_weight") == 0.5  # caches warming up
+    assert _gauge(router, "kvroute_rate_factor") == 1.0
     for i in range(12):
         assert router.complete(f"{i:04d} " + "distinct prompt text " * 47).status_code == 200
     eventually_blocking(lambda: _gauge(router, "kvroute_eviction_pressure") >= 0.5,
                         "the removals to reach the router", tolerate=NOT_YET)
-    assert _gauge(router, "kvroute_queue_weight") < 0.25  # churning caches: wait, not recompute
-    fixed, _ = cluster(workers=1, worker_settings={"num_blocks": 64, "speedup": 50},
-                       router_settings={"queue_weight": 0.5})
-    for i in range(6):
+    fixed, _ = cluster(workers=1, router_settings={"rates": "prefill=2e-6"})
+    for i in range(12):
         assert fixed.complete(f"{i:04d} " + "distinct prompt text " * 47).status_code == 200
-    eventually_blocking(lambda: _gauge(fixed, "kvroute_eviction_pressure") > 0, "removals seen",
-                        tolerate=NOT_YET)
-    assert _gauge(fixed, "kvroute_queue_weight") == 0.5  # fixed: the pressure does not move it
+    assert _gauge(fixed, "kvroute_rate_factor") == 1.0  # rates set by hand are not learned
 
 
 def test_a_chat_stays_with_its_session_and_the_router_counts_it(cluster: Any) -> None:

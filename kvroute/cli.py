@@ -28,17 +28,9 @@ def _worker_defaults() -> dict[str, Any]:
 
 def _router_defaults() -> dict[str, Any]:
     from kvroute.epp import DEFAULT_GRPC_PORT
-    from router.routing import pressure
-    from router.routing.scheduler import SchedulerConfig
     from router.settings import RouterSettings
 
-    dynamo = SchedulerConfig.dynamo()
-    return {**field_defaults(RouterSettings), "grpc_port": DEFAULT_GRPC_PORT,
-            "session_queue_blocks": SchedulerConfig().session_queue_blocks,
-            "warmup_weight": pressure.WARMUP_WEIGHT,
-            "high_pressure_weight": pressure.HIGH_PRESSURE_WEIGHT,
-            "dynamo_overlap_weight": dynamo.overlap_weight,
-            "dynamo_queue_weight": dynamo.queue_weight}
+    return {**field_defaults(RouterSettings), "grpc_port": DEFAULT_GRPC_PORT}
 
 
 def _up_defaults() -> dict[str, Any]:
@@ -269,21 +261,18 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
     # Routing: each flag and its reason in docs/routing.md.
     a = routing.add_argument
     a("--policy", choices=["kv", "dynamo", "round_robin", "random"],
-      help="kv: kvroute's rule; dynamo: NVIDIA Dynamo's cost rule; round_robin or random "
-      "ignore the cache (baselines) (default %(default)s)")
-    a("--overlap-weight", type=float,
-      help="price of a block to prefill against a block held by a decoding request "
-      "(default %(default)s; %(dynamo_overlap_weight)s = Dynamo)")
-    a("--queue-weight", help="price of a block queued for prefill against one of the "
-      "request's own: auto (default: by how fast the caches evict, %(warmup_weight)s down to "
-      "%(high_pressure_weight)s) or a fixed number (%(dynamo_queue_weight)s = Dynamo)")
-    a("--session-weight", type=float,
-      help="price of a live chat or agent session already on a worker, for a request that "
-      "continues none (default %(default)s; 0 turns it off)")
-    a("--sessions", choices=["on", "off"],
-      help="follow conversations: a continuing turn stays on its session's worker unless that "
-      "worker's queue runs %(session_queue_blocks)s blocks past the shortest "
+      help="kv: the worker with the least predicted time to first token; dynamo: NVIDIA "
+      "Dynamo's cost rule; round_robin or random ignore the cache (baselines) "
       "(default %(default)s)")
+    a("--rates", metavar="prefill=S,context=S,decode=S,onboard=S,first=S",
+      help="every worker's rates by hand, in seconds per token (context: per new x cached "
+      "token pair; first: a first token's fixed part); they are then not learned "
+      "(default: each engine kind's, learned from observed first tokens)")
+    a("--learn-rates", choices=["on", "off"],
+      help="learn each engine kind's rate factor from the first tokens its workers deliver "
+      "(default %(default)s)")
+    a("--sessions", choices=["on", "off"],
+      help="follow conversations, for /metrics and /debug/route (default %(default)s)")
     a("--predict-ttl", type=float,
       help="seconds a routed prompt counts as cached on its worker before its events arrive "
       "(default %(default)s)")

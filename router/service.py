@@ -13,6 +13,7 @@ import itertools
 import os
 import random
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -25,11 +26,14 @@ from openai_request.bodies import ApiError
 from openai_request.prompts import PromptTokens, Reach, build_prompt
 from openai_request.segment_cache import SegmentedTokenizer
 from openai_request.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
+from router.fleet.facts import FleetFacts
 from router.fleet.registry import Registry, WorkerEntry
 from router.fleet.unavailable import unavailable_reason
-from router.routing.core import RoutingCore, WorkerFacts
+from router.fleet.worker_table import WorkerInfo
+from router.routing.core import Prediction, RoutingCore
+from router.routing.load import ReportedLoad
 from router.routing.prompt_path import HashingTerms, PrefixReach, request_hashes
-from router.routing.scheduler import Decision, SchedulerConfig
+from router.routing.scheduler import Decision
 from router.routing.sessions import Continuation
 from router.settings import RouterSettings
 
@@ -91,6 +95,47 @@ class _Fleet:
         self.bound = self.max_model_len if len(limits) == len(entries) else 0
 
 
+class _CoreFacts(FleetFacts):
+    """The fleet's facts, stamped with the clock and passed down to the routing core (and
+    a change of model info to the service's cache of candidates)."""
+
+    def __init__(self, core: RoutingCore, described: Callable[[], None]) -> None:
+        self._core = core
+        self._described = described
+
+    def joined(self, worker: int, engine: str, info: WorkerInfo | None) -> None:
+        self._core.worker_joined(worker, engine=engine, approximate=_approximate(info),
+                                 capacity_blocks=_capacity(info))
+
+    def described(self, worker: int, info: WorkerInfo) -> None:
+        self._described()
+        self._core.worker_described(worker, approximate=_approximate(info),
+                                    capacity_blocks=_capacity(info))
+
+    def left(self, worker: int) -> None:
+        self._described()
+        self._core.worker_left(worker)
+
+    def cleared(self, worker: int) -> None:
+        self._described()  # a restart may bring other model info
+        self._core.cache_cleared(worker, time.monotonic())
+
+    def reported(self, worker: int, load: ReportedLoad) -> None:
+        self._core.load_reported(worker, load)
+
+    def events_applied(self, worker: int, events: list[Event]) -> None:
+        self._core.events_applied(worker, events, time.monotonic())
+
+
+def _approximate(info: WorkerInfo | None) -> bool:
+    """A worker that publishes no events (as :attr:`WorkerEntry.approximate` says)."""
+    return info is not None and info.events_endpoint is None
+
+
+def _capacity(info: WorkerInfo | None) -> float:
+    return float(info.num_blocks) if info is not None else 0.0
+
+
 class RouterService:
     """Everything the router knows, and the routing decision.
 
@@ -106,55 +151,25 @@ class RouterService:
             self.tokenizer = SegmentedTokenizer(self.tokenizer)
             self.tokenizer.log_mode()
         self.index = PrefixIndex(settings.block_size)
-        self.core = RoutingCore(settings.core_settings(), facts=self._facts,
-                                capacity=self._capacity)
-        self.load = self.core.load
-        self.predicted = self.core.predicted
-        self.approximate = self.core.approximate
-        self.pressure = self.core.pressure
-        self.sessions = self.core.sessions
+        #: The routing core; the fleet's facts flow into it (:class:`_CoreFacts`), requests'
+        #: facts through the verbs below.
+        self.core = RoutingCore(settings.core_settings())
         self.rng = random.Random(settings.seed)
-        self.registry = Registry(settings.fleet_settings(), self.index, self.load,
-                                 self.tokenizer.identity, self.forget, http,
-                                 on_events=self._observe)
+        self.registry = Registry(settings.fleet_settings(), self.index,
+                                 _CoreFacts(self.core, self._candidates_changed),
+                                 self.tokenizer.identity, http)
         self.counters: dict[str, float] = {}
         # Request ids: unique per process without a syscall per request (uuid4 reads urandom).
         self._ids = itertools.count()
-        self._turns = itertools.count()
         self._id_prefix = os.urandom(4).hex()
         self._fleet_key: list[WorkerEntry] | None = None
         self._fleets: dict[str | None, _Fleet] = {}
-        self._fleet_capacity = 0.0
 
-    @property
-    def scheduler(self) -> SchedulerConfig:
-        """The cost rule's settings of the last decision (the queue terms follow the
-        eviction pressure under ``auto``)."""
-        return self.core.config
 
-    def _facts(self, worker: int) -> WorkerFacts | None:
-        entry = self.registry.get(worker)
-        if entry is None:
-            return None
-        return WorkerFacts(entry.approximate)
+    def _candidates_changed(self) -> None:
+        """A worker's model info may have changed: work out the fleets again."""
+        self._fleet_key = None
 
-    def _capacity(self) -> float:
-        """The healthy workers' device blocks (as of the last decision's candidates)."""
-        return self._fleet_capacity
-
-    def forget(self, worker: int) -> None:
-        """Drop every prediction about ``worker`` (its entries were cleared). A worker still
-        registered (restarted, or unhealthy) keeps its peak as the pressure's capacity; a
-        removed one leaves the pressure entirely."""
-        self._fleet_key = None  # a restart may bring other model info
-        self.core.forget(worker, time.monotonic(), self.registry.get(worker) is not None)
-
-    def _observe(self, worker: int, events: list[Event]) -> None:
-        self.core.observe(worker, events, time.monotonic())
-
-    def queue_weight(self, now: float) -> float:
-        """The queue weight a decision at ``now`` uses (fixed, or by eviction pressure)."""
-        return self.core.queue_weight(now)
 
     def models(self) -> list[str]:
         """Models served by healthy workers."""
@@ -237,11 +252,8 @@ class RouterService:
         workers = None if len(entries) == self.core.workers() else ids
         routed = self.core.decide(hashes, matches, now, self.rng, workers=workers,
                                   tokens=size)
-        decision = routed.decision
-        if self.settings.policy in ("round_robin", "random"):
-            decision = self._baseline(decision, entries)
         request_id = f"{self._id_prefix}-{next(self._ids)}"
-        return Route(request_id, prompt, hashes, decision, by_id, now,
+        return Route(request_id, prompt, hashes, routed.decision, by_id, now,
                      time.perf_counter() - started, routed.continued)
 
     def _reach(self, fleet: _Fleet, model: str | None) -> PrefixReach | None:
@@ -257,15 +269,7 @@ class RouterService:
     def _held(self, hashes: list[int]) -> int:
         """The longest leading run of ``hashes`` some worker holds, by the index or by the
         predictions a decision would extend it with."""
-        matches = self.index.match(hashes)
-        best = max((run for run, _ in matches.values()), default=0)
-        if best == len(hashes):
-            return best
-        now = time.monotonic()
-        for residency in (self.predicted, self.approximate):
-            for w in {*matches, *residency.holders(hashes[0], now)}:
-                best = max(best, residency.extend(w, hashes, matches.get(w, (0, 0))[0], now))
-        return best
+        return self.core.longest_held(hashes, self.index.match(hashes), time.monotonic())
 
     def prompt_bound(self, body: Any) -> int:
         """The longest prompt, in tokens, that some worker serving the body's model takes (0:
@@ -294,7 +298,6 @@ class RouterService:
                            "service_unavailable")
         if candidates is not self._fleet_key:
             self._fleet_key, self._fleets = candidates, {}
-            self._fleet_capacity = sum(e.info.num_blocks for e in candidates if e.info)
         fleet = self._fleets.get(model)
         if fleet is None:
             entries = candidates if model is None else [
@@ -307,32 +310,38 @@ class RouterService:
             fleet = self._fleets[model] = _Fleet(entries, self.settings)
         return fleet
 
-    def _baseline(self, decision: Decision, entries: list[WorkerEntry]) -> Decision:
-        # Cache-blind baselines: the costs stay (for /debug/route and fallbacks), the choice
-        # ignores them.
-        if self.settings.policy == "round_robin":
-            worker = entries[next(self._turns) % len(entries)].id
-        else:
-            worker = self.rng.choice(entries).id
-        return Decision(worker, None, decision.overlap_weight,
-                        explain=lambda: decision.costs)
-
     def dispatched(self, route: Route, worker: WorkerEntry) -> None:
         """Book a request as sent to ``worker``: load, predicted residency, and its session
         (now living on ``worker``; a fallback moves it again, without counting it twice)."""
-        credited = self.core.credited(route.decision, worker.id)
-        self.core.routed(route.request_id, worker.id, route.hashes, credited, time.monotonic(),
+        terms = route.decision.terms(worker.id)
+        self.core.routed(route.request_id, worker.id, route.hashes, terms, time.monotonic(),
                          route.continued, len(route.prompt.token_ids))
         route.continued = None
 
     def undispatched(self, route: Route, worker: WorkerEntry | None = None) -> None:
         """The send failed before the worker took the request: release its load and, given
         the ``worker``, the blocks predicted there for it."""
-        self.load.finished(route.request_id)
+        self.core.finished(route.request_id)
         if worker is not None:
             self.refused(route, worker)
 
     def refused(self, route: Route, worker: WorkerEntry) -> None:
         """``worker`` refused the request: withdraw the blocks predicted there for it."""
-        residency = self.approximate if worker.approximate else self.predicted
-        residency.withdraw(worker.id, route.hashes)
+        self.core.withdrawn(worker.id, route.hashes)
+
+    def first_token(self, route: Route) -> Prediction | None:
+        """The worker began answering ``route``: its prefill is done; returns the predicted
+        and the delivered time to it (None: told before)."""
+        return self.core.first_token(route.request_id, time.monotonic())
+
+    def finished(self, route: Route) -> None:
+        """``route`` ended (answered, failed or abandoned): release its load. Idempotent."""
+        self.core.finished(route.request_id)
+
+    def queued_prefill(self, worker: WorkerEntry) -> float:
+        """Blocks of prefill queued on ``worker`` (routed there, no first token yet)."""
+        return self.core.pending_prefill(worker.id)
+
+    def in_flight(self, worker: WorkerEntry) -> int:
+        """Requests this router has in flight on ``worker``."""
+        return self.core.in_flight(worker.id)

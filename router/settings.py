@@ -7,7 +7,6 @@ Precedence: command-line flag > environment (``KVROUTE_*``) > config file (TOML 
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import os
@@ -31,19 +30,15 @@ from router.events.transport import (
 from router.fleet.discovery import parse_target
 from router.fleet.registry import FleetSettings
 from router.fleet.worker_config import format_worker, parse_workers
-from router.routing.core import CoreSettings
-from router.routing.scheduler import SchedulerConfig
+from router.routing.core import POLICIES, CoreSettings
+from router.routing.rates import parse_rates
 
 __all__ = ["POLICIES", "RouterSettings", "SettingsError", "load_settings"]
 
-#: ``kv``: prefix hits weighed against load (the point of kvroute). ``dynamo``: NVIDIA Dynamo's
-#: cost rule (:meth:`router.routing.scheduler.SchedulerConfig.dynamo`; ``--overlap-weight`` still
-#: applies). ``round_robin`` and ``random`` ignore the cache: baselines to measure against.
-POLICIES = ("kv", "dynamo", "round_robin", "random")
+#: The routing core's defaults, defined once (:class:`router.routing.core.CoreSettings`):
+#: ``kv``, each worker priced by its predicted time to first token; ``dynamo``, NVIDIA
+#: Dynamo's cost rule in blocks; ``round_robin`` and ``random`` ignore the cache (baselines).
 TOKENIZE_MODES = ("match", "full")
-
-#: The cost rule's defaults, defined once (:class:`router.routing.scheduler.SchedulerConfig`).
-_RULE = SchedulerConfig()
 _CORE = CoreSettings()
 
 
@@ -66,10 +61,11 @@ class RouterSettings:
     #: rest estimated); ``full``: every token, the whole prompt at once, as the workers do.
     tokenize: str = "match"
     policy: str = "kv"
-    overlap_weight: float = _RULE.overlap_weight
-    #: None: ``auto`` (by eviction pressure, :mod:`router.routing.pressure`).
-    queue_weight: float | None = None
-    session_weight: float = _RULE.session_weight
+    #: Rates per token set by hand (``prefill=S,context=S,decode=S,onboard=S,first=S``,
+    #: :func:`router.routing.rates.parse_rates`); None: each engine kind's, learned.
+    rates: str | None = None
+    #: Learn each worker's rate factor from its first tokens.
+    learn_rates: bool = _CORE.learn
     sessions: bool = _CORE.sessions
     predict_ttl: float = _CORE.predict_ttl
     approximate_ttl: float = _CORE.approximate_ttl
@@ -123,10 +119,6 @@ class RouterSettings:
         checks = [
             (0 < self.port < 65536, f"port {self.port} is not in 1..65535"),
             (self.block_size > 0, f"block_size {self.block_size} must be positive"),
-            (self.overlap_weight >= 0, "overlap_weight must be >= 0"),
-            (self.queue_weight is None or self.queue_weight >= 0,
-             "queue_weight must be >= 0 (or auto: by eviction pressure)"),
-            (self.session_weight >= 0, "session_weight must be >= 0 (0 = no session term)"),
             (self.tokenize in TOKENIZE_MODES,
              f"tokenize {self.tokenize!r} is not one of {', '.join(TOKENIZE_MODES)}"),
             (self.policy in POLICIES,
@@ -156,6 +148,11 @@ class RouterSettings:
         if self.tokenizer is not None:  # at start, as one line, not in the app's lifespan
             try:
                 resolve_tokenizer(self.tokenizer)
+            except ValueError as exc:
+                raise SettingsError(str(exc)) from None
+        if self.rates is not None:
+            try:
+                parse_rates(self.rates)
             except ValueError as exc:
                 raise SettingsError(str(exc)) from None
         if self.salt_secret_file is not None:  # read once; the file wins over salt_secret
@@ -223,22 +220,12 @@ class RouterSettings:
             event_transport=self.event_transport())
 
     def core_settings(self) -> CoreSettings:
-        """The routing core's settings these give (``policy`` ``dynamo``: Dynamo's rule at
-        this overlap weight, the queue weight fixed at 1 unless set, no sessions)."""
-        if self.policy == "dynamo":
-            rule = dataclasses.replace(SchedulerConfig.dynamo(),
-                                       overlap_weight=self.overlap_weight,
-                                       queue_weight=1.0 if self.queue_weight is None
-                                       else self.queue_weight)
-            return CoreSettings(rule, auto_queue=False, predict_ttl=self.predict_ttl,
-                                approximate_ttl=self.approximate_ttl, sessions=False)
-        rule = dataclasses.replace(
-            _RULE, overlap_weight=self.overlap_weight,
-            queue_weight=_RULE.queue_weight if self.queue_weight is None else self.queue_weight,
-            session_weight=self.session_weight if self.sessions else 0.0)
-        return CoreSettings(rule, auto_queue=self.queue_weight is None,
-                            predict_ttl=self.predict_ttl, approximate_ttl=self.approximate_ttl,
-                            sessions=self.sessions)
+        """The routing core's settings these give (sessions are followed only under ``kv``)."""
+        return CoreSettings(policy=self.policy, block_size=self.block_size,
+                            rates=parse_rates(self.rates) if self.rates else None,
+                            learn=self.learn_rates, predict_ttl=self.predict_ttl,
+                            approximate_ttl=self.approximate_ttl,
+                            sessions=self.sessions and self.policy == "kv")
 
 
 _TYPES = {f.name: f.type for f in fields(RouterSettings)}

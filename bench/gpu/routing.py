@@ -18,8 +18,9 @@ from indexer.decode import decode_batch
 from indexer.index import PrefixIndex, block_hashes, scope_seed
 from indexer.wire import KVEventBatch, encode_batch
 from openai_request.tokenizer import ByteTokenizer
+from router.routing.rates import DEFAULT_RATES
 from router.routing.residency import PredictedResidency
-from router.routing.scheduler import Candidate, SchedulerConfig, choose
+from router.routing.scheduler import Candidate, choose
 from workers.cache.block_keys import Prompt
 from workers.cache.cache_manager import CacheManager
 from workers.cache.event_sink import EventSink
@@ -94,7 +95,7 @@ async def replay(
     for e in engines:
         await e.start()
     predicted = PredictedResidency(ttl=2.0)
-    config, rng = SchedulerConfig(), random.Random(0)
+    rates, rng = DEFAULT_RATES["kvroute"].per_block(BS), random.Random(0)
     seed = scope_seed(None, None)
     t0 = rows[0]["timestamp"]
     last = rows[-1]["timestamp"] - t0 or 1
@@ -128,14 +129,17 @@ async def replay(
                 candidates.append(
                     Candidate(
                         w,
-                        extended,
-                        device + extended - matched,
-                        load["pending_prefill_tokens"] / BS,
-                        load["decode_blocks"],
-                        int(load["running"] + load["waiting"]),
+                        matched_blocks=extended,
+                        device_matched_blocks=device + extended - matched,
+                        wait_s=rates.prefill_s * load["pending_prefill_tokens"] / BS
+                        + rates.decode_s * load["decode_blocks"],
+                        rates=rates,
+                        pending_prefill_blocks=load["pending_prefill_tokens"] / BS,
+                        decode_blocks=load["decode_blocks"],
+                        active_requests=int(load["running"] + load["waiting"]),
                     )
                 )
-            worker = choose(len(hashes), candidates, config, rng).worker
+            worker = choose(len(hashes), candidates, rng).worker
             predicted.predict(worker, hashes, now)
         max_tokens = max(1, row["output_length"] // 8)
         handle = engines[worker].submit(

@@ -3,7 +3,7 @@
 :data:`POLICIES` maps each name to a factory of a fresh policy with its documented defaults.
 Besides those names, ``kvroute[NAME=VALUE,...]`` runs the router's core with router settings
 changed (:class:`router.settings.RouterSettings` field names, the values as a flag takes
-them), e.g. ``kvroute[queue_weight=0.5]`` or ``kvroute[sessions=off]``.
+them), e.g. ``kvroute[learn_rates=off]`` or ``kvroute[policy=dynamo]``.
 """
 
 from __future__ import annotations

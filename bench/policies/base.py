@@ -131,6 +131,11 @@ class Policy(ABC):
         """``worker``'s normalised events were just applied to the index (only for a policy
         with :attr:`needs_index`)."""
 
+    def predictions(self) -> list[tuple[float, float]] | None:
+        """Each first token's predicted and delivered seconds, for a policy that predicts
+        its time to first token (None: it does not)."""
+        return None
+
 
 def pick_min(values: Sequence[float], rng: random.Random) -> int:
     """Return the index of the smallest value, ties at random."""

@@ -2,13 +2,14 @@
 
 A thin shell around :class:`router.routing.core.RoutingCore`, as
 :class:`router.service.RouterService` is: per request it hands the core the event-fed index's
-matches and ``now``, books the choice where it went, feeds the core each worker's first tokens and
-ends, and the normalised events the index applies (the eviction pressure behind ``--queue-weight
-auto``). The settings are :class:`router.settings.RouterSettings`, so a run with ``--set
-NAME=VALUE`` (:mod:`bench.replay`) is the router with that flag, and a policy named
+matches and ``now``, books the choice where it went, feeds the core each worker's first tokens
+(which teach its rates) and ends, and the normalised events the index applies. It keeps each
+first token's predicted and delivered seconds (:meth:`KvroutePolicy.predictions`). The settings
+are :class:`router.settings.RouterSettings`, so a run with ``--set NAME=VALUE``
+(:mod:`bench.replay`) is the router with that flag, and a policy named
 ``kvroute[NAME=VALUE,...]`` (:func:`bench.policies.make_policies`) runs the router with those
-settings beside the default: ``kvroute[queue_weight=0.5]``, or
-``kvroute[policy=dynamo,overlap_weight=1]`` for Dynamo's rule through the same books.
+settings beside the default: ``kvroute[learn_rates=off]``, or ``kvroute[policy=dynamo]`` for
+Dynamo's rule through the same books.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Sequence
 
 from bench.policies.base import ClusterView, Policy, RouteRequest
 from indexer.events import Event
-from router.routing.core import RoutingCore, WorkerFacts
+from router.routing.core import RoutingCore
 from router.settings import RouterSettings
 
 __all__ = ["KvroutePolicy"]
@@ -48,12 +49,11 @@ class KvroutePolicy(Policy):
 
     def start(self, cluster: ClusterView) -> None:
         super().start(cluster)
-        facts = WorkerFacts()
-        capacity = float(cluster.capacity_blocks * cluster.num_workers)
-        self.core = RoutingCore(self.settings.core_settings(), facts=lambda w: facts,
-                                capacity=lambda: capacity)
+        core = dataclasses.replace(self.settings.core_settings(), block_size=cluster.block_size)
+        self.core = RoutingCore(core)
+        self._predictions: list[tuple[float, float]] = []
         for w in range(cluster.num_workers):
-            self.core.load.add_worker(w)
+            self.core.worker_joined(w, capacity_blocks=float(cluster.capacity_blocks))
 
     def route(self, request: RouteRequest, now: float) -> int:
         hashes = request.hashes
@@ -63,16 +63,23 @@ class KvroutePolicy(Policy):
         tokens = len(request.token_ids)
         routed = self.core.decide(hashes, matches, now, self.cluster.rng, tokens=tokens)
         decision = routed.decision
-        self.core.routed(request.request_id, decision.worker, hashes,
-                         decision.chosen.credited_blocks, now, routed.continued, tokens)
+        self.core.routed(request.request_id, decision.worker, hashes, decision.chosen, now,
+                         routed.continued, tokens)
         return decision.worker
 
     def first_token(self, request_id: str, now: float) -> None:
-        self.core.load.first_token(request_id)
+        prediction = self.core.first_token(request_id, now)
+        if prediction is not None:
+            self._predictions.append((prediction.predicted_s, prediction.delivered_s))
 
     def finished(self, request_id: str, now: float) -> None:
-        self.core.load.finished(request_id)
+        self.core.finished(request_id)
+
+    def predictions(self) -> list[tuple[float, float]] | None:
+        """Each first token's predicted and delivered seconds since routing, in order (None
+        under a rule that prices in blocks or not at all: ``dynamo``, the baselines)."""
+        return self._predictions if self.settings.policy == "kv" else None
 
     def index_events(self, worker: int, events: Sequence[Event], now: float) -> None:
-        self.core.observe(worker, events, now)
+        self.core.events_applied(worker, events, now)
 

@@ -106,8 +106,7 @@ class Picker:
         Raises:
             ApiError: no (allowed) worker is healthy (503).
         """
-        load = self.service.load
-        allowed = [(load.in_flight(e.id), e.id, endpoint_of(e.url))
+        allowed = [(self.service.in_flight(e), e.id, endpoint_of(e.url))
                    for e in self.service.registry.candidates()]
         allowed = [a for a in allowed if subset is None or a[2] in subset]
         if not allowed:
@@ -118,10 +117,10 @@ class Picker:
 
     def first_byte(self, pick: Pick) -> None:
         """The worker started answering: its prefill is done."""
-        self.service.load.first_token(pick.route.request_id)
+        self.service.first_token(pick.route)
 
     def release(self, pick: Pick) -> None:
         """The request ended (answered, failed or abandoned); idempotent."""
         if not pick.ended:
             pick.ended = True
-            self.service.load.finished(pick.route.request_id)
+            self.service.finished(pick.route)

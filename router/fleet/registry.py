@@ -55,7 +55,6 @@ from typing import Any
 
 import httpx
 
-from indexer.events import Event
 from router.events.feed import CAPACITY_SLACK, EventFeed, IndexLike
 from router.events.transport import EventTransport
 from router.fleet.discovery import Discovery
@@ -66,13 +65,13 @@ from router.fleet.engines import (
     WorkerUnreachable,
     adapter_for,
 )
+from router.fleet.facts import FleetFacts
 from router.fleet.first_byte_waits import FirstByteWaits
 from router.fleet.healthy import HealthyWorkers
 from router.fleet.liveness import Liveness, Verdict
 from router.fleet.unavailable import NO_WORKER_CONFIGURED, cause_of
 from router.fleet.worker_config import WorkerConfig, parse_worker, parse_workers
 from router.fleet.worker_table import IncompatibleWorker, WorkerInfo, WorkerState
-from router.routing.load import LoadTracker
 
 __all__ = ["Registry", "WorkerEntry", "WorkerUnreachable"]
 
@@ -170,27 +169,21 @@ class Registry:
     Args:
         settings: the fleet's settings.
         index: the prefix index the feeds apply events to.
-        load: the load tracker (workers are added and removed there too).
+        facts: told each fact about the workers as it happens (:mod:`router.fleet.facts`).
         tokenizer_identity: the router's tokenizer identity; workers must match it.
-        forget: called with a worker id whenever its entries are dropped.
         http: the client for control calls (model info, load, snapshots).
-        on_events: passed to every feed (called with each applied batch's events).
         clock: seconds on any monotonic origin (``time.monotonic``; a test passes its own).
     """
 
-    def __init__(self, settings: FleetSettings, index: IndexLike, load: LoadTracker,
-                 tokenizer_identity: str, forget: Callable[[int], None],
-                 http: httpx.AsyncClient,
-                 on_events: Callable[[int, list[Event]], None] | None = None,
+    def __init__(self, settings: FleetSettings, index: IndexLike, facts: FleetFacts,
+                 tokenizer_identity: str, http: httpx.AsyncClient,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self._settings = settings
         self._clock = clock
         self._event_transport = settings.event_transport
-        self._on_events = on_events
         self._index = index
-        self._load = load
+        self._facts = facts
         self._tokenizer = tokenizer_identity
-        self._forget = forget
         self._http = http
         self._entries: dict[int, WorkerEntry] = {}
         # Every join, leave and state change below calls self._healthy.changed().
@@ -252,7 +245,7 @@ class Registry:
         self._next_id += 1
         self._entries[entry.id] = entry
         self._healthy.changed()
-        self._load.add_worker(entry.id)
+        self._facts.joined(entry.id, entry.engine, entry.info)
         return entry
 
     def adopt(self, info: WorkerInfo) -> WorkerEntry:
@@ -263,7 +256,7 @@ class Registry:
         self._next_id += 1
         self._entries[entry.id] = entry
         self._healthy.changed()
-        self._load.add_worker(entry.id)
+        self._facts.joined(entry.id, entry.engine, info)
         return entry
 
     def _liveness(self) -> Liveness:
@@ -280,7 +273,7 @@ class Registry:
         entry.removed = True
         self._healthy.changed()
         await self._disconnect(entry)
-        self._load.remove_worker(worker)
+        self._facts.left(worker)
         return entry
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -404,7 +397,7 @@ class Registry:
                 return
         if not entry.removed:
             entry.liveness.answered()
-            self._load.reported(entry.id, load)
+            self._facts.reported(entry.id, load)
 
     def _late(self, entry: WorkerEntry, verdict: Verdict, reason: str) -> None:
         """A late poll that leaves ``entry`` healthy: excused by its data path, or a miss
@@ -418,6 +411,7 @@ class Registry:
     def _redescribed(self, entry: WorkerEntry, change: WorkerChanged) -> None:
         log.warning("worker %s: %s", entry.url, change)
         entry.info, entry.last_change = change.info, str(change)
+        self._facts.described(entry.id, change.info)
         entry.counters["model_changes"] = entry.counters.get("model_changes", 0) + 1
         self._healthy.changed()  # the model table is built from the healthy list
 
@@ -480,14 +474,16 @@ class Registry:
             if entry.removed:
                 return
         entry.info = info
+        if entry.id in self._entries:  # else add() tells it with the join
+            self._facts.described(entry.id, info)
         if self.mm_tokens_per_image is None and info.mm_tokens_per_image:
             self.mm_tokens_per_image = info.mm_tokens_per_image
         if entry.feed is None and info.events_endpoint is not None:
             fetch = self._snapshot_fetcher(entry.url) if info.snapshot else None
             feed = entry.feed = EventFeed(entry.id, self._index, info.events_endpoint,
                                           info.replay_endpoint, fetch_snapshot=fetch,
-                                          on_cleared=self._forget, counters=entry.counters,
-                                          on_events=self._on_events,
+                                          on_cleared=self._cleared, counters=entry.counters,
+                                          on_events=self._facts.events_applied,
                                           transport=self._event_transport,
                                           max_blocks=_max_blocks(info))
             await feed.start()
@@ -520,12 +516,18 @@ class Registry:
         token = self._settings.worker_admin_token
         return {"Authorization": f"Bearer {token}"} if token else {}
 
+    def _cleared(self, worker: int) -> None:
+        """``worker``'s entries were dropped: a fact for a registered worker (a removed one's
+        leaving says it all)."""
+        if worker in self._entries:
+            self._facts.cleared(worker)
+
     async def _disconnect(self, entry: WorkerEntry) -> None:
         feed, entry.feed = entry.feed, None
         if feed is not None:
             await feed.stop()
         self._index.clear(entry.id)
-        self._forget(entry.id)
+        self._cleared(entry.id)
         entry.indexed = False
         if hasattr(self._index, "remove_worker"):
             self._index.remove_worker(entry.id)

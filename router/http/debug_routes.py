@@ -32,20 +32,21 @@ def add_debug_routes(app: FastAPI, state: RouterState) -> None:
 
 def explain(state: RouterState, route: Route) -> dict[str, Any]:
     """``route``'s decision as ``/debug/route`` answers it."""
-    decision = route.decision
+    decision, core = route.decision, state.service.core
     return {
         "chosen": route.worker.url, "chosen_id": decision.worker,
         "prompt_tokens": len(route.prompt.token_ids), "request_blocks": len(route.hashes),
         "decision_us": round(route.decision_seconds * 1e6, 1),
-        "overlap_weight": decision.overlap_weight,
-        "queue_weight": state.service.scheduler.queue_weight,
         "continues_session_on": route.continued.worker if route.continued else None,
         "workers": [{"id": c.worker, "url": route.entries[c.worker].url,
                      "matched_blocks": c.matched_blocks,
                      "device_matched_blocks": c.device_matched_blocks,
                      "prefill_blocks": c.prefill_blocks, "decode_blocks": c.decode_blocks,
+                     "pending_prefill_blocks": c.pending_prefill_blocks,
                      "active_requests": c.active_requests,
-                     "sessions": c.sessions,
+                     "sessions": core.live_sessions(c.worker),
+                     "wait_s": c.wait_s, "prefill_s": c.prefill_s,
+                     "rate_factor": core.rate_factor(c.worker),
                      "cost": c.cost}
                     for c in decision.costs],
     }

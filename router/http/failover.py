@@ -71,7 +71,7 @@ async def send_with_failover(service: RouterService, proxy: Proxy, clock: FirstB
             continue  # turned unhealthy since the decision
         attempt, tried = tried, tried + 1
         service.dispatched(route, worker)
-        ahead = service.load.load(worker.id).pending_prefill_blocks
+        ahead = service.queued_prefill(worker)
         deadline = clock.deadline(worker.id, ahead) if stream and attempt == 0 else None
         started = time.monotonic()
         try:

@@ -100,7 +100,7 @@ class Forward:
             if watcher.done() and not watcher.cancelled():  # the client left, not a shutdown
                 this.uncancel()
                 if not answering:
-                    state.service.load.finished(route.request_id)
+                    state.service.finished(route)
                     state.client_gone("answer")
                     await send({"type": "http.response.start", "status": CLIENT_GONE_STATUS,
                                 "headers": [(b"content-length", b"0")]})
@@ -161,7 +161,7 @@ async def _whole(state: RouterState, sent: Sent, route: Route, timer: RequestTim
         broken = True
         raise ApiError(502, str(exc), "upstream_error") from None
     finally:
-        state.service.load.finished(route.request_id)
+        state.service.finished(route)
         timer.done(broken)
     found = _CACHED.search(content)
     if found and sent.answer.status == 200:
@@ -172,14 +172,14 @@ async def _whole(state: RouterState, sent: Sent, route: Route, timer: RequestTim
 async def _relay(state: RouterState, sent: Sent, route: Route, send: Send,
                  watcher: asyncio.Task[None], timer: RequestTimer) -> None:
     """Pass a stream back chunk by chunk; the first chunk marks the first token."""
-    load = state.service.load
+    service = state.service
     try:
         await send(_start(sent, route, _SSE))
         first = True
         async with contextlib.aclosing(sent.answer.stream()) as chunks:
             async for chunk in chunks:
                 if first:
-                    load.first_token(route.request_id)
+                    service.first_token(route)
                     first = False
                 found = _CACHED.search(chunk)
                 if found:
@@ -190,5 +190,5 @@ async def _relay(state: RouterState, sent: Sent, route: Route, send: Send,
         watcher.cancel()
         await send({"type": "http.response.body", "body": b""})
     finally:
-        load.finished(route.request_id)
+        service.finished(route)
         timer.done(sent.answer.broken)

@@ -62,30 +62,32 @@ class StateCollector:
                                       "Requests this router has in flight on the worker",
                                       labels=["worker"])
         for e in entries:
-            in_flight.add_metric([str(e.id)], service.load.in_flight(e.id))
+            in_flight.add_metric([str(e.id)], service.core.in_flight(e.id))
         yield in_flight
         yield from _pool(service)
         now = time.monotonic()
         pressure = GaugeMetricFamily(
             "kvroute_eviction_pressure",
             "Device blocks the workers removed in the pressure window over their peak resident")
-        pressure.add_metric([], service.pressure.pressure(now))
+        pressure.add_metric([], service.core.eviction_pressure(now))
         yield pressure
-        weight = GaugeMetricFamily("kvroute_queue_weight",
-                                   "The queue weight a routing decision now uses")
-        weight.add_metric([], service.queue_weight(now))
-        yield weight
-        if service.sessions is not None:
+        factor = GaugeMetricFamily("kvroute_rate_factor",
+                                   "The worker's learned factor on its engine kind's rates",
+                                   labels=["worker"])
+        for e in entries:
+            factor.add_metric([str(e.id)], service.core.rate_factor(e.id))
+        yield factor
+        if service.core.follows_sessions:
             live = GaugeMetricFamily("kvroute_sessions",
                                      "Live chat or agent sessions homed on the worker",
                                      labels=["worker"])
             for e in entries:
-                live.add_metric([str(e.id)], service.sessions.live(e.id))
+                live.add_metric([str(e.id)], service.core.live_sessions(e.id))
             yield live
             rate = GaugeMetricFamily(
                 "kvroute_session_continue_rate",
                 "Share of routed requests a next turn followed (rather than expired)")
-            rate.add_metric([], service.sessions.continue_rate)
+            rate.add_metric([], service.core.continue_rate)
             yield rate
         lag = GaugeMetricFamily("kvroute_event_lag_seconds",
                                 "Now minus the timestamp of the worker's latest event batch",
@@ -113,8 +115,7 @@ class StateCollector:
             "Blocks the router predicts resident without an event saying so yet",
             labels=["worker"])
         for e in entries:
-            residency = service.approximate if e.approximate else service.predicted
-            predicted.add_metric([str(e.id)], residency.size(e.id))
+            predicted.add_metric([str(e.id)], service.core.predicted_blocks(e.id))
         yield predicted
         for name in _FEED_COUNTERS:
             family = CounterMetricFamily(f"kvroute_events_{name}",
@@ -135,7 +136,7 @@ def _pool(service: RouterService) -> Iterator[Metric]:
     # GIE's pool gauges: ready endpoints, and the mean over them of the KV cache in use (a
     # fraction) and of the queued requests, as each worker last reported them.
     ready = service.registry.candidates()
-    reports = [r for r in (service.load.last_report(e.id) for e in ready) if r is not None]
+    reports = [r for r in (service.core.last_report(e.id) for e in ready) if r is not None]
     pods = GaugeMetricFamily("inference_pool_ready_pods",
                              "Workers in the pool that may take a request", labels=["name"])
     pods.add_metric([POOL_NAME], len(ready))

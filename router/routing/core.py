@@ -1,37 +1,54 @@
 """The routing core: what the router knows of its workers, and the decision it makes from it.
 
 :class:`RoutingCore` holds everything a decision reads besides the prefix index: the load books
-(:mod:`router.routing.load`), predicted residency (:mod:`router.routing.residency`), live sessions
-(:mod:`router.routing.sessions`) and the eviction pressure that sets the queue weight under ``auto``
-(:mod:`router.routing.pressure`). :meth:`RoutingCore.decide` takes a request's block hashes, the
-index's matches for them and ``now``, and returns the :class:`~router.routing.scheduler.Decision`
-with every term ``/debug/route`` shows; :meth:`RoutingCore.routed` books the request where it went.
-The HTTP router (:class:`router.service.RouterService`) and the benchmark's ``kvroute`` policy
-(:mod:`bench.policies.kvroute_policy`) are thin shells around it.
+(:mod:`router.routing.load`), each worker's rates and their learned factor
+(:mod:`router.routing.rates`), predicted residency (:mod:`router.routing.residency`), live
+sessions (:mod:`router.routing.sessions`, shown, not priced) and the eviction pressure
+(:mod:`router.routing.pressure`, shown). :meth:`RoutingCore.decide` takes a request's block
+hashes, the index's matches for them and ``now``, and returns the
+:class:`~router.routing.scheduler.Decision` with every term ``/debug/route`` shows: each
+candidate priced by the time to first token it would give. :meth:`RoutingCore.routed` books
+the request where it went. The HTTP router (:class:`router.service.RouterService`) and the
+benchmark's ``kvroute`` policy (:mod:`bench.policies.kvroute_policy`) are thin shells around it.
+
+The core is told, never asks: every fact comes in by a method as it happens (a worker joined,
+was described, left or had its cache cleared; it reported its load; its events were applied; a
+request was routed, produced its first token, finished or was withdrawn), and what callers
+need to know comes out by verbs (:meth:`RoutingCore.pending_prefill`, ...); its books stay
+inside. A first token also teaches the worker's rate factor: the seconds it took against the
+work predicted for it (:class:`~router.routing.rates.RateScale`), unless rates are set by hand.
+The cache-blind baselines (``round_robin``, ``random``) are choices the core makes in place of
+the rule, pricing only the worker they chose (its booking needs its hit). ``dynamo`` is NVIDIA
+Dynamo's rule as fixed rates in blocks (:data:`~router.routing.rates.DYNAMO_RATES`).
 
 Pure: no I/O, no clock, no event loop; the caller passes ``now`` (monotonic seconds) and the
-random source. When every tracked worker is a candidate, the choice
-prices only the workers holding some of the prompt one by one (:mod:`router.routing.load_groups`);
-otherwise every candidate is priced (:func:`router.routing.scheduler.choose`). Both give the same
-decision.
+random source. When every tracked worker is a candidate, the choice prices only the workers
+holding some of the prompt one by one (:mod:`router.routing.load_groups`); otherwise every
+candidate is priced (:func:`router.routing.scheduler.choose`). Both give the same decision.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import random
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from indexer.events import Cleared, Event
-from router.routing.load import LoadTracker
+from router.routing.load import LoadTracker, ReportedLoad
 from router.routing.load_groups import LoadGroups, LoadKey, choose_fast
-from router.routing.pressure import EvictionPressure, queue_weight_for
+from router.routing.pressure import EvictionPressure
+from router.routing.rates import DEFAULT_RATES, DYNAMO_RATES, Rates, RateScale
 from router.routing.residency import PredictedResidency
-from router.routing.scheduler import Candidate, Decision, SchedulerConfig, WorkerCost, choose, price
+from router.routing.scheduler import Candidate, Decision, WorkerCost, choose, cost_of, price
 from router.routing.sessions import Continuation, SessionTracker
 
-__all__ = ["CoreSettings", "Routed", "RoutingCore", "WorkerFacts"]
+__all__ = ["BASELINES", "POLICIES", "CoreSettings", "Prediction", "Routed", "RoutingCore"]
+
+#: ``kv``: the time to first token from each worker's rates; ``dynamo``: NVIDIA Dynamo's rule
+#: (blocks, not seconds); the cache-blind baselines.
+POLICIES = ("kv", "dynamo", "round_robin", "random")
+#: Cache-blind choices, measured against: the next worker in turn, or one at random.
+BASELINES = ("round_robin", "random")
 
 #: Match lengths per worker, as :meth:`indexer.index.PrefixIndex.match` gives them:
 #: ``worker -> (blocks matched on any tier, blocks matched on the device)``.
@@ -39,29 +56,63 @@ Matches = Mapping[int, tuple[int, int]]
 
 
 @dataclass(frozen=True, slots=True)
-class WorkerFacts:
-    """What the core needs to know of a worker besides its load."""
-
-    #: The worker publishes no KV events: its residency is learned from routing alone.
-    approximate: bool = False
-
-
-@dataclass(frozen=True, slots=True)
 class CoreSettings:
     """The core's settings (the router's flags, read once)."""
 
-    #: The cost rule's weights; ``queue_weight`` is the fixed one unless ``auto_queue``.
-    scheduler: SchedulerConfig = dataclasses.field(default_factory=SchedulerConfig)
-    #: Queue weight by eviction pressure (:mod:`router.routing.pressure`) instead of the fixed one.
-    auto_queue: bool = True
+    #: One of :data:`POLICIES`.
+    policy: str = "kv"
+    #: Tokens per KV block (the rates are per token; the books are in blocks).
+    block_size: int = 32
+    #: Rates per token set by hand for every worker (None: each engine kind's default,
+    #: :data:`router.routing.rates.DEFAULT_RATES`, and learned unless ``learn`` is off).
+    rates: Rates | None = None
+    #: Learn each worker's rate factor from its first tokens (never with hand-set rates).
+    learn: bool = True
     #: Seconds a routed prompt's blocks count as resident before events say so.
     predict_ttl: float = 10.0
     #: Seconds a routed prompt's blocks count as resident on a worker without events.
     approximate_ttl: float = 120.0
-    #: Follow sessions (continuations stay home; the session term).
+    #: Follow sessions (shown in ``/debug/route`` and ``/metrics``; not priced).
     sessions: bool = True
     #: Seconds of removals the eviction pressure counts.
     pressure_window: float = 10.0
+
+    def __post_init__(self) -> None:
+        if self.policy not in POLICIES:
+            raise ValueError(f"policy {self.policy!r} is not one of {', '.join(POLICIES)}")
+        if self.block_size < 1:
+            raise ValueError(f"block_size must be >= 1, got {self.block_size}")
+
+    @property
+    def learns(self) -> bool:
+        """Whether rate factors are learned (the ``kv`` rule on default rates)."""
+        return self.learn and self.rates is None and self.policy == "kv"
+
+    def base_rates(self, engine: str) -> Rates:
+        """The per-block rates of a worker of ``engine`` before its learned factor."""
+        if self.policy == "dynamo":
+            return DYNAMO_RATES
+        rates = self.rates or DEFAULT_RATES.get(engine, DEFAULT_RATES["kvroute"])
+        return rates.per_block(self.block_size)
+
+
+@dataclass(frozen=True, slots=True)
+class Prediction:
+    """What a first token told: the predicted time to it and the delivered one, in seconds."""
+
+    worker: int
+    predicted_s: float
+    delivered_s: float
+
+
+@dataclass(slots=True)
+class _Booked:
+    """What the core remembers of a routed request until its first token."""
+
+    routed_at: float
+    predicted_s: float
+    #: The predicted seconds less ``first_s``, at the worker's unscaled rates.
+    work_s: float
 
 
 @dataclass(slots=True)
@@ -77,81 +128,190 @@ class RoutingCore:
 
     Args:
         settings: the core's settings.
-        facts: returns a worker's :class:`WorkerFacts`; read whenever the worker's load
-            changes (an unknown worker: the defaults).
-        capacity: returns the workers' device KV blocks together (0: unknown); read only
-            while the caches may still be warming up.
     """
 
-    def __init__(self, settings: CoreSettings,
-                 facts: Callable[[int], WorkerFacts | None] = lambda w: None,
-                 capacity: Callable[[], float] = lambda: 0.0) -> None:
+    def __init__(self, settings: CoreSettings) -> None:
         self.settings = settings
-        config = settings.scheduler
-        if settings.auto_queue:
-            config = dataclasses.replace(config, queue_weight=queue_weight_for(0.0, warming=True))
-        #: The scheduler settings of the last decision (the queue terms follow the pressure).
-        self.config = config
-        self.load = LoadTracker()
-        self.predicted = PredictedResidency(settings.predict_ttl)
-        self.approximate = PredictedResidency(settings.approximate_ttl, max_blocks=1 << 22)
-        self.pressure = EvictionPressure(settings.pressure_window)
-        self.sessions = SessionTracker() if settings.sessions else None
-        self._facts_of = facts
-        self._capacity = capacity
-        self._facts: dict[int, WorkerFacts] = {}
+        self._load = LoadTracker()
+        self._predicted = PredictedResidency(settings.predict_ttl)
+        self._approximate = PredictedResidency(settings.approximate_ttl, max_blocks=1 << 22)
+        self._pressure = EvictionPressure(settings.pressure_window)
+        self._sessions = SessionTracker() if settings.sessions else None
+        #: Tracked workers: whether each publishes no events (residency from routing alone).
+        self._tracked: dict[int, bool] = {}
+        self._capacity: dict[int, float] = {}
+        self._capacity_total = 0.0
+        self._kind: dict[int, str] = {}  # each worker's engine kind
+        # Per engine kind: its rates per block before the learned factor, the factor learned
+        # from every worker of the kind, and the factor applied (moved on a 2% change).
+        self._base: dict[str, Rates] = {}
+        self._scale: dict[str, RateScale] = {}
+        self._applied: dict[str, float] = {}
+        self._rates: dict[int, Rates] = {}  # per worker, per block, the factor applied
+        self._booked: dict[str, _Booked] = {}
         self._groups = LoadGroups()
-        self.load.on_change = self._refresh
-        if self.sessions is not None:
-            self.sessions.on_change = self._refresh
+        self._turns = 0
+        self._default_rates = settings.base_rates("kvroute")
 
-    # -- the workers ------------------------------------------------------------------------
+    # -- facts about the workers --------------------------------------------------------------
+
+    def worker_joined(self, worker: int, *, engine: str = "kvroute", approximate: bool = False,
+                      capacity_blocks: float = 0.0) -> None:
+        """``worker`` may be routed to from now on (idempotent); ``engine``: its kind (sets
+        its default rates); ``approximate``: it publishes no KV events; ``capacity_blocks``:
+        its device KV blocks (0: unknown)."""
+        self._load.add_worker(worker)
+        if worker not in self._kind:
+            self._kind[worker] = engine
+            if engine not in self._base:
+                self._base[engine] = self.settings.base_rates(engine)
+                self._scale[engine] = RateScale()
+                self._applied[engine] = 1.0
+            self._rates[worker] = self._scaled(engine)
+        self.worker_described(worker, approximate=approximate, capacity_blocks=capacity_blocks)
+
+    def worker_described(self, worker: int, *, approximate: bool, capacity_blocks: float
+                         ) -> None:
+        """What ``worker`` is changed (its model info was read again): whether it publishes
+        events, and its device KV blocks (0: unknown). An unknown worker is ignored."""
+        if not self._load.tracked(worker):
+            return
+        self._tracked[worker] = approximate
+        self._capacity_total += capacity_blocks - self._capacity.get(worker, 0.0)
+        self._capacity[worker] = capacity_blocks
+        self._refresh(worker)
+
+    def worker_left(self, worker: int) -> list[str]:
+        """``worker`` left the fleet: drop its load, rates, predictions, sessions and its place
+        in the eviction pressure. Returns the ids of the requests it had in flight."""
+        in_flight = self._load.remove_worker(worker)
+        for rid in in_flight:
+            self._booked.pop(rid, None)
+        self._tracked.pop(worker, None)
+        self._capacity_total -= self._capacity.pop(worker, 0.0)
+        self._kind.pop(worker, None)
+        self._rates.pop(worker, None)
+        self._forget(worker)
+        self._pressure.forget(worker)
+        self._refresh(worker)
+        return in_flight
+
+    def cache_cleared(self, worker: int, now: float) -> None:
+        """``worker``'s cached blocks were cleared (restarted, reset, or unhealthy too long):
+        drop every prediction and session on it; it keeps its peak as the pressure's
+        capacity."""
+        self._forget(worker)
+        self._pressure.observe(worker, [Cleared()], now)
+
+    def _forget(self, worker: int) -> None:
+        self._predicted.forget(worker)
+        self._approximate.forget(worker)
+        if self._sessions is not None:
+            self._sessions.forget(worker)
+
+    def load_reported(self, worker: int, load: ReportedLoad) -> None:
+        """``worker`` reported its own load (folded into the books)."""
+        self._load.reported(worker, load)
+        self._refresh(worker)
+
+    def events_applied(self, worker: int, events: Iterable[Event], now: float) -> None:
+        """``worker``'s normalised KV events were applied to the index at ``now``."""
+        self._pressure.observe(worker, events, now)
+
+    def record_resident(self, worker: int, stored: int, removed: int, now: float) -> None:
+        """Count blocks stored and removed on ``worker`` without their events (a benchmark
+        that fills caches directly)."""
+        self._pressure.record(worker, stored=stored, removed=removed, now=now)
 
     def _refresh(self, worker: int) -> None:
-        if self.load.tracked(worker):
-            self._facts[worker] = self._facts_of(worker) or WorkerFacts()
+        if worker in self._tracked:
             self._groups.update(worker, self._key(worker))
         else:
-            self._facts.pop(worker, None)
             self._groups.remove(worker)
 
     def _key(self, worker: int) -> LoadKey:
-        load = self.load.load(worker)
-        live = float(self.sessions.live(worker)) if self.sessions is not None else 0.0
-        return (load.pending_prefill_blocks, load.decode_blocks, load.active_requests, live)
+        load = self._load.load(worker)
+        r = self._rates.get(worker, self._default_rates)
+        factor = self.rate_factor(worker)
+        wait = (factor * load.pending_prefill_s + r.prefill_s * load.external_prefill_blocks
+                + r.decode_s * load.decode_blocks)
+        return (wait, r.prefill_s, r.context_s, r.first_s, load.active_requests,
+                load.pending_prefill_blocks, load.decode_blocks)
+
+    # -- what the core knows, read ----------------------------------------------------------
 
     def workers(self) -> int:
         """How many workers are tracked."""
-        return len(self._facts)
+        return len(self._tracked)
 
-    def forget(self, worker: int, now: float, registered: bool) -> None:
-        """Drop every prediction and session on ``worker`` (its cached blocks were cleared).
-        A worker still ``registered`` (restarted, or unhealthy) keeps its peak as the
-        pressure's capacity; a removed one leaves the pressure entirely."""
-        self.predicted.forget(worker)
-        self.approximate.forget(worker)
-        if self.sessions is not None:
-            self.sessions.forget(worker)
-        if registered:
-            self.pressure.observe(worker, [Cleared()], now)
-        else:
-            self.pressure.forget(worker)
+    def pending_prefill(self, worker: int) -> float:
+        """Blocks of prefill queued on ``worker`` (routed, no first token yet)."""
+        return self._load.load(worker).pending_prefill_blocks
 
-    def observe(self, worker: int, events: Iterable[Event], now: float) -> None:
-        """``worker``'s normalised KV events were applied to the index at ``now``."""
-        self.pressure.observe(worker, events, now)
+    def wait(self, worker: int) -> float:
+        """Seconds of work queued on ``worker`` ahead of a new request, as priced now."""
+        return self._key(worker)[0]
+
+    def rates(self, worker: int) -> Rates:
+        """``worker``'s rates per block, its learned factor applied."""
+        return self._rates.get(worker, self._default_rates)
+
+    def rate_factor(self, worker: int) -> float:
+        """``worker``'s learned factor on its engine kind's rates (1: none learned)."""
+        kind = self._kind.get(worker)
+        return self._applied[kind] if kind is not None else 1.0
+
+    def _scaled(self, kind: str) -> Rates:
+        base, f = self._base[kind], self._applied[kind]
+        if f == 1.0:
+            return base
+        return Rates(prefill_s=base.prefill_s * f, context_s=base.context_s * f,
+                     decode_s=base.decode_s * f, onboard_s=base.onboard_s * f,
+                     first_s=base.first_s)
+
+    def in_flight(self, worker: int) -> int:
+        """Requests this router has in flight on ``worker``."""
+        return self._load.in_flight(worker)
+
+    def last_report(self, worker: int) -> ReportedLoad | None:
+        """What ``worker`` last reported of its own load, if anything."""
+        return self._load.last_report(worker)
+
+    def eviction_pressure(self, now: float) -> float:
+        """Device blocks evicted in the pressure window over the fleet's peak resident."""
+        return self._pressure.pressure(now)
+
+    @property
+    def follows_sessions(self) -> bool:
+        """Whether sessions are followed (``CoreSettings.sessions``)."""
+        return self._sessions is not None
+
+    def live_sessions(self, worker: int) -> int:
+        """Live sessions homed on ``worker`` (0 when sessions are not followed)."""
+        return 0 if self._sessions is None else self._sessions.live(worker)
+
+    @property
+    def continue_rate(self) -> float:
+        """The share of sessions a next turn continued (0 when not followed)."""
+        return 0.0 if self._sessions is None else self._sessions.continue_rate
+
+    def longest_held(self, hashes: Sequence[int], matches: Matches, now: float) -> int:
+        """The longest leading run of ``hashes`` some worker holds, by the index's
+        ``matches`` or by the predictions a decision would extend them with."""
+        best = max((run for run, _ in matches.values()), default=0)
+        if best == len(hashes) or not hashes:
+            return best
+        for residency in (self._predicted, self._approximate):
+            for w in {*matches, *residency.holders(hashes[0], now)}:
+                best = max(best, residency.extend(w, hashes, matches.get(w, (0, 0))[0], now))
+        return best
+
+    def predicted_blocks(self, worker: int) -> int:
+        """Blocks predicted resident on ``worker`` without an event saying so yet."""
+        residency = self._approximate if self._tracked.get(worker) else self._predicted
+        return residency.size(worker)
 
     # -- the decision -----------------------------------------------------------------------
-
-    def queue_weight(self, now: float) -> float:
-        """The queue weight a decision at ``now`` uses: the fixed one, or under ``auto`` the
-        eviction pressure's (:func:`router.routing.pressure.queue_weight_for`)."""
-        if not self.settings.auto_queue:
-            return self.settings.scheduler.queue_weight
-        pressure = self.pressure
-        if not pressure.warmed and pressure.warming(self._capacity()):
-            return queue_weight_for(0.0, warming=True)
-        return queue_weight_for(pressure.pressure(now))
 
     def decide(self, hashes: Sequence[int], matches: Matches, now: float,
                rng: random.Random, *, workers: Sequence[int] | None = None, tokens: int = 0
@@ -162,74 +322,89 @@ class RoutingCore:
             hashes: the prompt's full blocks' hashes.
             matches: the index's matches for ``hashes``.
             now: monotonic seconds.
-            rng: breaks ties.
+            rng: breaks ties (and draws the ``random`` baseline's worker).
             workers: the candidates; None: every tracked worker.
             tokens: the prompt's length in tokens (a session continues only a longer one).
 
         Raises:
             ValueError: no candidate worker.
         """
-        weight = self.queue_weight(now)
-        config = self.config
-        if weight != config.queue_weight:
-            config = self.config = dataclasses.replace(config, queue_weight=weight)
-        sessions = self.sessions
-        continued = home = None
-        rate = 0.0
-        if sessions is not None:
-            continued = sessions.continuation(hashes, now, tokens)
-            rate = sessions.continue_rate
-            if continued is not None:
-                home = continued.worker
+        if self.settings.policy in BASELINES:
+            return Routed(self._baseline(hashes, matches, now, rng, workers), None)
+        continued = None
+        if self._sessions is not None:
+            continued = self._sessions.continuation(hashes, now, tokens)
         blocks = len(hashes)
         if workers is not None and len(workers) == len(self._groups) and all(
                 w in self._groups for w in workers):
             workers = None
         if workers is None:
             holders = self._holders(hashes, matches, now)
-            fast = choose_fast(blocks, holders, self._groups, config, rng, home, rate)
+            fast = choose_fast(blocks, holders, self._groups, rng)
 
             def explain() -> tuple[WorkerCost, ...]:
-                candidates = self.candidates(sorted(self._facts), hashes, matches, now)
-                return tuple(price(blocks, candidates, config, home, rate).costs)
+                candidates = self.candidates(sorted(self._tracked), hashes, matches, now)
+                return tuple(price(blocks, candidates).costs)
 
-            decision = Decision(fast.worker, None, fast.overlap_weight, chosen=fast.chosen,
-                                explain=explain)
-            return Routed(decision, continued)
+            return Routed(Decision(fast.worker, None, chosen=fast.chosen, explain=explain),
+                          continued)
         if not workers:
             raise ValueError("no candidate workers")
         candidates = self.candidates(workers, hashes, matches, now)
-        return Routed(choose(blocks, candidates, config, rng, home, rate), continued)
+        return Routed(choose(blocks, candidates, rng), continued)
+
+    def _baseline(self, hashes: Sequence[int], matches: Matches, now: float,
+                  rng: random.Random, workers: Sequence[int] | None) -> Decision:
+        """A cache-blind choice: the next worker in turn, or one at random. Only the chosen
+        worker is priced (its booking needs the blocks it holds); the others' terms are
+        priced if read (``/debug/route``, fallbacks)."""
+        ids = sorted(self._tracked) if workers is None else list(workers)
+        if not ids:
+            raise ValueError("no candidate workers")
+        if self.settings.policy == "round_robin":
+            worker = ids[self._turns % len(ids)]
+            self._turns += 1
+        else:
+            worker = rng.choice(ids)
+        blocks = len(hashes)
+        chosen = cost_of(self._candidate(worker, hashes, matches.get(worker, (0, 0)), now),
+                         blocks)
+
+        def explain() -> tuple[WorkerCost, ...]:
+            return tuple(price(blocks, self.candidates(ids, hashes, matches, now)).costs)
+
+        return Decision(worker, None, chosen=chosen, explain=explain)
 
     def candidates(self, workers: Iterable[int], hashes: Sequence[int], matches: Matches,
                    now: float) -> list[Candidate]:
-        """Every one of ``workers`` as the scheduler prices it."""
+        """Every one of ``workers`` as the rule prices it."""
         return [self._candidate(w, hashes, matches.get(w, (0, 0)), now) for w in workers]
 
     def _candidate(self, worker: int, hashes: Sequence[int], match: tuple[int, int],
                    now: float) -> Candidate:
         matched, device = match
-        facts = self._facts.get(worker)
-        approximate = facts is not None and facts.approximate
-        residency = self.approximate if approximate else self.predicted
+        residency = self._approximate if self._tracked.get(worker) else self._predicted
         extended = residency.extend(worker, hashes, matched, now)
-        # A tracked worker's figures, as the groups keep them (every change of the books or
-        # the sessions calls back); an untracked one's, from the books.
-        key = self._groups.key(worker) if worker in self._facts else self._key(worker)
-        return Candidate(worker, extended, device + extended - matched, key[0], key[1], key[2],
-                         key[3])
+        # A tracked worker's figures, as the groups keep them (every change of its books or
+        # rates regroups it); an untracked one's, from the books.
+        key = self._groups.key(worker) if worker in self._tracked else self._key(worker)
+        return Candidate(worker=worker, matched_blocks=extended,
+                         device_matched_blocks=device + extended - matched, wait_s=key[0],
+                         rates=self._rates.get(worker, self._default_rates),
+                         pending_prefill_blocks=key[5], decode_blocks=key[6],
+                         active_requests=key[4])
 
     def _holders(self, hashes: Sequence[int], matches: Matches, now: float
                  ) -> list[Candidate]:
         """The tracked workers that match some of the request (index or prediction)."""
-        tracked = self._facts  # holds exactly the tracked workers
+        tracked = self._tracked
         found: list[int] = []
         for w in matches:
             if w in tracked:
                 found.append(w)
         if hashes:
-            predicted = (self.predicted.holders(hashes[0], now)
-                         + self.approximate.holders(hashes[0], now))
+            predicted = (self._predicted.holders(hashes[0], now)
+                         + self._approximate.holders(hashes[0], now))
             if predicted:
                 seen = set(found)
                 for w in predicted:
@@ -241,29 +416,72 @@ class RoutingCore:
             candidates.append(self._candidate(w, hashes, matches.get(w, (0, 0)), now))
         return candidates
 
-    # -- booking ----------------------------------------------------------------------------
+    # -- facts about requests ---------------------------------------------------------------
 
-    def credited(self, decision: Decision, worker: int) -> float:
-        """The blocks ``decision`` credited as cached on ``worker`` (the chosen one or a
-        fallback)."""
-        if worker == decision.worker:
-            return decision.chosen.credited_blocks
-        return next(c.credited_blocks for c in decision.costs if c.worker == worker)
-
-    def routed(self, request_id: str, worker: int, hashes: Sequence[int], credited: float,
+    def routed(self, request_id: str, worker: int, hashes: Sequence[int], terms: WorkerCost,
                now: float, continued: Continuation | None = None, tokens: int = 0) -> None:
-        """Book a request as sent to ``worker``: its uncached blocks as pending prefill, its
-        prompt as resident there from now, and its session as living there.
+        """Book a request as sent to ``worker``, priced there as ``terms`` (the decision's,
+        :meth:`~router.routing.scheduler.Decision.terms`): its prefill as queued work there,
+        its prompt as resident there from now, and its session as living there.
 
         Raises:
             ValueError: the request id is in flight already, or the worker is not tracked.
         """
         blocks = len(hashes)
-        self.load.routed(request_id, worker, blocks - credited, max(blocks, 1))
-        facts = self._facts.get(worker) or WorkerFacts()
-        residency = self.approximate if facts.approximate else self.predicted
+        factor = self.rate_factor(worker)
+        self._load.routed(request_id, worker, float(terms.prefill_blocks), max(blocks, 1),
+                          terms.prefill_s / factor)
+        first = self.rates(worker).first_s
+        self._booked[request_id] = _Booked(now, terms.cost, (terms.cost - first) / factor)
+        self._refresh(worker)
+        residency = self._approximate if self._tracked.get(worker) else self._predicted
         residency.expire(now)  # amortised: only the expired front is looked at
         residency.predict(worker, hashes, now)
-        if self.sessions is not None:
-            self.sessions.routed(hashes, worker, now, continued, tokens)
+        if self._sessions is not None:
+            self._sessions.routed(hashes, worker, now, continued, tokens)
 
+    def first_token(self, request_id: str, now: float) -> Prediction | None:
+        """The request produced its first token at ``now``: its prefill is done, its decode
+        begins; the seconds it took teach its worker's rate factor. Returns the prediction
+        and what was delivered (None: not in flight, or told before)."""
+        worker = self._load.first_token(request_id)
+        booked = self._booked.pop(request_id, None)
+        if worker is None:
+            return None
+        if booked is None:
+            self._refresh(worker)
+            return None
+        delivered = now - booked.routed_at
+        kind = self._kind.get(worker)
+        if self.settings.learns and kind is not None:
+            self._learn(kind, booked.work_s, max(0.0, delivered - self._base[kind].first_s))
+        self._refresh(worker)
+        return Prediction(worker, booked.predicted_s, delivered)
+
+    def _learn(self, kind: str, work_s: float, delivered_s: float) -> None:
+        """Fold one first token into ``kind``'s factor; past a 2% move, reprice every worker
+        of the kind (so the fleet is not regrouped at every first token)."""
+        scale = self._scale[kind]
+        if not scale.observed(work_s, delivered_s):
+            return
+        if abs(scale.factor / self._applied[kind] - 1.0) <= 0.02:
+            return
+        self._applied[kind] = scale.factor
+        rates = self._scaled(kind)
+        for w, k in self._kind.items():
+            if k == kind:
+                self._rates[w] = rates
+                self._refresh(w)
+
+    def finished(self, request_id: str) -> None:
+        """The request ended (answered, failed or cancelled): release its load. Idempotent."""
+        self._booked.pop(request_id, None)
+        worker = self._load.finished(request_id)
+        if worker is not None:
+            self._refresh(worker)
+
+    def withdrawn(self, worker: int, hashes: Sequence[int]) -> None:
+        """``worker`` refused a request of ``hashes``: the blocks predicted there for it will
+        not be resident."""
+        residency = self._approximate if self._tracked.get(worker) else self._predicted
+        residency.withdraw(worker, hashes)

@@ -18,7 +18,6 @@ we saw.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 __all__ = ["LoadTracker", "ReportedLoad", "WorkerLoad"]
@@ -38,11 +37,16 @@ class ReportedLoad:
 
 @dataclass(frozen=True, slots=True)
 class WorkerLoad:
-    """The load the scheduler weighs for one worker."""
+    """The load the rule weighs for one worker."""
 
     active_requests: int
+    #: Ours and the worker's report's foreign ones.
     pending_prefill_blocks: float
     decode_blocks: float
+    #: Seconds of prefill booked for our requests (at the rates they were priced at).
+    pending_prefill_s: float = 0.0
+    #: Foreign prefill from the worker's report, in blocks (priced at the worker's rates).
+    external_prefill_blocks: float = 0.0
 
 
 @dataclass(slots=True)
@@ -50,6 +54,7 @@ class _Request:
     worker: int
     prefill_blocks: float
     decode_blocks: float
+    prefill_s: float
     prefilled: bool = False
 
 
@@ -58,6 +63,7 @@ class _Books:
     active: int = 0
     prefill: float = 0.0
     decode: float = 0.0
+    prefill_s: float = 0.0
     external_active: int = 0
     external_prefill: float = 0.0
     external_decode: float = 0.0
@@ -68,25 +74,19 @@ class _Books:
 class LoadTracker:
     """In-flight requests per worker, with each worker's reported load folded in.
 
-    :attr:`on_change`, when set, is called with a worker's id after anything this tracker
-    reports for that worker may have changed (the routing core keeps its workers ordered by
-    load with it), and after a worker is added or removed.
+    Every change names the worker whose figures it may have changed: :meth:`first_token` and
+    :meth:`finished` return it (None: nothing changed), the others take it (the routing core
+    keeps its workers ordered by load with it).
     """
 
     def __init__(self) -> None:
         self._books: dict[int, _Books] = {}
         self._requests: dict[str, _Request] = {}
-        self.on_change: Callable[[int], None] | None = None
-
-    def _changed(self, worker: int) -> None:
-        if self.on_change is not None:
-            self.on_change(worker)
 
     def add_worker(self, worker: int) -> None:
         """Start tracking ``worker`` (idempotent)."""
         if worker not in self._books:
             self._books[worker] = _Books()
-            self._changed(worker)
 
     def tracked(self, worker: int) -> bool:
         """Whether ``worker`` is tracked."""
@@ -99,13 +99,12 @@ class LoadTracker:
             return []
         for rid in books.requests:
             self._requests.pop(rid, None)
-        self._changed(worker)
         return sorted(books.requests)
 
     def routed(self, request_id: str, worker: int, prefill_blocks: float,
-               decode_blocks: float) -> None:
-        """A request was sent to ``worker``: ``prefill_blocks`` uncached blocks to prefill,
-        then ``decode_blocks`` held while it decodes.
+               decode_blocks: float, prefill_s: float = 0.0) -> None:
+        """A request was sent to ``worker``: ``prefill_blocks`` uncached blocks to prefill
+        (``prefill_s`` seconds of work), then ``decode_blocks`` held while it decodes.
 
         Raises:
             ValueError: the request id is already in flight, or the worker is unknown.
@@ -115,38 +114,44 @@ class LoadTracker:
         books = self._books.get(worker)
         if books is None:
             raise ValueError(f"worker {worker} is not tracked")
-        self._requests[request_id] = _Request(worker, prefill_blocks, decode_blocks)
+        self._requests[request_id] = _Request(worker, prefill_blocks, decode_blocks, prefill_s)
         books.requests.add(request_id)
         books.active += 1
         books.prefill += prefill_blocks
-        self._changed(worker)
+        books.prefill_s += prefill_s
 
-    def first_token(self, request_id: str) -> None:
-        """The request produced its first token: prefill done, decode begins."""
+    def first_token(self, request_id: str) -> int | None:
+        """The request produced its first token: prefill done, decode begins. Returns its
+        worker, or None when nothing changed (unknown, or prefilled already)."""
         req = self._requests.get(request_id)
         if req is None or req.prefilled:
-            return
+            return None
         req.prefilled = True
         books = self._books[req.worker]
         books.prefill -= req.prefill_blocks
+        books.prefill_s -= req.prefill_s
         books.decode += req.decode_blocks
-        self._changed(req.worker)
+        return req.worker
 
-    def finished(self, request_id: str) -> None:
-        """The request ended (success, error or cancel); releases what it held."""
+    def finished(self, request_id: str) -> int | None:
+        """The request ended (success, error or cancel); releases what it held. Returns its
+        worker, or None when nothing changed (unknown, or its worker removed)."""
         req = self._requests.pop(request_id, None)
         if req is None:
-            return
+            return None
         books = self._books.get(req.worker)
         if books is None:
-            return
+            return None
         books.requests.discard(request_id)
         books.active -= 1
         if req.prefilled:
             books.decode -= req.decode_blocks
         else:
             books.prefill -= req.prefill_blocks
-        self._changed(req.worker)
+            books.prefill_s -= req.prefill_s
+        if not books.active:  # nothing left: no float residue either
+            books.prefill = books.decode = books.prefill_s = 0.0
+        return req.worker
 
     def reported(self, worker: int, load: ReportedLoad) -> None:
         """Fold in the worker's own report of its load."""
@@ -163,7 +168,6 @@ class LoadTracker:
         else:
             books.external_prefill = max(0.0, load.pending_prefill_blocks - books.prefill)
             books.external_decode = max(0.0, load.decode_blocks - books.decode)
-        self._changed(worker)
 
     def load(self, worker: int) -> WorkerLoad:
         """The load to weigh for ``worker`` (zero for an unknown worker)."""
@@ -172,7 +176,8 @@ class LoadTracker:
             return WorkerLoad(0, 0.0, 0.0)
         return WorkerLoad(books.active + books.external_active,
                           max(0.0, books.prefill) + books.external_prefill,
-                          max(0.0, books.decode) + books.external_decode)
+                          max(0.0, books.decode) + books.external_decode,
+                          max(0.0, books.prefill_s), books.external_prefill)
 
     def last_report(self, worker: int) -> ReportedLoad | None:
         """The load ``worker`` reported last (None before its first report)."""

@@ -1,16 +1,16 @@
-"""Workers grouped by the load a cost sees, and the choice made without pricing every worker.
+"""Workers grouped by the figures a price sees, and the choice made without pricing every worker.
 
 A worker that holds none of a prompt (no index match, no predicted residency of its first
-block) is priced on its load alone: pending prefill, decode blocks, active requests and live
-sessions. Two such workers with equal
-figures cost the same, so :class:`LoadGroups` keeps every worker in a group keyed by those
-figures, updated as they change (the load books and the session tracker call back), and the
-groups sorted by pending prefill. :func:`choose_fast` prices the workers that hold some of the
-prompt one by one, as :func:`router.routing.scheduler.choose` does, and the rest once per group, in
-order of pending prefill, stopping where no later group can cost less than the best so far:
-a group's cost is at least ``weight * (B + queue_weight * pending)`` plus the least decode
-load of any worker (the session term is never negative). An idle fleet is one group; a
-loaded one is priced only as far as its queues are short.
+block) is priced on its wait and rates alone (:mod:`router.routing.scheduler`):
+``wait + prefill(B blocks, none held) + first_s``. Two such workers with equal figures cost the
+same, so :class:`LoadGroups` keeps every worker in a group keyed by those figures
+(:data:`LoadKey`), updated as they change (the routing core regroups a worker whenever its
+books, sessions or rates change), and the groups sorted by wait. :func:`choose_fast` prices the
+workers that hold some of the prompt one by one, as :func:`router.routing.scheduler.choose`
+does, and the rest once per group, in order of wait, stopping where no later group can cost
+less than the best so far: a group's price is at least its wait plus the prefill of the whole
+prompt at the least rates of any worker. An idle fleet of one engine kind is one group; a
+loaded one is priced only as far as its waits are short.
 
 Exact, not approximate: the choice, its ties and the random draws that break them are those of
 :func:`router.routing.scheduler.choose` over every worker
@@ -24,12 +24,13 @@ import math
 import random
 from collections.abc import Sequence
 
-from router.routing.scheduler import Candidate, SchedulerConfig, WorkerCost, cost_of, stays_home
+from router.routing.scheduler import Candidate, WorkerCost, cost_of, prefill_seconds
 
 __all__ = ["FastChoice", "LoadGroups", "LoadKey", "choose_fast"]
 
-#: (pending prefill, decode, active requests, live sessions).
-LoadKey = tuple[float, float, int, float]
+#: (wait seconds, prefill_s, context_s, first_s per block, active requests, pending prefill
+#: blocks, decode blocks): everything a worker holding nothing is priced on and shown with.
+LoadKey = tuple[float, float, float, float, int, float, float]
 
 # A lower bound computed in another order of operations may exceed the cost it bounds by a
 # few ulps; the pruning keeps this much relative slack.
@@ -41,19 +42,22 @@ class LoadGroups:
 
     Invariants:
         1. Each tracked worker is in exactly one group, the one of its last :meth:`update`.
-        2. ``_order`` holds each non-empty group's key once, sorted (pending prefill first).
-        3. ``_decode`` and ``_sessions`` hold each tracked worker's figure once, sorted.
+        2. ``_order`` holds each non-empty group's key once, sorted (wait first).
+        3. ``_prefill``, ``_context`` and ``_first`` hold each tracked worker's rate once,
+           sorted.
         4. ``_ids`` holds each tracked worker once, sorted.
 
-    :func:`choose_fast` reads these lists in place.
+    :func:`choose_fast` reads them through the read-only views below (the lists
+    themselves, not copies: a caller must not change them).
     """
 
     def __init__(self) -> None:
         self._key: dict[int, LoadKey] = {}
         self._members: dict[LoadKey, list[int]] = {}  # worker ids, sorted
         self._order: list[LoadKey] = []
-        self._decode: list[float] = []
-        self._sessions: list[float] = []
+        self._prefill: list[float] = []
+        self._context: list[float] = []
+        self._first: list[float] = []
         self._ids: list[int] = []  # every tracked worker, sorted
 
     def __len__(self) -> int:
@@ -65,6 +69,25 @@ class LoadGroups:
     def key(self, worker: int) -> LoadKey:
         """The figures ``worker`` is priced on."""
         return self._key[worker]
+
+    @property
+    def order(self) -> Sequence[LoadKey]:
+        """Each group's key once, sorted (least wait first)."""
+        return self._order
+
+    def members(self, key: LoadKey) -> list[int]:
+        """The workers of the group ``key``, sorted (do not change the list)."""
+        return self._members[key]
+
+    @property
+    def ids(self) -> list[int]:
+        """Every tracked worker, sorted (do not change the list)."""
+        return self._ids
+
+    def least_rates(self) -> tuple[float, float, float]:
+        """The least ``prefill_s``, ``context_s`` and ``first_s`` of any tracked worker (each
+        may be another worker's; there must be one)."""
+        return self._prefill[0], self._context[0], self._first[0]
 
     def update(self, worker: int, key: LoadKey) -> None:
         """Put ``worker`` in the group of ``key`` (tracking it if new)."""
@@ -82,8 +105,9 @@ class LoadGroups:
             bisect.insort(self._order, key)
         else:
             bisect.insort(members, worker)
-        bisect.insort(self._decode, key[1])
-        bisect.insort(self._sessions, key[3])
+        bisect.insort(self._prefill, key[1])
+        bisect.insort(self._context, key[2])
+        bisect.insort(self._first, key[3])
 
     def remove(self, worker: int) -> None:
         """Stop tracking ``worker`` (a no-op for an unknown one)."""
@@ -98,94 +122,69 @@ class LoadGroups:
         if not members:
             del self._members[key]
             del self._order[bisect.bisect_left(self._order, key)]
-        del self._decode[bisect.bisect_left(self._decode, key[1])]
-        del self._sessions[bisect.bisect_left(self._sessions, key[3])]
+        del self._prefill[bisect.bisect_left(self._prefill, key[1])]
+        del self._context[bisect.bisect_left(self._context, key[2])]
+        del self._first[bisect.bisect_left(self._first, key[3])]
 
     def groups(self) -> list[tuple[LoadKey, list[int]]]:
-        """Each group's key and members (sorted ids), by pending prefill (a snapshot)."""
+        """Each group's key and members (sorted ids), by wait (a snapshot)."""
         return [(k, self._members[k]) for k in self._order]
 
 
-def candidate_of(worker: int, key: LoadKey, matched: int = 0, device: int = 0) -> Candidate:
-    """The scheduler's view of a worker with these load figures."""
-    return Candidate(worker, matched, device, key[0], key[1], key[2], key[3])
-
-
 class FastChoice:
-    """What :func:`choose_fast` found: the worker, its cost terms, the weight they were
-    priced at, and whether it stayed home."""
+    """What :func:`choose_fast` found: the worker and its cost terms."""
 
-    __slots__ = ("chosen", "overlap_weight", "stayed", "worker")
+    __slots__ = ("chosen", "worker")
 
-    def __init__(self, worker: int, chosen: WorkerCost, overlap_weight: float,
-                 stayed: bool) -> None:
+    def __init__(self, worker: int, chosen: WorkerCost) -> None:
         self.worker = worker
         self.chosen = chosen
-        self.overlap_weight = overlap_weight
-        self.stayed = stayed
 
 
 def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadGroups,
-                config: SchedulerConfig, rng: random.Random, home: int | None = None,
-                continue_rate: float = 1.0) -> FastChoice:
-    """:func:`router.routing.scheduler.choose` over every worker in ``groups``, pricing one by one
-    only ``holders`` (the workers that match some of the request, with their matches; every
-    one of them tracked in ``groups``) and the rest once per group.
+                rng: random.Random) -> FastChoice:
+    """:func:`router.routing.scheduler.choose` over every worker in ``groups``, pricing one by
+    one only ``holders`` (the workers that match some of the request, with their matches;
+    every one of them tracked in ``groups``) and the rest once per group.
 
     Written for a decision on cold caches (a router decides between parsing two request
     bodies), where each Python call costs microseconds: plain loops rather than
-    comprehensions, the groups' lists read in place, and a group priced as numbers, with its
-    :class:`WorkerCost` built only for the worker chosen.
+    comprehensions, and a group priced as numbers, with its :class:`WorkerCost` built only
+    for the worker chosen.
 
     Raises:
         ValueError: no tracked worker, or a negative block count.
     """
-    if not groups._key:
+    if not len(groups):
         raise ValueError("no candidate workers")
     if request_blocks < 0:
         raise ValueError(f"request_blocks must be >= 0, got {request_blocks}")
     held: dict[int, Candidate] = {}
     for c in holders:
         held[c.worker] = c
-    if home is not None and home in groups._key:
-        key = groups._key[home]
-        if stays_home(key[0], groups._order[0][0], config):
-            c = held.get(home) or candidate_of(home, key)
-            return FastChoice(home, cost_of(c, request_blocks, config),
-                              config.overlap_weight, True)
-    session_price = fewest = 0.0
-    sessions = config.session_weight > 0
-    if sessions:
-        fewest = groups._sessions[0]
-        session_price = config.overlap_weight * (config.session_weight * continue_rate)
     priced: list[WorkerCost] = []
     best = (math.inf, 0)
     for c in holders:
-        wc = cost_of(c, request_blocks, config)
-        if sessions:
-            wc.cost += session_price * (wc.sessions - fewest)
+        wc = cost_of(c, request_blocks)
         priced.append(wc)
         rank = (wc.cost, wc.active_requests)
         if rank < best:
             best = rank
     # The rest, a group at a time, while a group could still cost no more than the best. A
     # group's cost is cost_of's for a worker matching nothing (the same operations, so the
-    # same float): weight * (B + queue_weight * pending) + decode, plus the session term.
-    factor = config.queue_weight
-    weight = config.overlap_weight
-    floor = groups._decode[0]
+    # same float): (wait + prefill of B blocks) + first_s.
+    order = groups.order
+    least_p, least_c, least_first = groups.least_rates()
+    floor = prefill_seconds(least_p, least_c, 0.0, request_blocks, 0, 0) + least_first
     tied_groups: list[tuple[LoadKey, list[int], float]] = []  # key, members, prefill
-    for key in groups._order:
-        prefill = request_blocks + factor * key[0]
-        if weight * prefill + floor - best[0] > _SLACK * (abs(best[0]) + 1.0):
+    for key in order:
+        if key[0] + floor - best[0] > _SLACK * (abs(best[0]) + 1.0):
             break
-        members = groups._members[key]
+        members = groups.members(key)
         if len(members) <= len(held) and all(w in held for w in members):
             continue
-        cost = weight * prefill + key[1]
-        if sessions:
-            cost += session_price * (key[3] - fewest)
-        rank = (cost, key[2])
+        prefill = prefill_seconds(key[1], key[2], 0.0, request_blocks, 0, 0)
+        rank = ((key[0] + prefill) + key[3], key[4])
         if rank < best:
             best, tied_groups = rank, [(key, members, prefill)]
         elif rank == best:
@@ -196,39 +195,40 @@ def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadG
             tied.append(wc.worker)
     runs: list[list[int]] = []
     skipped: list[int] = []  # the held workers inside the tied groups
-    if len(tied_groups) == len(groups._order):  # every group ties: one run, the fleet
-        runs.append(groups._ids)
+    if len(tied_groups) == len(order):  # every group ties: one run, the fleet
+        runs.append(groups.ids)
         skipped = sorted(held)
     else:
         for _, members, _ in tied_groups:
             runs.append(members)
         if runs and held:
             keys = {key for key, _, _ in tied_groups}
-            skipped = sorted(w for w in held if groups._key[w] in keys)
+            skipped = sorted(w for w in held if groups.key(w) in keys)
     tied.sort()
     worker = _draw(runs, skipped, tied, rng)
     if tied and _has(tied, worker):
         for wc in priced:
             if wc.worker == worker:
-                return FastChoice(worker, wc, weight, False)
-    key = groups._key[worker]
+                return FastChoice(worker, wc)
+    key = groups.key(worker)
     prefill = 0.0
     for group in tied_groups:
         if group[0] == key:
             prefill = group[2]
             break
-    # The terms cost_of gives a worker of group ``key`` (it matches nothing); best[0] is the
-    # cost, session term included.
-    chosen = WorkerCost(worker, 0, 0, 0.0, prefill, key[1], key[2], best[0], key[3])
-    return FastChoice(worker, chosen, weight, False)
+    # The terms cost_of gives a worker of group ``key`` (it matches nothing).
+    chosen = WorkerCost(worker=worker, matched_blocks=0, device_matched_blocks=0,
+                        prefill_blocks=request_blocks, pending_prefill_blocks=key[5],
+                        decode_blocks=key[6], active_requests=key[4], wait_s=key[0],
+                        prefill_s=prefill, cost=best[0])
+    return FastChoice(worker, chosen)
 
 
 def _draw(runs: list[list[int]], skipped: list[int], extra: list[int],
           rng: random.Random) -> int:
     """``rng.choice`` over the sorted union of ``extra`` and the ``runs``' members less
     ``skipped`` (the draw consumed exactly as over that list), without building it: groups
-    that tie with each other (say, on an idle fleet whose workers differ only in live
-    sessions, while sessions cost nothing) hold most of the fleet.
+    that tie with each other can hold most of the fleet.
 
     ``runs`` and ``extra`` are sorted lists of worker ids, disjoint from each other;
     ``skipped`` is sorted and each of its ids is in some run.

@@ -10,14 +10,11 @@ or as its last block with more tokens after it (a follow-up too short to fill a 
 *continues* that session, and its own last block becomes the session's head, wherever it is
 routed. The same prompt again (a retry) continues nothing.
 
-What the router does with it (:mod:`router.routing.scheduler`):
-
-- a continuation stays on its session's worker unless that worker's queued prefill is far
-  longer than the shortest queue (``session_queue_blocks``);
-- every other request pays, per candidate, for the live sessions homed there beyond the
-  fewest (``session_weight``), weighed by the share of heads that were continued: sticky
-  sessions are future load a worker has already been given, and a workload without sessions
-  (single requests over a shared system prompt) gets no such term.
+What the router does with it: shows it (``/debug/route`` names the session a request continues,
+``/metrics`` the live sessions per worker and the continue rate). The rule does not price it
+(:mod:`router.routing.scheduler`): a continuation's history is a prefix its worker holds, which
+the time to first token already counts, and a forecast of turns to come must not outweigh a
+certain hit.
 
 A head not continued within ``expiry_gaps`` times the mean gap between a session's requests
 (routing to routing; ``initial_expiry_s`` until a gap has been seen; never under
@@ -30,7 +27,7 @@ about 240 bytes a head, so 63 MB at the default bound of 262,144 live heads).
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 __all__ = ["Continuation", "SessionTracker"]
@@ -82,13 +79,6 @@ class SessionTracker:
         self._ended = 0.0
         #: The share of heads continued rather than expired (0 before any outcome).
         self.continue_rate = 0.0
-        #: Called with a worker's id after its live sessions changed (the routing core keeps
-        #: its workers ordered by them).
-        self.on_change: Callable[[int], None] | None = None
-
-    def _changed(self, worker: int) -> None:
-        if self.on_change is not None:
-            self.on_change(worker)
 
     @property
     def mean_gap(self) -> float | None:
@@ -139,7 +129,6 @@ class SessionTracker:
             if head is not None and head[1] == continued.routed_at:
                 del self._heads[continued.key]
                 self._live[head[0]] -= 1
-                self._changed(head[0])
             gap = now - continued.routed_at
             self._gap = gap if self._gap is None else (
                 (1 - self.gap_smoothing) * self._gap + self.gap_smoothing * gap)
@@ -151,10 +140,8 @@ class SessionTracker:
         old = self._heads.get(key)
         if old is not None:  # the same prompt again: one head, now here
             self._live[old[0]] -= 1
-            self._changed(old[0])
         self._heads[key] = (worker, now, tokens)
         self._live[worker] = self._live.get(worker, 0) + 1
-        self._changed(worker)
         self._order.append((now, key))
         while len(self._heads) > self.max_heads:
             self._drop_oldest()
@@ -165,8 +152,7 @@ class SessionTracker:
         keys = [k for k, head in self._heads.items() if head[0] == worker]
         for k in keys:
             del self._heads[k]
-        if self._live.pop(worker, None):
-            self._changed(worker)
+        self._live.pop(worker, None)
 
     def _expire(self, now: float) -> None:
         cutoff = now - self._expiry_s
@@ -180,7 +166,6 @@ class SessionTracker:
         if head is not None and head[1] == routed_at:  # else continued or replaced since
             del self._heads[key]
             self._live[head[0]] -= 1
-            self._changed(head[0])
             self._outcome(continued=False)
 
     def _outcome(self, continued: bool) -> None:

@@ -78,8 +78,7 @@ def test_round_robin_and_kv_clusters_of_torch_workers_replay_the_trace(tmp_path:
     pytest.importorskip("torch")
     # Twelve requests sharing one 512-token prefix (hash id 0), each with 200 tokens of its
     # own. None holds another's last block, so none continues a session: what kv does with
-    # a prefix everyone shares on an idle fleet is all this run measures. (Conversations that
-    # share an opening are spread on purpose: tests/router/test_routing_core.py.)
+    # a prefix everyone shares is all this run measures.
     rows = [(i * 50, 712, 2, [0, 1 + i]) for i in range(12)]
     trace = _trace(tmp_path / "t.jsonl", rows)
     out = tmp_path / "out.json"
@@ -96,9 +95,10 @@ def test_round_robin_and_kv_clusters_of_torch_workers_replay_the_trace(tmp_path:
     assert all(r["errors"] == 0 and r["requests"] == 12 for r in runs.values())
     assert runs["round_robin"]["worker_requests"] == [6.0, 6.0]
     assert sum(runs["kv"]["worker_requests"]) == 12
-    # kv sends every request to the prefix's holder and computes the prefix once;
-    # round-robin alternates and computes it on both workers.
-    assert runs["kv"]["hit_rate"] > runs["round_robin"]["hit_rate"]
+    # kv follows the prefix's holder until its queue would take longer than recomputing the
+    # prefix on the other worker (then both hold it); round-robin alternates from the start.
+    assert max(runs["kv"]["worker_requests"]) > 6
+    assert runs["kv"]["hit_rate"] >= runs["round_robin"]["hit_rate"]
     assert "round-robin TTFT p50 / kv TTFT p50" in run.stdout
     assert [(m["policy"], m["runs"]) for m in result["summary"]] == [("round_robin", 1), ("kv", 1)]
     assert all(r["repeat"] == 0 for r in result["runs"])

@@ -18,6 +18,7 @@ from bench.policies import (
 )
 from indexer.index import GLOBAL_SEED, block_hashes
 from openai_request.prompts import PromptTokens
+from router.routing.load import ReportedLoad
 from router.routing.prompt_path import HashingTerms, request_hashes
 from tests.support.policies import BS, FakeCluster
 
@@ -156,22 +157,24 @@ def test_make_policies_knows_all_and_rejects_unknown_names() -> None:
         make_policies("round_robin,nope")
     with pytest.raises(ValueError, match="unknown router settings"):
         make_policies("kvroute[temperature=1]")
-    with pytest.raises(ValueError, match="queue_weight"):
-        make_policies("kvroute[queue_weight=heavy]")
-    (a, b) = make_policies("kvroute[queue_weight=0.5,sessions=off],dynamo")
-    assert a.name == "kvroute[queue_weight=0.5,sessions=off]" and b.name == "dynamo"
+    with pytest.raises(ValueError, match="learn_rates"):
+        make_policies("kvroute[learn_rates=maybe]")
+    (a, b) = make_policies("kvroute[learn_rates=off,sessions=off],dynamo")
+    assert a.name == "kvroute[learn_rates=off,sessions=off]" and b.name == "dynamo"
 
 
-@pytest.mark.parametrize(("queue_weight", "expected"), [(1.0, 1), (0.25, 0)])
-def test_kvroute_queue_weight_trades_waiting_against_recomputing(queue_weight: float,
-                                                                 expected: int) -> None:
+@pytest.mark.parametrize(("queued_blocks", "expected"), [(0.0, 0), (30.0, 1)])
+def test_kvroute_trades_a_wait_against_a_recompute_in_seconds(queued_blocks: float,
+                                                              expected: int) -> None:
     cluster = FakeCluster()
-    (p,) = make_policies(f"kvroute[policy=dynamo,overlap_weight=1,queue_weight={queue_weight}]")
+    # Hand-set rates: a second per token of prefill, nothing else.
+    (p,) = make_policies("kvroute[rates=prefill=1]")
     p.start(cluster)
     req = rr("a", PROMPT)
-    cluster.index.store_hashes(0, req.hashes)  # worker 0 holds all 10 blocks ...
-    p.core.load.routed("queued", 0, 20.0, 20)  # ... behind 20 blocks of pending prefill
-    # Weight 1: 0 + 20 > 10 + 0, recompute on worker 1. Weight 0.25: 0 + 5 < 10, wait on 0.
+    cluster.index.store_hashes(0, req.hashes)  # worker 0 holds all 10 blocks (40 tokens) ...
+    # ... behind another router's queued prefill (in the worker's report): 30 blocks are
+    # 120 s there against 40 s to recompute on worker 1; none is 0 s.
+    p.core.load_reported(0, ReportedLoad(running=1, pending_prefill_blocks=queued_blocks))
     assert p.route(req, 0.0) == expected
 
 
@@ -183,47 +186,37 @@ def test_kvroute_decides_with_the_routers_default_settings() -> None:
     assert isinstance(p, KvroutePolicy)
     p.start(FakeCluster())
     assert p.settings == RouterSettings()
-    assert p.core.settings == RouterSettings().core_settings()
-    assert p.core.settings.auto_queue
+    assert p.core.settings.learns and p.core.settings.block_size == BS  # the cluster's
 
 
-@pytest.mark.parametrize(("policy", "weight"), [("kvroute", 0.5),
-                                                ("kvroute[queue_weight=0.3]", 0.3)])
-def test_kvroute_weighs_queues_at_the_routers_weight(policy: str, weight: float) -> None:
+def test_kvroute_learns_a_slow_workers_rates_and_keeps_its_predictions() -> None:
     cluster = FakeCluster()
-    (p,) = make_policies(policy)
+    (p,) = make_policies("kvroute")
     assert isinstance(p, KvroutePolicy)
     p.start(cluster)
-    p.route(rr("cold", PROMPT), 0.0)
-    assert p.core.config.queue_weight == weight  # auto: 0.5 while the caches warm up
+    for i in range(40):  # each first token takes 10x the work the default rates predict
+        req = rr(f"r{i}", tuple(range(1000 * i, 1000 * i + 40)))
+        worker = p.route(req, 10.0 * i)
+        work = p.core._booked[f"r{i}"].work_s  # an idle fleet: its own prefill only
+        p.first_token(f"r{i}", 10.0 * i + p.core.rates(worker).first_s + 10 * work)
+        p.finished(f"r{i}", 10.0 * i + 1.0)
+    assert [round(p.core.rate_factor(w), 3) for w in (0, 1)] == [10.0, 10.0]
+    kept = p.predictions()
+    assert kept is not None and len(kept) == 40 and all(d > pr for pr, d in kept[:4])
 
 
-def _decoding_on_worker_0(policy: str) -> tuple[FakeCluster, KvroutePolicy]:
+def test_kvroute_prefers_an_idle_holder_over_live_sessions_elsewhere() -> None:
     cluster = FakeCluster()
-    (p,) = make_policies(policy)
-    assert isinstance(p, KvroutePolicy)
-    p.start(cluster)
-    p.core.load.routed("decoding", 0, 0.0, 300)  # worker 0 decodes 300 blocks of context
-    p.first_token("decoding", 0.0)
-    return cluster, p
-
-
-@pytest.mark.parametrize(("policy", "stays"), [("kvroute", True),
-                                               ("kvroute[sessions=off]", False)])
-def test_kvroute_keeps_a_continuing_session_home_until_its_queue_runs_away(
-        policy: str, stays: bool) -> None:
-    cluster = FakeCluster()
-    (p,) = make_policies(policy)
-    assert isinstance(p, KvroutePolicy)
+    (p,) = make_policies("kvroute")
     p.start(cluster)
     home = p.route(rr("turn1", PROMPT), 0.0)
     p.first_token("turn1", 0.1)
     p.finished("turn1", 0.2)
-    p.core.load.routed("long-decode", home, 0.0, 3000)  # 3,000 blocks decoding at home
-    p.first_token("long-decode", 0.3)
-    # Leaving costs 32 x 10 = 320; staying 3,000 of decode: by cost, the turn leaves.
+    for i in range(3):  # more conversations homed on the same worker
+        other = tuple(range(100 * (i + 1), 100 * (i + 1) + 8))
+        p.core.routed(f"s{i}", home, rr(f"s{i}", other).hashes,
+                      p.core.decide([], {}, 0.3, cluster.rng, workers=[home]).decision.chosen,
+                      0.3, None, 8)
+        p.core.finished(f"s{i}")
     turn2 = PROMPT + tuple(range(60, 68))
-    assert (p.route(rr("turn2", turn2), 1.0) == home) is stays
-    if stays:  # 200 blocks queued at home, past the 128 allowed: the next turn leaves
-        p.core.load.routed("queued", home, 200.0, 200)
-        assert p.route(rr("turn3", turn2 + tuple(range(70, 78))), 2.0) != home
+    assert p.route(rr("turn2", turn2), 1.0) == home  # its prefix is there, both idle

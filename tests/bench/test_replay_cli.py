@@ -103,20 +103,20 @@ def test_measured_timing_is_the_default_and_prices_cached_attention_cheaper(
 def test_set_changes_every_kvroute_policys_router_settings() -> None:
     from bench.replay import _policies, build_parser
 
-    names = ["--policies", "kvroute,kvroute[session_weight=1],round_robin"]
+    names = ["--policies", "kvroute,kvroute[predict_ttl=1],round_robin"]
     default = _policies(build_parser().parse_args(names))
-    assert [getattr(p, "settings", None) and p.settings.session_weight for p in default] == [
-        16.0, 1.0, None]
-    forced = _policies(build_parser().parse_args([*names, "--set", "session_weight=2",
+    assert [getattr(p, "settings", None) and p.settings.predict_ttl for p in default] == [
+        10.0, 1.0, None]
+    forced = _policies(build_parser().parse_args([*names, "--set", "predict_ttl=2",
                                                   "--set", "sessions=off"]))
-    assert [p.settings.session_weight for p in forced[:2]] == [2.0, 2.0]
+    assert [p.settings.predict_ttl for p in forced[:2]] == [2.0, 2.0]
     assert [p.settings.sessions for p in forced[:2]] == [False, False]
-    assert [p.name for p in forced] == ["kvroute", "kvroute[session_weight=1]", "round_robin"]
+    assert [p.name for p in forced] == ["kvroute", "kvroute[predict_ttl=1]", "round_robin"]
 
 
 @pytest.mark.parametrize(("value", "fragment"), [
-    ("session_weight=-1", "session_weight must be >= 0"),
-    ("session_weight=four", "session_weight from flag: 'four'"),
+    ("predict_ttl=-1", "ttls must be positive"),
+    ("predict_ttl=four", "predict_ttl from flag: 'four'"),
     ("temperature=1", "not NAME=VALUE with NAME a router setting"),
     ("sessions", "not NAME=VALUE")])
 def test_bad_router_settings_are_errors(value: str, fragment: str, tmp_path: Path,
@@ -138,7 +138,7 @@ def test_seeds_run_each_seed_with_a_verdict_and_tally(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out, serial = tmp_path / "out.json", tmp_path / "serial.json"
     common = ["--generator", "system_prompt", "--requests", "60", "--workers", "2",
-              "--policies", "kvroute,kvroute[queue_weight=0.5],round_robin", "--seeds", "0-1,3",
+              "--policies", "kvroute,kvroute[learn_rates=off],round_robin", "--seeds", "0-1,3",
               "--no-progress"]
     assert main([*common, "--jobs", "2", "--json", str(out)]) == 0
     printed = capsys.readouterr().out

@@ -48,7 +48,7 @@ def test_kvroute_variants_are_not_peers() -> None:
     rows = [row("kvroute", p50=0.03), row("kvroute[sessions=off]", p50=0.01), row("dynamo", 0.04)]
     v = verdict(rows)
     assert v is not None and v["met"] and v["p50"]["peer"] == "dynamo"
-    assert verdict([row("kvroute"), row("kvroute[queue_weight=0.5]")]) is None  # no peer ran
+    assert verdict([row("kvroute"), row("kvroute[learn_rates=off]")]) is None  # no peer ran
     assert verdict([row("dynamo"), row("round_robin")]) is None  # kvroute did not run
 
 

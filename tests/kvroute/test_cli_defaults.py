@@ -91,15 +91,12 @@ def test_a_changed_settings_default_changes_the_help(monkeypatch: pytest.MonkeyP
     assert "port (default 8123)" in flat(subparser("router").format_help())
 
 
-def test_rule_constants_in_the_help_are_the_rules() -> None:
-    from router.routing import pressure
-    from router.routing.scheduler import SchedulerConfig
+def test_the_routing_flags_in_the_help_show_the_cores_defaults() -> None:
+    from router.routing.core import CoreSettings
 
     text = flat(subparser("router").format_help())
-    queue = SchedulerConfig().session_queue_blocks
-    assert f"runs {queue:g} blocks past the shortest" in text
-    assert (f"{pressure.WARMUP_WEIGHT:g} down to {pressure.HIGH_PRESSURE_WEIGHT:g}") in text
-    assert f"({SchedulerConfig.dynamo().queue_weight:g} = Dynamo)" in text
+    assert f"(default {CoreSettings().policy})" in text
+    assert "learned from observed first tokens" in text and "--overlap-weight" not in text
 
 
 def test_building_the_parser_loads_neither_router_nor_worker() -> None:

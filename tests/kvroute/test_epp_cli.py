@@ -14,10 +14,10 @@ from router.settings import RouterSettings
 def test_epp_takes_the_routers_flags_and_a_grpc_port() -> None:
     args = build_parser().parse_args(
         ["epp", "--grpc-port", "9100", "--worker", "http://10.0.0.1:8000", "--discover",
-         "dns:///w.ns.svc.cluster.local:8000", "--overlap-weight", "8", "--seed", "3"])
+         "dns:///w.ns.svc.cluster.local:8000", "--rates", "prefill=2e-6", "--seed", "3"])
     assert (args.grpc_port, args.workers, args.discover) == (
         9100, ["http://10.0.0.1:8000"], ["dns:///w.ns.svc.cluster.local:8000"])
-    assert args.overlap_weight == 8.0 and args.seed == 3
+    assert args.rates == "prefill=2e-6" and args.seed == 3
 
 
 @pytest.mark.parametrize(("argv", "env", "message"), [

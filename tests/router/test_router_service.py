@@ -232,13 +232,17 @@ async def test_approximate_mode_sends_a_repeated_prefix_back_to_its_worker() -> 
     assert int(again.headers["x-kvroute-matched-blocks"]) == 400 // 32
 
 
-@pytest.mark.parametrize(("queue_weight", "expected"), [(None, 0.5), (0.3, 0.3)])
-async def test_debug_route_shows_the_queue_weight_a_decision_used(
-        queue_weight: float | None, expected: float) -> None:
-    # Under auto (None) fresh caches are warming up: 0.5. A fixed weight is itself.
-    async with ScriptedWorker() as a, router_for(a, ready=1, queue_weight=queue_weight) as client:
+@pytest.mark.parametrize(("rates", "prefill_s"), [(None, 1.94e-6), ("prefill=1e-5", 1e-5)])
+async def test_debug_route_shows_each_workers_price_in_seconds(
+        rates: str | None, prefill_s: float) -> None:
+    # An idle worker: no wait; the prompt's prefill at its rates (the default or set by hand).
+    async with ScriptedWorker() as a, router_for(a, ready=1, rates=rates) as client:
         shown = (await client.post("/debug/route", json=BODY)).json()
-    assert shown["queue_weight"] == expected
+    (worker,) = shown["workers"]
+    blocks = shown["request_blocks"]
+    assert worker["wait_s"] == 0.0 and worker["rate_factor"] == 1.0
+    assert worker["prefill_blocks"] == blocks and worker["cost"] >= worker["prefill_s"]
+    assert worker["prefill_s"] >= prefill_s * 32 * blocks
 
 
 @pytest.mark.parametrize("policy", ["kv", "round_robin"])

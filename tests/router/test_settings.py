@@ -9,7 +9,6 @@ from pathlib import Path
 
 import pytest
 
-from router.routing.scheduler import SchedulerConfig
 from router.settings import RouterSettings, SettingsError, load_settings
 from workers.settings import WorkerSettingsError, load_worker_settings
 
@@ -22,43 +21,43 @@ def test_flag_beats_environment_beats_file(tmp_path: Path) -> None:
     assert (s.port, s.block_size, s.workers) == (9003, 16, ("http://b:2", "http://c:3"))
 
 
-def test_queue_weight_is_auto_unless_a_number_is_given() -> None:
-    assert load_settings({}, env={}).queue_weight is None
-    assert load_settings({}, env={"KVROUTE_QUEUE_WEIGHT": "auto"}).queue_weight is None
-    assert load_settings({"queue_weight": "0.25"}, env={}).queue_weight == 0.25
+def test_rates_are_learned_unless_set_by_hand() -> None:
+    from router.routing.rates import Rates
+
+    core = load_settings({}, env={}).core_settings()
+    assert core.rates is None and core.learns
+    hand = load_settings({"rates": "prefill=4e-6,context=1e-9"}, env={}).core_settings()
+    assert hand.rates == Rates(prefill_s=4e-6, context_s=1e-9) and not hand.learns
+    assert not load_settings({"learn_rates": "off"}, env={}).core_settings().learns
 
 
-def test_sessions_are_on_by_default_and_off_turns_both_halves_off() -> None:
-    s = load_settings({}, env={})
-    assert (s.session_weight, s.sessions) == (16.0, True)
-    assert s.core_settings().scheduler.session_weight == 16.0 and s.core_settings().sessions
+def test_sessions_are_on_by_default() -> None:
+    assert load_settings({}, env={}).core_settings().sessions
     off = load_settings({"sessions": "off"}, env={})
     assert not off.sessions and not off.core_settings().sessions
-    assert off.core_settings().scheduler.session_weight == 0.0
     assert load_settings({}, env={"KVROUTE_SESSIONS": "on"}).sessions
 
 
-def test_the_routing_defaults_are_the_schedulers() -> None:
-    from router.routing.scheduler import SchedulerConfig
+def test_the_routing_defaults_are_the_cores() -> None:
+    from router.routing.core import CoreSettings
 
-    rule, core = SchedulerConfig(), RouterSettings().core_settings()
-    assert core.scheduler == rule  # one source: the settings hold no defaults of their own
-    assert core.auto_queue
+    # One source: the settings hold no routing defaults of their own.
+    assert RouterSettings().core_settings() == CoreSettings()
 
 
 def test_dynamo_is_one_flag_away() -> None:
+    from router.routing.rates import DYNAMO_RATES
+
     core = load_settings({"policy": "dynamo"}, env={}).core_settings()
-    assert (core.scheduler.overlap_weight, core.scheduler.queue_weight) == (32.0, 1.0)
-    assert (core.scheduler.session_weight, core.sessions, core.auto_queue) == (0.0, False, False)
-    dynamo = load_settings({"policy": "dynamo", "overlap_weight": 1.0}, env={}).core_settings()
-    assert dynamo.scheduler == SchedulerConfig.dynamo()
+    assert (core.policy, core.sessions, core.learns) == ("dynamo", False, False)
+    assert core.base_rates("vllm") == DYNAMO_RATES
 
 
 def test_json_config_files_work_too(tmp_path: Path) -> None:
     config = tmp_path / "router.json"
-    config.write_text('{"overlap_weight": 2.5, "sessions": false}')
+    config.write_text('{"predict_ttl": 2.5, "sessions": false}')
     s = load_settings({}, env={}, config_file=str(config))
-    assert (s.overlap_weight, s.sessions) == (2.5, False)
+    assert (s.predict_ttl, s.sessions) == (2.5, False)
 
 
 @pytest.mark.parametrize("flags, env, fragment", [
@@ -68,13 +67,13 @@ def test_json_config_files_work_too(tmp_path: Path) -> None:
     ({"block_size": -4}, {}, "block_size"),
     ({"sessions": "sometimes"}, {}, "sessions from flag: 'sometimes' is not a valid bool"),
     ({}, {"KVROUTE_POLICY": "least_cost"}, "policy 'least_cost' is not one of kv"),
-    ({"queue_weight": "heavy"}, {}, "queue_weight from flag: 'heavy' is not a valid float"),
-    ({"queue_weight": "-1"}, {}, "queue_weight must be >= 0"),
-    ({"overlap_weight": -1.0}, {}, "overlap_weight must be >= 0"),
-    ({"session_weight": -1.0}, {}, "session_weight must be >= 0"),
-    ({}, {"KVROUTE_SESSION_WEIGHT": "lots"}, "session_weight from environment"),
+    ({"rates": "prefill=fast"}, {}, "rates: 'fast' is not a number"),
+    ({"rates": "context=1e-9"}, {}, "prefill=SECONDS_PER_TOKEN is required"),
+    ({}, {"KVROUTE_RATES": "speed=1"}, "'speed=1' is not NAME=SECONDS"),
+    ({"rates": "prefill=-1"}, {}, "rate prefill_s must be a finite number >= 0"),
+    ({"rates": "prefill=1e-6,onboard=1e-5"}, {}, "onboard_s must not exceed prefill_s"),
+    ({"learn_rates": "sometimes"}, {}, "learn_rates from flag: 'sometimes'"),
     ({"predict_ttl": "0"}, {}, "ttls must be positive"),
-    ({"queue_weight": "off"}, {}, "queue_weight from flag: 'off'"),
 ])
 def test_bad_router_settings_are_refused_with_the_reason(flags: dict, env: dict,
                                                          fragment: str) -> None:
@@ -142,7 +141,7 @@ def test_torch_engine_model_names_the_weights_unless_torch_model_does() -> None:
     (["router", "--port", "x"], "invalid int value"),
     (["router", "--temperature", "0.5"], "unrecognized arguments: --temperature"),
     (["router", "--sessions", "maybe"], "invalid choice"),
-    (["router", "--session-weight", "-4"], "session_weight must be >= 0"),
+    (["router", "--rates", "prefill=0,onboard=1"], "onboard_s must not exceed prefill_s"),
     (["worker", "--engine", "tpu"], "invalid choice"),
     (["worker", "--num-blocks", "0"], "num_blocks must be positive"),
     (["events", "tail", "--connect", "tcp://127.0.0.1:1", "--count", "0"], "must be >= 1"),
@@ -154,20 +153,23 @@ def test_bad_cli_flags_exit_2_with_the_reason(args: list[str], fragment: str) ->
     assert fragment in result.stderr
 
 
-async def test_the_router_schedules_with_its_configured_weights(tmp_path: Path) -> None:
+async def test_the_router_prices_with_its_configured_rates(tmp_path: Path) -> None:
     import httpx
 
+    from router.routing.rates import DEFAULT_RATES
     from router.service import RouterService
 
     config = tmp_path / "r.toml"
-    config.write_text("[router]\nsession_weight = 2\nqueue_weight = 0.3\n")
+    config.write_text('[router]\nrates = "prefill=5e-6,decode=1e-8"\nblock_size = 16\n')
     settings = load_settings({}, env={}, config_file=str(config))
     async with httpx.AsyncClient() as http:
-        scheduler = RouterService(settings, http).scheduler
-    assert (scheduler.session_weight, scheduler.queue_weight) == (2.0, 0.3)
+        core = RouterService(settings, http).core
+    core.worker_joined(0, engine="vllm")
+    assert core.rates(0).prefill_s == 5e-6 * 16 and core.rates(0).decode_s == 1e-8 * 16
     async with httpx.AsyncClient() as http:
-        default = RouterService(RouterSettings(), http).scheduler
-    assert (default.session_weight, default.queue_weight) == (16.0, 0.5)
+        default = RouterService(RouterSettings(), http).core
+    default.worker_joined(0, engine="vllm")
+    assert default.rates(0) == DEFAULT_RATES["vllm"].per_block(32)
 
 
 @pytest.mark.parametrize("timing", ["calibrated", "paged", "measured"])

@@ -10,7 +10,6 @@ import httpx
 
 from httpapi.responses import disconnect_counter
 from router.http.metrics import RouterMetrics
-from router.routing.sessions import SessionTracker
 from router.service import RouterService
 from router.settings import RouterSettings
 from tests.fixtures.tokenizer_files import write_tiny_tokenizer
@@ -34,7 +33,7 @@ def router_exposition() -> str:
         tokenizer = write_tiny_tokenizer(Path(folder))
         service = RouterService(RouterSettings(seed=1, tokenizer=str(tokenizer)),
                                 httpx.AsyncClient())
-    service.sessions = SessionTracker(max_heads=8)  # the session families show when on
+    assert service.core.follows_sessions  # the session families show when on
     metrics = RouterMetrics(service)
     disconnect_counter(metrics.registry)  # the app registers it beside the metrics
     ExternalProcessor(Picker(service, metrics))

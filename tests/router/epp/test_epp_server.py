@@ -95,7 +95,7 @@ async def test_a_buffered_request_is_sent_to_the_chosen_worker() -> None:
         lb = routed.dynamic_metadata.fields["envoy.lb"].struct_value
         assert lb.fields[DESTINATION_HEADER].string_value == f"127.0.0.1:{w.port}"
         # The stream closed (Envoy's end of the request): nothing is left booked.
-        assert service.load.in_flight(service.registry.entries()[0].id) == 0
+        assert service.core.in_flight(service.registry.entries()[0].id) == 0
 
 
 async def test_a_booking_lasts_until_the_response_ends() -> None:
@@ -107,13 +107,13 @@ async def test_a_booking_lasts_until_the_response_ends() -> None:
         chat = {"model": "kvroute-sim", "messages": [{"role": "user", "content": "hi"}]}
         await call.write(body(msgspec.json.encode(chat)))
         assert (await call.read()).WhichOneof("response") == "request_body"
-        assert service.load.in_flight(worker) == 1
+        assert service.core.in_flight(worker) == 1
         await call.write(ep.ProcessingRequest(response_body=ep.HttpBody(body=b"x")))
         assert (await call.read()).WhichOneof("response") == "response_body"
-        assert service.load.in_flight(worker) == 1
+        assert service.core.in_flight(worker) == 1
         await call.write(ep.ProcessingRequest(response_body=ep.HttpBody(end_of_stream=True)))
         await call.read()
-        assert service.load.in_flight(worker) == 0
+        assert service.core.in_flight(worker) == 0
         await call.done_writing()
         assert await call.read() is grpc.aio.EOF
 

@@ -18,9 +18,9 @@ from indexer.index import PrefixIndex
 from indexer.wire import BlockStored, KVEventBatch, encode_batch, pack_seq
 from router.events.feed import EventFeed
 from router.events.subscriber import Delivered, EventSubscriber, MalformedInput
+from router.fleet.facts import FleetFacts
 from router.fleet.registry import Registry
 from router.fleet.worker_table import WorkerState
-from router.routing.load import LoadTracker
 from router.settings import RouterSettings
 from tests.support.servers import ScriptedWorker
 from workers.cache.publisher import EventPublisher
@@ -136,7 +136,7 @@ async def test_a_subscription_that_stops_marks_its_worker_unhealthy_until_resubs
     async with ScriptedWorker() as worker, httpx.AsyncClient() as http:
         worker.model_info_extra = {"events_endpoint": pub.endpoint}
         reg = Registry(settings.fleet_settings(), PrefixIndex(settings.block_size),
-                       LoadTracker(), "bytes-v1", lambda _: None, http)
+                       FleetFacts(), "bytes-v1", http)
         try:
             entry = await reg.add(worker.url)
             first = entry.feed
@@ -172,7 +172,7 @@ async def test_a_worker_holds_no_more_entries_than_its_capacity_allows() -> None
         worker.model_info_extra = {"events_endpoint": pub.endpoint,
                                    "capacity": {"num_blocks": 4}}
         reg = Registry(RouterSettings(block_size=2, unhealthy_grace=60.0).fleet_settings(),
-                       index, LoadTracker(), "bytes-v1", lambda _: None, http)
+                       index, FleetFacts(), "bytes-v1", http)
         try:
             entry = await reg.add(worker.url)
             assert entry.feed is not None

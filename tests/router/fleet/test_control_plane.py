@@ -27,7 +27,7 @@ async def described(client: httpx.AsyncClient, worker: ScriptedWorker) -> dict[s
 
 def queued_blocks(route: dict[str, Any], worker: ScriptedWorker) -> float:
     """The prefill blocks a ``/debug/route`` answer weighs as queued on ``worker``."""
-    return next(w["prefill_blocks"] for w in route["workers"] if w["url"] == worker.url)
+    return next(w["pending_prefill_blocks"] for w in route["workers"] if w["url"] == worker.url)
 
 
 async def wait_state(client: httpx.AsyncClient, worker: ScriptedWorker, state: str

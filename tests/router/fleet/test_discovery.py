@@ -9,8 +9,8 @@ import pytest
 
 from indexer.index import PrefixIndex
 from router.fleet.discovery import Discovery, DnsTarget, parse_target, system_resolver
+from router.fleet.facts import FleetFacts
 from router.fleet.registry import Registry
-from router.routing.load import LoadTracker
 from router.settings import RouterSettings, SettingsError, load_settings
 
 NAME = "kvroute-workers.inference.svc.cluster.local"
@@ -38,9 +38,8 @@ def _unreachable(request: httpx.Request) -> httpx.Response:
 def registry(**kw: Any) -> Registry:
     """A real registry whose workers never answer (no sockets: a refusing transport)."""
     settings = RouterSettings(**kw)
-    return Registry(settings.fleet_settings(), PrefixIndex(settings.block_size), LoadTracker(),
-                    "bytes-v1", lambda _: None,
-                    httpx.AsyncClient(transport=httpx.MockTransport(_unreachable)))
+    return Registry(settings.fleet_settings(), PrefixIndex(settings.block_size), FleetFacts(),
+                    "bytes-v1", httpx.AsyncClient(transport=httpx.MockTransport(_unreachable)))
 
 
 def urls(reg: Registry) -> list[str]:

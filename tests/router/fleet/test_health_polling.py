@@ -13,9 +13,9 @@ import httpx
 import pytest
 
 from indexer.index import PrefixIndex
+from router.fleet.facts import FleetFacts
 from router.fleet.registry import FleetSettings, Registry
 from router.fleet.worker_table import WorkerState
-from router.routing.load import LoadTracker
 from tests.support.eventually import eventually
 from tests.support.servers import ScriptedWorker
 
@@ -33,13 +33,23 @@ class Clock:
         return self.now
 
 
+class _Cleared(FleetFacts):
+    """Records the workers whose entries were dropped."""
+
+    def __init__(self, into: list[int]) -> None:
+        self.into = into
+
+    def cleared(self, worker: int) -> None:
+        self.into.append(worker)
+
+
 @contextlib.asynccontextmanager
 async def registry(clock: Clock, forgotten: list[int], **settings: Any
                    ) -> AsyncIterator[Registry]:
     """A registry that is never started: only the test's rounds poll."""
     async with httpx.AsyncClient() as http:
-        reg = Registry(FleetSettings(**settings), PrefixIndex(32), LoadTracker(), "bytes-v1",
-                       forgotten.append, http, clock=clock)
+        reg = Registry(FleetSettings(**settings), PrefixIndex(32), _Cleared(forgotten),
+                       "bytes-v1", http, clock=clock)
         try:
             yield reg
         finally:

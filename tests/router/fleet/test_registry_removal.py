@@ -9,9 +9,9 @@ import httpx
 
 from indexer.index import PrefixIndex
 from kvroute.up import free_port
+from router.fleet.facts import FleetFacts
 from router.fleet.registry import Registry
 from router.fleet.worker_table import WorkerState
-from router.routing.load import LoadTracker
 from router.settings import RouterSettings
 from tests.support.eventually import eventually
 from tests.support.servers import ScriptedWorker
@@ -22,7 +22,7 @@ async def test_a_worker_removed_mid_reconnect_is_not_subscribed_again() -> None:
     async with ScriptedWorker() as worker, httpx.AsyncClient() as http:
         worker.model_info_extra = {"events_endpoint": f"tcp://127.0.0.1:{free_port()}"}
         reg = Registry(settings.fleet_settings(), PrefixIndex(settings.block_size),
-                       LoadTracker(), "bytes-v1", lambda _: None, http)
+                       FleetFacts(), "bytes-v1", http)
         try:
             entry = await reg.add(worker.url)
             assert entry.feed is not None, "a worker with an event endpoint is subscribed"

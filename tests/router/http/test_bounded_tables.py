@@ -33,21 +33,21 @@ async def test_many_requests_leave_bounded_tables() -> None:
     # predictions are the approximate-mode table's.
     async with httpx.AsyncClient() as http:
         service = service_with_workers(http, predict_ttl=1e-6, approximate_ttl=1e-6)
-        service.sessions = SessionTracker(max_heads=256)
+        sessions = service.core._sessions = SessionTracker(max_heads=256)
         last = None
         for i in range(3000):
             body = {"model": "m", "prompt": f"{i:06d} a distinct prompt " * 11}
             route = service.decide(body, "completions")
             service.dispatched(route, route.worker)
-            service.load.first_token(route.request_id)
-            service.load.finished(route.request_id)
+            service.first_token(route)
+            service.finished(route)
             last = route
         assert last is not None and len(last.hashes) == 8
-        held = [t.size(w) for t in (service.predicted, service.approximate) for w in range(3)]
+        held = [service.core.predicted_blocks(w) for w in range(3)]
         assert sum(held) <= len(last.hashes), held
-        assert [service.load.in_flight(w) for w in range(3)] == [0, 0, 0]
-        assert [service.load.load(w).pending_prefill_blocks for w in range(3)] == [0, 0, 0]
-        assert len(service.sessions) <= 256
+        assert [service.core.in_flight(w) for w in range(3)] == [0, 0, 0]
+        assert [service.core.pending_prefill(w) for w in range(3)] == [0, 0, 0]
+        assert len(sessions) <= 256
 
 
 async def test_a_request_the_worker_refused_books_no_predicted_blocks() -> None:

@@ -59,7 +59,7 @@ def active(service: RouterService, worker: ScriptedWorker) -> int:
     """Requests the router has booked on ``worker`` (its own, not the worker's queue)."""
     entry = service.registry.find(worker.url)
     assert entry is not None
-    return service.load.in_flight(entry.id)
+    return service.in_flight(entry)
 
 
 async def send(service: RouterService, proxy: Proxy, route: Route, failures: list[Any], *,

@@ -34,14 +34,16 @@ def test_a_request_failing_before_its_first_token_releases_its_prefill() -> None
 def test_reported_load_adds_what_other_routers_sent() -> None:
     t = LoadTracker()
     t.add_worker(0)
-    t.routed("a", 0, 4, 8)
+    t.routed("a", 0, 4, 8, prefill_s=0.5)
     # the worker sees 3 requests: ours plus two from elsewhere, 10 pending prefill blocks
+    # (6 foreign: priced at the worker's rates, ours at the seconds booked)
     t.reported(0, ReportedLoad(running=1, waiting=2, pending_prefill_blocks=10,
                                decode_blocks=0))
-    assert t.load(0) == WorkerLoad(3, 10.0, 0.0)
+    assert t.load(0) == WorkerLoad(3, 10.0, 0.0, pending_prefill_s=0.5,
+                                   external_prefill_blocks=6.0)
     # a report below our own books never lowers them
     t.reported(0, ReportedLoad())
-    assert t.load(0) == WorkerLoad(1, 4.0, 0.0)
+    assert t.load(0) == WorkerLoad(1, 4.0, 0.0, pending_prefill_s=0.5)
 
 
 def test_our_own_request_in_another_phase_is_not_foreign_load() -> None:

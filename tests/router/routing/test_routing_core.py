@@ -1,19 +1,19 @@
-"""Scenarios through :class:`router.routing.core.RoutingCore` on an idle two-worker fleet: where a
-prefix everyone shares goes, and how the session term weighs a live conversation against it.
-Every request is booked as routed and finished before the next (an idle fleet), so only the
-prefix and the session terms differ between the workers."""
+"""Scenarios through :class:`router.routing.core.RoutingCore`: where a prefix everyone shares
+goes on an idle pair, that live sessions never outweigh a certain hit, and that requests
+cached behind a giant cold prefill do not wait for it."""
 
 from __future__ import annotations
 
 import random
 
 from router.routing.core import CoreSettings, RoutingCore
+from router.routing.scheduler import WorkerCost
 
 
 def _idle_pair() -> RoutingCore:
-    core = RoutingCore(CoreSettings(auto_queue=False))
+    core = RoutingCore(CoreSettings())
     for w in (0, 1):
-        core.load.add_worker(w)
+        core.worker_joined(w)
     return core
 
 
@@ -21,10 +21,10 @@ def _route(core: RoutingCore, name: str, hashes: list[int], now: float,
            rng: random.Random) -> int:
     routed = core.decide(hashes, {}, now, rng, tokens=32 * len(hashes) + 1)
     worker = routed.decision.worker
-    core.routed(name, worker, hashes, core.credited(routed.decision, worker), now,
-                routed.continued, 32 * len(hashes) + 1)
-    core.load.first_token(name)
-    core.load.finished(name)
+    core.routed(name, worker, hashes, routed.decision.chosen, now, routed.continued,
+                32 * len(hashes) + 1)
+    core.first_token(name, now)
+    core.finished(name)
     return worker
 
 
@@ -37,28 +37,60 @@ def test_requests_sharing_only_a_prefix_all_go_to_its_holder() -> None:
     workers = [_route(core, f"r{i}", prefix + [1000 + 10 * i + j for j in range(4)],
                       0.1 * i, rng) for i in range(12)]
     assert workers == [workers[0]] * 12
-    assert core.sessions is not None and core.sessions.continue_rate == 0.0
+    assert core.follows_sessions and core.continue_rate == 0.0
 
 
-def test_a_live_conversation_outweighs_a_shorter_shared_opening() -> None:
-    # Conversations of three turns (blocks [A], [A, B], [A, B, C]) that all open with the
-    # same A. The first lives on worker w; its turns stay home, so the continue rate is 1
-    # and w holds one live session more than the other worker. A new conversation there
-    # costs overlap 32 x session weight 16 = 512; starting it on the other worker costs
-    # recomputing A: 32 per block.
-    def second_conversation(opening: int) -> tuple[int, int]:
-        core, rng = _idle_pair(), random.Random(0)
-        a = list(range(1, opening + 1))
-        b, c = [100 + i for i in range(16)], [200 + i for i in range(15)]
-        first = [_route(core, f"t{i}", turn, 0.1 * i, rng)
-                 for i, turn in enumerate([a, a + b, a + b + c])]
-        assert first == [first[0]] * 3  # continuations stay home
-        return first[0], _route(core, "new", a, 0.3, rng)
+def test_an_idle_holder_wins_however_many_sessions_it_holds() -> None:
+    # Both workers idle; worker 0 holds a whole 8-block prompt and four live conversations,
+    # worker 1 none of it and one conversation. Sessions are a forecast, the hit is certain:
+    # the holder wins (a repeat of a chat is served from its cache).
+    core, rng = _idle_pair(), random.Random(0)
+    for i in range(4):
+        core.routed(f"c{i}", 0, [500 + 10 * i, 501 + 10 * i], _terms(core, 0), 0.0, None, 65)
+        core.finished(f"c{i}")
+    core.routed("c9", 1, [900, 901], _terms(core, 1), 0.0, None, 65)
+    core.finished("c9")
+    assert (core.live_sessions(0), core.live_sessions(1)) == (4, 1)
+    prompt = list(range(1, 9))
+    routed = core.decide(prompt, {0: (8, 8)}, 1.0, rng, tokens=8 * 32 + 1)
+    assert routed.decision.worker == 0
+    assert routed.decision.terms(1).cost > routed.decision.terms(0).cost
 
-    # A 12-block opening (384) is worth less than one live session (512): the new
-    # conversation starts on the other worker, and the opening is computed there once.
-    home, new = second_conversation(12)
-    assert new != home
-    # A 17-block opening (544) is worth more: the new conversation joins its holder.
-    home, new = second_conversation(17)
-    assert new == home
+
+def _terms(core: RoutingCore, worker: int) -> WorkerCost:
+    """The terms of an empty request on ``worker`` (to book one there by hand)."""
+    return core.decide([], {}, 0.0, random.Random(0), workers=[worker]).decision.chosen
+
+
+def test_requests_cached_behind_a_giant_cold_prefill_do_not_queue_behind_it() -> None:
+    # Four idle workers at the default rates. A 191k-token prompt nobody holds (5,970
+    # blocks) goes to one of them: about 8 s of prefill, mostly attention. Then five requests
+    # of 60k tokens whose first 52k (1,625 blocks) that worker holds (from earlier traffic)
+    # arrive while it is still prefilling. Waiting there costs the giant's 8 s; recomputing
+    # all 60k elsewhere under 1 s: each goes elsewhere. The rule in blocks with the queue
+    # discounted (0.1 x 5,970 queued against 1,875 to recompute) sent them all to wait.
+    core = RoutingCore(CoreSettings())
+    for w in range(4):
+        core.worker_joined(w)
+    rng = random.Random(7)
+    giant = list(range(10_000, 10_000 + 5_970))
+    routed = core.decide(giant, {}, 0.0, rng, tokens=191_040)
+    holder = routed.decision.worker
+    core.routed("giant", holder, giant, routed.decision.chosen, 0.0, routed.continued,
+                191_040)
+    assert core.wait(holder) > 7.0
+    shared = list(range(1, 1_626))
+    for i in range(5):
+        prompt = shared + [100_000 + 1_000 * i + j for j in range(250)]
+        routed = core.decide(prompt, {holder: (1_625, 1_625)}, 0.1 * (i + 1), rng,
+                             tokens=len(prompt) * 32)
+        chosen = routed.decision.chosen
+        assert routed.decision.worker != holder, f"request {i} queued behind the giant"
+        assert chosen.cost < 2.0 < routed.decision.terms(holder).cost
+        core.routed(f"r{i}", routed.decision.worker, prompt, chosen, 0.1 * (i + 1),
+                    routed.continued, len(prompt) * 32)
+    # Once the giant's first token is out, its worker is idle again and the hit wins.
+    core.first_token("giant", 8.5)
+    prompt = shared + list(range(200_000, 200_250))
+    routed = core.decide(prompt, {holder: (1_625, 1_625)}, 9.0, rng, tokens=len(prompt) * 32)
+    assert routed.decision.worker == holder
