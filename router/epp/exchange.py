@@ -8,7 +8,10 @@ Envoy opens one ``Process`` stream per HTTP request and sends its phases in orde
    held, because the destination header must ride on the headers answer. A request without a
    body (``GET /v1/models``) is sent at once to the least busy worker, unbooked.
 2. ``request_body``: under ``BUFFERED`` one message with the whole body; under
-   ``FULL_DUPLEX_STREAMED`` chunks, held until ``end_of_stream`` (or the request trailers);
+   ``FULL_DUPLEX_STREAMED`` chunks, held until the decision: read as they arrive
+   (:class:`~router.epp.early.EarlyBody`), decided as soon as the prompt's match is settled
+   (:meth:`Picker.pick_early`), else at ``end_of_stream`` (or the request trailers); after
+   the decision each chunk is sent back as it came;
    once what is held passes the router's ``max_body_bytes`` the request is refused at once
    with a 413 and the chunks dropped (a body that never ends holds at most the limit here).
    Then the body is parsed, :meth:`Picker.pick` decides and books, and the answer names the
@@ -31,6 +34,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from openai_request.bodies import ApiError, parse_body
 from router.epp import messages
+from router.epp.early import EarlyBody
 from router.epp.picker import ENDPOINT, Pick, Picker
 
 __all__ = ["Exchange", "kind_for_path"]
@@ -66,7 +70,10 @@ class Exchange:
         self._held_bytes = 0
         self._refused = False
         self._streamed_response = False
+        self._early: EarlyBody | None = None
         self.pick: Pick | None = None
+        #: Whether the decision came before the body's last chunk (full duplex).
+        self.early = False
 
     def on_message(self, request: ep.ProcessingRequest) -> list[ep.ProcessingResponse]:
         """The answers to one message from Envoy (none while a full-duplex body is held)."""
@@ -84,7 +91,12 @@ class Exchange:
                 except ApiError as exc:
                     return [messages.immediate_error(exc)]
                 return [messages.routed(endpoint, "request_headers")]
-            return [] if self._duplex else [messages.continue_headers()]
+            if not self._duplex:
+                return [messages.continue_headers()]
+            length = messages.header(headers, "content-length")
+            self._early = EarlyBody(self._kind, int(length) if length and length.isdigit()
+                                    else None)
+            return []
         if phase == "request_body":
             return self._on_body(request.request_body)
         if phase == "response_headers":
@@ -117,26 +129,51 @@ class Exchange:
             self._picker.release(self.pick)
 
     def _on_body(self, body: ep.HttpBody) -> list[ep.ProcessingResponse]:
-        if self.pick is not None:  # a body chunk after the decision (trailing, duplex)
-            return [messages.continue_body()]
+        if self.pick is not None:  # a body chunk after the decision
+            if not self._duplex:
+                return [messages.continue_body()]
+            return [_streamed(body.body, body.end_of_stream)]
         if self._refused:  # chunks Envoy had sent before it read the refusal
             return []
         self._held.append(body.body)
         self._held_bytes += len(body.body)
         limit = self._picker.service.settings.max_body_bytes
         if self._held_bytes > limit:
-            self._held.clear()
+            self._drop()
             self._refused = True
             self._picker.metrics.request(ENDPOINT, 413)
             return [messages.immediate_error(
                 ApiError(413, f"the request body is over {limit} bytes"))]
         if not body.end_of_stream:
-            return [] if self._duplex else [messages.continue_body()]
+            if not self._duplex:
+                return [messages.continue_body()]
+            tries = self._early.feed(body.body) if self._early is not None else None
+            return self._decide_early(*tries) if tries is not None else []
         return self._decide(last=True)
+
+    def _decide_early(self, partial: object, padded: object) -> list[ep.ProcessingResponse]:
+        assert self._kind is not None, "an early try has the path's kind"
+        try:
+            pick = self._picker.pick_early(partial, padded, self._kind, self._subset)
+        except ApiError as exc:  # counted by the picker
+            self._drop()
+            self._refused = True
+            return [messages.immediate_error(exc)]
+        if pick is None:
+            return []
+        self.pick, self.early = pick, True
+        raw = b"".join(self._held)
+        self._drop()
+        return [messages.routed(pick.endpoint, "request_headers"), _streamed(raw, False)]
+
+    def _drop(self) -> None:
+        self._held.clear()
+        if self._early is not None:
+            self._early.stop()
 
     def _decide(self, last: bool) -> list[ep.ProcessingResponse]:
         raw = b"".join(self._held)
-        self._held.clear()
+        self._drop()
         try:
             parsed = parse_body(raw, self._picker.service.settings.max_body_bytes)
         except ApiError as exc:
@@ -150,7 +187,11 @@ class Exchange:
         endpoint = self.pick.endpoint
         if not self._duplex:
             return [messages.routed(endpoint, "request_body")]
-        return [messages.routed(endpoint, "request_headers"),
-                ep.ProcessingResponse(request_body=ep.BodyResponse(response=ep.CommonResponse(
-                    body_mutation=ep.BodyMutation(streamed_response=ep.StreamedBodyResponse(
-                        body=raw, end_of_stream=last)))))]
+        return [messages.routed(endpoint, "request_headers"), _streamed(raw, last)]
+
+
+def _streamed(raw: bytes, last: bool) -> ep.ProcessingResponse:
+    """A full-duplex body answer: ``raw`` sent on unchanged."""
+    return ep.ProcessingResponse(request_body=ep.BodyResponse(response=ep.CommonResponse(
+        body_mutation=ep.BodyMutation(streamed_response=ep.StreamedBodyResponse(
+            body=raw, end_of_stream=last)))))

@@ -99,6 +99,33 @@ class Picker:
         raise ApiError(503, "no worker in the gateway's endpoint subset is available",
                        "service_unavailable")
 
+    def pick_early(self, partial: Any, padded: Any, kind: str,
+                   subset: frozenset[str] | None = None) -> Pick | None:
+        """Decide on the first part of a body, when that part settles the match.
+
+        ``partial`` is the body as far as it has arrived (its prompt cut where the bytes end);
+        ``padded`` is the same with the prompt lengthened by as many characters as the body
+        has bytes still to come, so the load booked counts the whole prompt. A first
+        decision on ``partial``, with the router's random state put back after it, says
+        whether the match ends inside what arrived: only then (its prompt was walked only
+        part way, ``estimated_tokens``) can no later byte change it, and ``padded`` is decided
+        and booked as :meth:`pick` does. ``None``: not settled yet (or ``partial`` is not a
+        body the router takes yet); wait for more.
+
+        Raises:
+            ApiError: as :meth:`pick`, for a settled body.
+        """
+        state = self.service.rng.getstate()
+        try:
+            probe = self.service.decide(partial, kind)
+        except ApiError:
+            return None
+        finally:
+            self.service.rng.setstate(state)
+        if not getattr(probe.prompt, "estimated_tokens", 0):
+            return None
+        return self.pick(padded, kind, subset)
+
     def pick_any(self, subset: frozenset[str] | None = None) -> str:
         """A worker for a request with no body to route by (``GET /v1/models``): the allowed
         healthy worker with the fewest requests in flight, as ``host:port``; nothing booked.

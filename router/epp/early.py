@@ -1,0 +1,87 @@
+"""When a streamed body may be decided before its end, and on what.
+
+Under ``FULL_DUPLEX_STREAMED`` the body arrives in chunks that an :class:`EarlyBody` reads
+with :class:`~openai_request.stream_json.ObjectReader`. Once the body's ``model`` is known and
+its prompt (``prompt`` for completions, ``messages`` for chat) is being read, it offers the
+body as far as it has arrived, at doubling sizes (from :data:`FIRST_TRY_BYTES`), for
+:meth:`~router.epp.picker.Picker.pick_early` to try: with ``--tokenize match`` the router
+tokenizes a prompt only as far as some worker holds it, so once the match ends inside what
+arrived the decision is settled. The tail still to come is stood in for by as many
+characters as the body has bytes left by its ``content-length`` (none when it sends none),
+so the load booked counts the whole prompt.
+
+Only what the decision reads before the prompt counts: a body whose ``model`` comes after its
+prompt, whose prompt is a list of token ids, or whose last message's content is not a string
+is decided at its end. Members after the prompt that would have changed the choice
+(``cache_salt``, ``tools``, chat template arguments) are not seen by an early decision: a
+client that needs them to steer routing writes them before the prompt. A reader error (not
+a JSON object) also leaves the body to its end, where the buffered path's parse gives the
+client its error. A body decided early that turns out invalid past the decision (cut
+short, say) has been sent on: the worker refuses it, as it would any invalid body.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from openai_request.stream_json import ObjectReader, StreamError
+
+__all__ = ["FIRST_TRY_BYTES", "EarlyBody"]
+
+#: The body bytes read before the first try; each later try waits for twice as many.
+FIRST_TRY_BYTES = 8192
+_FILL = "x"
+
+
+class EarlyBody:
+    """One streamed body's reader and its early tries.
+
+    Args:
+        kind: ``"chat"`` or ``"completions"`` (the path's), or ``None`` when unknown.
+        content_length: the body's length by its header, or ``None``.
+    """
+
+    def __init__(self, kind: str | None, content_length: int | None) -> None:
+        self._prompt_key = {"chat": "messages", "completions": "prompt"}.get(kind or "")
+        self._length = content_length
+        self._reader: ObjectReader | None = ObjectReader() if self._prompt_key else None
+        self._next_try = FIRST_TRY_BYTES
+
+    def feed(self, chunk: bytes) -> tuple[Any, Any] | None:
+        """Read ``chunk``; the ``(partial, padded)`` bodies to try now, or ``None``."""
+        reader, key = self._reader, self._prompt_key
+        if reader is None or key is None:
+            return None
+        try:
+            reader.feed(chunk)
+        except StreamError:
+            self._reader = None
+            return None
+        if (reader.fed < self._next_try or reader.open_key != key
+                or "model" not in reader.members):
+            return None
+        self._next_try = reader.fed * 2
+        try:
+            partial = reader.partial()
+        except StreamError:
+            self._reader = None
+            return None
+        rest = max(0, self._length - reader.fed) if self._length is not None else 0
+        padded = _padded(partial, key, rest)
+        return None if padded is None else (partial, padded)
+
+    def stop(self) -> None:
+        """No more tries (decided, or refused): later chunks are not read."""
+        self._reader = None
+
+
+def _padded(partial: dict[str, Any], key: str, rest: int) -> dict[str, Any] | None:
+    prompt = partial.get(key)
+    if key == "prompt":
+        return {**partial, key: prompt + _FILL * rest} if isinstance(prompt, str) else None
+    if not isinstance(prompt, list) or not prompt or not isinstance(prompt[-1], dict):
+        return None
+    last = prompt[-1]
+    if not isinstance(last.get("role"), str) or not isinstance(last.get("content"), str):
+        return None
+    return {**partial, key: [*prompt[:-1], {**last, "content": last["content"] + _FILL * rest}]}
