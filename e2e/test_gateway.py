@@ -16,11 +16,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from bench.envoy import envoy_binary
 from e2e.gateway import Envoy, Epp
 from e2e.harness import NOT_YET, Process, Worker
+from tests.fixtures.tokenizer_files import write_tiny_tokenizer
 from tests.support.eventually import eventually_blocking
 from tests.support.servers import sse_events
 
@@ -47,14 +49,14 @@ def gateway(tmp_path: Path, processes: list[Process]) -> Callable[..., Gateway]:
     failure."""
 
     def make(workers: int = 3, replicas: int = 1, full_duplex: bool = False,
-             **worker_settings: Any) -> Gateway:
+             epp: dict[str, Any] | None = None, **worker_settings: Any) -> Gateway:
         ws = [Worker(i, tmp_path, **worker_settings) for i in range(workers)]
         for w in ws:
             w.start()
             processes.append(w)
         for w in ws:
             w.wait_healthy()
-        epps = [Epp(f"epp-{i}", ws, tmp_path, seed=i) for i in range(replicas)]
+        epps = [Epp(f"epp-{i}", ws, tmp_path, seed=i, **(epp or {})) for i in range(replicas)]
         for e in epps:
             e.start()
             processes.append(e)
@@ -110,6 +112,47 @@ def test_full_duplex_streamed_bodies_are_routed_the_same_way(
     bad = envoy.client.post("/v1/completions", content=b"[1, 2]",
                             headers={"content-type": "application/json"})
     assert bad.status_code == 400
+
+
+def test_full_duplex_decides_before_the_body_ends(gateway: Callable[..., Gateway],
+                                                  tmp_path: Path) -> None:
+    # A BPE tokenizer (the byte-level one has no walk): the EPP tokenizes a first-time
+    # prompt only past its first block, decides, and Envoy opens the upstream request while
+    # the client still holds half the body back; every byte then reaches the worker.
+    folder = tmp_path / "tokenizer"
+    folder.mkdir()
+    write_tiny_tokenizer(folder)
+    gw = gateway(workers=2, full_duplex=True, tokenizer=str(folder),
+                 epp={"tokenizer": str(folder), "tokenize": "match"})
+    envoy = gw.envoys[0]
+    # ~58 KB: ~50k tokens of the tiny tokenizer, inside the sim's model length
+    prompt = " ".join(f"a gateway streams part {i} of one long document" for i in range(1200))
+    raw = json.dumps({"model": "kvroute-sim", "prompt": prompt, "max_tokens": 2}).encode()
+    half = len(raw) // 2
+
+    def upstream_requests() -> int:
+        stats = httpx.get(f"http://127.0.0.1:{envoy.admin_port}/stats?filter="
+                          "upstream_rq_total", timeout=5).text
+        return sum(int(line.rsplit(" ", 1)[-1]) for line in stats.splitlines()
+                   if line.startswith("cluster.kvroute_workers."))
+
+    def pieces() -> Iterator[bytes]:
+        yield from (raw[i:i + 8192] for i in range(0, half, 8192))
+        eventually_blocking(upstream_requests, "the upstream request before the body's end",
+                            timeout=30)
+        yield from (raw[i:i + 8192] for i in range(half + -half % 8192, len(raw), 8192))
+
+    first = envoy.client.post("/v1/completions", content=pieces(),
+                              headers={"content-type": "application/json"})
+    assert first.status_code == 200, first.text
+    tokens = first.json()["usage"]["prompt_tokens"]
+    assert tokens > 0.9 * len(prompt) / 5  # the worker read the whole prompt
+    again = envoy.client.post("/v1/completions", content=raw,
+                              headers={"content-type": "application/json"})
+    assert again.status_code == 200
+    assert again.json()["usage"]["prompt_tokens"] == tokens
+    assert again.headers["x-kvroute-worker"] == first.headers["x-kvroute-worker"]
+    assert _cached(again) >= tokens // 32 * 32 - 32
 
 
 def test_concurrent_first_requests_spread_over_the_workers(
