@@ -303,6 +303,145 @@ def exchange_cpu_us(requests: int = 3000) -> float:
     return (time.process_time() - started) / requests * 1e6
 
 
+#: The large-body sizes of ``--bodies`` (bytes of prompt).
+BODY_SIZES = {"100KB": 100_000, "400KB": 400_000}
+
+
+def _envoy_for(scratch: Path, name: str, epp_port: int, streamed: bool
+               ) -> tuple[Path, int, int]:
+    """An Envoy config in front of ``epp_port``: (path, listener port, admin port)."""
+    port, admin = free_port(), free_port()
+    config = render_envoy_config(port, admin, epp_port)
+    if streamed:  # as e2e.gateway.Envoy does: the body to the EPP chunk by chunk
+        config = config.replace("request_body_mode: BUFFERED",
+                                "request_body_mode: FULL_DUPLEX_STREAMED").replace(
+                                "request_trailer_mode: SKIP", "request_trailer_mode: SEND")
+    path = scratch / f"{name}.yaml"
+    path.write_text(config)
+    return path, port, admin
+
+
+def _in_process_ms(folder: Path, raw: bytes, streamed: bool, n: int = 9) -> float:
+    """Median CPU milliseconds of the EPP's own work on ``raw`` (first-time prompts), no
+    transport: one exchange, buffered (one message) or streamed (16 KB chunks)."""
+    from envoy.config.core.v3 import base_pb2
+    from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
+    from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
+
+    from router.epp.exchange import Exchange
+    from router.epp.picker import Picker
+    from router.fleet.worker_table import WorkerInfo
+    from router.service import RouterService
+    from router.settings import RouterSettings
+
+    service = RouterService(RouterSettings(seed=1, tokenizer=str(folder), tokenize="match"),
+                            httpx.AsyncClient())
+    service.registry.adopt(WorkerInfo(url="http://10.0.0.1:8000", model="kvroute-sim",
+                                      block_size=32, tokenizer=service.tokenizer.identity,
+                                      instance_id="i0", max_model_len=1 << 20))
+    values = [base_pb2.HeaderValue(key=":path", raw_value=b"/v1/chat/completions"),
+              base_pb2.HeaderValue(key="content-length", raw_value=str(len(raw)).encode())]
+    times = []
+    for k in range(n):
+        body = raw.replace(b"FIRST", str(k).encode().rjust(5, b"0"), 1)
+        headers = ep.ProcessingRequest(request_headers=ep.HttpHeaders(
+            headers=base_pb2.HeaderMap(headers=values)))
+        if streamed:
+            headers.protocol_config.request_body_mode = \
+                processing_mode_pb2.ProcessingMode.FULL_DUPLEX_STREAMED
+        step = 16384 if streamed else len(body)
+        chunks = [ep.ProcessingRequest(request_body=ep.HttpBody(
+            body=body[i:i + step], end_of_stream=i + step >= len(body)))
+            for i in range(0, len(body), step)]
+        started = time.process_time()
+        exchange = Exchange(Picker(service))
+        exchange.on_message(headers)
+        for chunk in chunks:
+            exchange.on_message(chunk)
+        times.append(time.process_time() - started)
+        exchange.close()
+    return statistics.median(times) * 1e3
+
+
+def large_bodies(n: int) -> dict[str, Any]:
+    """Chat bodies of 100 KB and 400 KB, first-time prompts of generated text tokenized by
+    :mod:`bench.prompts`' 32k BPE, one at a time: straight to the worker, through Envoy and a
+    buffered EPP, and through Envoy and a streamed (full-duplex) EPP, ``n`` requests per size
+    and path, the paths alternating; each EPP under ``--tokenize match``."""
+    from bench.prompts import Language, tokenizer_dir
+
+    folder = tokenizer_dir()
+    worker_port, buffered_port, streamed_port = free_port(), free_port(), free_port()
+    worker_url = f"http://127.0.0.1:{worker_port}"
+    procs: list[subprocess.Popen[bytes]] = []
+    figures: dict[str, Any] = {}
+    lang = Language(7)
+    with tempfile.TemporaryDirectory() as scratch:
+        try:
+            procs.append(spawn(["worker", "--port", str(worker_port), "--events-port",
+                                str(free_port()), "--replay-port", str(free_port()),
+                                "--speedup", "1e9", "--tokenizer", str(folder),
+                                "--max-model-len", str(1 << 20)], worker_url))
+            urls = {"direct": f"{worker_url}/v1/chat/completions"}
+            epps = {}
+            for name, port in (("buffered", buffered_port), ("streamed", streamed_port)):
+                epp = subprocess.Popen([sys.executable, "-m", "kvroute.cli", "epp",
+                                        "--grpc-port", str(port), "--worker", worker_url,
+                                        "--tokenizer", str(folder), "--tokenize", "match",
+                                        "--log-level", "warning"], stdout=subprocess.DEVNULL,
+                                       stderr=subprocess.DEVNULL, start_new_session=True)
+                procs.append(epp)
+                epps[name] = epp
+                _wait_grpc_ready(port, epp)
+                config, listen, admin = _envoy_for(Path(scratch), name, port,
+                                                   name == "streamed")
+                procs.append(spawn_envoy(config, admin))
+                urls[name] = f"http://127.0.0.1:{listen}/v1/chat/completions"
+            with httpx.Client(timeout=120) as client:
+                for label, size in BODY_SIZES.items():
+                    text = lang.text(size)
+                    raw = json.dumps({"model": "kvroute-sim", "max_tokens": 1, "messages": [
+                        {"role": "user", "content": "FIRST " + text}]}).encode()
+                    times: dict[str, list[float]] = {p: [] for p in urls}
+                    cpu = {p: 0.0 for p in epps}
+                    for k in range(n + 1):  # the first round warms connections, not counted
+                        for path, url in urls.items():
+                            body = raw.replace(b"FIRST", f"{label}{k}{path}".encode(), 1)
+                            before = _cpu_seconds(epps[path].pid) if path in epps else 0.0
+                            started = time.perf_counter()
+                            reply = client.post(url, content=body,
+                                                headers={"content-type": "application/json"})
+                            elapsed = time.perf_counter() - started
+                            if reply.status_code != 200:
+                                raise RuntimeError(f"{path} answered {reply.status_code}: "
+                                                   f"{reply.text[:300]}")
+                            if k:
+                                times[path].append(elapsed)
+                                if path in epps:
+                                    cpu[path] += _cpu_seconds(epps[path].pid) - before
+                    # Paired: each round's path minus the same round's direct request, so
+                    # the worker's own swings (it tokenizes every prompt) mostly cancel.
+                    added = {p: [(a - d) * 1e3 for a, d in zip(times[p], times["direct"],
+                                                                strict=True)] for p in epps}
+                    figures[f"{label}_direct_p50_ms"] = round(
+                        statistics.median(times["direct"]) * 1e3, 2)
+                    for path in epps:
+                        figures[f"{label}_{path}_added_p50_ms"] = round(
+                            statistics.median(added[path]), 2)
+                        figures[f"{label}_{path}_epp_cpu_ms_per_request"] = round(
+                            cpu[path] / n * 1e3, 2)
+                        figures[f"{label}_{path}_in_process_cpu_ms"] = round(
+                            _in_process_ms(folder, raw, path == "streamed"), 2)
+                    figures[f"{label}_streamed_saves_ms"] = round(statistics.median(
+                        [(b - s) * 1e3 for b, s in zip(times["buffered"], times["streamed"],
+                                                       strict=True)]), 2)
+        finally:
+            for proc in reversed(procs):
+                stop(proc)
+    figures["bodies_requests_per_size_and_path"] = n
+    return figures
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--json", action="store_true", help="print one JSON object")
@@ -311,7 +450,14 @@ def main(argv: list[str] | None = None) -> None:
                         help="seconds per path under wrk (default 10)")
     parser.add_argument("--rounds", type=int, default=3,
                         help="alternating EPP / floor runs for the CPU medians (default 3)")
+    parser.add_argument("--bodies", action="store_true",
+                        help="only the 100 KB and 400 KB bodies, buffered against streamed")
+    parser.add_argument("--body-requests", type=int, default=20,
+                        help="requests per body size and path with --bodies (default 20)")
     args = parser.parse_args(argv)
+    if args.bodies:
+        print_figures(large_bodies(max(1, args.body_requests)), args.json)
+        return
     seconds = 2.0 if args.quick else args.seconds
     _step("the EPP's own work per request, in this process")
     figures = {"exchange_cpu_us_per_request": round(exchange_cpu_us(), 1)}
