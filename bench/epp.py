@@ -32,6 +32,25 @@ epoll waits, futexes) around two ``sendmsg`` and two ``recvmsg`` of traffic. The
 conversation is already the shortest that routes (request headers and buffered body; see
 ``deploy/envoy/envoy.yaml``); grpcio's synchronous server costs more than the asyncio one for
 the same do-nothing work. More decisions per second come from more EPP processes.
+
+``--bodies`` measures large bodies instead: first-time completion prompts of 100 KB and
+400 KB of generated text, tokenized by :mod:`bench.prompts`' 32k BPE (built once under
+``bench-out/prompts``), one request at a time to a fixed-answer worker in this process (it
+reads the body and answers at once: a real worker's own tokenizing would swamp the
+gateway's cost): directly, through Envoy with a buffered EPP, and through Envoy with a
+streamed (``FULL_DUPLEX_STREAMED``) EPP, both EPPs under ``--tokenize match``. The added
+latency is paired (each round's path minus the same round's direct request). The buffered
+EPP decides after the body's last byte, then Envoy copies the body to the worker; the
+streamed one decides after the first 8-16 KB (a first-time prompt's match ends in its first
+block) and the body flows on to the worker while the rest arrives, at the price of every
+chunk's round trip through the EPP. ``--upload-mbps M`` paces the client as a network link
+would; at 100 Mbit/s streamed added less than buffered on 400 KB (6.1 against 10.7 ms) and
+about the same on 100 KB, while on unpaced loopback it added more (10.7 against 7.5 ms on
+400 KB): there the chunks' gRPC trips cost more than one decision on the whole body.
+``*_in_process_cpu_ms`` is the EPP's own work without gRPC: streamed reads the JSON as it
+arrives and decides twice (on the prompt so far, to learn whether its match is settled, then
+with the rest's length), 8.5 ms on 400 KB against 2.0 ms buffered. Figures and commands:
+docs/kubernetes.md.
 """
 
 from __future__ import annotations
@@ -46,7 +65,9 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -303,6 +324,60 @@ def exchange_cpu_us(requests: int = 3000) -> float:
     return (time.process_time() - started) / requests * 1e6
 
 
+class _FixedWorker:
+    """A worker that reads each body and answers a fixed completion at once, in a thread of
+    its own: with large bodies a real worker's own tokenizing would swamp the front door's
+    cost. It names ``tokenizer`` as its tokenizer, so the EPP takes it."""
+
+    def __init__(self, tokenizer: str) -> None:
+        self.port = free_port()
+        self._tokenizer = tokenizer
+        self._ready = threading.Event()
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._thread = threading.Thread(target=asyncio.run, args=(self._serve(),), daemon=True)
+
+    def __enter__(self) -> _FixedWorker:
+        self._thread.start()
+        if not self._ready.wait(30):
+            raise RuntimeError("the fixed-answer worker did not start")
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self._loop is not None and self._stop is not None:
+            self._loop.call_soon_threadsafe(self._stop.set)
+        self._thread.join(10)
+
+    async def _serve(self) -> None:
+        from aiohttp import web
+
+        info = {"model": "kvroute-sim", "block_size": 32, "tokenizer": self._tokenizer,
+                "instance_id": "fixed-1", "events_endpoint": None, "max_model_len": 1 << 22}
+        answer = {"id": "c", "object": "text_completion", "model": "kvroute-sim",
+                  "choices": [{"index": 0, "text": "x", "finish_reason": "length"}]}
+
+        async def complete(request: web.Request) -> web.Response:
+            await request.read()
+            return web.json_response(answer)
+
+        def fixed(value: dict[str, Any]) -> Callable[[web.Request], Awaitable[web.Response]]:
+            async def handler(_: web.Request) -> web.Response:
+                return web.json_response(value)
+            return handler
+
+        app = web.Application(client_max_size=1 << 24)
+        app.router.add_get("/model_info", fixed(info))
+        app.router.add_get("/load", fixed({"running": 0, "waiting": 0}))
+        app.router.add_post("/v1/completions", complete)
+        runner = web.AppRunner(app, access_log=None)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", self.port).start()
+        self._loop, self._stop = asyncio.get_running_loop(), asyncio.Event()
+        self._ready.set()
+        await self._stop.wait()
+        await runner.cleanup()
+
+
 #: The large-body sizes of ``--bodies`` (bytes of prompt).
 BODY_SIZES = {"100KB": 100_000, "400KB": 400_000}
 
@@ -339,7 +414,7 @@ def _in_process_ms(folder: Path, raw: bytes, streamed: bool, n: int = 9) -> floa
     service.registry.adopt(WorkerInfo(url="http://10.0.0.1:8000", model="kvroute-sim",
                                       block_size=32, tokenizer=service.tokenizer.identity,
                                       instance_id="i0", max_model_len=1 << 20))
-    values = [base_pb2.HeaderValue(key=":path", raw_value=b"/v1/chat/completions"),
+    values = [base_pb2.HeaderValue(key=":path", raw_value=b"/v1/completions"),
               base_pb2.HeaderValue(key="content-length", raw_value=str(len(raw)).encode())]
     times = []
     for k in range(n):
@@ -363,26 +438,36 @@ def _in_process_ms(folder: Path, raw: bytes, streamed: bool, n: int = 9) -> floa
     return statistics.median(times) * 1e3
 
 
-def large_bodies(n: int) -> dict[str, Any]:
-    """Chat bodies of 100 KB and 400 KB, first-time prompts of generated text tokenized by
-    :mod:`bench.prompts`' 32k BPE, one at a time: straight to the worker, through Envoy and a
-    buffered EPP, and through Envoy and a streamed (full-duplex) EPP, ``n`` requests per size
-    and path, the paths alternating; each EPP under ``--tokenize match``."""
+def _paced(body: bytes, mbps: float) -> Iterator[bytes]:
+    """``body`` in 16 KB pieces at about ``mbps`` megabits per second (a client's uplink)."""
+    step, started = 16384, time.perf_counter()
+    for at in range(0, len(body), step):
+        wait = started + at * 8 / (mbps * 1e6) - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        yield body[at:at + step]
+
+
+def large_bodies(n: int, mbps: float | None = None) -> dict[str, Any]:
+    """Completion bodies of 100 KB and 400 KB, first-time prompts of generated text tokenized
+    by :mod:`bench.prompts`' 32k BPE, one at a time to a fixed-answer worker: directly, through
+    Envoy and a buffered EPP, and through Envoy and a streamed (full-duplex) EPP, ``n``
+    requests per size and path, the paths alternating; each EPP under ``--tokenize match``.
+    ``mbps``: the client sends each body at that rate (with its ``content-length``), as over
+    a network link; ``None``: as fast as loopback takes it."""
     from bench.prompts import Language, tokenizer_dir
+    from openai_request.tokenizer import load_tokenizer
 
     folder = tokenizer_dir()
-    worker_port, buffered_port, streamed_port = free_port(), free_port(), free_port()
-    worker_url = f"http://127.0.0.1:{worker_port}"
+    buffered_port, streamed_port = free_port(), free_port()
     procs: list[subprocess.Popen[bytes]] = []
     figures: dict[str, Any] = {}
     lang = Language(7)
-    with tempfile.TemporaryDirectory() as scratch:
+    with (tempfile.TemporaryDirectory() as scratch,
+          _FixedWorker(load_tokenizer(str(folder)).identity) as worker):
+        worker_url = f"http://127.0.0.1:{worker.port}"
         try:
-            procs.append(spawn(["worker", "--port", str(worker_port), "--events-port",
-                                str(free_port()), "--replay-port", str(free_port()),
-                                "--speedup", "1e9", "--tokenizer", str(folder),
-                                "--max-model-len", str(1 << 20)], worker_url))
-            urls = {"direct": f"{worker_url}/v1/chat/completions"}
+            urls = {"direct": f"{worker_url}/v1/completions"}
             epps = {}
             for name, port in (("buffered", buffered_port), ("streamed", streamed_port)):
                 epp = subprocess.Popen([sys.executable, "-m", "kvroute.cli", "epp",
@@ -396,12 +481,11 @@ def large_bodies(n: int) -> dict[str, Any]:
                 config, listen, admin = _envoy_for(Path(scratch), name, port,
                                                    name == "streamed")
                 procs.append(spawn_envoy(config, admin))
-                urls[name] = f"http://127.0.0.1:{listen}/v1/chat/completions"
+                urls[name] = f"http://127.0.0.1:{listen}/v1/completions"
             with httpx.Client(timeout=120) as client:
                 for label, size in BODY_SIZES.items():
-                    text = lang.text(size)
-                    raw = json.dumps({"model": "kvroute-sim", "max_tokens": 1, "messages": [
-                        {"role": "user", "content": "FIRST " + text}]}).encode()
+                    raw = json.dumps({"model": "kvroute-sim", "max_tokens": 1,
+                                      "prompt": "FIRST " + lang.text(size)}).encode()
                     times: dict[str, list[float]] = {p: [] for p in urls}
                     cpu = {p: 0.0 for p in epps}
                     for k in range(n + 1):  # the first round warms connections, not counted
@@ -409,8 +493,10 @@ def large_bodies(n: int) -> dict[str, Any]:
                             body = raw.replace(b"FIRST", f"{label}{k}{path}".encode(), 1)
                             before = _cpu_seconds(epps[path].pid) if path in epps else 0.0
                             started = time.perf_counter()
-                            reply = client.post(url, content=body,
-                                                headers={"content-type": "application/json"})
+                            reply = client.post(
+                                url, content=body if mbps is None else _paced(body, mbps),
+                                headers={"content-type": "application/json",
+                                         "content-length": str(len(body))})
                             elapsed = time.perf_counter() - started
                             if reply.status_code != 200:
                                 raise RuntimeError(f"{path} answered {reply.status_code}: "
@@ -420,7 +506,7 @@ def large_bodies(n: int) -> dict[str, Any]:
                                 if path in epps:
                                     cpu[path] += _cpu_seconds(epps[path].pid) - before
                     # Paired: each round's path minus the same round's direct request, so
-                    # the worker's own swings (it tokenizes every prompt) mostly cancel.
+                    # the machine's swings mostly cancel.
                     added = {p: [(a - d) * 1e3 for a, d in zip(times[p], times["direct"],
                                                                 strict=True)] for p in epps}
                     figures[f"{label}_direct_p50_ms"] = round(
@@ -439,6 +525,7 @@ def large_bodies(n: int) -> dict[str, Any]:
             for proc in reversed(procs):
                 stop(proc)
     figures["bodies_requests_per_size_and_path"] = n
+    figures["bodies_client_mbps"] = mbps if mbps is not None else "loopback"
     return figures
 
 
@@ -454,9 +541,11 @@ def main(argv: list[str] | None = None) -> None:
                         help="only the 100 KB and 400 KB bodies, buffered against streamed")
     parser.add_argument("--body-requests", type=int, default=20,
                         help="requests per body size and path with --bodies (default 20)")
+    parser.add_argument("--upload-mbps", type=float,
+                        help="with --bodies: the client's send rate (default: unpaced)")
     args = parser.parse_args(argv)
     if args.bodies:
-        print_figures(large_bodies(max(1, args.body_requests)), args.json)
+        print_figures(large_bodies(max(1, args.body_requests), args.upload_mbps), args.json)
         return
     seconds = 2.0 if args.quick else args.seconds
     _step("the EPP's own work per request, in this process")
