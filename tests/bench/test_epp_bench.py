@@ -1,9 +1,13 @@
 """bench.epp's in-process part runs the EPP's real exchange and leaves nothing booked; the
-do-nothing ext_proc server it measures beside the EPP answers like the EPP, over real gRPC."""
+do-nothing ext_proc server it measures beside the EPP answers like the EPP, over real gRPC;
+the large-body parts (paced sends, the in-process streamed and buffered exchanges, the
+fixed-answer worker) work on a small tokenizer."""
 
 from __future__ import annotations
 
+import json
 import math
+from pathlib import Path
 
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
@@ -41,3 +45,25 @@ async def test_the_floor_server_routes_every_body_to_its_endpoint_over_grpc() ->
     mutation = body_answer.request_body.response.header_mutation.set_headers
     assert [(h.header.key, h.header.raw_value) for h in mutation] == [
         (DESTINATION_HEADER, b"10.0.0.7:8000")]
+
+
+def test_the_large_body_parts_run_the_real_exchange_and_worker(tmp_path: Path) -> None:
+    import httpx
+
+    from bench.epp import _FixedWorker, _in_process_ms, _paced
+    from openai_request.tokenizer import load_tokenizer
+    from tests.fixtures.tokenizer_files import write_tiny_tokenizer
+
+    write_tiny_tokenizer(tmp_path)
+    raw = json.dumps({"model": "kvroute-sim", "prompt": "FIRST " + "words of a prompt " * 3000
+                      }).encode()
+    assert b"".join(_paced(raw, 1e4)) == raw
+    for streamed in (False, True):
+        figure = _in_process_ms(tmp_path, raw, streamed, n=2)
+        assert math.isfinite(figure) and figure > 0
+    identity = load_tokenizer(str(tmp_path)).identity
+    with _FixedWorker(identity) as worker:
+        base = f"http://127.0.0.1:{worker.port}"
+        assert httpx.get(f"{base}/model_info").json()["tokenizer"] == identity
+        answer = httpx.post(f"{base}/v1/completions", content=raw)
+        assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == "x"
