@@ -14,7 +14,9 @@ Rules:
        characters and UTF-8). A string still open is rescanned only from where its last
        scan stopped. The scan finds quotes by a C search and counts the backslashes
        before each: 2.6 ms for a 670 KB chat body in 16 KB chunks, json.loads included; a
-       string dense with escaped quotes costs about 0.7 µs a quote.
+       string dense with escaped quotes costs about 0.7 µs a quote. ijson 3.6 with its C
+       backend (yajl2_c) took 26 ms on the same body and chunks, and says nothing of a
+       string until it closes: a one-message chat body would show nothing before its end.
     2. Anything that is not a well-formed JSON object (another top-level value, nesting
        deeper than ``max_depth``, a repeated top-level key, bytes after the closing brace
        other than whitespace) raises :class:`StreamError`; the caller then reads the body
