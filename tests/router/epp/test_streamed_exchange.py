@@ -143,7 +143,7 @@ async def test_decided_before_the_last_chunk_on_the_buffered_choice(
     buffered = services[1].decide(body, kind)
     assert abs(early_total - buffered.prompt.total_tokens) < 0.1 * buffered.prompt.total_tokens
     exchange.close()
-    assert services[0].load.in_flight(exchange.pick.worker.id) == 0
+    assert services[0].core.in_flight(exchange.pick.worker.id) == 0
 
 
 async def test_a_prompt_held_to_its_end_is_decided_at_the_end(
