@@ -97,13 +97,14 @@ def hot_prefix_held(router: Router, streams: int = 64) -> tuple[str, list[dict[s
 
 
 def test_a_hot_prefix_spreads_under_load_and_returns_when_load_falls(cluster: Any) -> None:
-    # Each of the 64 streams holds the prefix's 61 blocks while it decodes; at weight 32 per
-    # prefill block the holder's decode load outweighs the 62 blocks a cold worker would
-    # prefill once about 32 of them run there. The load is the router's own books, made
-    # exact: each stream is sent once the one before has its first token (so it is booked
-    # as decoding), and none ends before the last is sent (each asks for far more tokens
-    # than the test takes), so no decision depends on how fast the machine is.
-    router, _ = cluster(workers=3)
+    # Each of the 64 streams holds the prefix's 61 blocks while it decodes. The rates are set
+    # by hand (no learning) with a token of decode context at 1/32 of a token of prefill, so
+    # the holder's predicted wait (decode_s x blocks decoding there) passes the 62 blocks a
+    # cold worker would prefill once about 32 streams run there. The load is the router's
+    # own books, made exact: each stream is sent once the one before has its first token (so
+    # it is booked as decoding), and none ends before the last is sent (each asks for far
+    # more tokens than the test takes), so no decision depends on how fast the machine is.
+    router, _ = cluster(workers=3, router_settings={"rates": "prefill=0.001,decode=0.00003125"})
     holder, results = hot_prefix_held(router)
     used = {r["worker"] for r in results}
     counts = sorted((sum(r["worker"] == u for r in results) for u in used), reverse=True)
