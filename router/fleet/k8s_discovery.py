@@ -207,7 +207,7 @@ class EndpointSliceWatch:
                 name, urls = self._slice(item)
                 if name is not None and len(slices) < self.max_endpoints:
                     slices[name] = urls
-            metadata = body.get("metadata") or {}
+            metadata = _metadata(body)
             version = metadata.get("resourceVersion")
             if not metadata.get("continue"):
                 break
@@ -254,7 +254,7 @@ class EndpointSliceWatch:
             if obj.get("code") == 410:
                 raise Gone()
             raise WatchFailed(f"watch error {obj.get('code')}: {obj.get('message')}")
-        version = (obj.get("metadata") or {}).get("resourceVersion")
+        version = _metadata(obj).get("resourceVersion")
         if kind not in ("ADDED", "MODIFIED", "DELETED", "BOOKMARK") or not isinstance(
                 version, str):
             self.bad_events += 1
@@ -280,7 +280,7 @@ class EndpointSliceWatch:
 
     def _slice(self, obj: Any) -> tuple[str | None, set[str]]:
         """A slice's name and the URLs of its ready endpoints (``None``: not a slice)."""
-        name = (obj.get("metadata") or {}).get("name") if isinstance(obj, dict) else None
+        name = _metadata(obj).get("name")
         if not isinstance(name, str):
             log.warning("%s: skipped an EndpointSlice without a name", self.target)
             return None, set()
@@ -318,6 +318,12 @@ class EndpointSliceWatch:
         if key not in self._warned and len(self._warned) < 256:
             self._warned.add(key)
             log.warning(message, *args)
+
+
+def _metadata(obj: Any) -> dict[str, Any]:
+    """``obj["metadata"]`` when both are JSON objects, else ``{}``."""
+    metadata = obj.get("metadata") if isinstance(obj, dict) else None
+    return metadata if isinstance(metadata, dict) else {}
 
 
 def _ready_addresses(endpoints: Any) -> Iterator[str]:

@@ -251,10 +251,15 @@ async def test_a_dropped_watch_resumes_from_its_version_and_garbage_is_skipped(
             await eventually(lambda: api.streams, "the watch is open")
             api.send_raw("this is not json")
             api.send_raw(json.dumps({"type": "ADDED"}))  # no object
+            api.send_raw(json.dumps({"type": "MODIFIED", "object": {"metadata": 5}}))
+            api.send_raw(json.dumps({"type": "ADDED", "object": {"metadata": {
+                "name": "x", "resourceVersion": "1"}, "addressType": "IPv4", "ports": "http",
+                "endpoints": [{"addresses": "10.0.0.7", "conditions": []}, 3]}}))
             api.put("workers-b", [("10.0.0.2", True)])  # the watch goes on after garbage
             await eventually(lambda: urls(reg), "a slice after the garbage joined",
                              until=lambda u: "http://10.0.0.2:8000" in u)
-            assert watch.bad_events == 2
+            assert watch.bad_events == 3  # the slice with malformed fields is one with no port
+            assert "http://10.0.0.7:8000" not in urls(reg)
             assert len(api.watch_versions) == 1
             seen = watch.resource_version
             api.drop()
