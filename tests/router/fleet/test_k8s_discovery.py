@@ -20,9 +20,9 @@ from aiohttp import web
 from indexer.index import PrefixIndex
 from kvroute.up import free_port
 from router.fleet.discovery import Discovery, parse_target
+from router.fleet.facts import FleetFacts
 from router.fleet.k8s_discovery import K8sTarget, cluster_client
 from router.fleet.registry import Registry
-from router.routing.load import LoadTracker
 from router.settings import RouterSettings, SettingsError, load_settings
 from tests.support.eventually import eventually
 
@@ -154,12 +154,11 @@ def _unreachable(request: httpx.Request) -> httpx.Response:
     raise httpx.ConnectError("connection refused", request=request)
 
 
-def registry() -> Registry:
+def registry(settings: RouterSettings | None = None) -> Registry:
     """A real registry whose workers never answer (no sockets: a refusing transport)."""
-    settings = RouterSettings()
-    return Registry(settings.fleet_settings(), PrefixIndex(settings.block_size), LoadTracker(),
-                    "bytes-v1", lambda _: None,
-                    httpx.AsyncClient(transport=httpx.MockTransport(_unreachable)))
+    settings = settings or RouterSettings()
+    return Registry(settings.fleet_settings(), PrefixIndex(settings.block_size), FleetFacts(),
+                    "bytes-v1", httpx.AsyncClient(transport=httpx.MockTransport(_unreachable)))
 
 
 def urls(reg: Registry) -> set[str]:
@@ -361,3 +360,20 @@ async def test_in_cluster_configuration_comes_from_the_service_account(
         assert request.headers["Authorization"] == "Bearer pod-token"
     finally:
         await client.aclose()
+
+
+async def test_the_registry_watches_the_targets_its_settings_name(cluster: Any) -> None:
+    async with FakeKubeApi() as api:
+        cluster(api)
+        api.put("workers-a", [("10.0.0.1", True)])
+        reg = registry(load_settings({"discover": [TARGET]}, env={}))
+        await reg.start()
+        try:
+            await eventually(lambda: urls(reg), "the slice's worker joined",
+                             until=lambda u: u == {"http://10.0.0.1:8000"})
+            await eventually(lambda: api.streams, "the watch is open")
+            api.put("workers-a", [("10.0.0.1", False)])
+            await eventually(lambda: urls(reg), "the not-ready worker left", until=lambda u: not u)
+        finally:
+            await reg.stop()
+        assert reg.discovery is not None and reg.discovery.watches[0].lists == 1
