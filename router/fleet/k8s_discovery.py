@@ -130,15 +130,18 @@ class EndpointSliceWatch:
         client: an ``httpx``-like async client whose base URL is the API server.
         max_endpoints: most workers (and slices) held.
         backoff: (first, most) seconds to wait before reconnecting after a failure.
+        sleep: how to wait (tests pass one that records).
     """
 
     def __init__(self, target: K8sTarget, apply: Apply, client: Any, *,
-                 max_endpoints: int = 1024, backoff: tuple[float, float] = (0.5, 30.0)) -> None:
+                 max_endpoints: int = 1024, backoff: tuple[float, float] = (0.5, 30.0),
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         self.target = target
         self._apply = apply
         self._client = client
         self.max_endpoints = max_endpoints
         self.backoff = backoff
+        self._sleep = sleep
         self._slices: dict[str, set[str]] = {}
         self.resource_version: str | None = None
         #: Lines of the watch that were not a well-formed event, skipped.
@@ -176,18 +179,13 @@ class EndpointSliceWatch:
                          self.resource_version)
                 self.resource_version = None
                 failures += 1
-            except (WatchFailed, OSError, ValueError) as exc:
-                failures += 1
-                log.warning("%s: watch failed (keeping %d workers): %s", self.target,
-                            len(self.urls), exc)
-            except Exception as exc:  # httpx2's transport errors, and any bug: retried
-                if isinstance(exc, asyncio.CancelledError):
-                    raise
+            except Exception as exc:  # the API server's errors, transport errors, bugs: retried
                 failures += 1
                 log.warning("%s: watch failed (keeping %d workers): %s: %s", self.target,
                             len(self.urls), type(exc).__name__, exc)
             first, most = self.backoff
-            await asyncio.sleep(min(most, first * 2 ** min(failures, 16)) if failures else 0)
+            if failures:
+                await self._sleep(min(most, first * 2 ** min(failures - 1, 16)))
 
     async def _list(self) -> None:
         slices: dict[str, set[str]] = {}

@@ -21,7 +21,7 @@ from indexer.index import PrefixIndex
 from kvroute.up import free_port
 from router.fleet.discovery import Discovery, parse_target
 from router.fleet.facts import FleetFacts
-from router.fleet.k8s_discovery import K8sTarget, cluster_client
+from router.fleet.k8s_discovery import EndpointSliceWatch, K8sTarget, cluster_client
 from router.fleet.registry import Registry
 from router.settings import RouterSettings, SettingsError, load_settings
 from tests.support.eventually import eventually
@@ -377,3 +377,24 @@ async def test_the_registry_watches_the_targets_its_settings_name(cluster: Any) 
         finally:
             await reg.stop()
         assert reg.discovery is not None and reg.discovery.watches[0].lists == 1
+
+
+async def test_reconnects_back_off_doubling_up_to_the_cap() -> None:
+    waits: list[float] = []
+
+    async def sleep(seconds: float) -> None:
+        waits.append(seconds)
+        if len(waits) == 9:
+            raise asyncio.CancelledError
+
+    async def apply(found: set[str]) -> None:
+        raise AssertionError("nothing was listed")
+
+    port = free_port()  # nothing listens there
+    async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as client:
+        watch = EndpointSliceWatch(K8sTarget(NS, SELECTOR, "http"), apply, client,
+                                   sleep=sleep)
+        with pytest.raises(asyncio.CancelledError):
+            await watch.run()
+    assert waits == [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0]
+    assert watch.lists == 0 and watch.watches == 0
