@@ -1,4 +1,5 @@
-"""Workers found by DNS: one worker per address a name resolves to, kept in step.
+"""Discovered workers: by DNS, one worker per address a name resolves to, kept in step (and by
+watching Kubernetes EndpointSlices, below).
 
 A Kubernetes headless Service resolves to the addresses of its ready pods; pointing
 ``--discover dns:///kvroute-workers.NAMESPACE.svc.cluster.local:8000`` at it makes every pod
@@ -139,6 +140,7 @@ class Discovery:
                  k8s_client: ClientFactory = cluster_client,
                  k8s_backoff: tuple[float, float] = (0.5, 30.0)) -> None:
         parsed = [parse_target(t) for t in targets]
+        #: The ``dns:///`` targets, resolved every ``interval`` seconds.
         self.targets = [t for t in parsed if isinstance(t, DnsTarget)]
         self.interval = interval
         self._registry = registry
