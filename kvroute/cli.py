@@ -243,9 +243,12 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
       help="a worker's base URL, then its options: engine=kvroute|vllm|sglang|trtllm, "
       "events=tcp://HOST:PORT, replay=tcp://HOST:PORT, block_size=N (repeatable; also "
       "KVROUTE_WORKERS='URL,engine=vllm,events=...;URL2'; docs/engines.md)")
-    a("--discover", action="append", metavar="dns:///NAME:PORT",
-      help="find workers by DNS: one worker per address NAME resolves to, re-resolved every "
-      "--discover-interval seconds (a Kubernetes headless Service); repeatable")
+    a("--discover", action="append", metavar="TARGET",
+      help="find workers: dns:///NAME:PORT is one worker per address NAME resolves to, "
+      "re-resolved every --discover-interval seconds (a Kubernetes headless Service); "
+      "k8s://NAMESPACE/LABEL-SELECTOR[?port=NAME] watches the EndpointSlices the selector "
+      "matches, one worker per ready endpoint on the named (or only) port, from the pod's "
+      "service account or a kubeconfig (docs/kubernetes.md); repeatable")
     a("--discover-interval", type=float,
       help="seconds between DNS look-ups (default %(default)s)")
     a = serving.add_argument

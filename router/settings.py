@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
@@ -102,7 +103,8 @@ class RouterSettings:
     body_timeout: float = DEFAULT_LIMITS.body_timeout
     body_idle_timeout: float = DEFAULT_LIMITS.body_idle_timeout
     max_body_bytes: int = MAX_BODY_BYTES
-    #: DNS names whose addresses are workers (``dns:///NAME:PORT``; router.fleet.discovery).
+    #: DNS names whose addresses are workers (``dns:///NAME:PORT``; router.fleet.discovery)
+    #: and EndpointSlices whose ready endpoints are (``k8s://NAMESPACE/LABEL-SELECTOR``).
     discover: tuple[str, ...] = ()
     discover_interval: float = 5.0
 
@@ -241,8 +243,10 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
         if name == "workers":
             return tuple(format_worker(w) for w in parse_workers(value))
         if name == "discover":
-            if isinstance(value, str):
-                value = [v for v in (p.strip() for p in value.split(",")) if v]
+            if isinstance(value, str):  # a comma starts a new target only before a scheme:
+                # a label selector holds commas of its own (k8s://ns/app=a,tier in (x,y))
+                value = [v for v in (p.strip() for p in re.split(r",(?=\s*[a-z0-9]+://)",
+                                                                 value)) if v]
             return tuple(str(v).rstrip("/") for v in value)
         if value is None:
             return None

@@ -173,7 +173,7 @@ def test_settings_are_ones_the_code_reads_and_tokens_come_from_a_secret(
                  if isinstance(v, str) and k.startswith("KVROUTE_")}
         settings = load_settings({}, env=plain)  # refuses malformed values
         assert settings.discover == (
-            f"dns:///kvroute-workers.{namespace}.svc.cluster.local:8000",)
+            f"k8s://{namespace}/kubernetes.io/service-name=kvroute-workers?port=http",)
         assert env["KVROUTE_WORKER_ADMIN_TOKEN"]["secretKeyRef"]["name"] == "kvroute-admin"
     router_env = _env(_containers(_one(objects, "Deployment", "kvroute-router"))[0])
     assert router_env["KVROUTE_ADMIN_TOKEN"]["secretKeyRef"] == {"name": "kvroute-admin",
@@ -187,6 +187,26 @@ def test_settings_are_ones_the_code_reads_and_tokens_come_from_a_secret(
     assert env["KVROUTE_WORKER_ENGINE"] == ("torch" if overlay == "torch" else "sim")
     gpus = worker["resources"]["limits"].get("nvidia.com/gpu")
     assert gpus == ("1" if overlay == "torch" else None)
+
+
+def test_discovery_may_read_endpointslices_in_its_namespace_and_nothing_more(
+        rendered: tuple[str, list[dict[str, Any]]]) -> None:
+    _, objects = rendered
+    workers = _one(objects, "Service", "kvroute-workers")
+    assert any(p["name"] == "http" for p in workers["spec"]["ports"])  # the ?port= it names
+    binding = _one(objects, "RoleBinding", "kvroute-discovery")
+    role = _one(objects, "Role", binding["roleRef"]["name"])
+    assert role["rules"] == [{"apiGroups": ["discovery.k8s.io"], "resources": ["endpointslices"],
+                              "verbs": ["get", "list", "watch"]}]
+    account = _one(objects, "ServiceAccount", "kvroute-discovery")
+    assert binding["subjects"] == [{"kind": "ServiceAccount", "name": "kvroute-discovery",
+                                    "namespace": "kvroute"}]
+    for name in ("kvroute-router", "kvroute-epp"):
+        pod = _one(objects, "Deployment", name)["spec"]["template"]["spec"]
+        assert pod["serviceAccountName"] == account["metadata"]["name"]
+        assert pod["automountServiceAccountToken"] is True  # the token discovery reads
+    worker = _one(objects, "StatefulSet", "kvroute-worker")["spec"]["template"]["spec"]
+    assert worker["automountServiceAccountToken"] is False
 
 
 def test_the_gateway_route_pool_and_picker_point_at_each_other(
