@@ -49,8 +49,13 @@ class VllmServer:
     """One ``vllm.entrypoints.openai.api_server`` process; ports fixed for its whole life, so
     a restart comes back where the router expects it."""
 
-    def __init__(self, name: str, python: Path, model: Path, log_dir: Path) -> None:
+    def __init__(self, name: str, python: Path, model: Path, log_dir: Path,
+                 extra_args: tuple[str, ...] = (), extra_env: dict[str, str] | None = None
+                 ) -> None:
         self.name = name
+        #: More ``vllm serve`` flags (``--data-parallel-size 2``) and environment.
+        self.extra_args = extra_args
+        self.extra_env = extra_env or {}
         self.python = python
         self.model = model
         self.port, self.events_port, self.replay_port = free_port(), free_port(), free_port()
@@ -80,11 +85,11 @@ class VllmServer:
                 "--optimization-level", "0",
                 "--enable-prefix-caching", "--enable-prompt-tokens-details",
                 "--kv-events-config", json.dumps(events),
-                "--uvicorn-log-level", "warning"]
+                "--uvicorn-log-level", "warning", *self.extra_args]
         env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1",
                "VLLM_CPU_OMP_THREADS_BIND": "nobind", "VLLM_SERVER_DEV_MODE": "1",
                "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-               "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1"}
+               "VLLM_NO_USAGE_STATS": "1", "VLLM_DO_NOT_TRACK": "1", **self.extra_env}
         with self.log.open("ab") as out:
             self.popen = subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT,
                                           start_new_session=True, cwd=self.log.parent)

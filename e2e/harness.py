@@ -103,11 +103,12 @@ class Worker(Process):
 class Router(Process):
     """A router in front of the given workers."""
 
-    def __init__(self, name: str, workers: list[Worker], log_dir: Path, **settings: Any
-                 ) -> None:
+    def __init__(self, name: str, workers: list[Worker], log_dir: Path, *,
+                 specs: list[str] | None = None, **settings: Any) -> None:
+        # ``specs``: the workers in their flat text form (URL,role=...), instead of URLs.
         self.port = free_port()
         env = {"KVROUTE_PORT": str(self.port),
-               "KVROUTE_WORKERS": ",".join(w.url for w in workers),
+               "KVROUTE_WORKERS": ",".join(specs or [w.url for w in workers]),
                "KVROUTE_HEALTH_INTERVAL": "0.2", "KVROUTE_UNHEALTHY_GRACE": "1.0"}
         env |= {f"KVROUTE_{k.upper()}": str(v) for k, v in settings.items()}
         super().__init__(name, ["router"], env, log_dir)

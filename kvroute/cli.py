@@ -123,6 +123,15 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     a("--replay-port", type=int, help="KV event replay ROUTER port (default %(default)s)")
     a("--topic", help="topic frame of every event batch (default %(default)s)")
     a("--data-parallel-rank", type=int, help="this worker's rank; shifts both event ports")
+    a("--data-parallel-size", type=int,
+      help="sim engines in this process, each with its own KV cache, behind one port; events "
+      "name their rank, X-data-parallel-rank pins a request to one (default %(default)s)")
+    a("--kv-bytes-per-token", type=int,
+      help="sim engine, disaggregated serving: KV bytes per token a transfer moves "
+      "(default %(default)s)")
+    a("--kv-transfer-bandwidth", type=float,
+      help="sim engine, disaggregated serving: bytes per second a KV transfer moves "
+      "(default %(default)s)")
     a = engine.add_argument
     a("--engine", choices=["sim", "torch"], help="sim (no GPU) or torch (default %(default)s)")
     a("--model", help="served model name (default %(default)s); with --engine torch also the "
@@ -315,6 +324,12 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
     a("--first-byte-factor", type=float,
       help="a stream's first byte may take this many times the prefill the router expects "
       "there before it is retried elsewhere (default %(default)s)")
+    a("--pd-local-prefill-tokens", type=int,
+      help="disaggregated serving: a decode worker with at most this many prompt tokens "
+      "uncached prefills locally, no remote prefill (default %(default)s)")
+    a("--pd-prefill-timeout", type=float,
+      help="seconds a remote prefill may take before the request is served whole on its "
+      "decode worker (default %(default)s)")
     a("--first-byte-timeout", type=float,
       help="longest wait for any answer's first byte (default %(default)s)")
     a("--unhealthy-grace", type=float,

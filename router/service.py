@@ -9,6 +9,7 @@ with :mod:`router.http.proxy`).
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import os
 import random
@@ -27,7 +28,7 @@ from openai_request.prompts import PromptTokens, Reach, build_prompt
 from openai_request.segment_cache import SegmentedTokenizer
 from openai_request.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 from router.fleet.facts import FleetFacts
-from router.fleet.registry import Registry, WorkerEntry
+from router.fleet.registry import Registry, Target
 from router.fleet.unavailable import unavailable_reason
 from router.fleet.worker_table import WorkerInfo
 from router.routing.core import Prediction, RoutingCore
@@ -50,24 +51,28 @@ class Route:
     prompt: PromptTokens
     hashes: list[int]
     decision: Decision
-    entries: dict[int, WorkerEntry]
+    entries: dict[int, Target]
     decided_at: float
     decision_seconds: float
     #: The session this request continues (consumed when it is first dispatched).
     continued: Continuation | None = None
+    #: Disaggregated serving: the prefill worker chosen to compute the prompt's KV for the
+    #: decode worker (``worker``), and its decision; None: the decode worker prefills.
+    prefill: Target | None = None
+    prefill_decision: Decision | None = None
 
     @property
-    def worker(self) -> WorkerEntry:
+    def worker(self) -> Target:
         """The chosen worker."""
         return self.entries[self.decision.worker]
 
-    def fallbacks(self) -> list[WorkerEntry]:
+    def fallbacks(self) -> list[Target]:
         """The other candidates, next-best first."""
         return [self.entries[c.worker] for c in self.decision.costs
                 if c.worker != self.decision.worker]
 
 
-def _hashing_terms(entry: WorkerEntry, settings: RouterSettings) -> HashingTerms:
+def _hashing_terms(entry: Target, settings: RouterSettings) -> HashingTerms:
     """How ``entry`` names blocks, as the router hashes a prompt for it."""
     info = entry.info
     assert info is not None, "a candidate always has model info"
@@ -78,9 +83,17 @@ def _hashing_terms(entry: WorkerEntry, settings: RouterSettings) -> HashingTerms
 class _Fleet:
     """The candidates for one model, and what a decision reads of them."""
 
-    __slots__ = ("bound", "by_id", "entries", "ids", "max_model_len", "min_model_len", "terms")
+    __slots__ = ("bound", "by_id", "entries", "ids", "max_model_len", "min_model_len",
+                 "prefill", "terms")
 
-    def __init__(self, entries: list[WorkerEntry], settings: RouterSettings) -> None:
+    def __init__(self, entries: list[Target], settings: RouterSettings) -> None:
+        # Disaggregated serving: prefill workers only prefill for the others; a fleet of
+        # prefill workers alone serves whole requests on them.
+        prefill = [e for e in entries if e.role == "prefill"]
+        serving = [e for e in entries if e.role != "prefill"]
+        #: The prefill workers, when some worker can decode what they prefill.
+        self.prefill = prefill if serving else []
+        entries = serving or prefill
         self.entries = entries
         self.ids = [e.id for e in entries]
         self.by_id = {e.id: e for e in entries}
@@ -128,7 +141,7 @@ class _CoreFacts(FleetFacts):
 
 
 def _approximate(info: WorkerInfo | None) -> bool:
-    """A worker that publishes no events (as :attr:`WorkerEntry.approximate` says)."""
+    """A worker that publishes no events (as :attr:`Target.approximate` says)."""
     return info is not None and info.events_endpoint is None
 
 
@@ -162,7 +175,7 @@ class RouterService:
         # Request ids: unique per process without a syscall per request (uuid4 reads urandom).
         self._ids = itertools.count()
         self._id_prefix = os.urandom(4).hex()
-        self._fleet_key: list[WorkerEntry] | None = None
+        self._fleet_key: list[Target] | None = None
         self._fleets: dict[str | None, _Fleet] = {}
 
 
@@ -253,8 +266,37 @@ class RouterService:
         routed = self.core.decide(hashes, matches, now, self.rng, workers=workers,
                                   tokens=size)
         request_id = f"{self._id_prefix}-{next(self._ids)}"
-        return Route(request_id, prompt, hashes, routed.decision, by_id, now,
-                     time.perf_counter() - started, routed.continued)
+        route = Route(request_id, prompt, hashes, routed.decision, by_id, now,
+                      time.perf_counter() - started, routed.continued)
+        if fleet.prefill:
+            self._choose_prefill(route, fleet, matches, now)
+        return route
+
+    def _choose_prefill(self, route: Route, fleet: _Fleet, matches: Any, now: float) -> None:
+        """Disaggregated serving: the prefill worker by prefix hit against prefill load, unless
+        the decode worker holds so much of the prompt that it prefills the rest itself
+        (``pd_local_prefill_tokens``)."""
+        block_size = self.settings.block_size
+        held = route.decision.chosen.matched_blocks * block_size
+        if len(route.prompt.token_ids) - held <= self.settings.pd_local_prefill_tokens:
+            self.counters["pd_local_prefills"] = self.counters.get("pd_local_prefills", 0) + 1
+            return
+        chosen = self.core.decide(route.hashes, matches, now, self.rng,
+                                  workers=[e.id for e in fleet.prefill]).decision
+        route.prefill_decision = chosen
+        route.prefill = next(e for e in fleet.prefill if e.id == chosen.worker)
+
+    def prefill_dispatched(self, route: Route) -> str:
+        """Book ``route``'s remote prefill on its prefill worker: its prefill as queued work
+        there, the prompt as resident there; returns the booking's request id (end it with
+        :meth:`RoutingCore.finished`). The decode worker's booking follows and keeps the
+        session."""
+        assert route.prefill is not None and route.prefill_decision is not None, \
+            "a remote prefill needs its prefill worker"
+        booking = f"{route.request_id}/prefill"
+        terms = route.prefill_decision.terms(route.prefill.id)
+        self.core.routed(booking, route.prefill.id, route.hashes, terms, time.monotonic())
+        return booking
 
     def _reach(self, fleet: _Fleet, model: str | None) -> PrefixReach | None:
         """Under ``--tokenize match``, the reach that stops tokenizing past the index's
@@ -281,7 +323,7 @@ class RouterService:
         model = body.get("model") if isinstance(body, dict) else None
         return self._fleet(self.registry.candidates(), model).bound
 
-    def _fleet(self, candidates: list[WorkerEntry], model: str | None) -> _Fleet:
+    def _fleet(self, candidates: list[Target], model: str | None) -> _Fleet:
         """The candidates for ``model``, with what a decision reads of them, computed once
         per list of candidates (a fleet of 1,024 workers would otherwise cost a decision
         several hundred µs of filtering). The registry keeps one list object until a worker
@@ -310,22 +352,24 @@ class RouterService:
             fleet = self._fleets[model] = _Fleet(entries, self.settings)
         return fleet
 
-    def dispatched(self, route: Route, worker: WorkerEntry) -> None:
+    def dispatched(self, route: Route, worker: Target) -> None:
         """Book a request as sent to ``worker``: load, predicted residency, and its session
         (now living on ``worker``; a fallback moves it again, without counting it twice)."""
         terms = route.decision.terms(worker.id)
+        if route.prefill is not None:  # its KV arrives by transfer: nothing to prefill there
+            terms = dataclasses.replace(terms, prefill_blocks=0, prefill_s=0.0)
         self.core.routed(route.request_id, worker.id, route.hashes, terms, time.monotonic(),
                          route.continued, len(route.prompt.token_ids))
         route.continued = None
 
-    def undispatched(self, route: Route, worker: WorkerEntry | None = None) -> None:
+    def undispatched(self, route: Route, worker: Target | None = None) -> None:
         """The send failed before the worker took the request: release its load and, given
         the ``worker``, the blocks predicted there for it."""
         self.core.finished(route.request_id)
         if worker is not None:
             self.refused(route, worker)
 
-    def refused(self, route: Route, worker: WorkerEntry) -> None:
+    def refused(self, route: Route, worker: Target) -> None:
         """``worker`` refused the request: withdraw the blocks predicted there for it."""
         self.core.withdrawn(worker.id, route.hashes)
 
@@ -338,10 +382,10 @@ class RouterService:
         """``route`` ended (answered, failed or abandoned): release its load. Idempotent."""
         self.core.finished(route.request_id)
 
-    def queued_prefill(self, worker: WorkerEntry) -> float:
+    def queued_prefill(self, worker: Target) -> float:
         """Blocks of prefill queued on ``worker`` (routed there, no first token yet)."""
         return self.core.pending_prefill(worker.id)
 
-    def in_flight(self, worker: WorkerEntry) -> int:
+    def in_flight(self, worker: Target) -> int:
         """Requests this router has in flight on ``worker``."""
         return self.core.in_flight(worker.id)

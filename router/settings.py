@@ -107,6 +107,12 @@ class RouterSettings:
     #: and EndpointSlices whose ready endpoints are (``k8s://NAMESPACE/LABEL-SELECTOR``).
     discover: tuple[str, ...] = ()
     discover_interval: float = 5.0
+    #: Disaggregated serving: a decode worker that would have at most this many prompt tokens
+    #: left to compute prefills them itself, no remote prefill (docs/routing.md).
+    pd_local_prefill_tokens: int = 256
+    #: Seconds a remote prefill may take before the request is served whole on its decode
+    #: worker instead.
+    pd_prefill_timeout: float = 60.0
 
     def __post_init__(self) -> None:
         for f in fields(self):  # inf or nan: a weight that swamps every other, a wait forever
@@ -134,6 +140,8 @@ class RouterSettings:
             (0 < self.first_byte_floor <= self.first_byte_timeout,
              "first_byte_floor must be positive and at most first_byte_timeout"),
             (self.first_byte_factor >= 1, "first_byte_factor must be >= 1"),
+            (self.pd_local_prefill_tokens >= 0, "pd_local_prefill_tokens must be >= 0"),
+            (self.pd_prefill_timeout > 0, "pd_prefill_timeout must be positive"),
             (self.max_image_bytes > 0, "max_image_bytes must be positive"),
             (self.event_max_message_bytes > 0, "event_max_message_bytes must be positive"),
             (self.event_receive_hwm > 0, "event_receive_hwm must be positive"),

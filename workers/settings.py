@@ -41,6 +41,14 @@ class WorkerSettings:
     replay_port: int | None = 5558
     topic: str = ""
     data_parallel_rank: int = 0
+    #: Engines in this process, each with a cache of its own, behind the one HTTP port; their
+    #: events go out on the one publisher, each batch naming its rank (0..N-1).
+    data_parallel_size: int = 1
+    #: Disaggregated serving, sim engine: a transfer of KV from a prefill worker takes
+    #: tokens * kv_bytes_per_token / kv_transfer_bandwidth seconds (divided by ``speedup``).
+    #: The defaults: a Llama-3-8B token in bf16 (128 KiB), over 25 GB/s.
+    kv_bytes_per_token: int = 131072
+    kv_transfer_bandwidth: float = 25e9
     engine: str = "sim"
     model: str = "kvroute-sim"
     tokenizer: str | None = None
@@ -104,6 +112,15 @@ class WorkerSettings:
         for name in positive:
             if getattr(self, name) <= 0:
                 raise WorkerSettingsError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.data_parallel_size < 1:
+            raise WorkerSettingsError(
+                f"data_parallel_size must be positive, got {self.data_parallel_size}")
+        if self.data_parallel_size > 1 and self.data_parallel_rank:
+            raise WorkerSettingsError(
+                "data_parallel_size > 1 serves ranks 0..N-1 itself; give no data_parallel_rank")
+        if self.data_parallel_size > 1 and self.engine == "torch":
+            raise WorkerSettingsError(
+                "data_parallel_size > 1 runs sim engines only; run one torch worker per rank")
         for name in ("host_blocks", "data_parallel_rank"):
             if getattr(self, name) < 0:
                 raise WorkerSettingsError(f"{name} must be >= 0, got {getattr(self, name)}")
@@ -119,6 +136,9 @@ class WorkerSettings:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise WorkerSettingsError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
+        if self.kv_bytes_per_token <= 0 or self.kv_transfer_bandwidth <= 0:
+            raise WorkerSettingsError("kv_bytes_per_token and kv_transfer_bandwidth must be "
+                                      "positive")
         if self.speedup <= 0:
             raise WorkerSettingsError(f"speedup must be positive, got {self.speedup}")
         if self.timing not in TIMING_MODELS:

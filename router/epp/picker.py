@@ -15,7 +15,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from openai_request.bodies import ApiError
-from router.fleet.registry import WorkerEntry
+from router.fleet.registry import Target
 from router.fleet.unavailable import unavailable_reason
 from router.http.metrics import RouterMetrics
 from router.service import Route, RouterService
@@ -46,7 +46,7 @@ class Pick:
     """One request handed to Envoy: where it goes and what was booked for it."""
 
     route: Route
-    worker: WorkerEntry
+    worker: Target
     endpoint: str
     ended: bool = False
 

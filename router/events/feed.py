@@ -18,6 +18,13 @@ blocks counted as ``over_capacity``. The registry sets the bound at
 :data:`CAPACITY_SLACK` times the declared device plus host blocks, since a block may sit on
 both tiers and events in flight lag behind evictions; a publisher that stores more than that
 is buggy or not the worker, and what it adds costs the router a bounded amount.
+
+A data-parallel worker (:mod:`router.fleet.ranks`) publishes every rank's events on one stream,
+each batch naming its ``data_parallel_rank``: the feed applies a batch to its rank's id in the
+index (``ranks``), and a clear, a restart or a lost history clears every rank. A worker of one
+rank takes every batch whatever rank it names (a server started as rank 3 of a deployment run
+one server per rank); a batch naming a rank the worker does not have is counted as
+``unknown_rank`` and skipped. The capacity bound holds per rank.
 """
 
 from __future__ import annotations
@@ -75,6 +82,8 @@ class EventFeed:
         transport: the event sockets' size limits and CURVE keys (defaults: no CURVE).
         max_blocks: the most entries the worker may hold in the index, both tiers together
             (module docstring); ``None``: unbounded (no capacity declared).
+        ranks: the index id of each data-parallel rank, rank 0 first (module docstring);
+            ``None``: one rank, ``worker``.
     """
 
     def __init__(self, worker: int, index: IndexLike, endpoint: str, replay_endpoint: str | None,
@@ -82,8 +91,10 @@ class EventFeed:
                  counters: dict[str, float],
                  on_events: Callable[[int, list[Event]], None] | None = None,
                  transport: EventTransport | None = None,
-                 max_blocks: int | None = None) -> None:
+                 max_blocks: int | None = None, ranks: list[int] | None = None) -> None:
         self.worker = worker
+        #: The index id of each rank (the registry reshapes it when the worker's ranks change).
+        self.ranks = ranks or [worker]
         self.max_blocks = max_blocks
         self._index = index
         self._on_events = on_events
@@ -145,23 +156,39 @@ class EventFeed:
             case MalformedInput():
                 self._bump("malformed")
 
+    def _target(self, batch: Batch) -> int | None:
+        """The index id ``batch`` applies to, or None for a rank the worker does not have."""
+        ranks = self.ranks
+        if len(ranks) == 1:
+            return ranks[0]
+        rank = batch.data_parallel_rank or 0
+        return ranks[rank] if 0 <= rank < len(ranks) else None
+
     def _apply(self, batch: Batch) -> None:
+        target = self._target(batch)
+        if target is None:
+            if not self.counters.get("unknown_rank"):
+                log.warning("worker %d: a batch of data-parallel rank %s, which it does not "
+                            "have (%d ranks); skipped and counted", self.worker,
+                            batch.data_parallel_rank, len(self.ranks))
+            self._bump("unknown_rank")
+            return
         events = batch.events
         if self.max_blocks is not None:
-            events = self._within_capacity(events, self.max_blocks)
+            events = self._within_capacity(target, events, self.max_blocks)
         try:
-            self._index.apply_batch(self.worker, events)
+            self._index.apply_batch(target, events)
         except Exception:  # the index counts bad events itself; this is a last resort
             self._bump("apply_errors")
-            log.exception("index rejected a batch from worker %d", self.worker)
+            log.exception("index rejected a batch from worker %d", target)
         if self._on_events is not None:
-            self._on_events(self.worker, events)
+            self._on_events(target, events)
         if any(isinstance(e, Cleared) for e in events):
-            self._on_cleared(self.worker)
+            self._on_cleared(target)
 
-    def _within_capacity(self, events: list[Event], limit: int) -> list[Event]:
-        """``events`` less the stored ones that would take the worker past ``limit``."""
-        held = sum(self._index.worker_blocks(self.worker))
+    def _within_capacity(self, target: int, events: list[Event], limit: int) -> list[Event]:
+        """``events`` less the stored ones that would take ``target`` past ``limit``."""
+        held = sum(self._index.worker_blocks(target))
         if held + sum(len(e.block_hashes) for e in events if isinstance(e, Stored)) <= limit:
             return events
         # Removals free room as the batch goes (an estimate: a removed block may not be
@@ -187,8 +214,9 @@ class EventFeed:
         return kept
 
     def _clear(self) -> None:
-        self._index.clear(self.worker)
-        self._on_cleared(self.worker)
+        for target in self.ranks:
+            self._index.clear(target)
+            self._on_cleared(target)
 
     def _start_resync(self) -> None:
         self._bump("resyncs")

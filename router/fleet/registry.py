@@ -69,11 +69,12 @@ from router.fleet.facts import FleetFacts
 from router.fleet.first_byte_waits import FirstByteWaits
 from router.fleet.healthy import HealthyWorkers
 from router.fleet.liveness import Liveness, Verdict
+from router.fleet.ranks import WorkerRank, rank_endpoint
 from router.fleet.unavailable import NO_WORKER_CONFIGURED, cause_of
 from router.fleet.worker_config import WorkerConfig, parse_worker, parse_workers
 from router.fleet.worker_table import IncompatibleWorker, WorkerInfo, WorkerState
 
-__all__ = ["Registry", "WorkerEntry", "WorkerUnreachable"]
+__all__ = ["Registry", "Target", "WorkerEntry", "WorkerUnreachable"]
 
 log = logging.getLogger(__name__)
 
@@ -102,6 +103,51 @@ class WorkerEntry:
     liveness: Liveness = field(default_factory=Liveness)
     #: The cause last logged for its not being a candidate (each is logged once).
     said: str | None = None
+    #: Ranks 1 and up of a data-parallel worker (:mod:`router.fleet.ranks`); rank 0 is this
+    #: entry. Empty for a worker of one rank.
+    extra_ranks: list[WorkerRank] = field(default_factory=list)
+    #: Ranks 1 and up's own feeds, for an engine that publishes one stream per rank (vLLM).
+    rank_feeds: list[EventFeed] = field(default_factory=list)
+
+    @property
+    def feeds(self) -> list[EventFeed]:
+        """Every event feed of this worker: its own, then its ranks' own ones."""
+        return ([self.feed] if self.feed is not None else []) + self.rank_feeds
+
+    @property
+    def stream_per_rank(self) -> bool:
+        """Whether each rank publishes on a stream of its own (stock engines: vLLM's rank r
+        on port + r) rather than all on one (kvroute's worker)."""
+        return self.engine != "kvroute" and bool(self.extra_ranks)
+
+    @property
+    def rank(self) -> int | None:
+        """This entry's data-parallel rank: 0 on a worker of several ranks, else None (no
+        rank to pin)."""
+        return 0 if self.extra_ranks else None
+
+    @property
+    def worker(self) -> WorkerEntry:
+        """The worker this candidate belongs to (itself: it is rank 0)."""
+        return self
+
+    @property
+    def targets(self) -> list[Target]:
+        """Every rank of this worker as a routing candidate, rank 0 (this entry) first."""
+        return [self, *self.extra_ranks]
+
+    @property
+    def dp_size(self) -> int:
+        """How many data-parallel ranks this worker serves: the configured number, else the
+        one its engine reports, else 1."""
+        if self.config is not None and self.config.dp_size is not None:
+            return self.config.dp_size
+        return self.info.data_parallel_size if self.info is not None else 1
+
+    @property
+    def role(self) -> str:
+        """``both``, ``prefill`` or ``decode`` (:mod:`router.fleet.worker_config`)."""
+        return self.config.role if self.config else "both"
 
     @property
     def engine(self) -> str:
@@ -139,7 +185,15 @@ class WorkerEntry:
             # How lost event history is recovered: from the worker's snapshot, or by
             # dropping its entries and learning them again from the stream.
             "resync": "snapshot" if info and info.snapshot else "clear_and_relearn",
+            "role": self.role,
+            "dp_size": len(self.targets),
+            "ranks": [{"rank": 0, "id": self.id}, *(r.describe() for r in self.extra_ranks)]
+            if self.extra_ranks else [],
         }
+
+
+#: A routing candidate: a worker (its rank 0) or one of its other data-parallel ranks.
+Target = WorkerEntry | WorkerRank
 
 
 @dataclass(frozen=True)
@@ -188,6 +242,11 @@ class Registry:
         self._entries: dict[int, WorkerEntry] = {}
         # Every join, leave and state change below calls self._healthy.changed().
         self._healthy = HealthyWorkers(self._entries)
+        # Ranks 1 and up by candidate id, and the candidates as last expanded from the
+        # healthy list (the same list object until the healthy list changes).
+        self._ranks: dict[int, WorkerRank] = {}
+        self._expanded_from: list[WorkerEntry] | None = None
+        self._expanded: list[Target] = []
         self._next_id = 0
         self._poll: asyncio.Task[None] | None = None
         self._checks: dict[int, asyncio.Task[None]] = {}  # each worker's check in flight
@@ -205,15 +264,29 @@ class Registry:
         """The entry with id ``worker``, if registered."""
         return self._entries.get(worker)
 
+    def target(self, candidate: int) -> Target | None:
+        """The worker or data-parallel rank with candidate id ``candidate``, if registered."""
+        return self._entries.get(candidate) or self._ranks.get(candidate)
+
     def find(self, url: str) -> WorkerEntry | None:
         """The entry for ``url``, if registered."""
         url = url.rstrip("/")
         return next((e for e in self._entries.values() if e.url == url), None)
 
-    def candidates(self) -> list[WorkerEntry]:
-        """Workers that may take a request now, in id order (the order of insertion: ids only
-        grow), kept between changes (:mod:`router.fleet.healthy`): shared, do not change it."""
+    def healthy(self) -> list[WorkerEntry]:
+        """The healthy workers (not their ranks), in id order; shared, do not change it."""
         return self._healthy.list()
+
+    def candidates(self) -> list[Target]:
+        """Workers that may take a request now, each rank of a data-parallel worker after the
+        worker, in id order of the workers (the order of insertion: ids only grow), kept
+        between changes (:mod:`router.fleet.healthy`): shared, do not change it."""
+        healthy = self._healthy.list()
+        if healthy is not self._expanded_from:
+            self._expanded_from = healthy
+            self._expanded = ([t for e in healthy for t in e.targets]
+                              if any(e.extra_ranks for e in healthy) else list(healthy))
+        return self._expanded
 
     async def add(self, worker: str | WorkerConfig, *, must_answer: bool = True
                   ) -> WorkerEntry:
@@ -235,6 +308,7 @@ class Registry:
             raise ValueError(f"worker {url} is registered already")
         entry = WorkerEntry(self._next_id, url, unhealthy_since=self._clock(), config=config,
                             liveness=self._liveness())
+        self._next_id += 1  # before connecting: its ranks' ids come after it
         try:
             await self._connect(entry)
         except WorkerUnreachable as exc:
@@ -242,7 +316,9 @@ class Registry:
             if must_answer:
                 raise
             self._unreachable(entry, str(exc))
-        self._next_id += 1
+        except BaseException:
+            self._shape_ranks(entry, 1)
+            raise
         self._entries[entry.id] = entry
         self._healthy.changed()
         self._facts.joined(entry.id, entry.engine, entry.info)
@@ -272,9 +348,31 @@ class Registry:
         entry = self._entries.pop(worker)
         entry.removed = True
         self._healthy.changed()
+        self._shape_ranks(entry, 1)
         await self._disconnect(entry)
         self._facts.left(worker)
         return entry
+
+    def _shape_ranks(self, entry: WorkerEntry, size: int) -> None:
+        """Give ``entry`` ``size`` data-parallel ranks: new ranks get fresh ids and books;
+        dropped ones leave the index, the books and the core. The caller calls
+        ``self._healthy.changed()``."""
+        while len(entry.extra_ranks) > size - 1:
+            rank = entry.extra_ranks.pop()
+            del self._ranks[rank.id]
+            self._index.clear(rank.id)
+            if hasattr(self._index, "remove_worker"):
+                self._index.remove_worker(rank.id)
+            self._facts.left(rank.id)
+        while len(entry.extra_ranks) < size - 1:
+            rank = WorkerRank(self._next_id, len(entry.extra_ranks) + 1, entry)
+            self._next_id += 1
+            entry.extra_ranks.append(rank)
+            self._ranks[rank.id] = rank
+            self._facts.joined(rank.id, entry.engine, entry.info)
+        if entry.feed is not None and not entry.stream_per_rank:
+            entry.feed.ranks = [t.id for t in entry.targets]
+        self._expanded_from = None
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -307,9 +405,9 @@ class Registry:
             task.cancel()
         await asyncio.gather(*checks, return_exceptions=True)
         for entry in self._entries.values():
-            if entry.feed is not None:
-                await entry.feed.stop()
-                entry.feed = None
+            feeds, entry.feed, entry.rank_feeds = entry.feeds, None, []
+            for feed in feeds:
+                await feed.stop()
 
     async def _poll_forever(self) -> None:
         while True:
@@ -355,10 +453,11 @@ class Registry:
     async def _check(self, entry: WorkerEntry) -> None:
         if entry.state is WorkerState.INCOMPATIBLE:
             return
-        if entry.feed is not None and entry.feed.failure is not None:
+        failed = next((f.failure for f in entry.feeds if f.failure is not None), None)
+        if failed is not None:
             # Its view can no longer follow the stream: drop it, and subscribe afresh once
             # the worker answers (the next check, from the unhealthy state).
-            reason = entry.feed.failure
+            reason = failed
             entry.counters["feed_failures"] = entry.counters.get("feed_failures", 0) + 1
             await self._disconnect(entry)
             if not entry.removed:
@@ -397,7 +496,8 @@ class Registry:
                 return
         if not entry.removed:
             entry.liveness.answered()
-            self._facts.reported(entry.id, load)
+            if not entry.extra_ranks:  # a data-parallel worker's report is of all its
+                self._facts.reported(entry.id, load)  # ranks: the books go by routing alone
 
     def _late(self, entry: WorkerEntry, verdict: Verdict, reason: str) -> None:
         """A late poll that leaves ``entry`` healthy: excused by its data path, or a miss
@@ -475,7 +575,9 @@ class Registry:
                 return
         entry.info = info
         if entry.id in self._entries:  # else add() tells it with the join
-            self._facts.described(entry.id, info)
+            for target in entry.targets:
+                self._facts.described(target.id, info)
+        self._shape_ranks(entry, entry.dp_size)
         if self.mm_tokens_per_image is None and info.mm_tokens_per_image:
             self.mm_tokens_per_image = info.mm_tokens_per_image
         if entry.feed is None and info.events_endpoint is not None:
@@ -485,17 +587,40 @@ class Registry:
                                           on_cleared=self._cleared, counters=entry.counters,
                                           on_events=self._facts.events_applied,
                                           transport=self._event_transport,
-                                          max_blocks=_max_blocks(info))
+                                          max_blocks=_max_blocks(info),
+                                          ranks=[entry.id] if entry.stream_per_rank
+                                          else [t.id for t in entry.targets])
             await feed.start()
             if entry.removed:  # removed while connecting: remove() may have stopped it mid-start
                 entry.feed = None
                 await feed.stop()
                 return
+            if entry.stream_per_rank and not entry.rank_feeds:
+                await self._follow_ranks(entry, info, info.events_endpoint)
+                if entry.removed:
+                    return
         entry.indexed = True
         entry.state, entry.unhealthy_since, entry.last_error = WorkerState.HEALTHY, None, None
         entry.said = None
         self._healthy.changed()
         log.info("worker %s ready (instance %s)", entry.url, info.instance_id)
+
+    async def _follow_ranks(self, entry: WorkerEntry, info: WorkerInfo, endpoint: str) -> None:
+        """Subscribe to each of ranks 1 and up's own streams (:mod:`router.fleet.ranks`)."""
+        for rank in entry.extra_ranks:
+            assert rank.rank is not None, "a worker's rank beyond 0 has a number"
+            replay = info.replay_endpoint
+            feed = EventFeed(rank.id, self._index, rank_endpoint(endpoint, rank.rank),
+                             rank_endpoint(replay, rank.rank) if replay else None,
+                             fetch_snapshot=None, on_cleared=self._cleared,
+                             counters=entry.counters, on_events=self._facts.events_applied,
+                             transport=self._event_transport, max_blocks=_max_blocks(info))
+            entry.rank_feeds.append(feed)
+            await feed.start()
+            if entry.removed:  # remove() stopped the feeds it saw; this one came after
+                entry.rank_feeds = []
+                await feed.stop()
+                return
 
     def _check_images(self, info: WorkerInfo) -> None:
         known = self.mm_tokens_per_image
@@ -519,18 +644,19 @@ class Registry:
     def _cleared(self, worker: int) -> None:
         """``worker``'s entries were dropped: a fact for a registered worker (a removed one's
         leaving says it all)."""
-        if worker in self._entries:
+        if worker in self._entries or worker in self._ranks:
             self._facts.cleared(worker)
 
     async def _disconnect(self, entry: WorkerEntry) -> None:
-        feed, entry.feed = entry.feed, None
-        if feed is not None:
+        feeds, entry.feed, entry.rank_feeds = entry.feeds, None, []
+        for feed in feeds:
             await feed.stop()
-        self._index.clear(entry.id)
-        self._cleared(entry.id)
+        for target in entry.targets:
+            self._index.clear(target.id)
+            self._cleared(target.id)
+            if hasattr(self._index, "remove_worker"):
+                self._index.remove_worker(target.id)
         entry.indexed = False
-        if hasattr(self._index, "remove_worker"):
-            self._index.remove_worker(entry.id)
 
 
 def _count_oversize(entry: WorkerEntry, exc: Exception) -> None:

@@ -55,6 +55,7 @@ class _ModelInfo(msgspec.Struct):
     capacity: _Capacity = msgspec.field(default_factory=_Capacity)
     lora_adapters: list[str] = msgspec.field(default_factory=list)
     extra: dict[str, object] = msgspec.field(default_factory=dict)
+    data_parallel_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
 
 
 class _Load(msgspec.Struct):
@@ -108,6 +109,7 @@ def parse_model_info(url: str, raw: bytes) -> WorkerInfo:
         max_num_seqs=body.capacity.max_num_seqs,
         lora_adapters=tuple(body.lora_adapters),
         host_blocks=body.capacity.host_blocks,
+        data_parallel_size=body.data_parallel_size,
     )
 
 

@@ -26,6 +26,15 @@ Keys:
 ``block_size``
     Tokens per KV block, for an engine that does not report it (older SGLang); where the
     engine reports it, a different value here is refused.
+``dp_size``
+    Data-parallel ranks behind the URL (``vllm serve --data-parallel-size N``, SGLang's DP
+    attention, ``kvroute worker --data-parallel-size N``): each rank is a cache and a load of
+    its own, and a request is pinned to the chosen one with ``X-data-parallel-rank``. Left
+    out: the number the engine reports (kvroute's worker at ``/model_info``), else 1.
+``role``
+    ``both`` (default: serves whole requests), ``prefill`` (prefills for decode workers and
+    hands its KV over) or ``decode`` (decodes requests prefilled elsewhere, and prefills
+    locally when it already holds most of the prompt). See ``docs/routing.md``.
 """
 
 from __future__ import annotations
@@ -35,12 +44,17 @@ from dataclasses import asdict, dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-__all__ = ["ENGINES", "WorkerConfig", "format_worker", "parse_worker", "parse_workers"]
+__all__ = ["ENGINES", "MAX_DP_SIZE", "ROLES", "WorkerConfig", "format_worker", "parse_worker",
+           "parse_workers"]
 
 #: Engines a worker may name; ``kvroute`` is the bundled worker.
 ENGINES = ("kvroute", "vllm", "sglang", "trtllm")
 
-_KEYS = ("url", "engine", "events", "replay", "block_size")
+_KEYS = ("url", "engine", "events", "replay", "block_size", "dp_size", "role")
+#: What a worker does with a request (module docstring).
+ROLES = ("both", "prefill", "decode")
+#: The most data-parallel ranks one worker may declare.
+MAX_DP_SIZE = 1024
 _SEPARATORS = re.compile(r"[,;\s]+")
 
 
@@ -53,6 +67,8 @@ class WorkerConfig:
     events: str | None = None
     replay: str | None = None
     block_size: int | None = None
+    dp_size: int | None = None
+    role: str = "both"
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -70,6 +86,12 @@ class WorkerConfig:
             raise ValueError(f"worker {self.url}: a replay endpoint needs an events endpoint")
         if self.block_size is not None and self.block_size <= 0:
             raise ValueError(f"worker {self.url}: block_size {self.block_size} is not positive")
+        if self.role not in ROLES:
+            raise ValueError(f"worker {self.url}: role {self.role!r} is not one of "
+                             f"{', '.join(ROLES)}")
+        if self.dp_size is not None and not 1 <= self.dp_size <= MAX_DP_SIZE:
+            raise ValueError(f"worker {self.url}: dp_size {self.dp_size} is not in "
+                             f"1..{MAX_DP_SIZE}")
         if self.engine == "kvroute" and (self.events or self.replay or self.block_size):
             raise ValueError(f"worker {self.url}: a kvroute worker describes its own events "
                              "and block size at /model_info; give them to the worker instead")
@@ -99,13 +121,15 @@ def parse_worker(value: Any) -> WorkerConfig:
     if type(url) is not str:
         raise ValueError("a worker needs a url (a string such as \"http://host:8000\")")
     fields: dict[str, Any] = {"url": url.rstrip("/")}
-    for name in ("engine", "events", "replay"):
+    for name in ("engine", "events", "replay", "role"):
         if value.get(name) is not None:
             if type(value[name]) is not str:
                 raise ValueError(f"worker {url}: {name} must be a string")
             fields[name] = value[name]
     if value.get("block_size") is not None:
         fields["block_size"] = _integer(value["block_size"], "block_size", url)
+    if value.get("dp_size") is not None:
+        fields["dp_size"] = _integer(value["dp_size"], "dp_size", url)
     return WorkerConfig(**fields)
 
 

@@ -53,6 +53,8 @@ class WorkerInfo:
     max_num_seqs: int = 0
     lora_adapters: tuple[str, ...] = ()
     host_blocks: int = 0
+    #: Data-parallel ranks the engine says it serves behind its URL (1: none).
+    data_parallel_size: int = 1
 
     def serves(self, model: str) -> bool:
         """Whether ``model`` names this worker's base model or one of its LoRA adapters."""

@@ -29,11 +29,15 @@ def add_admin_routes(app: FastAPI, state: RouterState) -> None:
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        healthy = len(state.service.registry.candidates())
+        healthy = len(state.service.registry.healthy())
         if healthy == 0:
             reason = unavailable_reason(state.service.registry.entries())
             return JSONResponse({"ready": False, "reason": f"no healthy worker: {reason}"}, 503)
-        return JSONResponse({"ready": True, "workers": healthy})
+        answer: dict[str, Any] = {"ready": True, "workers": healthy}
+        candidates = len(state.service.registry.candidates())
+        if candidates != healthy:  # data-parallel ranks: each one a candidate
+            answer["candidates"] = candidates
+        return JSONResponse(answer)
 
     @app.get("/workers")
     async def list_workers(request: Request) -> dict[str, Any]:
@@ -41,8 +45,14 @@ def add_admin_routes(app: FastAPI, state: RouterState) -> None:
         index = state.service.index
         workers = []
         for e in state.service.registry.entries():
-            device, host = index.worker_blocks(e.id)
-            workers.append({**e.describe(), "blocks": {"device": device, "host": host}})
+            described = e.describe()
+            for rank in described["ranks"]:  # each data-parallel rank's cache of its own
+                rank_device, rank_host = index.worker_blocks(rank["id"])
+                rank["blocks"] = {"device": rank_device, "host": rank_host}
+            # The worker's blocks are all its ranks' together.
+            device = sum(index.worker_blocks(t.id)[0] for t in e.targets)
+            host = sum(index.worker_blocks(t.id)[1] for t in e.targets)
+            workers.append({**described, "blocks": {"device": device, "host": host}})
         return {"workers": workers, "index": {"blocks": index.num_blocks()}}
 
     @app.post("/workers", status_code=201)
@@ -65,17 +75,20 @@ def add_admin_routes(app: FastAPI, state: RouterState) -> None:
     @app.delete("/workers/{worker_id}")
     async def remove_worker(worker_id: int, request: Request) -> dict[str, Any]:
         admin(request)
+        known = state.service.registry.get(worker_id)
+        ranks = [t.id for t in known.targets] if known is not None else []
         try:
             entry: WorkerEntry = await state.service.registry.remove(worker_id)
         except KeyError:
             raise ApiError(404, f"no worker {worker_id}", code="not_found") from None
-        state.first_byte.forget(worker_id)
+        for candidate in ranks:
+            state.first_byte.forget(candidate)
         return entry.describe()
 
     @app.get("/debug/index/{worker_id}")
     async def debug_index(worker_id: int, request: Request) -> dict[str, Any]:
         admin(request)
-        if state.service.registry.get(worker_id) is None:
+        if state.service.registry.target(worker_id) is None:  # a worker or one of its ranks
             raise ApiError(404, f"no worker {worker_id}", code="not_found")
         held = state.service.index.engine_hashes(worker_id)
         return {"worker": worker_id, "blocks": {str(h): tiers for h, tiers in held.items()}}

@@ -35,10 +35,15 @@ def explain(state: RouterState, route: Route) -> dict[str, Any]:
     decision, core = route.decision, state.service.core
     return {
         "chosen": route.worker.url, "chosen_id": decision.worker,
+        "chosen_rank": route.worker.rank,
+        # Disaggregated serving: the worker that prefills for the chosen (decode) one.
+        "prefill": route.prefill.url if route.prefill else None,
+        "prefill_id": route.prefill.id if route.prefill else None,
         "prompt_tokens": len(route.prompt.token_ids), "request_blocks": len(route.hashes),
         "decision_us": round(route.decision_seconds * 1e6, 1),
         "continues_session_on": route.continued.worker if route.continued else None,
         "workers": [{"id": c.worker, "url": route.entries[c.worker].url,
+                     "rank": route.entries[c.worker].rank,
                      "matched_blocks": c.matched_blocks,
                      "device_matched_blocks": c.device_matched_blocks,
                      "prefill_blocks": c.prefill_blocks, "decode_blocks": c.decode_blocks,

@@ -9,6 +9,10 @@ there is withdrawn and it goes to the next candidate that is still healthy, up t
 (:mod:`router.http.first_byte`); a fallback waits the proxy's ceiling, so a request is never
 failed by an estimate alone. A worker that answers a client error (4xx) refused the request:
 its booking is withdrawn too, and the answer goes back as it is.
+
+A candidate that is one data-parallel rank of a worker (:mod:`router.fleet.ranks`) is pinned
+with the ``X-data-parallel-rank`` header (a client's own is replaced), so the worker's engine
+serves the request on the rank whose cache was chosen.
 """
 
 from __future__ import annotations
@@ -19,13 +23,14 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from openai_request.bodies import ApiError
-from router.fleet.registry import WorkerEntry
+from router.fleet.ranks import RANK_HEADER
+from router.fleet.registry import Target
 from router.fleet.worker_table import WorkerState
 from router.http.first_byte import FirstByteClock
 from router.http.proxy import Proxy, UpstreamAnswer, UpstreamUnavailable
 from router.service import Route, RouterService
 
-__all__ = ["MAX_ATTEMPTS", "Sent", "send_with_failover"]
+__all__ = ["MAX_ATTEMPTS", "Sent", "pinned", "send_with_failover"]
 
 log = logging.getLogger(__name__)
 
@@ -37,7 +42,7 @@ MAX_ATTEMPTS = 3
 class Sent:
     """A request some worker began to answer."""
 
-    worker: WorkerEntry
+    worker: Target
     answer: UpstreamAnswer
     attempt: int
 
@@ -45,7 +50,7 @@ class Sent:
 async def send_with_failover(service: RouterService, proxy: Proxy, clock: FirstByteClock,
                              route: Route, path: str, body: bytes, headers: Mapping[str, str],
                              stream: bool,
-                             on_failure: Callable[[WorkerEntry, int, str], None]) -> Sent:
+                             on_failure: Callable[[Target, int, str], None]) -> Sent:
     """Send ``route``'s request until a worker begins to answer.
 
     Args:
@@ -75,7 +80,8 @@ async def send_with_failover(service: RouterService, proxy: Proxy, clock: FirstB
         deadline = clock.deadline(worker.id, ahead) if stream and attempt == 0 else None
         started = time.monotonic()
         try:
-            answer = await proxy.send(f"{worker.url}{path}", body, headers, stream=stream,
+            answer = await proxy.send(f"{worker.url}{path}", body, pinned(headers, worker),
+                                      stream=stream,
                                       first_byte=deadline, waits=worker.waits)
         except UpstreamUnavailable as exc:
             service.undispatched(route, worker)
@@ -92,3 +98,13 @@ async def send_with_failover(service: RouterService, proxy: Proxy, clock: FirstB
         return Sent(worker, answer, attempt)
     raise ApiError(503, f"no worker could take the request (tried {tried})",
                    "service_unavailable")
+
+
+def pinned(headers: Mapping[str, str], worker: Target) -> Mapping[str, str]:
+    """``headers``, with the header that pins ``worker``'s data-parallel rank if it has one."""
+    rank = worker.rank
+    if rank is None:
+        return headers
+    kept = {k: v for k, v in headers.items() if k.lower() != RANK_HEADER}
+    kept[RANK_HEADER] = str(rank)
+    return kept

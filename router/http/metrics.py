@@ -33,7 +33,7 @@ from router.http.state_metrics import StateCollector
 from router.http.worker_labels import WorkerLabels
 
 if TYPE_CHECKING:
-    from router.fleet.registry import WorkerEntry
+    from router.fleet.registry import Target
     from router.service import Route, RouterService
 
 __all__ = ["RequestTimer", "RouterMetrics"]
@@ -156,7 +156,7 @@ class RouterMetrics:
         self.prediction_error.observe(cached_tokens
                                       - route.decision.chosen.matched_blocks * block)
 
-    def upstream_failure(self, worker: WorkerEntry, attempt: int, cause: str) -> None:
+    def upstream_failure(self, worker: Target, attempt: int, cause: str) -> None:
         """Count a worker failing before its first byte."""
         per = self._workers.get(worker.id)
         self._count(per, "kvroute_upstream_failures", str(attempt), cause)
@@ -189,7 +189,7 @@ class RequestTimer:
         """The request is about to go upstream for the first time."""
         self._metrics.before_upstream.observe(time.perf_counter() - self._arrived)
 
-    def answered(self, worker: WorkerEntry, status: int, stream: bool) -> None:
+    def answered(self, worker: Target, status: int, stream: bool) -> None:
         """``worker`` began to answer with ``status``."""
         metrics = self._metrics
         self._per = per = metrics._workers.get(worker.id)

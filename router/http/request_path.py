@@ -33,6 +33,7 @@ from httpapi.body import receive_body, wait_for_disconnect
 from httpapi.responses import CLIENT_GONE_STATUS
 from openai_request.bodies import ApiError, fewest_prompt_tokens, parse_body, validate_request
 from openai_request.prompts import PromptTokens
+from router.http.disaggregated import prefill_remotely
 from router.http.failover import Sent, send_with_failover
 from router.http.metrics import RequestTimer
 from router.http.proxy import UpstreamUnavailable
@@ -79,6 +80,8 @@ class Forward:
         timer.sending()
         try:
             try:
+                if route.prefill is not None:  # disaggregated: the prefill step first
+                    raw = await prefill_remotely(state, route, path, body, raw, headers)
                 sent = await send_with_failover(state.service, state.proxy, state.first_byte,
                                                 route, path, raw, headers, stream,
                                                 metrics.upstream_failure)
@@ -146,6 +149,8 @@ def _start(sent: Sent, route: Route, default_type: bytes, length: int | None = N
     headers += [(b"x-kvroute-worker", worker.url.encode("latin-1")),
                 (b"x-kvroute-worker-id", str(worker.id).encode()),
                 (b"x-kvroute-matched-blocks", str(matched).encode())]
+    if worker.rank is not None:
+        headers.append((b"x-kvroute-worker-rank", str(worker.rank).encode()))
     if length is not None:
         headers.append((b"content-length", str(length).encode()))
     return {"type": "http.response.start", "status": answer.status, "headers": headers}

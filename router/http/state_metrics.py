@@ -71,6 +71,15 @@ class StateCollector:
             "Device blocks the workers removed in the pressure window over their peak resident")
         pressure.add_metric([], service.core.eviction_pressure(now))
         yield pressure
+        prefills = CounterMetricFamily(
+            "kvroute_pd_prefills",
+            "Disaggregated serving: requests prefilled on a prefill worker (remote), on their "
+            "decode worker because it held most of the prompt (local), or served whole on it "
+            "after the prefill failed (failed)", labels=["outcome"])
+        for outcome, name in (("remote", "pd_remote_prefills"), ("local", "pd_local_prefills"),
+                              ("failed", "pd_prefill_failures")):
+            prefills.add_metric([outcome], service.counters.get(name, 0))
+        yield prefills
         factor = GaugeMetricFamily("kvroute_rate_factor",
                                    "The worker's learned factor on its engine kind's rates",
                                    labels=["worker"])

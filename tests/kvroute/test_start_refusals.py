@@ -24,6 +24,10 @@ from kvroute.up import free_port
     (["worker", "--replay-port", "65535", "--data-parallel-rank", "1"],
      "replay_port 65535 + data_parallel_rank 1 must be in 0..65535"),
     (["worker", "--admin-token", " "], "admin_token is blank"),
+    (["worker", "--data-parallel-size", "0"], "data_parallel_size must be positive"),
+    (["worker", "--data-parallel-size", "2", "--data-parallel-rank", "1"],
+     "serves ranks 0..N-1 itself"),
+    (["worker", "--data-parallel-size", "2", "--engine", "torch"], "sim engines only"),
     (["router", "--body-timeout", "0"], "body_timeout must be positive"),
     (["worker", "--max-header-bytes", "100"], "max_header_bytes must be at least 1024"),
 ])

@@ -67,7 +67,8 @@ class ScriptedWorker:
     :meth:`release` and ends at :meth:`finish`).
 
     Its control answers can be set while it runs: ``load_answer`` (the raw bytes ``/load``
-    answers), ``model_info_extra`` (fields merged into ``/model_info``),
+    answers), ``model_info_extra`` (fields merged into ``/model_info``), ``answer_extra``
+    (fields merged into whole completions answers),
     ``model_info_hangs`` (set: ``/model_info`` waits until :meth:`resume`; ``model_info_calls``
     counts the calls begun and ``model_info_ended`` those that ended), :meth:`hang_load`
     (``/load`` waits until :meth:`resume`, as a worker too busy to answer its probe) and
@@ -81,6 +82,8 @@ class ScriptedWorker:
         self.max_model_len = max_model_len
         self.load_answer = b'{"running": 0, "waiting": 0}'
         self.model_info_extra: dict[str, Any] = {}
+        #: Fields merged into every whole (non-streamed) completions answer.
+        self.answer_extra: dict[str, Any] = {}
         self.hang = False
         self.model_info_hangs = False
         self.model_info_calls = self.model_info_ended = 0
@@ -187,7 +190,8 @@ class ScriptedWorker:
         if not body.get("stream"):
             return web.json_response({"choices": [{"index": 0, "text": "ok"}],
                                       "usage": {"prompt_tokens": 1,
-                                                "prompt_tokens_details": {"cached_tokens": 0}}})
+                                                "prompt_tokens_details": {"cached_tokens": 0}},
+                                      **self.answer_extra})
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
         if self.mode == "stall":

@@ -30,6 +30,7 @@ import time
 from collections.abc import Callable
 
 from indexer.wire import KVEventBatch, WireEvent
+from workers.cache.block_keys import Prompt
 from workers.cache.cache_manager import CacheManager
 from workers.cache.event_sink import EventSink
 from workers.cache.publisher import EventPublisher
@@ -231,6 +232,29 @@ class Engine:
                 return False
             await self._publish_pending()
         return True
+
+    async def receive_blocks(self, prompt: Prompt, num_tokens: int) -> int:
+        """Take KV computed elsewhere (a prefill worker's) for ``prompt``'s first
+        ``num_tokens`` positions into the cache, as committed blocks, and publish them: the
+        request that follows finds them cached, and a router learns of them from the events.
+
+        Returns:
+            The tokens received: whole blocks, at most every full block but the one holding
+            the prompt's last token (which the request computes itself); 0 when too few
+            blocks are free (the request then prefills itself).
+        """
+        bs = self.cache.block_size
+        usable = min(num_tokens, (len(prompt.token_ids) - 1) // bs * bs)
+        if usable <= 0:
+            return 0
+        transfer = f"transfer-{id(prompt)}-{time.monotonic_ns()}"
+        async with self._publish_lock:
+            if self.cache.allocate(transfer, prompt) is None:
+                return 0
+            self.cache.commit_computed(transfer, usable)
+            self.cache.free(transfer)
+            await self._publish_pending()
+        return usable
 
     def drop_next_batches(self, n: int) -> None:
         """Withhold the next ``n`` batches from the live stream (fault injection).

@@ -32,12 +32,12 @@ def add_control_routes(app: FastAPI, state: WorkerState) -> None:
 
     @app.get("/load")
     async def load() -> dict[str, Any]:
-        return runtime.engine.load()
+        return runtime.load()
 
     @app.post("/reset_prefix_cache")
     async def reset(request: Request) -> dict[str, Any]:
         admin(request)
-        if not await runtime.engine.reset_prefix_cache():
+        if not await runtime.reset_prefix_cache():
             raise ApiError(409, "requests are running; reset when the worker is idle",
                            code="busy")
         return {"reset": True}

@@ -41,6 +41,10 @@ class WorkerMetrics:
                                      registry=self.registry)
         self.generated_tokens = Counter("kvroute_worker_generated_tokens", "Tokens generated",
                                         registry=self.registry)
+        self.transferred_tokens = Counter(
+            "kvroute_worker_transferred_tokens",
+            "Prompt tokens whose KV came from a prefill worker (disaggregated serving)",
+            registry=self.registry)
         self.registry.register(_EngineCollector(runtime))
 
     def finished(self, reply: Completion, generated: int) -> None:

@@ -34,6 +34,7 @@ from openai_request.prompts import build_prompt
 from workers.cache.block_keys import Prompt, Scope
 from workers.engine.loop import RequestFailed, RequestHandle
 from workers.http.image_fetch import ImageLimit, fetch_remote_images
+from workers.http.kv_transfer import answer_params, parse_transfer, receive
 from workers.http.openai_format import Completion, sse
 from workers.http.state import WorkerState
 
@@ -101,9 +102,17 @@ async def generate(state: WorkerState, request: Request, chat: bool) -> Response
     _check_length(len(tokens.token_ids), max_tokens, settings.max_model_len)
     scope = Scope(lora_id=lora[0] if lora else None, lora_name=lora[1] if lora else None,
                   salt=runtime.scope_salt(tokens.cache_salt))
+    transfer = parse_transfer(body)
+    if transfer is not None and transfer.remote_blocks and settings.engine != "sim":
+        raise ApiError(400, "this worker's engine takes no transferred KV; only the sim "
+                       "engine simulates a transfer", param="kv_transfer_params")
+    engine = runtime.rank_engine(_pinned_rank(request, len(runtime.engines)))
     try:
         prompt = Prompt(tokens.token_ids, tuple(tokens.images), scope)
-        handle = runtime.submit(f"req-{uuid.uuid4().hex}", prompt, max_tokens)
+        if transfer is not None and transfer.remote_blocks:
+            received = await receive(settings, engine, prompt, transfer.remote_blocks)
+            state.metrics.transferred_tokens.inc(received)
+        handle = runtime.submit(f"req-{uuid.uuid4().hex}", prompt, max_tokens, engine)
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None
     reply = Completion(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model, chat,
@@ -112,11 +121,15 @@ async def generate(state: WorkerState, request: Request, chat: bool) -> Response
     if checked.stream:
         return StreamingResponse(_stream(state, handle, reply, checked.include_usage),
                                  media_type="text/event-stream")
-    return await _whole(state, request, handle, reply)
+    extra = None
+    if transfer is not None and transfer.remote_decode:  # prefill for a decode worker
+        extra = {"kv_transfer_params": answer_params(settings, runtime.instance_id,
+                                                     len(tokens.token_ids))}
+    return await _whole(state, request, handle, reply, extra)
 
 
 async def _whole(state: WorkerState, request: Request, handle: RequestHandle,
-                 reply: Completion) -> JSONResponse:
+                 reply: Completion, extra: dict[str, Any] | None = None) -> JSONResponse:
     collect = asyncio.ensure_future(_collect(handle))
     gone = asyncio.ensure_future(wait_for_disconnect(request.receive))
     try:
@@ -134,7 +147,8 @@ async def _whole(state: WorkerState, request: Request, handle: RequestHandle,
         raise ApiError(500, f"the engine failed the request: {exc}", "server_error") from None
     reply.cached_tokens = handle.num_cached_tokens or 0
     state.metrics.finished(reply, len(ids))
-    return JSONResponse(reply.whole(state.runtime.tokenizer.decode(ids), reason, len(ids)))
+    answer = reply.whole(state.runtime.tokenizer.decode(ids), reason, len(ids))
+    return JSONResponse({**answer, **extra} if extra else answer)
 
 
 async def _stream(state: WorkerState, handle: RequestHandle, reply: Completion, usage: bool
@@ -187,3 +201,23 @@ async def _collect(handle: RequestHandle) -> tuple[list[int], str | None]:
         if out.finished:
             reason = out.finish_reason
     return ids, reason
+
+
+def _pinned_rank(request: Request, ranks: int) -> int | None:
+    """The data-parallel rank the ``X-data-parallel-rank`` header pins, or None (any rank).
+    A worker of one rank ignores the header, as a vLLM server without data parallelism does.
+
+    Raises:
+        ApiError: a header that is not one of this worker's ranks (400).
+    """
+    value = request.headers.get("x-data-parallel-rank")
+    if value is None or ranks == 1:
+        return None
+    try:
+        rank = int(value)
+    except ValueError:
+        rank = -1
+    if not 0 <= rank < ranks:
+        raise ApiError(400, f"X-data-parallel-rank {value!r} is not one of this worker's "
+                       f"ranks 0..{ranks - 1}", param="X-data-parallel-rank")
+    return rank

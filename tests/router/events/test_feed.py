@@ -222,3 +222,37 @@ async def test_stopping_the_feed_cancels_a_resync_in_flight(fed: Callable[..., F
     assert f.feed.resyncing
     await f.feed.stop()
     assert not f.feed.resyncing and f.held() == set()
+
+
+def ranked(seq: int, rank: int | None, *events: Event) -> Delivered:
+    return Delivered(seq, Batch(0.0, list(events), rank), False)
+
+
+async def test_each_batch_goes_to_its_data_parallel_rank(fed: Callable[..., Fed]) -> None:
+    f = fed()
+    f.feed.ranks = [WORKER, 20, 21]  # rank 0 is the worker itself, ranks 1 and 2 ids 20, 21
+    f.feed.on_notice(ranked(0, 0, stored(1)))
+    f.feed.on_notice(ranked(1, 2, stored(2)))
+    f.feed.on_notice(ranked(2, None, stored(3)))  # no rank named: rank 0
+    f.feed.on_notice(ranked(3, 1, stored(4), Removed(block_hashes=[4])))
+    assert f.held() == {1, 3}
+    assert set(f.index.engine_hashes(21)) == {2} and set(f.index.engine_hashes(20)) == set()
+    assert [w for w, _ in f.applied] == [WORKER, 21, WORKER, 20]
+    # A rank the worker does not have: counted and skipped, the stream goes on.
+    f.feed.on_notice(ranked(4, 3, stored(5)))
+    f.feed.on_notice(ranked(5, -1, stored(6)))
+    assert f.counters["unknown_rank"] == 2 and f.held() == {1, 3}
+    # A clear names one rank and clears that rank; a restart clears them all.
+    f.feed.on_notice(ranked(6, 2, Cleared()))
+    assert set(f.index.engine_hashes(21)) == set() and f.held() == {1, 3}
+    assert f.cleared == [21]
+    f.feed.on_notice(ranked(7, 1, stored(7)))
+    f.feed.on_notice(Restarted(7, 0))
+    assert f.cleared == [21, WORKER, 20, 21]
+    assert f.held() == set() and set(f.index.engine_hashes(20)) == set()
+
+
+async def test_a_worker_of_one_rank_takes_any_rank_it_names(fed: Callable[..., Fed]) -> None:
+    f = fed()  # a server run as rank 3 of a deployment of one server per rank
+    f.feed.on_notice(ranked(0, 3, stored(1)))
+    assert f.held() == {1} and "unknown_rank" not in f.counters

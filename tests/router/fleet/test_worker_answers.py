@@ -28,6 +28,8 @@ def test_a_model_info_is_read_field_by_field() -> None:
 
 @pytest.mark.parametrize(("change", "named"), [
     ({"data_parallel_rank": "x"}, "data_parallel_rank"),
+    ({"data_parallel_size": 0}, "data_parallel_size"),
+    ({"data_parallel_size": 1 << 20}, "data_parallel_size"),
     ({"max_model_len": 1 << 50}, "max_model_len"),
     ({"max_model_len": -1}, "max_model_len"),
     ({"block_size": 0}, "block_size"),

@@ -59,6 +59,8 @@ def test_toml_tables_json_lists_flags_and_environment_agree(tmp_path: Path) -> N
     ("http://a:1,colour=red", "unknown keys \\['colour'\\]"),
     ("http://a:1,engine=vllm,engine=sglang", "engine is given twice"),
     ("ftp://a:1", "is not an http\\(s\\) URL nor key=value"),
+    ("http://a:1,dp_size=0", "dp_size 0 is not in 1..1024"),
+    ("http://a:1,dp_size=two", "dp_size 'two' is not an integer"),
 ])
 def test_each_bad_worker_is_refused_with_its_reason(value: str, reason: str) -> None:
     with pytest.raises(ValueError, match=reason):
@@ -74,3 +76,18 @@ def test_a_table_needs_a_url_and_string_values() -> None:
         parse_worker({"url": "http://a:1", "engine": 3})
     with pytest.raises(ValueError, match="must be an integer"):
         parse_worker({"url": "http://a:1", "engine": "vllm", "block_size": True})
+
+
+def test_dp_size_reads_from_every_form_and_round_trips(tmp_path: Path) -> None:
+    ranked = WorkerConfig("http://10.0.0.5:8000", engine="vllm", dp_size=2)
+    assert parse_workers("http://10.0.0.5:8000,engine=vllm,dp_size=2") == (ranked,)
+    table = {"url": "http://10.0.0.5:8000", "engine": "vllm", "dp_size": 2}
+    assert parse_worker(table) == ranked
+    assert parse_worker(format_worker(ranked)) == ranked
+    toml = tmp_path / "router.toml"
+    toml.write_text('[[workers]]\nurl = "http://10.0.0.5:8000"\nengine = "vllm"\n'
+                    'dp_size = 2\n')
+    from_toml = load_settings({}, env={}, config_file=str(toml))
+    assert parse_workers(list(from_toml.workers)) == (ranked,)
+    # A kvroute worker may be told its ranks too (it also reports them itself).
+    assert parse_worker("http://k:1,dp_size=4").dp_size == 4

@@ -1,0 +1,107 @@
+"""Disaggregated serving with kvroute's sim workers: one prefill worker, one decode worker.
+
+The router prefills each request on the prefill worker (``max_tokens`` 1, vLLM's
+``kv_transfer_params``), then sends it to the decode worker with the prefill's params; the
+decode worker takes the KV by a simulated transfer and publishes the blocks it received, so
+the router's index learns of them from the receiver. A decode worker that already holds most
+of a prompt prefills it locally; a dead prefill worker costs no request.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+
+from e2e.harness import NOT_YET, Process, Router, Worker
+from tests.support.eventually import eventually_blocking
+
+SYSTEM = "Prefill here, decode there, and the answer is the same either way. " * 10
+SIM = {"speedup": 20}
+
+
+def _metric(text: str, name: str) -> float:
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(name) and not line.startswith("#"))
+
+
+def _start(tmp_path: Path, processes: list[Process], **prefill_settings: Any
+           ) -> tuple[Router, Worker, Worker]:
+    prefill = Worker(0, tmp_path, **SIM, **prefill_settings)
+    decode = Worker(1, tmp_path, **SIM)
+    for w in (prefill, decode):
+        w.start()
+        processes.append(w)
+    for w in (prefill, decode):
+        w.wait_healthy()
+    router = Router("router", [], tmp_path,
+                    specs=[f"{prefill.url},role=prefill", f"{decode.url},role=decode"])
+    router.start()
+    processes.append(router)
+    router.wait_ready(2)
+    return router, prefill, decode
+
+
+def test_prefill_there_decode_here_with_the_same_output(tmp_path: Path,
+                                                        processes: list[Process]) -> None:
+    router, prefill, decode = _start(tmp_path, processes)
+    alone = Worker(2, tmp_path, **SIM)  # aggregated serving, for the reference output
+    alone.start()
+    processes.append(alone)
+    alone.wait_healthy()
+    workers = {w["url"]: w for w in router.workers()}
+    assert (workers[prefill.url]["role"], workers[decode.url]["role"]) == ("prefill", "decode")
+
+    prompt = SYSTEM + "What moved?"
+    plan = router.client.post("/debug/route", json={"model": "kvroute-sim", "prompt": prompt})
+    assert (plan.json()["chosen"], plan.json()["prefill"]) == (decode.url, prefill.url)
+    answer = router.complete(prompt, max_tokens=8)
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["x-kvroute-worker"] == decode.url
+    reference = httpx.post(f"{alone.url}/v1/completions", timeout=30, json={
+        "model": "kvroute-sim", "prompt": prompt, "max_tokens": 8}).json()
+    assert answer.json()["choices"][0]["text"] == reference["choices"][0]["text"]
+
+    # Every full block but the last came by transfer, and the decode worker served them
+    # from its cache.
+    blocks = (len(prompt.encode()) - 1) // 32
+    decode_metrics = httpx.get(f"{decode.url}/metrics").text
+    assert _metric(decode_metrics, "kvroute_worker_transferred_tokens_total") == blocks * 32
+    assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == blocks * 32
+    # The decode worker's events of the received blocks reach the router's index.
+    eventually_blocking(lambda: len(router.indexed(decode)) >= blocks,
+                        "the received blocks in the decode worker's index entries",
+                        tolerate=NOT_YET)
+    assert len(router.indexed(prefill)) >= blocks
+    assert _metric(router.client.get("/metrics").text,
+                   'kvroute_pd_prefills_total{outcome="remote"}') == 1
+
+    # A follow-up the decode worker holds nearly all of is prefilled there, no transfer.
+    follow = router.complete(prompt + " And then?", max_tokens=4)
+    assert follow.status_code == 200 and follow.headers["x-kvroute-worker"] == decode.url
+    assert _metric(httpx.get(f"{decode.url}/metrics").text,
+                   "kvroute_worker_transferred_tokens_total") == blocks * 32
+    assert _metric(router.client.get("/metrics").text,
+                   'kvroute_pd_prefills_total{outcome="local"}') == 1
+
+
+def test_a_failed_or_dead_prefill_worker_costs_no_request(tmp_path: Path,
+                                                          processes: list[Process]) -> None:
+    # The prefill worker refuses prompts over 128 tokens: the router serves them whole on
+    # the decode worker.
+    router, prefill, decode = _start(tmp_path, processes, max_model_len=128)
+    answer = router.complete(SYSTEM, max_tokens=4)
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["x-kvroute-worker"] == decode.url
+    assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    metrics = router.client.get("/metrics").text
+    assert _metric(metrics, 'kvroute_pd_prefills_total{outcome="failed"}') == 1
+    assert _metric(metrics, 'kvroute_pd_prefills_total{outcome="remote"}') == 0
+    prefill.kill()
+    for i in range(4):  # before and after the health poll notices
+        answer = router.complete(f"{i} " + SYSTEM, max_tokens=4)
+        assert answer.status_code == 200, answer.text
+        assert answer.headers["x-kvroute-worker"] == decode.url
+    metrics = router.client.get("/metrics").text
+    assert _metric(metrics, 'kvroute_pd_prefills_total{outcome="remote"}') == 0

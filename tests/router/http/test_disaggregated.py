@@ -1,0 +1,92 @@
+"""The remote prefill step on its own: a real router service and proxy in front of a scripted
+prefill worker that answers as vLLM's NixlConnector prefill server does, and a scripted decode
+worker; :func:`prefill_remotely` builds the decode worker's body."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from types import SimpleNamespace
+from typing import Any
+
+import httpx
+
+from router.http.disaggregated import REMOTE_DECODE, prefill_remotely
+from router.http.proxy import Proxy
+from router.service import RouterService
+from router.settings import RouterSettings
+from tests.support.servers import ScriptedWorker
+
+PROMPT = "disaggregated prefill " * 40  # 880 bytes: 27 full blocks
+BODY = {"model": "kvroute-sim", "prompt": PROMPT, "max_tokens": 16, "stream": True,
+        "stream_options": {"include_usage": True}}
+#: The params a vLLM prefill server answers with (NixlConnector), passed on unchanged.
+VLLM_PARAMS = {"do_remote_prefill": True, "do_remote_decode": False,
+               "remote_block_ids": [3, 4, 5], "remote_engine_id": "0c9e-dp0",
+               "remote_host": "127.0.0.1", "remote_port": 5601, "tp_size": 1}
+
+
+@contextlib.asynccontextmanager
+async def served(prefill: ScriptedWorker, decode: ScriptedWorker, **settings: Any
+                 ) -> AsyncIterator[SimpleNamespace]:
+    """What :func:`prefill_remotely` reads of the router's state: settings, service, proxy."""
+    specs = (f"{prefill.url},role=prefill", f"{decode.url},role=decode")
+    config = RouterSettings(workers=specs, seed=3, **settings)
+    async with httpx.AsyncClient() as http:
+        service = RouterService(config, http)
+        await service.registry.start()
+        proxy = Proxy()
+        await proxy.start()
+        try:
+            yield SimpleNamespace(settings=config, service=service, proxy=proxy)
+        finally:
+            await service.registry.stop()
+            await proxy.close()
+
+
+async def test_the_prefill_answers_params_go_into_the_decode_request() -> None:
+    async with ScriptedWorker() as prefill, ScriptedWorker() as decode:
+        prefill.answer_extra = {"kv_transfer_params": VLLM_PARAMS}
+        async with served(prefill, decode) as state:
+            route = state.service.decide(BODY, "completions")
+            assert (route.worker.url, route.prefill.url) == (decode.url, prefill.url)
+            raw = json.dumps(BODY).encode()
+            sent = await prefill_remotely(state, route, "/v1/completions", BODY, raw, {})
+            # The prefill worker was asked for one token, whole, for a remote decode.
+            (asked,) = prefill.requests
+            assert asked == {"model": "kvroute-sim", "prompt": PROMPT, "max_tokens": 1,
+                             "stream": False, "kv_transfer_params": REMOTE_DECODE}
+            # The decode worker gets the original request with the params unchanged.
+            assert json.loads(sent) == {**BODY, "kv_transfer_params": VLLM_PARAMS}
+            assert route.prefill is not None
+            assert state.service.core.in_flight(route.prefill.id) == 0  # its booking ended
+            assert state.service.counters == {"pd_remote_prefills": 1}
+
+
+async def test_a_failed_prefill_serves_the_request_whole_on_the_decode_worker() -> None:
+    for mode, extra in (("refuse", {}), ("ok", {})):  # a 503; an answer without params
+        async with ScriptedWorker(mode) as prefill, ScriptedWorker() as decode:
+            prefill.answer_extra = extra
+            async with served(prefill, decode) as state:
+                route = state.service.decide(BODY, "completions")
+                raw = json.dumps(BODY).encode()
+                sent = await prefill_remotely(state, route, "/v1/completions", BODY, raw, {})
+                assert sent is raw and route.prefill is None
+                assert state.service.counters == {"pd_prefill_failures": 1}
+                assert state.service.core.in_flight(state.service.registry.find(
+                    prefill.url).id) == 0
+
+
+async def test_a_decode_worker_holding_most_of_the_prompt_prefills_it_itself() -> None:
+    # Nothing is cached anywhere: the decode worker would compute the whole prompt, so it
+    # prefills locally exactly when the threshold is at least the prompt's length.
+    async with ScriptedWorker() as prefill, ScriptedWorker() as decode:
+        async with served(prefill, decode) as state:
+            tokens = len(state.service.tokenize(BODY, "completions").token_ids)
+        async with served(prefill, decode, pd_local_prefill_tokens=tokens) as state:
+            route = state.service.decide(BODY, "completions")
+            assert route.prefill is None and route.worker.url == decode.url
+            assert state.service.counters == {"pd_local_prefills": 1}
+        async with served(prefill, decode, pd_local_prefill_tokens=tokens - 1) as state:
+            assert state.service.decide(BODY, "completions").prefill is not None

@@ -1,0 +1,46 @@
+"""The worker's side of vLLM's kv_transfer_params: what a request asks, each malformed form
+refused with a 400 naming the field, and the params a prefill answer carries."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from openai_request.bodies import ApiError
+from workers.http.kv_transfer import MAX_REMOTE_BLOCKS, Transfer, answer_params, parse_transfer
+from workers.settings import WorkerSettings
+
+
+def test_a_request_asks_for_a_remote_decode_or_brings_a_remote_prefill() -> None:
+    assert parse_transfer({"prompt": "x"}) is None
+    vllm_prefill = {"do_remote_decode": True, "do_remote_prefill": False,
+                    "remote_engine_id": None, "remote_block_ids": None,
+                    "remote_host": None, "remote_port": None}
+    assert parse_transfer({"kv_transfer_params": vllm_prefill}) == Transfer(remote_decode=True)
+    decode = {"do_remote_prefill": True, "remote_block_ids": [0, 1, 2]}
+    assert parse_transfer({"kv_transfer_params": decode}) == Transfer(remote_blocks=3)
+
+
+@pytest.mark.parametrize(("params", "reason"), [
+    ("yes", "must be an object"),
+    ({"do_remote_decode": "yes"}, "do_remote_decode must be true or false"),
+    ({"do_remote_prefill": 1}, "do_remote_prefill must be true or false"),
+    ({"do_remote_decode": True, "do_remote_prefill": True}, "both"),
+    ({"do_remote_prefill": True}, "remote_block_ids must be a list"),
+    ({"do_remote_prefill": True, "remote_block_ids": [0] * (MAX_REMOTE_BLOCKS + 1)},
+     "at most"),
+])
+def test_malformed_params_are_refused_naming_the_field(params: Any, reason: str) -> None:
+    with pytest.raises(ApiError, match=reason) as caught:
+        parse_transfer({"kv_transfer_params": params})
+    assert caught.value.status == 400
+
+
+def test_a_prefill_answer_names_this_worker_and_its_full_blocks() -> None:
+    settings = WorkerSettings(host="127.0.0.1", port=8123, block_size=32)
+    params = answer_params(settings, "inst-1", 100)  # 3 full blocks; the 4th is partial
+    assert params == {"do_remote_prefill": True, "do_remote_decode": False,
+                      "remote_engine_id": "inst-1", "remote_block_ids": [0, 1, 2],
+                      "remote_host": "127.0.0.1", "remote_port": 8123, "tp_size": 1}
+    assert parse_transfer({"kv_transfer_params": params}) == Transfer(remote_blocks=3)
