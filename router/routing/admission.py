@@ -1,0 +1,309 @@
+"""Flow control: when the fleet is saturated, and the queue a request waits in while it is.
+
+**Saturation.** A worker is saturated when the time to first token the routing rule predicts
+there for a new request exceeds ``ttft_bound_s``, or its KV usage (blocks held by the requests
+routed there, over its device blocks) exceeds ``kv_threshold``. The fleet is saturated when
+every candidate is. The rule's choice is the candidate with the least predicted TTFT, so on
+the TTFT bound alone the fleet is saturated exactly when the chosen worker is: a request to an
+unsaturated fleet costs one comparison, and never waits.
+
+**The queue.** A request that finds the fleet saturated (or finds others already waiting)
+waits in the router. It is bound to a worker only when it leaves (late binding): the caller
+decides it again then, with the index and loads of that moment. The queue holds one band per
+priority; the band of the most urgent priority is served first (lower numbers first, as vLLM's
+``priority`` field reads). Inside a band, tenants share by start-time fair queuing on tokens:
+each request gets ``start = max(V, last finish of its tenant)`` and ``finish = start + tokens /
+weight``; the waiting request with the least ``finish`` leaves first and ``V`` becomes its
+``start``. A backlogged tenant of weight ``w`` thus gets tokens in proportion to ``w``, however
+many requests the others send, and a long prompt counts for its length, not as one request.
+
+**Deadlines and shedding.** A request may carry a deadline for its first token (monotonic
+seconds). On arrival it is refused at once (429, with a ``Retry-After``) when it cannot meet
+it: the best predicted TTFT now, plus the seconds the fleet needs to drain the tokens queued
+ahead of it, ends past the deadline. A full queue sheds its least urgent request (the one of
+the lowest priority that would leave last) to admit a more urgent arrival, or refuses the
+arrival when nothing queued is less urgent. A waiting request is shed when its deadline can
+no longer be met or it has waited ``max_wait_s``.
+
+Pure: the caller passes ``now`` (monotonic seconds), the predicted TTFT and the drain rate.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass, field
+
+__all__ = ["SHED_REASONS", "FlowQueue", "FlowSettings", "Offer", "Shed", "Waiting",
+           "fleet_saturated", "priority_label", "retry_after", "worker_saturated"]
+
+#: Why a request was refused: its deadline could not be met (on arrival or while waiting),
+#: the queue was full, it waited the longest allowed, it was displaced by a more urgent one.
+SHED_REASONS = ("deadline", "queue_full", "timeout", "displaced")
+
+#: Priorities shown as themselves in metrics; the rest as ``"low"`` or ``"high"``.
+_LABELLED = range(-10, 11)
+
+
+def priority_label(priority: int) -> str:
+    """The metrics label of ``priority``: a bounded set whatever clients send."""
+    if priority in _LABELLED:
+        return str(priority)
+    return "high" if priority < _LABELLED.start else "low"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class FlowSettings:
+    """Flow control's bounds (the router's flags, read once).
+
+    Raises:
+        ValueError: a bound is not positive, or a weight or deadline is not.
+    """
+
+    enabled: bool = True
+    #: A worker whose predicted TTFT for a new request is above this is saturated (seconds).
+    ttft_bound_s: float = 10.0
+    #: A worker whose KV usage is above this share of its device blocks is saturated.
+    kv_threshold: float = 1.0
+    #: Requests the queue holds at most.
+    max_queue: int = 4096
+    #: Seconds a request waits at most.
+    max_wait_s: float = 60.0
+    #: A TTFT deadline per priority, in seconds from arrival (a header may set one).
+    deadlines: Mapping[int, float] = field(default_factory=dict)
+    #: Each tenant's weight inside its priority (1 when not named).
+    weights: Mapping[str, float] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        for name in ("ttft_bound_s", "kv_threshold", "max_wait_s"):
+            value = getattr(self, name)
+            if not (value > 0 and math.isfinite(value)):
+                raise ValueError(f"flow control's {name} must be a finite number > 0, "
+                                 f"got {value}")
+        if self.max_queue < 0:
+            raise ValueError(f"flow control's max_queue must be >= 0, got {self.max_queue}")
+        for what, table in (("deadline", self.deadlines), ("weight", self.weights)):
+            for key, value in table.items():
+                if not (value > 0 and math.isfinite(value)):
+                    raise ValueError(f"the {what} of {key!r} must be a finite number > 0, "
+                                     f"got {value}")
+
+    def weight(self, tenant: str) -> float:
+        """``tenant``'s weight (1 when not configured)."""
+        return self.weights.get(tenant, 1.0)
+
+    def deadline(self, priority: int, arrived: float, header_s: float | None) -> float | None:
+        """The absolute deadline of a request: its header's seconds, else its priority's."""
+        seconds = header_s if header_s is not None else self.deadlines.get(priority)
+        return None if seconds is None else arrived + seconds
+
+
+def worker_saturated(ttft_s: float, kv_usage: float, settings: FlowSettings) -> bool:
+    """Whether a worker predicting ``ttft_s`` for a new request, with ``kv_usage`` of its
+    device blocks held, is saturated."""
+    return ttft_s > settings.ttft_bound_s or kv_usage > settings.kv_threshold
+
+
+def fleet_saturated(loads: Iterator[tuple[float, float]] | list[tuple[float, float]],
+                    settings: FlowSettings) -> bool:
+    """Whether every candidate, given as ``(ttft_s, kv_usage)``, is saturated (an empty
+    fleet is not: nothing healthy is a 503, not a wait)."""
+    seen = False
+    for ttft_s, kv_usage in loads:
+        if not worker_saturated(ttft_s, kv_usage, settings):
+            return False
+        seen = True
+    return seen
+
+
+def retry_after(seconds: float) -> int:
+    """Whole seconds for a ``Retry-After`` header: at least 1."""
+    return max(1, math.ceil(seconds)) if math.isfinite(seconds) else 1
+
+
+@dataclass(slots=True)
+class Waiting:
+    """A request in the queue."""
+
+    key: str
+    priority: int
+    tenant: str
+    #: Its prompt's tokens: what it costs its tenant's share.
+    tokens: int
+    arrived: float
+    #: Monotonic seconds by which its first token is due (None: none).
+    deadline: float | None = None
+    start: float = 0.0
+    finish: float = 0.0
+    seq: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Shed:
+    """A request refused: why, and when to try again."""
+
+    key: str
+    reason: str
+    retry_after_s: int
+    message: str
+
+
+@dataclass(frozen=True, slots=True)
+class Offer:
+    """What became of an offered request: ``refused`` when it was not queued, and the
+    requests it displaced when it was."""
+
+    refused: Shed | None = None
+    displaced: tuple[Shed, ...] = ()
+
+
+@dataclass(slots=True)
+class _Band:
+    items: dict[str, Waiting] = field(default_factory=dict)
+    virtual: float = 0.0
+    last_finish: dict[str, float] = field(default_factory=dict)
+    tokens: int = 0
+
+
+class FlowQueue:
+    """Requests waiting for a saturated fleet: priority bands, fair shares of tokens between
+    tenants inside a band, deadlines, bounded length and wait (module docstring).
+
+    Invariants:
+        1. Every waiting request is in exactly one band, the one of its priority.
+        2. A band's ``tokens`` is the sum of its requests' tokens.
+        3. :meth:`pop` returns the request of the most urgent band with the least ``finish``
+           (ties: the earlier arrival).
+    """
+
+    def __init__(self, settings: FlowSettings) -> None:
+        self.settings = settings
+        self._bands: dict[int, _Band] = {}
+        self._where: dict[str, int] = {}
+        self._seq = 0
+
+    def __len__(self) -> int:
+        return len(self._where)
+
+    def __contains__(self, key: str) -> bool:
+        return key in self._where
+
+    def lengths(self) -> dict[int, int]:
+        """Waiting requests per priority."""
+        return {p: len(b.items) for p, b in sorted(self._bands.items()) if b.items}
+
+    def tokens_ahead(self, priority: int, finish: float = math.inf) -> int:
+        """Tokens that leave before a request of ``priority`` whose finish tag is ``finish``:
+        every more urgent band's, and its own band's with a smaller tag."""
+        total = 0
+        for p, band in self._bands.items():
+            if p < priority:
+                total += band.tokens
+            elif p == priority:
+                total += (band.tokens if finish == math.inf else
+                          sum(w.tokens for w in band.items.values() if w.finish < finish))
+        return total
+
+    def _tags(self, item: Waiting) -> tuple[float, float]:
+        band = self._bands.get(item.priority)
+        virtual = band.virtual if band else 0.0
+        last = band.last_finish.get(item.tenant, 0.0) if band else 0.0
+        start = max(virtual, last)
+        return start, start + max(item.tokens, 1) / self.settings.weight(item.tenant)
+
+    def offer(self, item: Waiting, now: float, ttft_s: float, drain_s_per_token: float
+              ) -> Offer:
+        """Queue ``item`` unless it cannot meet its deadline or the queue is full of more
+        urgent requests.
+
+        Args:
+            item: the request (its ``key`` not already queued).
+            now: monotonic seconds.
+            ttft_s: the least predicted TTFT in the fleet now.
+            drain_s_per_token: seconds the fleet takes to clear one queued token.
+
+        Raises:
+            ValueError: ``item.key`` is already queued.
+        """
+        if item.key in self._where:
+            raise ValueError(f"request {item.key!r} is already queued")
+        start, finish = self._tags(item)
+        ahead = self.tokens_ahead(item.priority, finish)
+        expected = ttft_s + ahead * drain_s_per_token
+        if item.deadline is not None and now + expected > item.deadline:
+            return Offer(Shed(item.key, "deadline", retry_after(expected),
+                              f"the first token is predicted in {expected:.3g} s, past the "
+                              f"request's deadline"))
+        displaced: tuple[Shed, ...] = ()
+        if len(self._where) >= self.settings.max_queue:
+            victim = self._least_urgent()
+            if victim is None or victim.priority <= item.priority:
+                return Offer(Shed(item.key, "queue_full", retry_after(expected),
+                                  "the router's queue is full"))
+            self.remove(victim.key)
+            displaced = (Shed(victim.key, "displaced", retry_after(expected),
+                              "displaced from the router's queue by a more urgent request"),)
+            start, finish = self._tags(item)
+        band = self._bands.setdefault(item.priority, _Band())
+        item.start, item.finish, item.seq = start, finish, self._seq
+        self._seq += 1
+        band.items[item.key] = item
+        band.last_finish[item.tenant] = finish
+        band.tokens += item.tokens
+        self._where[item.key] = item.priority
+        return Offer(None, displaced)
+
+    def _least_urgent(self) -> Waiting | None:
+        if not self._where:
+            return None
+        band = self._bands[max(p for p, b in self._bands.items() if b.items)]
+        return max(band.items.values(), key=lambda w: (w.finish, w.seq))
+
+    def head(self) -> Waiting | None:
+        """The request that leaves next (invariant 3), left in the queue."""
+        for p in sorted(self._bands):
+            band = self._bands[p]
+            if band.items:
+                return min(band.items.values(), key=lambda w: (w.finish, w.seq))
+        return None
+
+    def pop(self) -> Waiting | None:
+        """Take the request that leaves next; its band's virtual time moves to its start."""
+        item = self.head()
+        if item is None:
+            return None
+        self.remove(item.key)
+        band = self._bands.get(item.priority)
+        if band is not None:
+            band.virtual = max(band.virtual, item.start)
+        return item
+
+    def remove(self, key: str) -> Waiting | None:
+        """Take ``key`` out of the queue (it left: cancelled, shed); None if not queued. A
+        band left empty forgets its tags, so the next arrivals start even."""
+        priority = self._where.pop(key, None)
+        if priority is None:
+            return None
+        band = self._bands[priority]
+        item = band.items.pop(key)
+        band.tokens -= item.tokens
+        if not band.items:
+            del self._bands[priority]
+        return item
+
+    def expire(self, now: float, ttft_s: float) -> list[Shed]:
+        """Shed every request that has waited ``max_wait_s``, or whose deadline a first token
+        ``ttft_s`` from now would miss."""
+        shed: list[Shed] = []
+        limit = self.settings.max_wait_s
+        for band in list(self._bands.values()):
+            for item in list(band.items.values()):
+                if now - item.arrived >= limit:
+                    shed.append(Shed(item.key, "timeout", retry_after(ttft_s),
+                                     f"waited {limit:.3g} s in the router's queue"))
+                elif item.deadline is not None and now + ttft_s > item.deadline:
+                    shed.append(Shed(item.key, "deadline", retry_after(ttft_s),
+                                     "the request's deadline can no longer be met"))
+        for s in shed:
+            self.remove(s.key)
+        return shed
