@@ -1,11 +1,12 @@
 """Flow control: when the fleet is saturated, and the queue a request waits in while it is.
 
-**Saturation.** A worker is saturated when the time to first token the routing rule predicts
-there for a new request exceeds ``ttft_bound_s``, or its KV usage (blocks held by the requests
-routed there, over its device blocks) exceeds ``kv_threshold``. The fleet is saturated when
-every candidate is. The rule's choice is the candidate with the least predicted TTFT, so on
-the TTFT bound alone the fleet is saturated exactly when the chosen worker is: a request to an
-unsaturated fleet costs one comparison, and never waits.
+**Saturation.** A worker is saturated when the work queued there would hold a new request's
+first token past ``ttft_bound_s``: its predicted time to first token less the request's own
+prefill (the wait for the prefill and decode ahead of it, plus the fixed first iteration), so
+that a long prompt on an idle worker never counts as overload. It is also saturated when its
+KV usage (blocks held by the requests routed there, over its device blocks) exceeds
+``kv_threshold``. The fleet is saturated when every candidate is. The chosen worker is checked
+first: when it is not saturated the request goes at once, at the cost of one comparison.
 
 **The queue.** A request that finds the fleet saturated (or finds others already waiting)
 waits in the router. It is bound to a worker only when it leaves (late binding): the caller
@@ -61,10 +62,13 @@ class FlowSettings:
     """
 
     enabled: bool = True
-    #: A worker whose predicted TTFT for a new request is above this is saturated (seconds).
+    #: A worker whose queued work would hold a new request's first token past this many
+    #: seconds (its predicted TTFT less the request's own prefill) is saturated.
     ttft_bound_s: float = 10.0
-    #: A worker whose KV usage is above this share of its device blocks is saturated.
-    kv_threshold: float = 1.0
+    #: A worker whose KV usage is above this share of its device blocks is saturated (0: KV
+    #: usage is not checked; the router's books count a shared prefix once per request, so
+    #: their usage is an upper bound).
+    kv_threshold: float = 0.0
     #: Requests the queue holds at most.
     max_queue: int = 4096
     #: Seconds a request waits at most.
@@ -75,7 +79,10 @@ class FlowSettings:
     weights: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        for name in ("ttft_bound_s", "kv_threshold", "max_wait_s"):
+        if not (self.kv_threshold >= 0 and math.isfinite(self.kv_threshold)):
+            raise ValueError(f"flow control's kv_threshold must be a finite number >= 0, "
+                             f"got {self.kv_threshold}")
+        for name in ("ttft_bound_s", "max_wait_s"):
             value = getattr(self, name)
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"flow control's {name} must be a finite number > 0, "
@@ -98,19 +105,19 @@ class FlowSettings:
         return None if seconds is None else arrived + seconds
 
 
-def worker_saturated(ttft_s: float, kv_usage: float, settings: FlowSettings) -> bool:
-    """Whether a worker predicting ``ttft_s`` for a new request, with ``kv_usage`` of its
-    device blocks held, is saturated."""
-    return ttft_s > settings.ttft_bound_s or kv_usage > settings.kv_threshold
+def worker_saturated(queued_s: float, kv_usage: float, settings: FlowSettings) -> bool:
+    """Whether a worker whose queued work would hold a first token ``queued_s`` seconds, with
+    ``kv_usage`` of its device blocks held, is saturated."""
+    return queued_s > settings.ttft_bound_s or 0 < settings.kv_threshold < kv_usage
 
 
 def fleet_saturated(loads: Iterator[tuple[float, float]] | list[tuple[float, float]],
                     settings: FlowSettings) -> bool:
-    """Whether every candidate, given as ``(ttft_s, kv_usage)``, is saturated (an empty
+    """Whether every candidate, given as ``(queued_s, kv_usage)``, is saturated (an empty
     fleet is not: nothing healthy is a 503, not a wait)."""
     seen = False
-    for ttft_s, kv_usage in loads:
-        if not worker_saturated(ttft_s, kv_usage, settings):
+    for queued_s, kv_usage in loads:
+        if not worker_saturated(queued_s, kv_usage, settings):
             return False
         seen = True
     return seen

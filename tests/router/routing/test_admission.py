@@ -20,6 +20,7 @@ from router.routing.admission import (
 )
 
 BOUNDS = FlowSettings(ttft_bound_s=1.0, kv_threshold=0.9, max_queue=100, max_wait_s=30.0)
+NO_KV = FlowSettings(ttft_bound_s=1.0)
 
 
 def item(key: str, priority: int = 0, tenant: str = "a", tokens: int = 100, arrived: float = 0.0,
@@ -38,6 +39,7 @@ def test_a_worker_is_saturated_by_its_predicted_ttft_or_its_kv_usage() -> None:
     assert not worker_saturated(1.0, 0.9, BOUNDS)  # at the bounds: not over them
     assert worker_saturated(1.01, 0.0, BOUNDS)
     assert worker_saturated(0.1, 0.91, BOUNDS)
+    assert not worker_saturated(0.1, 5.0, NO_KV)  # threshold 0: KV usage not checked
 
 
 def test_the_fleet_is_saturated_only_when_every_candidate_is() -> None:
@@ -165,7 +167,8 @@ def test_offering_a_queued_key_again_is_a_caller_error() -> None:
 
 
 @pytest.mark.parametrize("bad", [{"ttft_bound_s": 0.0}, {"kv_threshold": float("nan")},
-                                 {"max_queue": -1}, {"weights": {"t": 0.0}},
+                                 {"kv_threshold": -0.5}, {"max_queue": -1},
+                                 {"weights": {"t": 0.0}},
                                  {"deadlines": {0: -1.0}}])
 def test_bad_settings_are_refused(bad: dict[str, object]) -> None:
     with pytest.raises(ValueError):
