@@ -288,6 +288,24 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
     a("--predict-ttl", type=float,
       help="seconds a routed prompt counts as cached on its worker before its events arrive "
       "(default %(default)s)")
+    # Flow control: saturation, the queue, deadlines and fairness (docs/flow_control.md).
+    a("--flow-control", choices=["on", "off"],
+      help="hold requests in the router while every worker is saturated, most urgent first, "
+      "fair between tenants, refusing (429) what cannot meet its deadline (default on)")
+    a("--flow-ttft-bound", type=float, metavar="SECONDS",
+      help="a worker whose queued work would hold a new request's first token longer than "
+      "this is saturated (default %(default)s)")
+    a("--flow-kv-threshold", type=float, metavar="SHARE",
+      help="a worker whose routed requests hold more than this share of its KV blocks is "
+      "saturated; 0: not checked (default %(default)s)")
+    a("--flow-max-queue", type=int, help="requests the router holds at most (default "
+      "%(default)s); a full queue sheds its least urgent")
+    a("--flow-max-wait", type=float, metavar="SECONDS",
+      help="seconds a request waits in the router at most (default %(default)s)")
+    a("--flow-deadlines", metavar="PRIORITY=SECONDS,...",
+      help="a TTFT deadline per priority (the x-kvroute-ttft-deadline-ms header overrides)")
+    a("--tenant-weights", metavar="TENANT=WEIGHT,...",
+      help="each tenant's share of tokens inside its priority (one when not named)")
     a = serving.add_argument
     a("--admin-token", help="bearer token for /workers and /debug/* (visible in ps: prefer "
       "--admin-token-file or KVROUTE_ADMIN_TOKEN)")

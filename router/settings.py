@@ -31,6 +31,7 @@ from router.events.transport import (
 from router.fleet.discovery import parse_target
 from router.fleet.registry import FleetSettings
 from router.fleet.worker_config import format_worker, parse_workers
+from router.routing.admission import FlowSettings
 from router.routing.core import POLICIES, CoreSettings
 from router.routing.rates import parse_rates
 
@@ -41,6 +42,7 @@ __all__ = ["POLICIES", "RouterSettings", "SettingsError", "load_settings"]
 #: Dynamo's cost rule in blocks; ``round_robin`` and ``random`` ignore the cache (baselines).
 TOKENIZE_MODES = ("match", "full")
 _CORE = CoreSettings()
+_FLOW = FlowSettings()
 
 
 class SettingsError(ValueError):
@@ -113,6 +115,16 @@ class RouterSettings:
     #: Seconds a remote prefill may take before the request is served whole on its decode
     #: worker instead.
     pd_prefill_timeout: float = 60.0
+    # Flow control (router.routing.admission): saturation bounds, the queue, deadlines, weights.
+    flow_control: bool = _FLOW.enabled
+    flow_ttft_bound: float = _FLOW.ttft_bound_s
+    flow_kv_threshold: float = _FLOW.kv_threshold
+    flow_max_queue: int = _FLOW.max_queue
+    flow_max_wait: float = _FLOW.max_wait_s
+    #: ``PRIORITY=SECONDS,...``: a TTFT deadline per priority.
+    flow_deadlines: str = ""
+    #: ``TENANT=WEIGHT,...``: each tenant's share inside its priority (1 when not named).
+    tenant_weights: str = ""
 
     def __post_init__(self) -> None:
         for f in fields(self):  # inf or nan: a weight that swamps every other, a wait forever
@@ -189,6 +201,29 @@ class RouterSettings:
                 parse_target(target)
             except ValueError as exc:
                 raise SettingsError(f"discover: {exc}") from None
+        self.flow_settings()
+
+    def flow_settings(self) -> FlowSettings:
+        """Flow control's bounds, deadlines per priority and tenant weights.
+
+        Raises:
+            SettingsError: a bound is out of range, or a pair is not ``KEY=NUMBER``.
+        """
+        try:
+            deadlines = {}
+            for key, seconds in _pairs(self.flow_deadlines, "flow_deadlines"):
+                try:
+                    deadlines[int(key)] = seconds
+                except ValueError:
+                    raise ValueError(f"flow_deadlines: priority {key!r} is not an integer"
+                                     ) from None
+            return FlowSettings(enabled=self.flow_control, ttft_bound_s=self.flow_ttft_bound,
+                                kv_threshold=self.flow_kv_threshold,
+                                max_queue=self.flow_max_queue, max_wait_s=self.flow_max_wait,
+                                deadlines=deadlines,
+                                weights=dict(_pairs(self.tenant_weights, "tenant_weights")))
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
 
     def connection_limits(self) -> ConnectionLimits:
         """The HTTP server's connection limits and timeouts."""
@@ -236,6 +271,26 @@ class RouterSettings:
                             learn=self.learn_rates, predict_ttl=self.predict_ttl,
                             approximate_ttl=self.approximate_ttl,
                             sessions=self.sessions and self.policy == "kv")
+
+
+def _pairs(text: str, name: str) -> list[tuple[str, float]]:
+    """``KEY=NUMBER,...`` as pairs.
+
+    Raises:
+        ValueError: an entry is not ``KEY=NUMBER``.
+    """
+    out = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        key, sep, value = part.rpartition("=")
+        try:
+            if not sep or not key.strip():
+                raise ValueError
+            out.append((key.strip(), float(value)))
+        except ValueError:
+            raise ValueError(f"{name}: {part!r} is not KEY=NUMBER") from None
+    return out
 
 
 _TYPES = {f.name: f.type for f in fields(RouterSettings)}

@@ -180,3 +180,26 @@ def test_a_sim_worker_prices_its_iterations_with_the_timing_named(timing: str) -
     settings = load_worker_settings({"timing": timing}, env={"KVROUTE_WORKER_EVENTS_PORT": "none"})
     assert settings.events_port is None  # no publisher: nothing to bind or close
     assert WorkerRuntime(settings).executor.timing is TIMING_MODELS[timing]
+
+
+def test_flow_control_flags_become_its_settings() -> None:
+    settings = load_settings({"flow_control": "off", "flow_ttft_bound": "2.5",
+                              "flow_deadlines": "0=1.5, 3=20", "tenant_weights": "gold=3"},
+                             env={"KVROUTE_FLOW_MAX_QUEUE": "7"})
+    flow = settings.flow_settings()
+    assert not flow.enabled and flow.ttft_bound_s == 2.5 and flow.max_queue == 7
+    assert flow.deadlines == {0: 1.5, 3: 20.0}
+    assert flow.weight("gold") == 3.0 and flow.weight("anyone") == 1.0
+
+
+@pytest.mark.parametrize(("flags", "message"), [
+    ({"tenant_weights": "gold"}, "tenant_weights: 'gold' is not KEY=NUMBER"),
+    ({"tenant_weights": "gold=0"}, "weight of 'gold' must be"),
+    ({"flow_deadlines": "high=1"}, "priority 'high' is not an integer"),
+    ({"flow_ttft_bound": "0"}, "ttft_bound_s must be"),
+    ({"flow_max_queue": "-1"}, "max_queue must be"),
+])
+def test_bad_flow_control_settings_are_refused_with_a_clear_message(
+        flags: dict[str, str], message: str) -> None:
+    with pytest.raises(SettingsError, match=re.escape(message)):
+        load_settings(flags, env={})
