@@ -1,6 +1,7 @@
 """The router's decision, explained: ``POST /debug/route`` (behind the admin token when one is
 set) routes a request body without sending it and answers the choice with every candidate's
-cost terms, so an operator can see why a prompt went where it did.
+cost terms, so an operator can see why a prompt went where it did, and what flow control
+would do with it now (go, wait, or be refused, and why: each worker's saturation).
 """
 
 from __future__ import annotations
@@ -11,7 +12,8 @@ from fastapi import FastAPI, Request
 
 from httpapi.body import read_body
 from openai_request.bodies import parse_body
-from router.http.request_path import decide
+from router.http.flow import ask_of, tenant_of
+from router.http.request_path import route_of
 from router.http.state import RouterState
 from router.service import Route
 
@@ -27,7 +29,12 @@ def add_debug_routes(app: FastAPI, state: RouterState) -> None:
         raw = await read_body(request, state.settings.max_body_bytes)
         body = parse_body(raw, state.settings.max_body_bytes)
         kind = "chat" if "messages" in body else "completions"
-        return explain(state, await decide(state, body, kind, len(raw)))
+        headers = {k.lower(): v for k, v in request.headers.items()}
+        route = await route_of(state, body, kind, len(raw))
+        answer = explain(state, route)
+        answer["flow"] = state.flow.explain(route, ask_of(body, headers),
+                                            tenant_of(body, headers))
+        return answer
 
 
 def explain(state: RouterState, route: Route) -> dict[str, Any]:

@@ -25,6 +25,7 @@ import asyncio
 import contextlib
 import re
 import time
+from collections.abc import Mapping
 from typing import Any
 
 from starlette.types import Message, Receive, Scope, Send
@@ -35,12 +36,13 @@ from openai_request.bodies import ApiError, fewest_prompt_tokens, parse_body, va
 from openai_request.prompts import PromptTokens
 from router.http.disaggregated import prefill_remotely
 from router.http.failover import Sent, send_with_failover
+from router.http.flow import ask_of, tenant_of
 from router.http.metrics import RequestTimer
 from router.http.proxy import UpstreamUnavailable
 from router.http.state import RouterState
 from router.service import Route
 
-__all__ = ["Forward", "decide"]
+__all__ = ["Forward", "decide", "route_of"]
 
 _CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _SSE = b"text/event-stream; charset=utf-8"
@@ -66,7 +68,7 @@ class Forward:
         try:
             raw = await receive_body(headers.get("content-length"), receive, max_bytes)
             body = parse_body(raw, max_bytes)
-            route = await decide(state, body, self.kind, len(raw))
+            route = await decide(state, body, self.kind, len(raw), headers)
         except ApiError as exc:
             metrics.request(path, exc.status)
             raise
@@ -114,7 +116,23 @@ class Forward:
             watcher.cancel()
 
 
-async def decide(state: RouterState, body: dict[str, Any], kind: str, size: int) -> Route:
+async def decide(state: RouterState, body: dict[str, Any], kind: str, size: int,
+                 headers: Mapping[str, str]) -> Route:
+    """Route ``body`` (:func:`route_of`) through flow control (:mod:`router.http.flow`: it
+    may wait while the fleet is saturated).
+
+    Raises:
+        ApiError: :func:`route_of`'s; flow control's 429s; 400 for a malformed priority or
+            deadline.
+    """
+    ask = ask_of(body, headers)
+    route = await route_of(state, body, kind, size)
+    return await state.flow.admit(route, ask,
+                                  lambda: state.service.decide(body, kind, route.prompt),
+                                  lambda: tenant_of(body, headers))
+
+
+async def route_of(state: RouterState, body: dict[str, Any], kind: str, size: int) -> Route:
     """Check ``body`` (``size`` bytes long) as a ``kind`` request and route it.
 
     Raises:

@@ -2,7 +2,8 @@
 
 The settings are given when the app is built; the parts that need an event loop or load a
 tokenizer (the service with its registry, the proxy's connection pool, the metrics, the
-first-byte clock) are made when the lifespan starts and closed when it ends, so building an
+first-byte clock, flow control's queue) are made when the lifespan starts and closed when it
+ends, so building an
 app costs nothing and a bad tokenizer path fails at start-up, where the server reports it.
 """
 
@@ -19,6 +20,8 @@ from httpapi.app import Admin
 from httpapi.responses import disconnect_counter
 from openai_request.bodies import ApiError
 from router.http.first_byte import FirstByteClock
+from router.http.flow import FlowControl
+from router.http.flow_metrics import register_flow_metrics
 from router.http.metrics import RouterMetrics
 from router.http.proxy import Proxy, ProxyTimeouts
 from router.service import RouterService
@@ -40,6 +43,7 @@ class RouterState:
     proxy: Proxy
     metrics: RouterMetrics
     first_byte: FirstByteClock
+    flow: FlowControl
     disconnects: Counter
 
     def __init__(self, settings: RouterSettings) -> None:
@@ -59,10 +63,13 @@ class RouterState:
         self.first_byte = FirstByteClock(settings.first_byte_floor, settings.first_byte_factor,
                                          settings.first_byte_timeout)
         self.disconnects = disconnect_counter(self.metrics.registry)
+        self.flow = FlowControl(settings.flow_settings())
+        register_flow_metrics(self.metrics.registry, self.flow)
         await self.service.registry.start()
         try:
             yield
         finally:
+            await self.flow.close()
             await self.service.registry.stop()
             await self.proxy.close()
             await http.aclose()

@@ -1,0 +1,308 @@
+"""Flow control's shell: holds the requests that find the fleet saturated, and sends each on
+when capacity frees (:mod:`router.routing.admission` has the rules; this module has the clock
+and the event loop).
+
+:meth:`FlowControl.admit` takes a decided :class:`~router.service.Route`. On an unsaturated
+fleet with nobody waiting it returns the route as it is (one comparison on the chosen worker's
+queued work). Otherwise the request joins the queue and its handler waits;
+one dispatcher task, alive only while the queue is not empty, decides the queue's head again
+every ``tick_s`` (late binding: the worker is chosen with the index and loads of the moment it
+leaves) and lets it go as soon as some candidate is no longer saturated. Refusals are
+:class:`~openai_request.bodies.ApiError` 429s carrying ``Retry-After``; no healthy worker is
+the decision's own 503.
+
+What a request asks of flow control (:func:`ask_of`): its priority (the body's ``priority``,
+an integer as vLLM takes it, lower first; or the ``x-kvroute-priority`` header), its tenant
+(the ``x-kvroute-tenant`` header, else the body's ``cache_salt``, else a hash of its API key),
+and a deadline for its first token (``x-kvroute-ttft-deadline-ms``, else its priority's
+configured one).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import hashlib
+import math
+import time
+from collections import Counter
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from openai_request.bodies import ApiError
+from router.routing.admission import (
+    FlowQueue,
+    FlowSettings,
+    Shed,
+    Waiting,
+    worker_saturated,
+)
+from router.routing.scheduler import Decision, WorkerCost
+from router.service import Route
+
+__all__ = ["Ask", "FlowControl", "Refused", "ask_of", "tenant_of"]
+
+#: Workers whose last seen saturation is kept at most (for ``/metrics``).
+_MAX_SHOWN = 4096
+#: What the shed answer's ``code`` says, per reason.
+_CODES = {"deadline": "deadline_unmeetable", "queue_full": "queue_full",
+          "timeout": "queue_timeout", "displaced": "queue_full"}
+
+
+class Refused(ApiError):
+    """A 429 from flow control: the reason and the ``Retry-After`` seconds."""
+
+    def __init__(self, shed: Shed) -> None:
+        super().__init__(429, shed.message, "rate_limit_exceeded", None, _CODES[shed.reason])
+        self.reason = shed.reason
+        self.retry_after_s = shed.retry_after_s
+        self.headers = {"retry-after": str(shed.retry_after_s)}
+
+
+@dataclass(frozen=True, slots=True)
+class Ask:
+    """What one request asks of flow control."""
+
+    priority: int = 0
+    #: Seconds from arrival its first token is due by (None: its priority's, if any).
+    deadline_s: float | None = None
+
+
+def ask_of(body: Mapping[str, Any], headers: Mapping[str, str]) -> Ask:
+    """Read a request's priority and deadline (module docstring).
+
+    Raises:
+        ApiError: 400 for a priority that is not an integer or a deadline that is not a
+            positive number of milliseconds.
+    """
+    header = headers.get("x-kvroute-priority")
+    if header is not None:
+        try:
+            priority = int(header.strip())
+        except ValueError:
+            raise ApiError(400, "the x-kvroute-priority header must be an integer, got "
+                           f"{header!r}") from None
+    else:
+        priority = body.get("priority", 0)
+        if priority is None:
+            priority = 0
+        elif isinstance(priority, bool) or not isinstance(priority, int):
+            raise ApiError(400, f"priority must be an integer, got {priority!r}",
+                           param="priority")
+    deadline_s = None
+    raw = headers.get("x-kvroute-ttft-deadline-ms")
+    if raw is not None:
+        try:
+            ms = float(raw)
+        except ValueError:
+            ms = math.nan
+        if not (ms > 0 and math.isfinite(ms)):
+            raise ApiError(400, "the x-kvroute-ttft-deadline-ms header must be a positive "
+                           f"number of milliseconds, got {raw!r}")
+        deadline_s = ms / 1000
+    return Ask(priority, deadline_s)
+
+
+def tenant_of(body: Mapping[str, Any], headers: Mapping[str, str]) -> str:
+    """A request's tenant: its ``x-kvroute-tenant`` header, else its ``cache_salt`` (hashed),
+    else its API key (hashed), else ``""``. Read only for a request that waits."""
+    tenant = headers.get("x-kvroute-tenant")
+    if tenant is not None:
+        return tenant
+    salt = body.get("cache_salt")
+    if isinstance(salt, str) and salt:
+        return f"salt:{hashlib.blake2b(salt.encode(), digest_size=6).hexdigest()}"
+    auth = headers.get("authorization", "")
+    return f"key:{hashlib.blake2b(auth.encode(), digest_size=6).hexdigest()}" if auth else ""
+
+
+def _usage(route: Route, cost: WorkerCost) -> float:
+    """The share of a candidate's device blocks its routed requests hold (0: unknown)."""
+    entry = route.entries.get(cost.worker)
+    blocks = entry.info.num_blocks if entry is not None and entry.info else 0
+    return (cost.decode_blocks + cost.pending_prefill_blocks) / blocks if blocks else 0.0
+
+
+def _queued(cost: WorkerCost) -> float:
+    """Seconds the work queued on a candidate holds a new request's first token: its
+    predicted TTFT less the request's own prefill."""
+    return cost.cost - cost.prefill_s
+
+
+def _loads(route: Route) -> list[tuple[WorkerCost, float, float]]:
+    """Each candidate's ``(terms, queued seconds, kv usage)``, cheapest first."""
+    return [(c, _queued(c), _usage(route, c)) for c in route.decision.costs]
+
+
+class FlowControl:
+    """The queue and its dispatcher (module docstring).
+
+    Args:
+        settings: the bounds.
+        clock: monotonic seconds.
+        tick_s: seconds between looks at a saturated fleet while requests wait.
+    """
+
+    def __init__(self, settings: FlowSettings, *, clock: Callable[[], float] = time.monotonic,
+                 tick_s: float = 0.005) -> None:
+        self.settings = settings
+        self.queue = FlowQueue(settings)
+        self._clock = clock
+        self._tick = tick_s
+        self._waiting: dict[str, tuple[asyncio.Future[Route], Callable[[], Route]]] = {}
+        self._task: asyncio.Task[None] | None = None
+        #: Requests refused, by reason.
+        self.shed: Counter[str] = Counter()
+        #: Called with each request's priority and seconds waited as it leaves the queue.
+        self.on_wait: Callable[[int, float], None] | None = None
+        #: Whether each worker was saturated when a decision last looked at it.
+        self.saturated: dict[int, bool] = {}
+
+    def _unsaturated(self, route: Route) -> int | None:
+        """The cheapest candidate that is not saturated (None: the fleet is). The chosen one
+        is checked first; the others only when it is saturated."""
+        chosen = route.decision.chosen
+        if not worker_saturated(_queued(chosen), _usage(route, chosen), self.settings):
+            if self.saturated.get(chosen.worker) is not False:
+                if len(self.saturated) >= _MAX_SHOWN:  # workers come and go: stay bounded
+                    self.saturated.clear()
+                self.saturated[chosen.worker] = False
+            return chosen.worker
+        self.saturated = {c.worker: worker_saturated(_queued(c), _usage(route, c),
+                                                     self.settings)
+                          for c in route.decision.costs}
+        return next((w for w, full in self.saturated.items() if not full), None)
+
+    def _refuse(self, shed: Shed) -> Refused:
+        self.shed[shed.reason] += 1
+        return Refused(shed)
+
+    async def admit(self, route: Route, ask: Ask, decide_again: Callable[[], Route],
+                    tenant: Callable[[], str] = str) -> Route:
+        """Let ``route`` go at once, hold it until the fleet has room (and return it decided
+        again), or refuse it. ``tenant`` names its tenant, asked only when it waits.
+
+        Raises:
+            Refused: 429, its deadline cannot be met, the queue is full, it waited too long or
+                a more urgent request displaced it.
+            ApiError: deciding it again failed (503: no worker is healthy).
+        """
+        settings = self.settings
+        if not settings.enabled:
+            return route
+        now = self._clock()
+        deadline = settings.deadline(ask.priority, now, ask.deadline_s)
+        ttft = route.decision.chosen.cost
+        if not self.queue and self._unsaturated(route) == route.decision.worker:
+            if deadline is not None and now + ttft > deadline:
+                raise self._refuse(Shed(route.request_id, "deadline", 1,
+                                        f"the first token is predicted in {ttft:.3g} s, past "
+                                        "the request's deadline"))
+            return route
+        item = Waiting(route.request_id, ask.priority, tenant(), len(route.prompt.token_ids),
+                       now, deadline)
+        offer = self.queue.offer(item, now, ttft, self._drain(route))
+        for shed in offer.displaced:
+            self._fail(shed.key, self._refuse(shed))
+        if offer.refused is not None:
+            raise self._refuse(offer.refused)
+        future: asyncio.Future[Route] = asyncio.get_running_loop().create_future()
+        self._waiting[item.key] = (future, decide_again)
+        if self._task is None or self._task.done():
+            self._task = asyncio.get_running_loop().create_task(self._dispatch())
+        try:
+            return await future
+        except asyncio.CancelledError:  # the client left, or the server stops
+            self.queue.remove(item.key)
+            self._waiting.pop(item.key, None)
+            raise
+
+    def _drain(self, route: Route) -> float:
+        """Seconds the fleet takes to clear one queued prompt token: the chosen worker's
+        prefill of this prompt per token, shared by every candidate."""
+        chosen = route.decision.chosen
+        tokens = max(len(route.prompt.token_ids), 1)
+        return chosen.prefill_s / tokens / max(len(route.entries), 1)
+
+    def _fail(self, key: str, error: ApiError) -> None:
+        waiter = self._waiting.pop(key, None)
+        if waiter is not None and not waiter[0].done():
+            waiter[0].set_exception(error)
+
+    async def _dispatch(self) -> None:
+        """Send the queue's head on whenever some candidate has room; shed what expires."""
+        while self.queue:
+            head = self.queue.head()
+            assert head is not None, "a non-empty queue has a head"
+            future, decide_again = self._waiting[head.key]
+            try:
+                route = decide_again()
+            except ApiError as exc:  # no healthy worker now: every waiting request hears it
+                for key in list(self._waiting):
+                    self.queue.remove(key)
+                    self._fail(key, exc)
+                return
+            now = self._clock()
+            for shed in self.queue.expire(now, route.decision.chosen.cost):
+                self._fail(shed.key, self._refuse(shed))
+            if head.key not in self.queue:
+                continue
+            worker = self._unsaturated(route)
+            if worker is None:
+                await asyncio.sleep(self._tick)
+                continue
+            if worker != route.decision.worker:  # the chosen one is full, a dearer one not
+                route = dataclasses.replace(route,
+                                            decision=Decision(worker, route.decision.costs))
+            self.queue.pop()
+            self._waiting.pop(head.key, None)
+            if not future.done():
+                future.set_result(route)
+                if self.on_wait is not None:
+                    self.on_wait(head.priority, now - head.arrived)
+            # Let the handler book the request on its worker before the next decision reads
+            # the loads (it does so before its first suspension).
+            await asyncio.sleep(0)
+
+    async def close(self) -> None:
+        """Stop the dispatcher; every waiting request is answered 503."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+        for key in list(self._waiting):
+            self.queue.remove(key)
+            self._fail(key, ApiError(503, "the router is stopping", "service_unavailable"))
+
+    def explain(self, route: Route, ask: Ask, tenant: str) -> dict[str, Any]:
+        """What flow control would do with ``route`` now, for ``/debug/route``."""
+        if not self.settings.enabled:
+            return {"enabled": False}
+        now = self._clock()
+        free = self._unsaturated(route)
+        deadline = self.settings.deadline(ask.priority, now, ask.deadline_s)
+        ttft = route.decision.chosen.cost
+        if free is not None and not self.queue:
+            would = ("shed: deadline" if deadline is not None and now + ttft > deadline
+                     else "dispatch")
+        else:
+            ahead = self.queue.tokens_ahead(ask.priority)
+            expected = ttft + ahead * self._drain(route)
+            if deadline is not None and now + expected > deadline:
+                would = "shed: deadline"
+            elif len(self.queue) >= self.settings.max_queue:
+                would = "shed: queue_full (unless it displaces a less urgent request)"
+            else:
+                would = "wait"
+        return {"enabled": True, "would": would, "priority": ask.priority,
+                "tenant": tenant, "weight": self.settings.weight(tenant),
+                "fleet_saturated": free is None,
+                "ttft_bound_s": self.settings.ttft_bound_s,
+                "kv_threshold": self.settings.kv_threshold,
+                "queued": self.queue.lengths(),
+                "workers": [{"id": c.worker, "predicted_ttft_s": c.cost, "queued_s": q,
+                             "kv_usage": round(k, 4),
+                             "saturated": worker_saturated(q, k, self.settings)}
+                            for c, q, k in _loads(route)]}

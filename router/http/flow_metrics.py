@@ -1,0 +1,65 @@
+"""Flow control's metrics (:mod:`router.http.flow`): the queue's length and each request's
+wait by priority, refusals by reason, and each worker's saturation as the last decision saw
+it. Priorities are labelled within a bounded set (:func:`router.routing.admission.priority_label`);
+workers by id, as every per-worker family is (:mod:`router.http.state_metrics`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from router.routing.admission import SHED_REASONS, priority_label
+
+if TYPE_CHECKING:
+    from router.http.flow import FlowControl
+
+__all__ = ["register_flow_metrics"]
+
+_WAIT_BUCKETS = (1e-3, 5e-3, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
+
+
+def register_flow_metrics(registry: CollectorRegistry, flow: FlowControl) -> None:
+    """Export ``flow``'s queue, waits, refusals and saturation on ``registry``."""
+    wait = Histogram(
+        "kvroute_flow_wait_seconds",
+        "Seconds a request waited in the router's queue for a saturated fleet, by priority",
+        ["priority"], buckets=_WAIT_BUCKETS, registry=registry)
+    flow.on_wait = lambda priority, seconds: wait.labels(
+        priority_label(priority)).observe(seconds)
+    registry.register(_FlowCollector(flow))
+
+
+class _FlowCollector:
+    def __init__(self, flow: FlowControl) -> None:
+        self._flow = flow
+
+    def collect(self) -> Iterator[Metric]:
+        flow = self._flow
+        queued = GaugeMetricFamily("kvroute_flow_queued",
+                                   "Requests waiting in the router's queue, by priority",
+                                   labels=["priority"])
+        lengths: dict[str, int] = {}
+        for priority, n in flow.queue.lengths().items():
+            label = priority_label(priority)
+            lengths[label] = lengths.get(label, 0) + n
+        for label, n in lengths.items():
+            queued.add_metric([label], n)
+        yield queued
+        shed = CounterMetricFamily(
+            "kvroute_flow_shed",
+            "Requests flow control refused (429), by reason: deadline, queue_full, timeout, "
+            "displaced", labels=["reason"])
+        for reason in SHED_REASONS:
+            shed.add_metric([reason], flow.shed.get(reason, 0))
+        yield shed
+        saturated = GaugeMetricFamily(
+            "kvroute_flow_saturated",
+            "1 when the worker was saturated as the last decision that looked at it saw it",
+            labels=["worker"])
+        for worker, full in sorted(flow.saturated.items()):
+            saturated.add_metric([str(worker)], float(full))
+        yield saturated
