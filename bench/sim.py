@@ -38,7 +38,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.policies.base import Policy, RouteRequest, WorkerMetrics
+from bench.policies.base import HELD, SHED, Policy, RouteRequest, WorkerMetrics
 from bench.workloads import WorkloadRequest
 from indexer.decode import DecodeStats, decode_batch
 from indexer.events import Cleared, MmItem, Removed, Stored
@@ -119,6 +119,8 @@ class RequestRecord:
     first_token_s: float = -1.0
     finish_s: float = -1.0
     tokens_out: int = 0
+    #: Refused by the policy's flow control (never served).
+    shed: bool = False
 
     @property
     def ttft_s(self) -> float:
@@ -324,6 +326,32 @@ def simulate(requests: Sequence[WorkloadRequest], policy: Policy, config: SimCon
         heapq.heappush(heap, (now + dt, _DONE, serial, w.wid, None))
         serial += 1
 
+    held: dict[str, tuple[Prompt, int]] = {}
+
+    def send(request_id: str, prompt: Prompt, output_length: int, worker: int,
+             now: float) -> None:
+        if not 0 <= worker < config.workers:
+            raise ValueError(f"policy {policy.name} chose worker {worker}")
+        by_id[request_id].worker = worker
+        _judge(workers, prompt, config.timing, config.block_size, worker, regret)
+        w = workers[worker]
+        w.batcher.add(EngineRequest(request_id, prompt, output_length))
+        if idle[worker]:
+            start_iteration(w, now)
+
+    def release(now: float) -> None:
+        """Send the held requests the policy lets go; mark those it shed."""
+        if not held:
+            return
+        sent, dropped = policy.dispatch(now)
+        for request_id, worker in sent:
+            prompt, output_length = held.pop(request_id)
+            send(request_id, prompt, output_length, worker, now)
+        for request_id in dropped:
+            held.pop(request_id)
+            by_id[request_id].shed = True
+            del outputs[request_id]
+
     while heap:
         now, kind, _, a, payload = heapq.heappop(heap)
         if kind == _ARRIVE:
@@ -333,18 +361,19 @@ def simulate(requests: Sequence[WorkloadRequest], policy: Policy, config: SimCon
             worker = policy.route(RouteRequest(r.request_id, tokens, r.images,
                                                config.block_size), now)
             decision_s.append(perf() - t0)
-            if not 0 <= worker < config.workers:
-                raise ValueError(f"policy {policy.name} chose worker {worker}")
             rec = RequestRecord(r.request_id, r.arrival_s, worker, len(tokens), r.output_length)
             records.append(rec)
             by_id[r.request_id] = rec
-            outputs[r.request_id] = r.output_tokens()
             prompt = Prompt(tokens, r.images)
-            _judge(workers, prompt, config.timing, config.block_size, worker, regret)
-            w = workers[worker]
-            w.batcher.add(EngineRequest(r.request_id, prompt, r.output_length))
-            if idle[worker]:
-                start_iteration(w, now)
+            if worker == SHED:
+                rec.shed = True
+            else:
+                outputs[r.request_id] = r.output_tokens()
+                if worker == HELD:
+                    held[r.request_id] = (prompt, r.output_length)
+                else:
+                    send(r.request_id, prompt, r.output_length, worker, now)
+            release(now)
         elif kind == _DONE:
             w = workers[a]
             plan = w.plan
@@ -390,6 +419,7 @@ def simulate(requests: Sequence[WorkloadRequest], policy: Policy, config: SimCon
                     heapq.heappush(heap, (now + lag, _DELIVER, serial, w.wid, data))
                     serial += 1
             start_iteration(w, now)
+            release(now)
         else:
             assert index is not None
             t0 = perf()
@@ -401,7 +431,12 @@ def simulate(requests: Sequence[WorkloadRequest], policy: Policy, config: SimCon
             policy.index_events(a, events, now)
             ev_batches += 1
 
+    if held:
+        release(last_t)
+    assert not held, f"policy {policy.name} held {len(held)} requests to the end"
     for rec in records:
+        if rec.shed:
+            continue
         assert rec.finish_s >= 0 and rec.tokens_out == rec.output_length, (
             f"request {rec.request_id} did not finish: simulation lost it")
     first = requests[0].arrival_s if requests else 0.0

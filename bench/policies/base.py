@@ -31,7 +31,11 @@ from openai_request.images import ImageSpan
 from openai_request.prompts import PromptTokens
 from router.routing.prompt_path import HashingTerms, request_hashes
 
-__all__ = ["ClusterView", "Policy", "RouteRequest", "WorkerMetrics"]
+__all__ = ["HELD", "SHED", "ClusterView", "Policy", "RouteRequest", "WorkerMetrics"]
+
+#: What :meth:`Policy.route` answers for a request it holds (sent later, by
+#: :meth:`Policy.dispatch`) or refuses (never served), in place of a worker.
+HELD, SHED = -1, -2
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,7 +122,14 @@ class Policy(ABC):
 
     @abstractmethod
     def route(self, request: RouteRequest, now: float) -> int:
-        """Return the worker (in ``range(cluster.num_workers)``) that serves ``request``."""
+        """Return the worker (in ``range(cluster.num_workers)``) that serves ``request``, or
+        :data:`HELD` or :data:`SHED` for a policy with flow control."""
+
+    def dispatch(self, now: float) -> tuple[list[tuple[str, int]], list[str]]:
+        """A policy that holds requests (:meth:`route` answered :data:`HELD`): those that
+        leave now, with their workers, and those it refused while they waited. Asked after
+        every iteration."""
+        return [], []
 
     def first_token(self, request_id: str, now: float) -> None:  # noqa: B027 (optional hook)
         """The request produced its first token."""
