@@ -136,6 +136,11 @@ def _loads(route: Route) -> list[tuple[WorkerCost, float, float]]:
     return [(c, _queued(c), _usage(route, c)) for c in route.decision.costs]
 
 
+def _rebound(route: Route, worker: int) -> Route:
+    """``route`` sent to ``worker`` instead: the chosen one is saturated, a dearer one not."""
+    return dataclasses.replace(route, decision=Decision(worker, route.decision.costs))
+
+
 class FlowControl:
     """The queue and its dispatcher (module docstring).
 
@@ -195,12 +200,13 @@ class FlowControl:
         now = self._clock()
         deadline = settings.deadline(ask.priority, now, ask.deadline_s)
         ttft = route.decision.chosen.cost
-        if not self.queue and self._unsaturated(route) == route.decision.worker:
+        free = None if self.queue else self._unsaturated(route)
+        if free is not None:
             if deadline is not None and now + ttft > deadline:
                 raise self._refuse(Shed(route.request_id, "deadline", 1,
                                         f"the first token is predicted in {ttft:.3g} s, past "
                                         "the request's deadline"))
-            return route
+            return route if free == route.decision.worker else _rebound(route, free)
         item = Waiting(route.request_id, ask.priority, tenant(), len(route.prompt.token_ids),
                        now, deadline)
         offer = self.queue.offer(item, now, ttft, self._drain(route))
@@ -253,9 +259,8 @@ class FlowControl:
             if worker is None:
                 await asyncio.sleep(self._tick)
                 continue
-            if worker != route.decision.worker:  # the chosen one is full, a dearer one not
-                route = dataclasses.replace(route,
-                                            decision=Decision(worker, route.decision.costs))
+            if worker != route.decision.worker:
+                route = _rebound(route, worker)
             self.queue.pop()
             self._waiting.pop(head.key, None)
             if not future.done():
