@@ -1,11 +1,11 @@
 """Flow control under load, in simulation: the router with flow control on and off, side by
 side, at fractions of the fleet's capacity.
 
-``python -m bench.flow`` (or ``python -m bench.replay --flow``) generates a workload
-(``--workload``, default ``system_prompt``), tags each session with a priority and a tenant (a
-share ``--high-share`` of sessions is interactive: priority 0, tenant ``chat``; the rest is
-batch at priority 1, from tenant ``bulk-a`` ten times as often as from ``bulk-b``, equal
-weights), finds the fleet's capacity (the highest arrival rate at which the router without
+``python -m bench.flow`` generates a workload (``--workload``, default ``system_prompt``),
+tags each session with a priority and a tenant (a share ``--high-share`` of sessions is
+interactive: priority 0, tenant ``chat``; the rest is batch at priority 1, from tenant
+``bulk-a`` ten times as often as from ``bulk-b``, equal weights), finds the fleet's capacity
+(the highest arrival rate at which the router without
 flow control keeps its TTFT p99 under ``--slo``; :func:`bench.capacity.search_capacity`),
 and replays the workload at ``--loads`` times that rate through :func:`bench.sim.simulate`
 with ``kvroute`` (flow control off) and ``kvroute+flow``
