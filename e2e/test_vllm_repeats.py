@@ -139,6 +139,10 @@ def test_every_repeat_reaches_the_holder_when_it_is_the_busier_one(router: Route
     streams = httpx.Client(base_url=router.url, timeout=120)
     try:
         for seed in range(300, 305):
+            # Each chat starts from two idle servers (the last one's long answer over).
+            eventually_blocking(lambda: all(w["active_requests"] == 0 for w in
+                                            explained(router, new_chat(0))["workers"]),
+                                "both servers idle", 120, tolerate=NOT_YET)
             messages = new_chat(seed)
             holder = first_then_indexed(router, messages)
             # A long answer to a follow-up of the same chat: the router sends it to the holder
@@ -155,12 +159,9 @@ def test_every_repeat_reaches_the_holder_when_it_is_the_busier_one(router: Route
                 decision = explained(router, messages)
                 busy = {w["url"]: w for w in decision["workers"]}
                 other = next(w for u, w in busy.items() if u != holder)
-                assert busy[holder]["active_requests"] > other["active_requests"], decision
+                assert busy[holder]["active_requests"] > other["active_requests"], \
+                    json.dumps(decision["workers"])
                 assert decision["chosen"] == holder, decision
                 assert_repeat_hits(router, messages, holder)
-            # The next chat starts from two idle servers again.
-            eventually_blocking(lambda: all(w["active_requests"] == 0 for w in
-                                            explained(router, new_chat(0))["workers"]),
-                                "the long answer over", 120, tolerate=NOT_YET)
     finally:
         streams.close()
