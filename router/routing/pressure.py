@@ -1,5 +1,4 @@
-"""Eviction pressure: how fast the cluster's device caches are turning over, and the queue
-weight that follows from it.
+"""Eviction pressure: how fast the cluster's device caches are turning over.
 
 The signal, from the workers' normalised KV events (:mod:`indexer.events`) alone::
 
@@ -10,18 +9,10 @@ The denominator is each worker's peak resident count (stored minus removed, as a
 its events sees it): once a cache has filled that is its capacity, learned without asking the
 engine. So the pressure is the share of the cluster's cache evicted in the window. It
 separates the benchmark's workloads cleanly (``docs/benchmarks.md``): median about 0.56-0.70
-on the synthetic trace at 0.5M tokens per worker, about 0.01 at 2M, 0 on the generators.
-
-The rule (:func:`queue_weight_for`, the router's ``--queue-weight auto``): while the caches
-warm up (no device eviction yet and under :data:`WARMUP_FILL` of the workers' device blocks
-resident, :meth:`EvictionPressure.warming`) the weight is :data:`WARMUP_WEIGHT` (0.5); after,
-it is :data:`LOW_PRESSURE_WEIGHT` (0.25) at pressure <= :data:`LOW` (0.3),
-:data:`HIGH_PRESSURE_WEIGHT` (0.10) at pressure >= :data:`HIGH` (0.7), linear between. Why:
-the queue weight prices waiting behind a worker's queued prefill against recomputing a prefix
-elsewhere. A recompute costs the cluster the work *and* a second copy of the prefix, which
-evicts something else; when caches churn, that duplicate evicts blocks other requests were
-about to hit, so waiting is worth more and the weight drops. ``docs/routing.md`` has the
-measurements.
+on the synthetic trace at 0.5M tokens per worker, about 0.01 at 2M, 0 on the generators. The
+routing core shows it (``/metrics``); the rule in seconds does not price it.
+:meth:`EvictionPressure.warming` says whether the caches are still warming up (no device
+eviction yet and under :data:`WARMUP_FILL` of the workers' device blocks resident).
 
 Pure: the caller passes ``now`` (seconds, any monotonic origin) with every call. No I/O.
 """
@@ -33,18 +24,8 @@ from collections.abc import Iterable
 
 from indexer.events import Cleared, Event, Removed, Stored, Tier, tier_of
 
-__all__ = ["EvictionPressure", "queue_weight_for"]
+__all__ = ["EvictionPressure"]
 
-#: Pressure at or below which the queue weight is :data:`LOW_PRESSURE_WEIGHT`.
-LOW = 0.3
-#: Pressure at or above which the queue weight is :data:`HIGH_PRESSURE_WEIGHT`.
-HIGH = 0.7
-#: The queue weight in roomy caches.
-LOW_PRESSURE_WEIGHT = 0.25
-#: The queue weight in churning caches.
-HIGH_PRESSURE_WEIGHT = 0.10
-#: The queue weight while the caches warm up (no eviction yet, under :data:`WARMUP_FILL`).
-WARMUP_WEIGHT = 0.5
 #: The share of the workers' device blocks resident that ends the warm-up.
 WARMUP_FILL = 0.5
 
@@ -171,18 +152,3 @@ class EvictionPressure:
         q = self._removals
         while q and q[0][0] <= horizon:
             self._removed_in_window -= q.popleft()[1]
-
-
-def queue_weight_for(pressure: float, *, warming: bool = False) -> float:
-    """Return the queue weight for an eviction ``pressure`` (module docstring):
-    :data:`WARMUP_WEIGHT` while ``warming``, else :data:`LOW_PRESSURE_WEIGHT` at
-    ``pressure <= LOW``, :data:`HIGH_PRESSURE_WEIGHT` at ``pressure >= HIGH``, linear between.
-    """
-    if warming:
-        return WARMUP_WEIGHT
-    if pressure <= LOW:
-        return LOW_PRESSURE_WEIGHT
-    if pressure >= HIGH:
-        return HIGH_PRESSURE_WEIGHT
-    frac = (pressure - LOW) / (HIGH - LOW)
-    return LOW_PRESSURE_WEIGHT + frac * (HIGH_PRESSURE_WEIGHT - LOW_PRESSURE_WEIGHT)

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from indexer.events import Cleared, Removed, Stored
-from router.routing.pressure import EvictionPressure, queue_weight_for
+from router.routing.pressure import EvictionPressure
 
 
 def stored(n: int, medium: str | None = None) -> Stored:
@@ -118,19 +118,6 @@ def test_sums_kept_as_counts_change_equal_the_sums_recomputed() -> None:
     assert resident > 0
     assert q.warming(2 * resident + 2)  # under half of that capacity: still warming
     assert not q.warming(2 * resident)  # exactly half: warm
-
-
-@pytest.mark.parametrize(("pressure", "weight"), [
-    (0.0, 0.25), (0.3, 0.25), (0.5, 0.175), (0.6, 0.1375), (0.7, 0.10), (2.0, 0.10)])
-def test_queue_weight_is_flat_outside_the_band_and_linear_inside(pressure: float,
-                                                                 weight: float) -> None:
-    assert queue_weight_for(pressure) == pytest.approx(weight)
-
-
-def test_while_warming_the_weight_is_half_whatever_the_pressure() -> None:
-    assert queue_weight_for(0.9, warming=True) == 0.5
-    assert queue_weight_for(0.9) == pytest.approx(0.10)
-    assert queue_weight_for(0.0, warming=True) == 0.5
 
 
 def test_warm_up_ends_at_the_fill_or_the_first_eviction() -> None:
