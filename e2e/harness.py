@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -151,3 +152,25 @@ class Router(Process):
                  ) -> httpx.Response:
         body = {"model": "kvroute-sim", "prompt": prompt, "max_tokens": max_tokens, **extra}
         return self.client.post("/v1/completions", json=body)
+
+
+@contextlib.contextmanager
+def running(servers: Sequence[Any]) -> Iterator[list[Any]]:
+    """Start ``servers`` (processes with ``start``, ``wait_healthy``, ``kill``, ``tail`` and a
+    ``name``, such as :class:`Worker` or a vLLM server) and wait until each is healthy; yields
+    the list of processes to tear down, to which the caller appends the router it starts.
+    At the end every one is killed; when the block raised, their logs are printed first."""
+    started = list(servers)
+    try:
+        for s in servers:
+            s.start()
+        for s in servers:
+            s.wait_healthy()
+        yield started
+    except BaseException:
+        for p in started:
+            print(f"---- {p.name} ----\n{p.tail()}")
+        raise
+    finally:
+        for p in reversed(started):
+            p.kill()

@@ -17,7 +17,7 @@ import pytest
 
 from bench.stock_vllm import BLOCK_SIZE, MODEL_NAME, VllmServer
 from bench.tiny_model import write_tiny_llama
-from e2e.harness import NOT_YET, Router
+from e2e.harness import NOT_YET, Router, running
 from e2e.test_vllm_routing import cached_tokens, vllm_python
 from tests.support.eventually import eventually_blocking
 
@@ -30,23 +30,13 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Router, V
     root = tmp_path_factory.mktemp("vllm-dp")
     model = write_tiny_llama(root / "model")
     server = VllmServer("vllm-dp", python, model, root, ("--data-parallel-size", "2"))
-    router: Router | None = None
-    try:
-        server.start()
-        server.wait_healthy()
+    with running([server]) as started:
         router = Router("router", [], root, tokenizer=str(model), block_size=BLOCK_SIZE)
         router.env["KVROUTE_WORKERS"] = f"{server.worker_spec},dp_size=2"
+        started.append(router)
         router.start()
         router.wait_ready(1)
         yield router, server
-    except BaseException:
-        for p in [server, *([router] if router else [])]:
-            print(f"---- {p.name} ----\n{p.tail()}")
-        raise
-    finally:
-        if router is not None:
-            router.kill()
-        server.kill()
 
 
 def _text(seed: int, words: int) -> str:

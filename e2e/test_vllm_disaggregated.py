@@ -20,7 +20,7 @@ import pytest
 
 from bench.stock_vllm import BLOCK_SIZE, MODEL_NAME, VllmServer
 from bench.tiny_model import write_tiny_llama
-from e2e.harness import NOT_YET, Router
+from e2e.harness import NOT_YET, Router, running
 from e2e.test_vllm_routing import vllm_python
 from kvroute.up import free_port
 from tests.support.eventually import eventually_blocking
@@ -55,28 +55,15 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Router, VllmS
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}) for name in ("prefill", "decode")]
     prefill, decode = servers
-    router: Router | None = None
-    try:
-        for s in servers:
-            s.start()
-        for s in servers:
-            s.wait_healthy()
+    with running(servers) as started:
         router = Router("router", [], root, tokenizer=str(model), block_size=BLOCK_SIZE,
                         pd_local_prefill_tokens=BLOCK_SIZE)
         router.env["KVROUTE_WORKERS"] = (f"{prefill.worker_spec},role=prefill;"
                                          f"{decode.worker_spec},role=decode")
+        started.append(router)
         router.start()
         router.wait_ready(2)
         yield router, prefill, decode
-    except BaseException:
-        for p in [*servers, *([router] if router else [])]:
-            print(f"---- {p.name} ----\n{p.tail()}")
-        raise
-    finally:
-        if router is not None:
-            router.kill()
-        for s in servers:
-            s.kill()
 
 
 def _tokens_by_source(server: VllmServer, source: str) -> float:

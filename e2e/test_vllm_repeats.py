@@ -22,7 +22,7 @@ import pytest
 
 from bench.stock_vllm import BLOCK_SIZE, MODEL_NAME, VllmServer
 from bench.tiny_model import write_tiny_llama
-from e2e.harness import NOT_YET, Router
+from e2e.harness import NOT_YET, Router, running
 from e2e.test_vllm_routing import cached_tokens, text, vllm_python
 from tests.support.eventually import eventually_blocking
 
@@ -46,30 +46,17 @@ def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
     servers = [VllmServer(f"vllm-{i}", python, model, root) for i in range(2)]
     config = root / "router.toml"
     config.write_text(router_config(model, servers))
-    router: Router | None = None
-    try:
-        for s in servers:
-            s.start()
-        for s in servers:
-            s.wait_healthy()
+    with running(servers) as started:
         router = Router("router", [], root)
         del router.env["KVROUTE_WORKERS"]  # the config file names them
         router.args += ["--config", str(config)]
+        started.append(router)
         router.start()
         router.wait_ready(2)
         eventually_blocking(lambda: all(w["engine"] == "vllm" and w["state"] == "healthy"
-                                        for w in router.workers()),  # type: ignore[union-attr]
+                                        for w in router.workers()),
                             "both vLLM servers learnt", 30, tolerate=NOT_YET)
         yield router
-    except BaseException:
-        for p in [*servers, *([router] if router else [])]:
-            print(f"---- {p.name} ----\n{p.tail()}")
-        raise
-    finally:
-        if router is not None:
-            router.kill()
-        for s in servers:
-            s.kill()
 
 
 def chat(router: Router, messages: list[dict[str, str]]) -> httpx.Response:

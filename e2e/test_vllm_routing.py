@@ -23,7 +23,7 @@ import pytest
 
 from bench.stock_vllm import BLOCK_SIZE, MODEL_NAME, VllmServer, find_vllm_python
 from bench.tiny_model import write_tiny_llama
-from e2e.harness import NOT_YET, Router
+from e2e.harness import NOT_YET, Router, running
 from tests.support.eventually import eventually_blocking
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -61,26 +61,13 @@ def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
     root = tmp_path_factory.mktemp("vllm")
     model = write_tiny_llama(root / "model")
     servers = [VllmServer(f"vllm-{i}", python, model, root) for i in range(2)]
-    router: Router | None = None
-    try:
-        for s in servers:
-            s.start()
-        for s in servers:
-            s.wait_healthy()
+    with running(servers) as started:
         router = Router("router", [], root, tokenizer=str(model), block_size=BLOCK_SIZE)
         router.env["KVROUTE_WORKERS"] = ";".join(s.worker_spec for s in servers)
+        started.append(router)
         router.start()
         router.wait_ready(2)
         yield Pair(router, servers, model)
-    except BaseException:
-        for p in [*servers, *([router] if router else [])]:
-            print(f"---- {p.name} ----\n{p.tail()}")
-        raise
-    finally:
-        if router is not None:
-            router.kill()
-        for s in servers:
-            s.kill()
 
 
 def text(seed: int, words: int) -> str:
