@@ -27,8 +27,9 @@ from openai_request.bodies import ApiError
 from openai_request.prompts import PromptTokens, Reach, build_prompt
 from openai_request.segment_cache import SegmentedTokenizer
 from openai_request.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
+from router.fleet.entry import Target
 from router.fleet.facts import FleetFacts
-from router.fleet.registry import Registry, Target
+from router.fleet.registry import Registry
 from router.fleet.unavailable import unavailable_reason
 from router.fleet.worker_table import WorkerInfo
 from router.routing.core import Prediction, RoutingCore

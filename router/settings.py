@@ -29,7 +29,7 @@ from router.events.transport import (
     EventTransport,
 )
 from router.fleet.discovery import parse_target
-from router.fleet.registry import FleetSettings
+from router.fleet.entry import FleetSettings
 from router.fleet.worker_config import format_worker, parse_workers
 from router.routing.admission import FlowSettings
 from router.routing.core import POLICIES, CoreSettings

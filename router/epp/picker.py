@@ -15,7 +15,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from openai_request.bodies import ApiError
-from router.fleet.registry import Target
+from router.fleet.entry import Target
 from router.fleet.unavailable import unavailable_reason
 from router.http.metrics import RouterMetrics
 from router.service import Route, RouterService

@@ -6,7 +6,7 @@ the router treats each rank as a candidate of its own: an id in the prefix index
 books and the routing core, exactly like a worker's. The mapping between the two lives here,
 in the fleet room; nothing below it knows a rank from a worker.
 
-- Rank 0 is the worker's :class:`~router.fleet.registry.WorkerEntry` itself (its id is the
+- Rank 0 is the worker's :class:`~router.fleet.entry.WorkerEntry` itself (its id is the
   worker id), so a worker with one rank is what it always was.
 - Ranks 1..N-1 are :class:`WorkerRank` views with ids of their own, taken from the registry's
   id sequence; everything but the id and the rank (URL, health, model info, liveness) is the
@@ -25,9 +25,9 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from router.fleet.engines import EngineAdapter
+    from router.fleet.entry import WorkerEntry
     from router.fleet.first_byte_waits import FirstByteWaits
     from router.fleet.liveness import Liveness
-    from router.fleet.registry import WorkerEntry
     from router.fleet.worker_table import WorkerInfo, WorkerState
 
 __all__ = ["RANK_HEADER", "WorkerRank", "rank_endpoint"]

@@ -15,7 +15,7 @@ from collections.abc import Iterable
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from router.fleet.registry import WorkerEntry
+    from router.fleet.entry import WorkerEntry
 
 __all__ = ["NO_WORKER_CONFIGURED", "cause_of", "unavailable_reason"]
 

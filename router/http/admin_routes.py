@@ -14,7 +14,8 @@ from fastapi.responses import JSONResponse
 from httpapi.app import ADMIN_BODY_BYTES
 from httpapi.body import read_json
 from openai_request.bodies import ApiError
-from router.fleet.registry import WorkerEntry, WorkerUnreachable
+from router.fleet.entry import WorkerEntry
+from router.fleet.registry import WorkerUnreachable
 from router.fleet.unavailable import unavailable_reason
 from router.fleet.worker_config import parse_worker
 from router.fleet.worker_table import IncompatibleWorker

@@ -23,8 +23,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from openai_request.bodies import ApiError
+from router.fleet.entry import Target
 from router.fleet.ranks import RANK_HEADER
-from router.fleet.registry import Target
 from router.fleet.worker_table import WorkerState
 from router.http.first_byte import FirstByteClock
 from router.http.proxy import Proxy, UpstreamAnswer, UpstreamUnavailable

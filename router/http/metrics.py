@@ -33,7 +33,7 @@ from router.http.state_metrics import StateCollector
 from router.http.worker_labels import WorkerLabels
 
 if TYPE_CHECKING:
-    from router.fleet.registry import Target
+    from router.fleet.entry import Target
     from router.service import Route, RouterService
 
 __all__ = ["RequestTimer", "RouterMetrics"]

@@ -13,8 +13,9 @@ import httpx
 import pytest
 
 from indexer.index import PrefixIndex
+from router.fleet.entry import FleetSettings
 from router.fleet.facts import FleetFacts
-from router.fleet.registry import FleetSettings, Registry
+from router.fleet.registry import Registry
 from router.fleet.worker_table import WorkerState
 from tests.support.eventually import eventually
 from tests.support.servers import ScriptedWorker

@@ -3,7 +3,7 @@ as an operator needs it."""
 
 from __future__ import annotations
 
-from router.fleet.registry import WorkerEntry
+from router.fleet.entry import WorkerEntry
 from router.fleet.unavailable import NO_WORKER_CONFIGURED, cause_of, unavailable_reason
 from router.fleet.worker_table import WorkerState
 

@@ -13,7 +13,7 @@ import httpx
 import pytest
 
 from openai_request.bodies import ApiError
-from router.fleet.registry import WorkerEntry
+from router.fleet.entry import WorkerEntry
 from router.fleet.worker_table import WorkerState
 from router.http.failover import MAX_ATTEMPTS, send_with_failover
 from router.http.first_byte import FirstByteClock
