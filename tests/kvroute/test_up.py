@@ -73,6 +73,19 @@ def test_ctrl_c_during_start_up_stops_at_once() -> None:
         _stop(proc)
 
 
+def _workers(pid: int) -> dict[int, bytes]:
+    """The worker processes under ``pid``, with their command lines."""
+    found = {}
+    for child in children_of(pid):
+        try:
+            argv = Path(f"/proc/{child}/cmdline").read_bytes()
+        except OSError:  # it ended meanwhile
+            continue
+        if b"\0worker\0" in argv:
+            found[child] = argv
+    return found
+
+
 def test_a_worker_that_dies_is_restarted_on_its_ports() -> None:
     port = free_port()
     proc = _up("--workers", "1", "--port", str(port), "--status-interval", "0.5")
@@ -81,14 +94,18 @@ def test_a_worker_that_dies_is_restarted_on_its_ports() -> None:
         for line in proc.stdout:
             if line.startswith("kvroute is up"):
                 break
-        workers = [p for p in children_of(proc.pid)
-                   if b"\0worker\0" in Path(f"/proc/{p}/cmdline").read_bytes()]
-        os.kill(workers[0], signal.SIGKILL)
+        killed = _workers(proc.pid)
+        assert len(killed) == 1
+        (pid, argv), = killed.items()
+        os.kill(pid, signal.SIGKILL)
+        # The restart can come back before a status line shows the worker down, so wait for
+        # the state instead: a new worker process with the same command line (its ports),
+        # then a status line that sees it healthy.
         seen = []
-        for line in proc.stdout:  # status lines: down, then healthy again on the same port
+        for line in proc.stdout:
             seen.append(line)
-            if "workers 1/1 healthy" in line and len(seen) > 1 and any(
-                    "0/1" in s for s in seen):
+            now = _workers(proc.pid)
+            if "workers 1/1 healthy" in line and list(now.values()) == [argv] and pid not in now:
                 break
             assert len(seen) < 400, seen
         proc.send_signal(signal.SIGTERM)
