@@ -8,7 +8,7 @@ Every per-worker family is labelled ``worker`` with the worker's id;
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -16,6 +16,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from router.http.tokenize_metrics import tokenize_families
 
 if TYPE_CHECKING:
+    from router.fleet.entry import WorkerEntry
     from router.service import RouterService
 
 __all__ = ["POOL_NAME", "StateCollector"]
@@ -58,12 +59,10 @@ class StateCollector:
         for state in ("healthy", "unhealthy", "incompatible"):
             states.add_metric([state], sum(e.state.value == state for e in entries))
         yield states
-        in_flight = GaugeMetricFamily("kvroute_requests_in_flight",
-                                      "Requests this router has in flight on the worker",
-                                      labels=["worker"])
-        for e in entries:
-            in_flight.add_metric([str(e.id)], service.core.in_flight(e.id))
-        yield in_flight
+        core = service.core
+        yield _per_worker(GaugeMetricFamily, "kvroute_requests_in_flight",
+                          "Requests this router has in flight on the worker", entries,
+                          lambda e: core.in_flight(e.id))
         yield from _pool(service)
         now = time.monotonic()
         pressure = GaugeMetricFamily(
@@ -80,65 +79,61 @@ class StateCollector:
                               ("failed", "pd_prefill_failures")):
             prefills.add_metric([outcome], service.counters.get(name, 0))
         yield prefills
-        factor = GaugeMetricFamily("kvroute_rate_factor",
-                                   "The worker's learned factor on its engine kind's rates",
-                                   labels=["worker"])
-        for e in entries:
-            factor.add_metric([str(e.id)], service.core.rate_factor(e.id))
-        yield factor
-        if service.core.follows_sessions:
-            live = GaugeMetricFamily("kvroute_sessions",
-                                     "Live chat or agent sessions homed on the worker",
-                                     labels=["worker"])
-            for e in entries:
-                live.add_metric([str(e.id)], service.core.live_sessions(e.id))
-            yield live
+        yield _per_worker(GaugeMetricFamily, "kvroute_rate_factor",
+                          "The worker's learned factor on its engine kind's rates", entries,
+                          lambda e: core.rate_factor(e.id))
+        if core.follows_sessions:
+            yield _per_worker(GaugeMetricFamily, "kvroute_sessions",
+                              "Live chat or agent sessions homed on the worker", entries,
+                              lambda e: core.live_sessions(e.id))
             rate = GaugeMetricFamily(
                 "kvroute_session_continue_rate",
                 "Share of routed requests a next turn followed (rather than expired)")
             rate.add_metric([], service.core.continue_rate)
             yield rate
-        lag = GaugeMetricFamily("kvroute_event_lag_seconds",
-                                "Now minus the timestamp of the worker's latest event batch",
-                                labels=["worker"])
-        for e in entries:
-            if e.feed is not None:
-                lag.add_metric([str(e.id)], e.feed.last_lag)
-        yield lag
-        health = CounterMetricFamily(
-            "kvroute_health_failures",
-            "Health polls that failed (no answer in time, error status, malformed answer)",
-            labels=["worker"])
-        for e in entries:
-            health.add_metric([str(e.id)], e.counters.get("health_failures", 0))
-        yield health
-        oversize = CounterMetricFamily(
-            "kvroute_control_answers_oversize",
-            "Control-plane answers (model info, load, models, health, metrics) refused for "
-            "passing the size limit, per worker", labels=["worker"])
-        for e in entries:
-            oversize.add_metric([str(e.id)], e.counters.get("oversize_answers", 0))
-        yield oversize
-        predicted = GaugeMetricFamily(
-            "kvroute_predicted_blocks",
-            "Blocks the router predicts resident without an event saying so yet",
-            labels=["worker"])
-        for e in entries:
-            predicted.add_metric([str(e.id)], service.core.predicted_blocks(e.id))
-        yield predicted
+        yield _per_worker(GaugeMetricFamily, "kvroute_event_lag_seconds",
+                          "Now minus the timestamp of the worker's latest event batch", entries,
+                          lambda e: None if e.feed is None else e.feed.last_lag)
+        yield _per_worker(CounterMetricFamily, "kvroute_health_failures",
+                          "Health polls that failed (no answer in time, error status, malformed "
+                          "answer)", entries, _counted("health_failures"))
+        yield _per_worker(CounterMetricFamily, "kvroute_control_answers_oversize",
+                          "Control-plane answers (model info, load, models, health, metrics) "
+                          "refused for passing the size limit, per worker", entries,
+                          _counted("oversize_answers"))
+        yield _per_worker(GaugeMetricFamily, "kvroute_predicted_blocks",
+                          "Blocks the router predicts resident without an event saying so yet",
+                          entries, lambda e: core.predicted_blocks(e.id))
         for name in _FEED_COUNTERS:
-            family = CounterMetricFamily(f"kvroute_events_{name}",
-                                         f"Event stream {name.replace('_', ' ')}, per worker",
-                                         labels=["worker"])
-            for e in entries:
-                family.add_metric([str(e.id)], e.counters.get(name, 0))
-            yield family
+            yield _per_worker(CounterMetricFamily, f"kvroute_events_{name}",
+                              f"Event stream {name.replace('_', ' ')}, per worker", entries,
+                              _counted(name))
         for name, text in _SUBSCRIBER_COUNTERS.items():
-            family = CounterMetricFamily(f"kvroute_events_{name}", text, labels=["worker"])
-            for e in entries:
-                if e.feed is not None:
-                    family.add_metric([str(e.id)], getattr(e.feed.subscriber.stats, name))
-            yield family
+            yield _per_worker(CounterMetricFamily, f"kvroute_events_{name}", text, entries,
+                              _subscriber_stat(name))
+
+
+def _counted(name: str) -> Callable[[WorkerEntry], float]:
+    """A worker's counter ``name`` (0 until it first counts)."""
+    return lambda e: e.counters.get(name, 0)
+
+
+def _subscriber_stat(name: str) -> Callable[[WorkerEntry], float | None]:
+    """A worker's subscriber statistic ``name`` (None while it has no feed)."""
+    return lambda e: None if e.feed is None else getattr(e.feed.subscriber.stats, name)
+
+
+def _per_worker(kind: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str,
+                text: str, entries: list[WorkerEntry],
+                value: Callable[[WorkerEntry], float | None]) -> Metric:
+    """One family labelled ``worker`` (the id): ``value(entry)`` for each worker, leaving out
+    those it gives None for."""
+    family = kind(name, text, labels=["worker"])
+    for e in entries:
+        v = value(e)
+        if v is not None:
+            family.add_metric([str(e.id)], v)
+    return family
 
 
 def _pool(service: RouterService) -> Iterator[Metric]:
