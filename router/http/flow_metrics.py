@@ -1,12 +1,13 @@
 """Flow control's metrics (:mod:`router.http.flow`): the queue's length and each request's
 wait by priority, refusals by reason, and each worker's saturation as the last decision saw
 it. Priorities are labelled within a bounded set (:func:`router.routing.admission.priority_label`);
-workers by id, as every per-worker family is (:mod:`router.http.state_metrics`).
+workers as every per-worker family is (:meth:`router.http.metrics.RouterMetrics.worker_label`:
+the id, or ``other`` past the bound, saturated when any worker sharing it is).
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Histogram
@@ -22,20 +23,23 @@ __all__ = ["register_flow_metrics"]
 _WAIT_BUCKETS = (1e-3, 5e-3, 0.02, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30)
 
 
-def register_flow_metrics(registry: CollectorRegistry, flow: FlowControl) -> None:
-    """Export ``flow``'s queue, waits, refusals and saturation on ``registry``."""
+def register_flow_metrics(registry: CollectorRegistry, flow: FlowControl,
+                          worker_label: Callable[[int], str]) -> None:
+    """Export ``flow``'s queue, waits, refusals and saturation on ``registry``, labelling
+    workers with ``worker_label``."""
     wait = Histogram(
         "kvroute_flow_wait_seconds",
         "Seconds a request waited in the router's queue for a saturated fleet, by priority",
         ["priority"], buckets=_WAIT_BUCKETS, registry=registry)
     flow.on_wait = lambda priority, seconds: wait.labels(
         priority_label(priority)).observe(seconds)
-    registry.register(_FlowCollector(flow))
+    registry.register(_FlowCollector(flow, worker_label))
 
 
 class _FlowCollector:
-    def __init__(self, flow: FlowControl) -> None:
+    def __init__(self, flow: FlowControl, worker_label: Callable[[int], str]) -> None:
         self._flow = flow
+        self._worker_label = worker_label
 
     def collect(self) -> Iterator[Metric]:
         flow = self._flow
@@ -60,6 +64,10 @@ class _FlowCollector:
             "kvroute_flow_saturated",
             "1 when the worker was saturated as the last decision that looked at it saw it",
             labels=["worker"])
+        by_label: dict[str, bool] = {}
         for worker, full in sorted(flow.saturated.items()):
-            saturated.add_metric([str(worker)], float(full))
+            label = self._worker_label(worker)
+            by_label[label] = by_label.get(label, False) or full
+        for label, full in by_label.items():
+            saturated.add_metric([label], float(full))
         yield saturated

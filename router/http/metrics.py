@@ -112,7 +112,7 @@ class RouterMetrics:
                           "kvroute_upstream_requests": self.upstream_requests,
                           "kvroute_upstream_errors": self.upstream_errors}
         self._workers: WorkerLabels[_PerWorker] = WorkerLabels(self._children, self._forget)
-        self.registry.register(StateCollector(service))
+        self.registry.register(StateCollector(service, self._workers.label))
 
     def _children(self, worker: str) -> _PerWorker:
         return _PerWorker(worker, self.ttft.labels(worker), self.itl.labels(worker),
@@ -134,6 +134,10 @@ class RouterMetrics:
         if child is None:
             child = per.counted[key] = self._counters[name].labels(per.label, *labels)
         child.inc()
+
+    def worker_label(self, worker: int) -> str:
+        """``worker``'s ``worker`` label value, the same in every family that has one."""
+        return self._workers.label(worker)
 
     def request(self, endpoint: str, status: int) -> None:
         """Count one answered request."""

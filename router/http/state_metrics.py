@@ -1,8 +1,11 @@
 """The router's metrics read from its state at scrape time: the index, the workers' states and
 load, the event feeds, and the pool gauges under the Gateway API Inference Extension's names.
 
-Every per-worker family is labelled ``worker`` with the worker's id;
-``kvroute_upstream_info{worker, url, engine}`` (always 1) names the worker behind an id.
+Every per-worker family is labelled ``worker`` by the request metrics' labelling
+(:meth:`router.http.worker_labels.WorkerLabels.label`): the worker's id, or ``other`` for the
+workers past the bound, whose values are combined (counters and counts summed, the rate factor
+averaged, the event lag the worst). ``kvroute_upstream_info{worker, url, engine}`` (always 1)
+names the worker behind each id; the workers sharing ``other`` are left out of it.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from typing import TYPE_CHECKING
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 
 from router.http.tokenize_metrics import tokenize_families
+from router.http.worker_labels import OTHER
 
 if TYPE_CHECKING:
     from router.fleet.entry import WorkerEntry
@@ -37,8 +41,10 @@ _SUBSCRIBER_COUNTERS = {
 class StateCollector:
     """A Prometheus collector over a :class:`~router.service.RouterService`'s state."""
 
-    def __init__(self, service: RouterService) -> None:
+    def __init__(self, service: RouterService, label: Callable[[int], str]) -> None:
+        """``label``: a worker id's ``worker`` label value (the request metrics' own)."""
         self._service = service
+        self._label = label
 
     def collect(self) -> Iterator[Metric]:
         """Yield every state family, read now."""
@@ -48,7 +54,9 @@ class StateCollector:
                                  "The URL and engine of each registered worker id (always 1)",
                                  labels=["worker", "url", "engine"])
         for e in entries:
-            info.add_metric([str(e.id), e.url, e.engine], 1)
+            label = self._label(e.id)
+            if label != OTHER:
+                info.add_metric([label, e.url, e.engine], 1)
         yield info
         index = GaugeMetricFamily("kvroute_index_blocks", "Distinct blocks in the prefix index")
         index.add_metric([], service.index.num_blocks())
@@ -60,9 +68,10 @@ class StateCollector:
             states.add_metric([state], sum(e.state.value == state for e in entries))
         yield states
         core = service.core
-        yield _per_worker(GaugeMetricFamily, "kvroute_requests_in_flight",
-                          "Requests this router has in flight on the worker", entries,
-                          lambda e: core.in_flight(e.id))
+        per_worker = _PerWorker(entries, self._label)
+        yield per_worker(GaugeMetricFamily, "kvroute_requests_in_flight",
+                         "Requests this router has in flight on the worker",
+                         lambda e: core.in_flight(e.id))
         yield from _pool(service)
         now = time.monotonic()
         pressure = GaugeMetricFamily(
@@ -79,38 +88,38 @@ class StateCollector:
                               ("failed", "pd_prefill_failures")):
             prefills.add_metric([outcome], service.counters.get(name, 0))
         yield prefills
-        yield _per_worker(GaugeMetricFamily, "kvroute_rate_factor",
-                          "The worker's learned factor on its engine kind's rates", entries,
-                          lambda e: core.rate_factor(e.id))
+        yield per_worker(GaugeMetricFamily, "kvroute_rate_factor",
+                         "The worker's learned factor on its engine kind's rates",
+                         lambda e: core.rate_factor(e.id), combine=_mean)
         if core.follows_sessions:
-            yield _per_worker(GaugeMetricFamily, "kvroute_sessions",
-                              "Live chat or agent sessions homed on the worker", entries,
-                              lambda e: core.live_sessions(e.id))
+            yield per_worker(GaugeMetricFamily, "kvroute_sessions",
+                             "Live chat or agent sessions homed on the worker",
+                             lambda e: core.live_sessions(e.id))
             rate = GaugeMetricFamily(
                 "kvroute_session_continue_rate",
                 "Share of routed requests a next turn followed (rather than expired)")
             rate.add_metric([], service.core.continue_rate)
             yield rate
-        yield _per_worker(GaugeMetricFamily, "kvroute_event_lag_seconds",
-                          "Now minus the timestamp of the worker's latest event batch", entries,
-                          lambda e: None if e.feed is None else e.feed.last_lag)
-        yield _per_worker(CounterMetricFamily, "kvroute_health_failures",
-                          "Health polls that failed (no answer in time, error status, malformed "
-                          "answer)", entries, _counted("health_failures"))
-        yield _per_worker(CounterMetricFamily, "kvroute_control_answers_oversize",
-                          "Control-plane answers (model info, load, models, health, metrics) "
-                          "refused for passing the size limit, per worker", entries,
-                          _counted("oversize_answers"))
-        yield _per_worker(GaugeMetricFamily, "kvroute_predicted_blocks",
-                          "Blocks the router predicts resident without an event saying so yet",
-                          entries, lambda e: core.predicted_blocks(e.id))
+        yield per_worker(GaugeMetricFamily, "kvroute_event_lag_seconds",
+                         "Now minus the timestamp of the worker's latest event batch",
+                         lambda e: None if e.feed is None else e.feed.last_lag, combine=max)
+        yield per_worker(CounterMetricFamily, "kvroute_health_failures",
+                         "Health polls that failed (no answer in time, error status, malformed "
+                         "answer)", _counted("health_failures"))
+        yield per_worker(CounterMetricFamily, "kvroute_control_answers_oversize",
+                         "Control-plane answers (model info, load, models, health, metrics) "
+                         "refused for passing the size limit, per worker",
+                         _counted("oversize_answers"))
+        yield per_worker(GaugeMetricFamily, "kvroute_predicted_blocks",
+                         "Blocks the router predicts resident without an event saying so yet",
+                         lambda e: core.predicted_blocks(e.id))
         for name in _FEED_COUNTERS:
-            yield _per_worker(CounterMetricFamily, f"kvroute_events_{name}",
-                              f"Event stream {name.replace('_', ' ')}, per worker", entries,
-                              _counted(name))
+            yield per_worker(CounterMetricFamily, f"kvroute_events_{name}",
+                             f"Event stream {name.replace('_', ' ')}, per worker",
+                             _counted(name))
         for name, text in _SUBSCRIBER_COUNTERS.items():
-            yield _per_worker(CounterMetricFamily, f"kvroute_events_{name}", text, entries,
-                              _subscriber_stat(name))
+            yield per_worker(CounterMetricFamily, f"kvroute_events_{name}", text,
+                             _subscriber_stat(name))
 
 
 def _counted(name: str) -> Callable[[WorkerEntry], float]:
@@ -123,17 +132,31 @@ def _subscriber_stat(name: str) -> Callable[[WorkerEntry], float | None]:
     return lambda e: None if e.feed is None else getattr(e.feed.subscriber.stats, name)
 
 
-def _per_worker(kind: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str,
-                text: str, entries: list[WorkerEntry],
-                value: Callable[[WorkerEntry], float | None]) -> Metric:
-    """One family labelled ``worker`` (the id): ``value(entry)`` for each worker, leaving out
-    those it gives None for."""
-    family = kind(name, text, labels=["worker"])
-    for e in entries:
-        v = value(e)
-        if v is not None:
-            family.add_metric([str(e.id)], v)
-    return family
+class _PerWorker:
+    """Builds the families labelled ``worker`` over one scrape's workers."""
+
+    def __init__(self, entries: list[WorkerEntry], label: Callable[[int], str]) -> None:
+        self._entries = entries
+        self._label = label
+
+    def __call__(self, kind: type[GaugeMetricFamily] | type[CounterMetricFamily], name: str,
+                 text: str, value: Callable[[WorkerEntry], float | None],
+                 combine: Callable[[list[float]], float] = sum) -> Metric:
+        """One family: ``value(entry)`` for each worker, leaving out those it gives None for,
+        and ``combine`` over the values of the workers that share a label."""
+        family = kind(name, text, labels=["worker"])
+        by_label: dict[str, list[float]] = {}
+        for e in self._entries:
+            v = value(e)
+            if v is not None:
+                by_label.setdefault(self._label(e.id), []).append(v)
+        for key, values in by_label.items():
+            family.add_metric([key], values[0] if len(values) == 1 else combine(values))
+        return family
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values)
 
 
 def _pool(service: RouterService) -> Iterator[Metric]:

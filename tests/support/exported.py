@@ -39,7 +39,8 @@ def router_exposition() -> str:
     assert service.core.follows_sessions  # the session families show when on
     metrics = RouterMetrics(service)
     disconnect_counter(metrics.registry)  # the app registers it beside the metrics
-    register_flow_metrics(metrics.registry, FlowControl(FlowSettings()))  # and flow control's
+    register_flow_metrics(metrics.registry, FlowControl(FlowSettings()),  # and flow control's
+                          metrics.worker_label)
     ExternalProcessor(Picker(service, metrics))
     return metrics.render()[0].decode()
 
