@@ -73,6 +73,18 @@ def _timing(model: str, field: str, scale: float, fmt: str) -> Callable[[], str]
     return compute
 
 
+def _calibration(section: str, fmt: str, **point: int) -> Callable[[], str]:
+    # One measured point of the H200 calibration, as the file holds it.
+    def compute() -> str:
+        import json
+
+        path = Path(__file__).parent / "data" / "h200_llama1b_random.json"
+        rows = json.loads(path.read_text(encoding="utf-8"))[section]
+        row = next(r for r in rows if all(r[k] == v for k, v in point.items()))
+        return format(row["ms"], fmt)
+    return compute
+
+
 def _calibrated_decode() -> str:
     from workers.engine.timing import fit_timing
 
@@ -81,6 +93,7 @@ def _calibrated_decode() -> str:
 
 
 _BOUNDS = "python -m bench.replay (its bounds line), or python -m bench.docs_figures"
+_CALIBRATION = "python -m bench.docs_figures (bench/data/h200_llama1b_random.json)"
 FIGURES = (
     Figure("trace_unlimited", _BOUNDS, lambda: f"{_trace_bounds(4, 500_000)[0]:.1%}"),
     Figure("trace_pooled_4x05", _BOUNDS, _pooled(4, 500_000)),
@@ -93,6 +106,9 @@ FIGURES = (
            _timing("H200_LLAMA_1B_MEASURED", "prefill_per_token_cached_ms", 1, ".2e")),
     Figure("calibrated_decode_ns", "python -m bench.docs_figures (the fit of "
            "bench/data/h200_llama1b_random.json)", _calibrated_decode),
+    Figure("calibration_prefill_8192_ms", _CALIBRATION, _calibration("prefill", ".0f", new=8192)),
+    Figure("calibration_prefill_64_after_8192_ms", _CALIBRATION,
+           _calibration("prefill_cached", ".1f", cached=8192, new=64)),
 )
 
 
