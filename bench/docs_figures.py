@@ -21,7 +21,7 @@ import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
     from bench.workloads import WorkloadRequest
@@ -85,6 +85,15 @@ def _calibration(section: str, fmt: str, **point: int) -> Callable[[], str]:
     return compute
 
 
+def _rate(compute: Callable[[Any], float], fmt: str) -> Callable[[], str]:
+    # The router's default rates (router/routing/rates.py), or what they price.
+    def value() -> str:
+        from router.routing.rates import DEFAULT_RATES
+
+        return format(compute(DEFAULT_RATES["kvroute"]), fmt)
+    return value
+
+
 def _calibrated_decode() -> str:
     from workers.engine.timing import fit_timing
 
@@ -94,6 +103,9 @@ def _calibrated_decode() -> str:
 
 _BOUNDS = "python -m bench.replay (its bounds line), or python -m bench.docs_figures"
 _CALIBRATION = "python -m bench.docs_figures (bench/data/h200_llama1b_random.json)"
+_RATES = "python -m bench.docs_figures (router/routing/rates.py)"
+#: The cold prompt docs/routing.md prices with the default rates.
+_LONG_PROMPT = 191_000
 FIGURES = (
     Figure("trace_unlimited", _BOUNDS, lambda: f"{_trace_bounds(4, 500_000)[0]:.1%}"),
     Figure("trace_pooled_4x05", _BOUNDS, _pooled(4, 500_000)),
@@ -109,6 +121,15 @@ FIGURES = (
     Figure("calibration_prefill_8192_ms", _CALIBRATION, _calibration("prefill", ".0f", new=8192)),
     Figure("calibration_prefill_64_after_8192_ms", _CALIBRATION,
            _calibration("prefill_cached", ".1f", cached=8192, new=64)),
+    Figure("rates_prefill_us", _RATES, _rate(lambda r: r.prefill_s * 1e6, ".2f")),
+    Figure("rates_context_ns", _RATES, _rate(lambda r: r.context_s * 1e9, ".3f")),
+    Figure("rates_decode_ns", _RATES, _rate(lambda r: r.decode_s / 2 * 1e9, ".2f")),
+    Figure("rates_onboard_gb_s", _RATES, _rate(lambda r: 32768 / r.onboard_s / 1e9, ".0f")),
+    Figure("rates_first_ms", _RATES, _rate(lambda r: r.first_s * 1e3, ".0f")),
+    Figure("rates_191k_prefill_s", _RATES,
+           _rate(lambda r: r.prefill_s * _LONG_PROMPT, ".2f")),
+    Figure("rates_191k_attention_s", _RATES,
+           _rate(lambda r: r.context_s * _LONG_PROMPT ** 2 / 2, ".0f")),
 )
 
 
