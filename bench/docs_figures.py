@@ -9,7 +9,9 @@ reader of the rendered page sees only the value)::
 them with the docs and exits 1 naming each that drifted (``tests/bench/test_docs_figures.py``
 runs it in ``make test``); ``--write`` puts the values now into the docs. Figures that take
 minutes (the routing benchmark's tables) are not here: the docs name the command that prints
-each and the commit it was measured at.
+each and the commit it was measured at (``tests/test_docs_figures_named.py`` fails on a table
+of figures whose section names no command), and the tables computed from the runs in
+``docs/results/`` are checked by ``python -m bench.policy_runs --check``.
 """
 
 from __future__ import annotations

@@ -5,7 +5,8 @@ Every per-worker family is labelled ``worker`` by the request metrics' labelling
 (:meth:`router.http.worker_labels.WorkerLabels.label`): the worker's id, or ``other`` for the
 workers past the bound, whose values are combined (counters and counts summed, the rate factor
 averaged, the event lag the worst). ``kvroute_upstream_info{worker, url, engine}`` (always 1)
-names the worker behind each id; the workers sharing ``other`` are left out of it.
+names the worker behind each id, and has one row with ``url`` and ``engine`` ``other`` for the
+workers sharing that label.
 """
 
 from __future__ import annotations
@@ -53,10 +54,14 @@ class StateCollector:
         info = GaugeMetricFamily("kvroute_upstream_info",
                                  "The URL and engine of each registered worker id (always 1)",
                                  labels=["worker", "url", "engine"])
+        shared = False
         for e in entries:
             label = self._label(e.id)
             if label != OTHER:
                 info.add_metric([label, e.url, e.engine], 1)
+            shared = shared or label == OTHER
+        if shared:  # one row, so that joins on it keep the shared series
+            info.add_metric([OTHER, OTHER, OTHER], 1)
         yield info
         index = GaugeMetricFamily("kvroute_index_blocks", "Distinct blocks in the prefix index")
         index.add_metric([], service.index.num_blocks())

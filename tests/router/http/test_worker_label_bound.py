@@ -67,7 +67,10 @@ async def test_a_fleet_past_the_bound_exports_at_most_the_bound_plus_other_per_f
             assert labels[family] == own | {OTHER}, family
         assert all(len(values) <= MAX_WORKER_LABELS + 1 for values in labels.values()), {
             name: len(values) for name, values in labels.items()}
-        assert labels["kvroute_upstream_info"] == own  # no URL for the shared label
+        assert labels["kvroute_upstream_info"] == own | {OTHER}
+        info = [s.labels for f in text_string_to_metric_families(text) for s in f.samples
+                if f.name == "kvroute_upstream_info" and s.labels["worker"] == OTHER]
+        assert info == [{"worker": OTHER, "url": OTHER, "engine": OTHER}]  # one row for them
         past = FLEET - MAX_WORKER_LABELS
         assert sample(text, "kvroute_health_failures", OTHER) == past  # summed
         assert sample(text, "kvroute_upstream_requests", OTHER) == past
