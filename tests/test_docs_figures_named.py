@@ -13,7 +13,7 @@ The rule, kept simple so a writer can apply it by eye:
 - Such a table passes when its section names a command: a code span (it may run over lines)
   or a fenced block's line that begins (after ``$``, and ``NAME=value`` settings) with
   ``python -m``, ``python3 -m``, ``.venv/bin/python -m``, ``kvroute``, ``make``, ``curl``,
-  ``wrk`` or ``pytest``.
+  ``wrk`` or ``pytest`` and goes on (``kvroute router``, not the bare name ``kvroute``).
 - A table of reference data, not measurements (flag defaults, settings, metric names, limits),
   opts out with the comment ``<!-- figures: reference -->`` on the line before it (blank lines
   between are allowed).
@@ -38,7 +38,7 @@ _UNIT_HEADER = re.compile(r"\((?:ms|µs|us|ns|s|min|%|tok/s|req/s|[KMG]i?B)\)")
 _UNIT = r"(?:\s?(?:ms|µs|us|ns|s|min|tok/s|req/s|[KMG]i?B)\b|\s?%|[x\u00d7](?!\w))"
 _FIGURE = re.compile(r"(?<![\w.])\d[\d,]*(?:\.\d+)?" + _UNIT)
 _COMMAND = re.compile(r"^\$?\s*(?:[A-Z_][A-Z0-9_]*=\S*\s+)*"
-                      r"(?:(?:\.venv/bin/)?python3? -m |kvroute\b|make\b|curl\b|wrk\b|pytest\b)")
+                      r"(?:(?:\.venv/bin/)?python3? -m |(?:kvroute|make|curl|wrk|pytest) \S)")
 
 
 @dataclass(frozen=True)
@@ -133,7 +133,8 @@ def test_the_rule_sees_figures_commands_and_the_reference_marker() -> None:
     for command in ("`python -m bench.router --quick`", "`make bench`", "`python -m\nbench.x`",
                     "```bash\n$ KVROUTE_SEED=3 python3 -m bench.replay\n```"):
         assert unnamed(f"# A\n\n{command} prints:\n\n{table}") == [], command
-    # a command in another section does not count; the marker does
+    # a bare name is no command; a command in another section does not count; the marker does
+    assert len(unnamed(f"# A\n\nThe `kvroute` policy and `make`:\n\n{table}")) == 1
     assert len(unnamed(f"# A\n\n`make bench`\n\n# B\n\n{table}")) == 1
     assert unnamed(f"# B\n\n{REFERENCE}\n\n{table}") == []
     # numbers without units, units inside code spans and prose are not measured figures
