@@ -10,6 +10,9 @@ Sections (``docs/gpu.md`` holds the figures and what they mean):
   sampling included, median of ``--repeats``; eager and (on CUDA) padded
   into per-layer piecewise graphs (:mod:`workers.torch.piecewise`), in one run; and the first
   piecewise pass of three token buckets (64, 128, 2,048), which captures that bucket's graphs.
+- ``prompt``: one cold prompt of ``--prompt-tokens`` alone, prefilled in chunks of each size in
+  ``--chunk-tokens`` as a worker with that ``--max-num-batched-tokens`` computes it (one pass a
+  chunk, back to back): the isolated prefill time a time to first token is judged against.
 - ``attention``: one layer's attention for one prefill chunk of n new tokens over c cached,
   as :meth:`Decoder.attend` runs it between the piecewise graphs (K/V read in place through
   the block table) and with the blocks gathered first (ms, median of ``--repeats``, host time
@@ -59,6 +62,7 @@ from bench.gpu.decode_context import bench_decode_context
 from bench.gpu.harness import BS, executor
 from bench.gpu.paged_decode import bench_paged_decode
 from bench.gpu.prefill_context import bench_prefill_context
+from bench.gpu.prompt import bench_prompt
 from bench.gpu.report import table
 from bench.gpu.routing import load_trace, replay, trace_prompt
 from bench.gpu.ttft import bench_ttft
@@ -83,6 +87,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         default=150_000.0,
         help="cold prefill tokens/s to scale loads by when ttft is not run",
     )
+    parser.add_argument("--prompt-tokens", type=int, default=8192,
+                        help="prompt: the cold prompt's length")
+    parser.add_argument("--chunk-tokens", default="8192,2048",
+                        help="prompt: chunk sizes, comma-separated")
     parser.add_argument("--profile", action="store_true", help="print operator profiles")
     parser.add_argument("--sections", default="ttft,decode,routing")
     parser.add_argument("--workers", type=int, default=4)
@@ -119,6 +127,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         result["ttft"] = bench_ttft(args, ex, cache)
         cold_rate = result["ttft"]["cold_tokens_per_s"]
         _log(args, "ttft", result["ttft"])
+    if "prompt" in sections:
+        try:
+            result["prompt"] = bench_prompt(args, ex, cache)
+        except ValueError as exc:
+            parser.error(str(exc))
+        _log(args, "prompt", result["prompt"])
     if "attention" in sections:
         result["attention"] = bench_attention(args, ex)
         _log(args, "attention", result["attention"])

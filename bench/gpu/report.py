@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from bench.gpu.prompt import prompt_lines
+
 
 def table(result: dict[str, Any]) -> str:
     lines = [f"{result['model']} on {result['device']} (torch {result['torch']})"]
@@ -26,6 +28,8 @@ def table(result: dict[str, Any]) -> str:
                 f"{t['cached_64_with_32_decodes_first_use_ms_piecewise']:.0f} / "
                 f"{t['new_2000_first_use_ms_piecewise']:.0f} ms (buckets 64 / 128 / 2048)"
             )
+    if result.get("prompt"):
+        lines += prompt_lines(result["prompt"])
     for a in result.get("attention", []):
         variants = ", ".join(f"{k[6:-3]} {v:.3f}" for k, v in a.items()
                              if k.startswith("paged_"))

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("torch")
 
-from bench.gpu import attention, decode_context, harness, prefill_context
+from bench.gpu import attention, decode_context, harness, prefill_context, prompt
 from workers.cache.cache_manager import CacheManager
 
 
@@ -89,3 +89,48 @@ def test_the_entry_point_runs_the_decode_section_eager_on_the_cpu(
     assert [(d["mode"], d["batch"]) for d in result["decode"]] == [
         ("eager", 1), ("eager", 8), ("eager", 32)]
     assert all(d["tokens_per_s"] > 0 for d in result["decode"])
+
+
+def test_prompt_section_prefills_the_prompt_in_chunks_of_each_size_sampling_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    args = argparse.Namespace(model="tiny", device="cpu", repeats=1, prompt_tokens=100,
+                              chunk_tokens="64,32")
+    cache = CacheManager(64, harness.BS)
+    ex = harness.executor(args, cache)
+    free = cache.pool.num_free_blocks
+    passes: list[tuple[int, int, bool]] = []
+    run = ex.run
+
+    def recording(plan):  # type: ignore[no-untyped-def]
+        passes.extend((c.start, c.num_new_tokens, c.samples) for c in plan.prefill)
+        return run(plan)
+
+    monkeypatch.setattr(ex, "run", recording)
+    out = prompt.bench_prompt(args, ex, cache)
+    assert out["tokens"] == 100
+    assert [(r["chunk"], r["passes"]) for r in out["chunks"]] == [(64, 2), (32, 4)]
+    assert all(r["ms"] > 0 and r["tokens_per_s"] > 0 for r in out["chunks"])
+    by_64 = [(0, 64, False), (64, 36, True)]
+    by_32 = [(0, 32, False), (32, 32, False), (64, 32, False), (96, 4, True)]
+    # one warm-up and one timed prompt per size, each covering positions 0..100 once
+    assert passes == by_64 * 2 + by_32 * 2
+    assert cache.pool.num_free_blocks == free
+    assert "chunks of 32 (4 passes)" in prompt.prompt_lines(out)[1]
+
+
+@pytest.mark.parametrize(("tokens", "chunks"), [(0, "64"), (100, "0"), (100, "64,x")])
+def test_prompt_section_refuses_sizes_that_are_not_positive(tokens: int, chunks: str) -> None:
+    args = argparse.Namespace(model="tiny", device="cpu", repeats=1, prompt_tokens=tokens,
+                              chunk_tokens=chunks)
+    cache = CacheManager(64, harness.BS)
+    with pytest.raises(ValueError, match="must be positive"):
+        prompt.bench_prompt(args, harness.executor(args, cache), cache)
+
+
+def test_prompt_section_refuses_a_prompt_the_cache_cannot_hold() -> None:
+    args = argparse.Namespace(model="tiny", device="cpu", repeats=1,
+                              prompt_tokens=65 * harness.BS, chunk_tokens="64")
+    cache = CacheManager(64, harness.BS)
+    with pytest.raises(ValueError, match="does not fit"):
+        prompt.bench_prompt(args, harness.executor(args, cache), cache)
