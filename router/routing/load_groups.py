@@ -2,15 +2,16 @@
 
 A worker that holds none of a prompt (no index match, no predicted residency of its first
 block) is priced on its wait and rates alone (:mod:`router.routing.scheduler`):
-``wait + prefill(B blocks, none held) + first_s``. Two such workers with equal figures cost the
+``wait + prefill(B blocks, none held) + first_s`` (and the prefill again when no worker is
+idle). Two such workers with equal figures cost the
 same, so :class:`LoadGroups` keeps every worker in a group keyed by those figures
 (:data:`LoadKey`), updated as they change (the routing core regroups a worker whenever its
 books, sessions or rates change), and the groups sorted by wait. :func:`choose_fast` prices the
 workers that hold some of the prompt one by one, as :func:`router.routing.scheduler.choose`
 does, and the rest once per group, in order of wait, stopping where no later group can cost
 less than the best so far: a group's price is at least its wait plus the prefill of the whole
-prompt at the least rates of any worker. An idle fleet of one engine kind is one group; a
-loaded one is priced only as far as its waits are short.
+prompt at the least rates of any worker (twice, when no worker is idle). An idle fleet of one
+engine kind is one group; a loaded one is priced only as far as its waits are short.
 
 Exact, not approximate: the choice, its ties and the random draws that break them are those of
 :func:`router.routing.scheduler.choose` over every worker
@@ -162,20 +163,24 @@ def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadG
     held: dict[int, Candidate] = {}
     for c in holders:
         held[c.worker] = c
+    order = groups.order
+    # A busy fleet (no tracked worker idle) prices each prefill twice (the scheduler's
+    # docstring): the least wait is the first group's.
+    busy = order[0][0] > 0
     priced: list[WorkerCost] = []
     best = (math.inf, 0)
     for c in holders:
-        wc = cost_of(c, request_blocks)
+        wc = cost_of(c, request_blocks, busy)
         priced.append(wc)
-        rank = (wc.cost, wc.active_requests)
+        rank = (wc.price, wc.active_requests)
         if rank < best:
             best = rank
     # The rest, a group at a time, while a group could still cost no more than the best. A
-    # group's cost is cost_of's for a worker matching nothing (the same operations, so the
-    # same float): (wait + prefill of B blocks) + first_s.
-    order = groups.order
+    # group's price is cost_of's for a worker matching nothing (the same operations, so the
+    # same float): (wait + prefill of B blocks) + first_s, plus the prefill again if busy.
     least_p, least_c, least_first = groups.least_rates()
-    floor = prefill_seconds(least_p, least_c, 0.0, request_blocks, 0, 0) + least_first
+    least_prefill = prefill_seconds(least_p, least_c, 0.0, request_blocks, 0, 0)
+    floor = (2.0 * least_prefill if busy else least_prefill) + least_first
     tied_groups: list[tuple[LoadKey, list[int], float]] = []  # key, members, prefill
     for key in order:
         if key[0] + floor - best[0] > _SLACK * (abs(best[0]) + 1.0):
@@ -184,14 +189,15 @@ def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadG
         if len(members) <= len(held) and all(w in held for w in members):
             continue
         prefill = prefill_seconds(key[1], key[2], 0.0, request_blocks, 0, 0)
-        rank = ((key[0] + prefill) + key[3], key[4])
+        cost = (key[0] + prefill) + key[3]
+        rank = (cost + prefill if busy else cost, key[4])
         if rank < best:
             best, tied_groups = rank, [(key, members, prefill)]
         elif rank == best:
             tied_groups.append((key, members, prefill))
     tied: list[int] = []
     for wc in priced:
-        if (wc.cost, wc.active_requests) == best:
+        if (wc.price, wc.active_requests) == best:
             tied.append(wc.worker)
     runs: list[list[int]] = []
     skipped: list[int] = []  # the held workers inside the tied groups
@@ -220,7 +226,7 @@ def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadG
     chosen = WorkerCost(worker=worker, matched_blocks=0, device_matched_blocks=0,
                         prefill_blocks=request_blocks, pending_prefill_blocks=key[5],
                         decode_blocks=key[6], active_requests=key[4], wait_s=key[0],
-                        prefill_s=prefill, cost=best[0])
+                        prefill_s=prefill, cost=(key[0] + prefill) + key[3], price=best[0])
     return FastChoice(worker, chosen)
 
 

@@ -1,5 +1,6 @@
 """The routing rule: price each candidate by the time to first token it would give, in
-seconds, and choose the least. Pure: numbers in, a choice out.
+seconds, plus the time its prefill passes on when the fleet has no idle worker; choose the
+least. Pure: numbers in, a choice out.
 
 Per candidate worker w, for a request of B full blocks, with w's rates per block
 (:class:`router.routing.rates.Rates`, already multiplied by w's learned factor)::
@@ -11,8 +12,21 @@ Per candidate worker w, for a request of B full blocks, with w's rates per block
     wait(w)    = the seconds of prefill queued there (each routed request's own prefill,
                  booked when it was routed) + decode_s * decode blocks held there
     ttft(w)    = wait(w) + prefill(w) + first_s
+    price(w)   = ttft(w) + prefill(w)   if every candidate has a wait (a busy fleet)
+                 ttft(w)                if some candidate is idle
 
-Choice: the least ``ttft``; ties go to fewer active requests, then at random (``rng``, seeded
+The second ``prefill(w)`` is the time the request passes on. While some worker is idle, a
+later request can be sent there, and the seconds of prefill this one adds delay nobody. When
+every worker has work queued, a later request waits behind some queue whatever the router
+does, and each second of prefill queued anywhere is a second some later request waits: the
+request's own prefill is then priced twice, once as its own wait and once as the wait it
+passes on (the first-order estimate: one later request behind it). This is what keeps one
+copy of a prefix in a busy fleet: recomputing a long prefix elsewhere is dear twice over,
+while a hit adds little work. ``WorkerCost.cost`` stays the predicted time to first token
+(what the router books and what flow control reads); ``WorkerCost.price`` is what the choice
+minimises.
+
+Choice: the least ``price``; ties go to fewer active requests, then at random (``rng``, seeded
 by the caller, so tests are exact). No candidates is a caller error (the service answers 503
 before asking); a request with no full block (B = 0) is decided on the waits alone.
 
@@ -23,10 +37,12 @@ Invariants (``tests/router/routing/test_rule_invariants.py`` checks them for :fu
    on the device, is never priced above the other: a block held saves at least ``prefill_s
    - onboard_s >= 0`` (:class:`~router.routing.rates.Rates` refuses a dearer copy than a
    recompute) and the attention over it. (A worker holding more only on the host tier may
-   cost more than one holding a little less on the device: the copies are dearer.)
+   cost more than one holding a little less on the device: the copies are dearer.) Their
+   price is their ``ttft``: with an idle candidate nothing is passed on.
 2. A worker whose wait exceeds the time to recompute the whole prompt on an idle candidate is
-   never chosen over it: its ``ttft`` is at least its wait, the idle one's at most that
-   recompute (with the same ``first_s``).
+   never chosen over it: with an idle candidate the price is the ``ttft``, and the queued
+   one's is at least its wait, the idle one's at most that recompute (with the same
+   ``first_s``).
 
 :func:`choose` prices every candidate (:func:`price`) and picks: the executable specification.
 :mod:`router.routing.load_groups` reaches the same choice without pricing each worker that holds
@@ -91,8 +107,11 @@ class WorkerCost:
     wait_s: float
     #: Seconds of its own prefill.
     prefill_s: float
-    #: The predicted time to first token, in seconds: what the choice minimises.
+    #: The predicted time to first token, in seconds.
     cost: float
+    #: What the choice minimises: ``cost``, plus ``prefill_s`` again in a busy fleet (module
+    #: docstring).
+    price: float
 
 
 class Decision:
@@ -145,27 +164,30 @@ class Decision:
         return f"Decision(worker={self.worker})"
 
 
-def cost_of(candidate: Candidate, request_blocks: int) -> WorkerCost:
-    """Return the terms of one candidate's price for a request of ``request_blocks`` blocks."""
+def cost_of(candidate: Candidate, request_blocks: int, busy: bool = False) -> WorkerCost:
+    """Return the terms of one candidate's price for a request of ``request_blocks`` blocks,
+    ``busy`` when no candidate is idle (its prefill is then priced as passed on too)."""
     matched = min(candidate.matched_blocks, request_blocks)
     device = min(candidate.device_matched_blocks, matched)
     new = request_blocks - matched
     r = candidate.rates
     prefill = prefill_seconds(r.prefill_s, r.context_s, r.onboard_s, new, matched,
                               matched - device)
+    cost = (candidate.wait_s + prefill) + r.first_s
     return WorkerCost(worker=candidate.worker, matched_blocks=matched,
                       device_matched_blocks=device, prefill_blocks=new,
                       pending_prefill_blocks=candidate.pending_prefill_blocks,
                       decode_blocks=candidate.decode_blocks,
                       active_requests=candidate.active_requests, wait_s=candidate.wait_s,
-                      prefill_s=prefill, cost=(candidate.wait_s + prefill) + r.first_s)
+                      prefill_s=prefill, cost=cost,
+                      price=cost + prefill if busy else cost)
 
 
 @dataclass(slots=True)
 class Pricing:
     """Every candidate priced for one request (:func:`price`)."""
 
-    #: Cost terms, cheapest first (ties: fewer active requests, then lower worker id).
+    #: Cost terms, least price first (ties: fewer active requests, then lower worker id).
     costs: list[WorkerCost]
 
 
@@ -176,17 +198,18 @@ def price(request_blocks: int, candidates: Sequence[Candidate]) -> Pricing:
         raise ValueError("no candidate workers")
     if request_blocks < 0:
         raise ValueError(f"request_blocks must be >= 0, got {request_blocks}")
-    costs = [cost_of(c, request_blocks) for c in candidates]
-    costs.sort(key=lambda c: (c.cost, c.active_requests, c.worker))
+    busy = all(c.wait_s > 0 for c in candidates)
+    costs = [cost_of(c, request_blocks, busy) for c in candidates]
+    costs.sort(key=lambda c: (c.price, c.active_requests, c.worker))
     return Pricing(costs)
 
 
 def select(pricing: Pricing, rng: random.Random) -> int:
-    """Pick the worker from a :class:`Pricing`: the least cost, ties at random."""
+    """Pick the worker from a :class:`Pricing`: the least price, ties at random."""
     costs = pricing.costs
     best = costs[0]
     tied = [c.worker for c in costs
-            if c.cost == best.cost and c.active_requests == best.active_requests]
+            if c.price == best.price and c.active_requests == best.active_requests]
     return tied[0] if len(tied) == 1 else rng.choice(tied)
 
 

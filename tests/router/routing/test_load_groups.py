@@ -166,3 +166,20 @@ def test_a_lazy_explanation_lists_every_worker_cheapest_first() -> None:
     assert routed.decision.chosen.cost == costs[0].cost
     assert dataclasses.asdict(routed.decision.chosen)["worker"] == routed.decision.worker
     assert costs[-1].worker == 3 and costs[-1].wait_s > 0  # the queue is priced in seconds
+
+
+def test_the_random_fleets_cover_busy_and_idle_fleets() -> None:
+    # The price differs when no worker is idle (the prefill passed on): the differential
+    # runs above must meet both kinds of fleet.
+    seen = set()
+    for seed in range(12):
+        rng = random.Random(seed)
+        workers = rng.choice([1, 2, 3, 8, 24])
+        core = _fleet(rng, workers, learn=seed % 3 != 0)
+        prefixes = [[rng.getrandbits(32) for _ in range(rng.randrange(1, 12))]
+                    for _ in range(5)]
+        in_flight: list[str] = []
+        for step in range(300):
+            seen.add(core._groups.order[0][0] > 0)
+            _step(core, rng, step, workers, prefixes, in_flight)
+    assert seen == {True, False}

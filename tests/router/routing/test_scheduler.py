@@ -98,3 +98,28 @@ def test_a_fallbacks_terms_are_found_by_worker() -> None:
 def test_bad_rates_are_refused(kwargs: dict[str, float], fragment: str) -> None:
     with pytest.raises(ValueError, match=fragment):
         Rates(**{"prefill_s": 1.0, **kwargs})
+
+
+def test_a_busy_fleet_prices_the_prefill_passed_on() -> None:
+    # No candidate is idle: each one's prefill is priced again, as the wait it passes on.
+    holder = Candidate(0, matched_blocks=10, device_matched_blocks=10, wait_s=12.0, rates=R)
+    other = Candidate(1, wait_s=0.5, rates=R)
+    decision = choose(10, [holder, other], random.Random(0))
+    # The holder: 12 s + 0 s of prefill; the other: 0.5 s + 10 s, and 10 s passed on.
+    assert decision.worker == 0
+    terms = {c.worker: c for c in decision.costs}
+    assert (terms[0].cost, terms[0].price) == (12.0, 12.0)
+    assert (terms[1].cost, terms[1].price) == (10.5, 20.5)
+
+
+def test_with_an_idle_candidate_nothing_is_passed_on() -> None:
+    # The same holder against an idle worker: its own time decides (invariant 2).
+    holder = Candidate(0, matched_blocks=10, device_matched_blocks=10, wait_s=12.0, rates=R)
+    decision = choose(10, [holder, Candidate(1, rates=R)], random.Random(0))
+    assert decision.worker == 1
+    assert all(c.price == c.cost for c in decision.costs)
+
+
+def test_a_busy_fleet_still_leaves_a_queue_longer_than_two_recomputes() -> None:
+    holder = Candidate(0, matched_blocks=10, device_matched_blocks=10, wait_s=21.0, rates=R)
+    assert choose(10, [holder, Candidate(1, wait_s=0.5, rates=R)], random.Random(0)).worker == 1
