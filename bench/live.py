@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import math
@@ -37,7 +38,7 @@ import aiohttp
 
 from bench.bounds import Bounds
 from bench.figures import mean
-from bench.report import percentile, write_json
+from bench.report import percentile, prediction_error, write_json
 from bench.workloads import WorkloadRequest
 
 __all__ = ["LATE_S", "LiveRecord", "replay_live", "run_live", "summarize_live"]
@@ -58,6 +59,9 @@ class LiveRecord:
     e2e_s: float = -1.0
     tokens_out: int = 0
     cached_tokens: int = 0
+    #: The router's predicted time to first token (its ``x-kvroute-predicted-ttft-ms``
+    #: header; -1 when it sent none).
+    predicted_ttft_s: float = -1.0
     error: str | None = None
 
 
@@ -77,6 +81,10 @@ async def _one(session: aiohttp.ClientSession, url: str, req: WorkloadRequest,
             if resp.status != 200:
                 rec.error = f"HTTP {resp.status}"
                 return rec
+            predicted = resp.headers.get("x-kvroute-predicted-ttft-ms")
+            if predicted is not None:
+                with contextlib.suppress(ValueError):
+                    rec.predicted_ttft_s = float(predicted) / 1e3
             async for raw in resp.content:
                 line = raw.strip()
                 if not line.startswith(b"data:"):
@@ -174,6 +182,8 @@ def summarize_live(records: Sequence[LiveRecord], makespan_s: float,
         "errors": len(records) - len(ok),
         "late_sends": sum(1 for r in records if r.send_delay_s > LATE_S),
         "first_errors": [r.error for r in records if r.error is not None][:5],
+        **prediction_error([(r.predicted_ttft_s, r.ttft_s) for r in ok
+                            if r.predicted_ttft_s >= 0] or None),
     }
 
 

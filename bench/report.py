@@ -33,8 +33,8 @@ from bench.bounds import Bounds
 from bench.figures import mean, percentile
 from bench.sim import SimResult
 
-__all__ = ["METRIC_KEYS", "per_worker", "per_worker_table", "percentile", "plot", "summarize",
-           "table", "write_json"]
+__all__ = ["METRIC_KEYS", "per_worker", "per_worker_table", "percentile", "plot",
+           "prediction_error", "summarize", "table", "write_json"]
 
 #: Keys of every policy's row, in table order.
 METRIC_KEYS = (
@@ -98,12 +98,12 @@ def summarize(result: SimResult, bounds: Bounds | None) -> dict[str, Any]:
         "event_bytes": result.event_bytes,
         "hit_lost": result.regret.hit_lost / max(result.regret.decisions, 1),
         "time_lost": result.regret.time_lost / max(result.regret.decisions, 1),
-        **_prediction_error(result.predictions),
+        **prediction_error(result.predictions),
     }
     return row
 
 
-def _prediction_error(predictions: list[tuple[float, float]] | None) -> dict[str, float]:
+def prediction_error(predictions: list[tuple[float, float]] | None) -> dict[str, float]:
     """The median relative error of each predicted TTFT against the delivered one, and the
     error of the predicted p50 against the delivered p50 (NaN for a policy that does not
     predict)."""

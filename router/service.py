@@ -61,6 +61,9 @@ class Route:
     #: decode worker (``worker``), and its decision; None: the decode worker prefills.
     prefill: Target | None = None
     prefill_decision: Decision | None = None
+    #: The decision's ``cost`` is a predicted time to first token in seconds (the rule in
+    #: seconds, ``--policy kv``); the other policies' costs are not times.
+    predicts_ttft: bool = False
 
     @property
     def worker(self) -> Target:
@@ -268,7 +271,8 @@ class RouterService:
                                   tokens=size)
         request_id = f"{self._id_prefix}-{next(self._ids)}"
         route = Route(request_id, prompt, hashes, routed.decision, by_id, now,
-                      time.perf_counter() - started, routed.continued)
+                      time.perf_counter() - started, routed.continued,
+                      predicts_ttft=self.settings.policy == "kv")
         if fleet.prefill:
             self._choose_prefill(route, fleet, matches, now)
         return route

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import json
+import math
 from collections.abc import Awaitable, Callable
 
 from aiohttp import web
@@ -103,3 +104,29 @@ async def test_a_request_the_client_holds_back_counts_its_wait() -> None:
     row = summarize_live(records, 1.0)
     assert row["errors"] == 0
     assert row["late_sends"] == sum(r.send_delay_s > LATE_S for r in records) >= 2
+
+
+async def test_the_routers_predicted_ttft_gives_the_prediction_error() -> None:
+    async def completions(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        # The fake "router" predicts 1 ms for the first prompt and garbage for the second.
+        predicted = "1.0" if body["prompt"][0] == 4 else "not a number"
+        resp = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                           "x-kvroute-predicted-ttft-ms": predicted})
+        await resp.prepare(request)
+        await resp.write(b"data: " + json.dumps({"choices": [{"text": "x"}]}).encode() + b"\n\n")
+        await resp.write(b"data: [DONE]\n\n")
+        return resp
+
+    runner, url = await serve(completions)
+    try:
+        reqs = [WorkloadRequest(f"r{i}", 0.0, ((4 + i, 5),), 2, 1) for i in range(2)]
+        records, makespan = await replay_live(url, reqs)
+    finally:
+        await runner.cleanup()
+    by_id = {r.request_id: r for r in records}
+    assert by_id["r0"].predicted_ttft_s == 0.001 and by_id["r1"].predicted_ttft_s == -1.0
+    row = summarize_live(records, makespan)
+    ttft = by_id["r0"].ttft_s
+    assert row["prediction_error"] == abs(0.001 - ttft) / ttft
+    assert math.isnan(summarize_live(records[1:], makespan)["prediction_error"])  # none sent

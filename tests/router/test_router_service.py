@@ -315,3 +315,17 @@ async def test_a_request_without_a_model_goes_to_any_worker() -> None:
         r = await client.post("/v1/completions", json={"prompt": "no model named " * 4})
     assert r.status_code == 200 and r.headers["x-kvroute-worker"] == worker.url
     assert "model" not in worker.requests[0]
+
+
+@pytest.mark.parametrize("policy", ["kv", "dynamo"])
+async def test_an_answer_carries_the_predicted_ttft_under_the_rule_in_seconds(
+        policy: str) -> None:
+    async with ScriptedWorker() as a, router_for(a, ready=1, policy=policy) as client:
+        shown = (await client.post("/debug/route", json=BODY)).json()
+        answer = await client.post("/v1/completions", json=BODY)
+    predicted = answer.headers.get("x-kvroute-predicted-ttft-ms")
+    if policy == "dynamo":  # its costs are blocks, not seconds
+        assert predicted is None
+    else:
+        (worker,) = shown["workers"]
+        assert float(predicted) == pytest.approx(worker["cost"] * 1e3, abs=0.05)
