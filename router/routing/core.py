@@ -49,6 +49,10 @@ __all__ = ["BASELINES", "POLICIES", "CoreSettings", "Prediction", "Routed", "Rou
 POLICIES = ("kv", "dynamo", "round_robin", "random")
 #: Cache-blind choices, measured against: the next worker in turn, or one at random.
 BASELINES = ("round_robin", "random")
+#: Seconds a request's predicted blocks outlive its first token on a worker that publishes
+#: events: by then its prompt is stored and the events saying so have had time to arrive
+#: (they follow an iteration by milliseconds); from then on the index is the truth.
+SETTLE_S = 1.0
 
 #: Match lengths per worker, as :meth:`indexer.index.PrefixIndex.match` gives them:
 #: ``worker -> (blocks matched on any tier, blocks matched on the device)``.
@@ -113,6 +117,8 @@ class _Booked:
     predicted_s: float
     #: The predicted seconds less ``first_s``, at the worker's unscaled rates.
     work_s: float
+    #: The prompt's blocks, predicted resident where it went.
+    hashes: Sequence[int] = ()
 
 
 @dataclass(slots=True)
@@ -432,7 +438,8 @@ class RoutingCore:
         self._load.routed(request_id, worker, float(terms.prefill_blocks), max(blocks, 1),
                           terms.prefill_s / factor)
         first = self.rates(worker).first_s
-        self._booked[request_id] = _Booked(now, terms.cost, (terms.cost - first) / factor)
+        self._booked[request_id] = _Booked(now, terms.cost, (terms.cost - first) / factor,
+                                           hashes)
         self._refresh(worker)
         residency = self._approximate if self._tracked.get(worker) else self._predicted
         residency.expire(now)  # amortised: only the expired front is looked at
@@ -452,6 +459,11 @@ class RoutingCore:
             self._refresh(worker)
             return None
         delivered = now - booked.routed_at
+        if not self._tracked.get(worker):
+            # Its prompt is computed and stored: the worker's events say so within moments,
+            # and the index knows from then on, evictions included. A prediction living its
+            # whole ttl past that would claim blocks the worker has since evicted.
+            self._predicted.settle(worker, booked.hashes, now + SETTLE_S)
         kind = self._kind.get(worker)
         if self.settings.learns and kind is not None:
             self._learn(kind, booked.work_s, max(0.0, delivered - self._base[kind].first_s))

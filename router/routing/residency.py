@@ -4,8 +4,8 @@ Two uses, one structure:
 
 - Predict-on-route: when a request is sent to w, its prompt blocks count as resident on w for
   ``ttl`` seconds (ten by default: near saturation a request can wait seconds before its
-  blocks are stored), until w's own events confirm them (then the index has
-  them) or the time runs out. So a burst of siblings sharing a new prefix lands together
+  blocks are stored), or until a moment after its first token (:meth:`settle`: its prompt is
+  stored, w's events say so, and the index knows from then on, evictions included). So a burst of siblings sharing a new prefix lands together
   instead of spreading before the first one's events arrive.
 - Approximate mode, for workers that publish no events: the same record with a long ``ttl``
   (minutes, as SGLang's gateway does) and a bound on entries, learned from routing alone.
@@ -113,6 +113,21 @@ class PredictedResidency:
             for h in hashes:
                 if entries.pop(h, None) is not None:
                     self._dropped(worker, h)
+
+    def settle(self, worker: int, hashes: Sequence[int], until: float) -> None:
+        """End the predictions of ``hashes`` on ``worker`` at ``until`` at the latest: the
+        request that made them has computed its prompt there, and the worker's events will
+        say so (and later say if the blocks are evicted). A sibling's prediction of the same
+        blocks ends with it: they are the same blocks. Expired entries may then sit behind
+        unexpired ones until those expire; :meth:`extend` and :meth:`holders` read each
+        entry's own expiry, and ``max_blocks`` bounds them."""
+        entries = self._by_worker.get(worker)
+        if not entries:
+            return
+        for h in hashes:
+            expiry = entries.get(h)
+            if expiry is not None and expiry > until:
+                entries[h] = until
 
     def expire(self, now: float) -> int:
         """Drop expired predictions; returns how many went.
