@@ -158,10 +158,11 @@ class FlowControl:
         self._tick = tick_s
         self._waiting: dict[str, tuple[asyncio.Future[Route], Callable[[], Route]]] = {}
         self._task: asyncio.Task[None] | None = None
-        #: Requests refused, by reason.
-        self.shed: Counter[str] = Counter()
-        #: Called with each request's priority and seconds waited as it leaves the queue.
-        self.on_wait: Callable[[int, float], None] | None = None
+        #: Requests refused, by reason, priority and tenant.
+        self.shed: Counter[tuple[str, int, str]] = Counter()
+        #: Called with each request's priority, tenant and seconds waited as it leaves the
+        #: queue.
+        self.on_wait: Callable[[int, str, float], None] | None = None
         #: Whether each worker was saturated when a decision last looked at it.
         self.saturated: dict[int, bool] = {}
 
@@ -181,7 +182,7 @@ class FlowControl:
         return next((w for w, full in self.saturated.items() if not full), None)
 
     def _refuse(self, shed: Shed) -> Refused:
-        self.shed[shed.reason] += 1
+        self.shed[shed.reason, shed.priority, shed.tenant] += 1
         return Refused(shed)
 
     async def admit(self, route: Route, ask: Ask, decide_again: Callable[[], Route],
@@ -205,7 +206,7 @@ class FlowControl:
             if deadline is not None and now + ttft > deadline:
                 raise self._refuse(Shed(route.request_id, "deadline", 1,
                                         f"the first token is predicted in {ttft:.3g} s, past "
-                                        "the request's deadline"))
+                                        "the request's deadline", ask.priority, tenant()))
             return route if free == route.decision.worker else _rebound(route, free)
         item = Waiting(route.request_id, ask.priority, tenant(), len(route.prompt.token_ids),
                        now, deadline)
@@ -266,7 +267,7 @@ class FlowControl:
             if not future.done():
                 future.set_result(route)
                 if self.on_wait is not None:
-                    self.on_wait(head.priority, now - head.arrived)
+                    self.on_wait(head.priority, head.tenant, now - head.arrived)
             # Let the handler book the request on its worker before the next decision reads
             # the loads (it does so before its first suspension).
             await asyncio.sleep(0)

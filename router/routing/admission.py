@@ -35,8 +35,8 @@ import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["SHED_REASONS", "FlowQueue", "FlowSettings", "Offer", "Shed", "Waiting",
-           "fleet_saturated", "priority_label", "retry_after", "worker_saturated"]
+__all__ = ["OTHER_TENANTS", "SHED_REASONS", "FlowQueue", "FlowSettings", "Offer", "Shed",
+           "Waiting", "fleet_saturated", "priority_label", "retry_after", "worker_saturated"]
 
 #: Why a request was refused: its deadline could not be met (on arrival or while waiting),
 #: the queue was full, it waited the longest allowed, it was displaced by a more urgent one.
@@ -44,6 +44,9 @@ SHED_REASONS = ("deadline", "queue_full", "timeout", "displaced")
 
 #: Priorities shown as themselves in metrics; the rest as ``"low"`` or ``"high"``.
 _LABELLED = range(-10, 11)
+
+#: The metrics label of every tenant not named in the weights.
+OTHER_TENANTS = "other"
 
 
 def priority_label(priority: int) -> str:
@@ -99,6 +102,12 @@ class FlowSettings:
         """``tenant``'s weight (1 when not configured)."""
         return self.weights.get(tenant, 1.0)
 
+    def tenant_label(self, tenant: str) -> str:
+        """The metrics label of ``tenant``: its name when the weights name it, else
+        :data:`OTHER_TENANTS`, so the label set is the configuration's, whatever clients
+        send."""
+        return tenant if tenant in self.weights else OTHER_TENANTS
+
     def deadline(self, priority: int, arrived: float, header_s: float | None) -> float | None:
         """The absolute deadline of a request: its header's seconds, else its priority's."""
         seconds = header_s if header_s is not None else self.deadlines.get(priority)
@@ -153,6 +162,8 @@ class Shed:
     reason: str
     retry_after_s: int
     message: str
+    priority: int = 0
+    tenant: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +210,14 @@ class FlowQueue:
         """Waiting requests per priority."""
         return {p: len(b.items) for p, b in sorted(self._bands.items()) if b.items}
 
+    def counts(self) -> dict[tuple[int, str], int]:
+        """Waiting requests per priority and tenant."""
+        out: dict[tuple[int, str], int] = {}
+        for p, band in self._bands.items():
+            for w in band.items.values():
+                out[p, w.tenant] = out.get((p, w.tenant), 0) + 1
+        return out
+
     def tokens_ahead(self, priority: int, finish: float = math.inf) -> int:
         """Tokens that leave before a request of ``priority`` whose finish tag is ``finish``:
         every more urgent band's, and its own band's with a smaller tag."""
@@ -240,16 +259,17 @@ class FlowQueue:
         if item.deadline is not None and now + expected > item.deadline:
             return Offer(Shed(item.key, "deadline", retry_after(expected),
                               f"the first token is predicted in {expected:.3g} s, past the "
-                              f"request's deadline"))
+                              f"request's deadline", item.priority, item.tenant))
         displaced: tuple[Shed, ...] = ()
         if len(self._where) >= self.settings.max_queue:
             victim = self._least_urgent()
             if victim is None or victim.priority <= item.priority:
                 return Offer(Shed(item.key, "queue_full", retry_after(expected),
-                                  "the router's queue is full"))
+                                  "the router's queue is full", item.priority, item.tenant))
             self.remove(victim.key)
             displaced = (Shed(victim.key, "displaced", retry_after(expected),
-                              "displaced from the router's queue by a more urgent request"),)
+                              "displaced from the router's queue by a more urgent request",
+                              victim.priority, victim.tenant),)
             start, finish = self._tags(item)
         band = self._bands.setdefault(item.priority, _Band())
         item.start, item.finish, item.seq = start, finish, self._seq
@@ -307,10 +327,12 @@ class FlowQueue:
             for item in list(band.items.values()):
                 if now - item.arrived >= limit:
                     shed.append(Shed(item.key, "timeout", retry_after(ttft_s),
-                                     f"waited {limit:.3g} s in the router's queue"))
+                                     f"waited {limit:.3g} s in the router's queue",
+                                     item.priority, item.tenant))
                 elif item.deadline is not None and now + ttft_s > item.deadline:
                     shed.append(Shed(item.key, "deadline", retry_after(ttft_s),
-                                     "the request's deadline can no longer be met"))
+                                     "the request's deadline can no longer be met",
+                                     item.priority, item.tenant))
         for s in shed:
             self.remove(s.key)
         return shed

@@ -63,9 +63,10 @@ async def queued(client: httpx.AsyncClient) -> int:
 
 
 async def shed(client: httpx.AsyncClient, reason: str) -> float:
+    """Requests refused for ``reason``, whatever their priority and tenant."""
     text = (await client.get("/metrics")).text
-    found = re.search(rf'^kvroute_flow_shed_total\{{reason="{reason}"\}} (\S+)$', text, re.M)
-    return float(found.group(1)) if found else 0.0
+    return sum(float(v) for v in re.findall(
+        rf'^kvroute_flow_shed_total\{{[^}}]*reason="{reason}"[^}}]*\}} (\S+)$', text, re.M))
 
 
 async def post(client: httpx.AsyncClient, payload: dict[str, Any],
@@ -177,6 +178,35 @@ async def test_debug_route_says_why_a_request_would_wait() -> None:
         assert busy["workers"][0]["saturated"] and busy["workers"][0]["queued_s"] > 0.2
         drain(w, n=1)
         await first
+
+
+async def test_flow_metrics_label_named_tenants_and_pool_the_rest_as_other() -> None:
+    async with ScriptedWorker("paced") as w, router(w, tenant_weights="gold=2") as client:
+        first = asyncio.create_task(post(client, body("first", SHORT)))
+        await wait_for("the first sent", lambda: _true(len(w.requests) == 1))
+        tasks = [asyncio.create_task(post(client, body(f"q{i}", SHORT, priority=p),
+                                          {"x-kvroute-tenant": t}))
+                 for i, (t, p) in enumerate([("gold", 0), ("x", 0), ("y", 0), ("y", 2)])]
+        tasks.append(asyncio.create_task(post(client, body("anon", SHORT))))
+        await wait_for("5 queued", lambda: _both(True, queued(client), 5))
+        text = (await client.get("/metrics")).text
+        assert re.findall(r'^kvroute_flow_queued\{([^}]*)\} (\S+)$', text, re.M) == [
+            ('priority="0",tenant="gold"', "1.0"), ('priority="0",tenant="other"', "3.0"),
+            ('priority="2",tenant="other"', "1.0")]
+        late = await post(client, body("late", SHORT), {"x-kvroute-tenant": "gold",
+                                                        "x-kvroute-ttft-deadline-ms": "100"})
+        assert late.status_code == 429
+        text = (await client.get("/metrics")).text
+        assert re.findall(r'^kvroute_flow_shed_total\{([^}]*)\} (\S+)$', text, re.M) == [
+            ('priority="0",reason="deadline",tenant="gold"', "1.0")]
+        drain(w, n=6)
+        assert all(r.status_code == 200 for r in await asyncio.gather(first, *tasks))
+        text = (await client.get("/metrics")).text
+        waits = dict(re.findall(
+            r'^kvroute_flow_wait_seconds_count\{([^}]*)\} (\S+)$', text, re.M))
+        assert waits == {'priority="0",tenant="gold"': "1.0",
+                         'priority="0",tenant="other"': "3.0",
+                         'priority="2",tenant="other"': "1.0"}
 
 
 async def test_with_flow_control_off_nothing_waits() -> None:

@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.routing.admission import (
+    OTHER_TENANTS,
     FlowQueue,
     FlowSettings,
     Waiting,
@@ -207,3 +208,28 @@ def test_pop_order_is_by_band_then_finish_and_nothing_is_lost(
         for tenant in "abc":
             seqs = [w.seq for w in out if w.priority == prio and w.tenant == tenant]
             assert seqs == sorted(seqs)
+
+
+def test_tenant_labels_are_the_weights_names_and_other() -> None:
+    flow = FlowSettings(weights={"gold": 3.0, "salt:0a1b2c3d4e5f": 1.0})
+    assert [flow.tenant_label(t) for t in ("gold", "salt:0a1b2c3d4e5f", "anyone", "")] == [
+        "gold", "salt:0a1b2c3d4e5f", OTHER_TENANTS, OTHER_TENANTS]
+
+
+def test_counts_and_refusals_name_the_priority_and_tenant() -> None:
+    q = FlowQueue(FlowSettings(max_queue=3))
+    q.offer(item("a1", 0, "a"), 0.0, 2.0, 0.0)
+    q.offer(item("a2", 0, "a"), 0.0, 2.0, 0.0)
+    q.offer(item("b1", 5, "b"), 0.0, 2.0, 0.0)
+    assert q.counts() == {(0, "a"): 2, (5, "b"): 1}
+    offer = q.offer(item("c1", 1, "c"), 0.0, 2.0, 0.0)  # displaces b's
+    assert [(s.key, s.priority, s.tenant) for s in offer.displaced] == [("b1", 5, "b")]
+    full = q.offer(item("c2", 1, "c"), 0.0, 2.0, 0.0)
+    assert full.refused is not None
+    assert (full.refused.priority, full.refused.tenant) == (1, "c")
+    late = q.offer(item("d1", 0, "d", deadline=1.0), 0.0, 2.0, 0.0)
+    assert late.refused is not None and (late.refused.reason, late.refused.tenant) == (
+        "deadline", "d")
+    expired = q.expire(100.0, 0.5)
+    assert {(s.key, s.priority, s.tenant) for s in expired} == {
+        ("a1", 0, "a"), ("a2", 0, "a"), ("c1", 1, "c")}
