@@ -11,11 +11,13 @@ leaves) and lets it go as soon as some candidate is no longer saturated. Refusal
 :class:`~openai_request.bodies.ApiError` 429s carrying ``Retry-After``; no healthy worker is
 the decision's own 503.
 
-What a request asks of flow control (:func:`ask_of`): its priority (the body's ``priority``,
-an integer as vLLM takes it, lower first; or the ``x-kvroute-priority`` header), its tenant
-(the ``x-kvroute-tenant`` header, else the body's ``cache_salt``, else a hash of its API key),
-and a deadline for its first token (``x-kvroute-ttft-deadline-ms``, else its priority's
-configured one).
+What a request asks of flow control (:func:`ask_of`): its priority (the
+``x-kvroute-priority`` header; else the priority configured for the Gateway API Inference
+Extension ``InferenceObjective`` its ``x-gateway-inference-objective`` header names; else the
+body's ``priority``, an integer as vLLM takes it, lower first), its tenant (the
+``x-kvroute-tenant`` header, else the gateway's ``x-gateway-inference-fairness-id``, else the
+body's ``cache_salt``, else a hash of its API key), and a deadline for its first token
+(``x-kvroute-ttft-deadline-ms``, else its priority's configured one).
 """
 
 from __future__ import annotations
@@ -42,7 +44,13 @@ from router.routing.admission import (
 from router.routing.scheduler import Decision, WorkerCost
 from router.service import Route
 
-__all__ = ["Ask", "FlowControl", "Refused", "ask_of", "tenant_of"]
+__all__ = ["FAIRNESS_HEADER", "OBJECTIVE_HEADER", "Ask", "FlowControl", "Refused", "ask_of",
+           "tenant_of"]
+
+#: The Gateway API Inference Extension's request headers: the ``InferenceObjective`` a request
+#: serves, and the flow it shares capacity with.
+OBJECTIVE_HEADER = "x-gateway-inference-objective"
+FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
 
 #: Workers whose last seen saturation is kept at most (for ``/metrics``).
 _MAX_SHOWN = 4096
@@ -70,8 +78,11 @@ class Ask:
     deadline_s: float | None = None
 
 
-def ask_of(body: Mapping[str, Any], headers: Mapping[str, str]) -> Ask:
-    """Read a request's priority and deadline (module docstring).
+def ask_of(body: Mapping[str, Any], headers: Mapping[str, str],
+           objectives: Mapping[str, int] | None = None) -> Ask:
+    """Read a request's priority and deadline (module docstring); ``objectives`` maps an
+    ``InferenceObjective``'s name to its priority in flow control's order (an objective not
+    named there sets none).
 
     Raises:
         ApiError: 400 for a priority that is not an integer or a deadline that is not a
@@ -84,6 +95,8 @@ def ask_of(body: Mapping[str, Any], headers: Mapping[str, str]) -> Ask:
         except ValueError:
             raise ApiError(400, "the x-kvroute-priority header must be an integer, got "
                            f"{header!r}") from None
+    elif objectives and headers.get(OBJECTIVE_HEADER) in objectives:
+        priority = objectives[headers[OBJECTIVE_HEADER]]
     else:
         priority = body.get("priority", 0)
         if priority is None:
@@ -106,9 +119,10 @@ def ask_of(body: Mapping[str, Any], headers: Mapping[str, str]) -> Ask:
 
 
 def tenant_of(body: Mapping[str, Any], headers: Mapping[str, str]) -> str:
-    """A request's tenant: its ``x-kvroute-tenant`` header, else its ``cache_salt`` (hashed),
-    else its API key (hashed), else ``""``. Read only for a request that waits."""
-    tenant = headers.get("x-kvroute-tenant")
+    """A request's tenant: its ``x-kvroute-tenant`` header, else the gateway's fairness id,
+    else its ``cache_salt`` (hashed), else its API key (hashed), else ``""``. Read only for a
+    request that waits or is refused."""
+    tenant = headers.get("x-kvroute-tenant", headers.get(FAIRNESS_HEADER))
     if tenant is not None:
         return tenant
     salt = body.get("cache_salt")
@@ -185,6 +199,29 @@ class FlowControl:
         self.shed[shed.reason, shed.priority, shed.tenant] += 1
         return Refused(shed)
 
+    def admit_now(self, route: Route, ask: Ask, tenant: Callable[[], str] = str
+                  ) -> Route | None:
+        """``route`` (or the same request sent to a dearer candidate with room) when it may go
+        at once: flow control is off, or nobody waits and some candidate is not saturated.
+        None: it must wait (:meth:`admit`).
+
+        Raises:
+            Refused: 429, it could go at once but its deadline cannot be met.
+        """
+        if not self.settings.enabled:
+            return route
+        free = None if self.queue else self._unsaturated(route)
+        if free is None:
+            return None
+        now = self._clock()
+        deadline = self.settings.deadline(ask.priority, now, ask.deadline_s)
+        ttft = route.decision.chosen.cost
+        if deadline is not None and now + ttft > deadline:
+            raise self._refuse(Shed(route.request_id, "deadline", 1,
+                                    f"the first token is predicted in {ttft:.3g} s, past "
+                                    "the request's deadline", ask.priority, tenant()))
+        return route if free == route.decision.worker else _rebound(route, free)
+
     async def admit(self, route: Route, ask: Ask, decide_again: Callable[[], Route],
                     tenant: Callable[[], str] = str) -> Route:
         """Let ``route`` go at once, hold it until the fleet has room (and return it decided
@@ -195,19 +232,12 @@ class FlowControl:
                 a more urgent request displaced it.
             ApiError: deciding it again failed (503: no worker is healthy).
         """
-        settings = self.settings
-        if not settings.enabled:
-            return route
+        now_route = self.admit_now(route, ask, tenant)
+        if now_route is not None:
+            return now_route
         now = self._clock()
-        deadline = settings.deadline(ask.priority, now, ask.deadline_s)
+        deadline = self.settings.deadline(ask.priority, now, ask.deadline_s)
         ttft = route.decision.chosen.cost
-        free = None if self.queue else self._unsaturated(route)
-        if free is not None:
-            if deadline is not None and now + ttft > deadline:
-                raise self._refuse(Shed(route.request_id, "deadline", 1,
-                                        f"the first token is predicted in {ttft:.3g} s, past "
-                                        "the request's deadline", ask.priority, tenant()))
-            return route if free == route.decision.worker else _rebound(route, free)
         item = Waiting(route.request_id, ask.priority, tenant(), len(route.prompt.token_ids),
                        now, deadline)
         offer = self.queue.offer(item, now, ttft, self._drain(route))
