@@ -6,8 +6,10 @@ and the event loop).
 fleet with nobody waiting it returns the route as it is (one comparison on the chosen worker's
 queued work). Otherwise the request joins the queue and its handler waits;
 one dispatcher task, alive only while the queue is not empty, decides the queue's head again
-every ``tick_s`` (late binding: the worker is chosen with the index and loads of the moment it
-leaves) and lets it go as soon as some candidate is no longer saturated. Refusals are
+every ``tick_s`` and at each arrival that joins the queue (late binding: the worker is chosen
+with the index and loads of the moment it leaves) and lets it go as soon as some candidate has
+room for it (:func:`~router.routing.admission.has_room`: the least urgent band waiting leaves
+the bound's room for a more urgent arrival). Refusals are
 :class:`~openai_request.bodies.ApiError` 429s carrying ``Retry-After``; no healthy worker is
 the decision's own 503.
 
@@ -39,6 +41,7 @@ from router.routing.admission import (
     FlowSettings,
     Shed,
     Waiting,
+    has_room,
     worker_saturated,
 )
 from router.routing.scheduler import Decision, WorkerCost
@@ -172,6 +175,8 @@ class FlowControl:
         self._tick = tick_s
         self._waiting: dict[str, tuple[asyncio.Future[Route], Callable[[], Route]]] = {}
         self._task: asyncio.Task[None] | None = None
+        #: Set by an arrival that joins the queue: it may be the new head.
+        self._wake = asyncio.Event()
         #: Requests refused, by reason, priority and tenant.
         self.shed: Counter[tuple[str, int, str]] = Counter()
         #: Called with each request's priority, tenant and seconds waited as it leaves the
@@ -194,6 +199,21 @@ class FlowControl:
                                                      self.settings)
                           for c in route.decision.costs}
         return next((w for w, full in self.saturated.items() if not full), None)
+
+    def _leaving(self, route: Route, head: Waiting) -> int | None:
+        """The cheapest candidate the queue's ``head`` may leave for, leaving room for the
+        urgent (:func:`~router.routing.admission.has_room`); None: none has room."""
+        keep = self.queue.least_urgent(head)
+
+        def room(c: WorkerCost) -> bool:
+            first = c.cost - c.wait_s - c.prefill_s
+            return has_room(_queued(c), c.prefill_s, first, c.pending_prefill_blocks > 0,
+                            _usage(route, c), self.settings, keep_room=keep)
+
+        chosen = route.decision.chosen
+        if room(chosen):
+            return chosen.worker
+        return next((c.worker for c in route.decision.costs if room(c)), None)
 
     def _refuse(self, shed: Shed) -> Refused:
         self.shed[shed.reason, shed.priority, shed.tenant] += 1
@@ -247,6 +267,7 @@ class FlowControl:
             raise self._refuse(offer.refused)
         future: asyncio.Future[Route] = asyncio.get_running_loop().create_future()
         self._waiting[item.key] = (future, decide_again)
+        self._wake.set()
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._dispatch())
         try:
@@ -286,9 +307,11 @@ class FlowControl:
                 self._fail(shed.key, self._refuse(shed))
             if head.key not in self.queue:
                 continue
-            worker = self._unsaturated(route)
+            worker = self._leaving(route, head)
             if worker is None:
-                await asyncio.sleep(self._tick)
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):  # a tick, or an arrival, first
+                    await asyncio.wait_for(self._wake.wait(), self._tick)
                 continue
             if worker != route.decision.worker:
                 route = _rebound(route, worker)

@@ -10,7 +10,16 @@ first: when it is not saturated the request goes at once, at the cost of one com
 
 **The queue.** A request that finds the fleet saturated (or finds others already waiting)
 waits in the router. It is bound to a worker only when it leaves (late binding): the caller
-decides it again then, with the index and loads of that moment. The queue holds one band per
+decides it again then, with the index and loads of that moment.
+
+**Room kept for the urgent** (:func:`has_room`). The bound is the work an urgent arrival finds
+queued ahead of it. A waiting request more urgent than some other waiting one leaves when the
+work queued on a worker is within the bound, as an arrival does. One of the least urgent band
+waiting leaves only when the work it leaves queued, its own prefill added, stays within the
+bound: otherwise each dispatch pushes the queue past the bound by one prompt, and an urgent
+arrival then waits that prompt in the engine and, in the router, for the books to fall back
+under the bound. A prompt whose prefill and first iteration alone exceed the bound goes to a
+worker with no prefill queued, so it is never held for good. The queue holds one band per
 priority; the band of the most urgent priority is served first (lower numbers first, as vLLM's
 ``priority`` field reads). Inside a band, tenants share by start-time fair queuing on tokens:
 each request gets ``start = max(V, last finish of its tenant)`` and ``finish = start + tokens /
@@ -36,7 +45,8 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 __all__ = ["OTHER_TENANTS", "SHED_REASONS", "FlowQueue", "FlowSettings", "Offer", "Shed",
-           "Waiting", "fleet_saturated", "priority_label", "retry_after", "worker_saturated"]
+           "Waiting", "fleet_saturated", "has_room", "priority_label", "retry_after",
+           "worker_saturated"]
 
 #: Why a request was refused: its deadline could not be met (on arrival or while waiting),
 #: the queue was full, it waited the longest allowed, it was displaced by a more urgent one.
@@ -118,6 +128,31 @@ def worker_saturated(queued_s: float, kv_usage: float, settings: FlowSettings) -
     """Whether a worker whose queued work would hold a first token ``queued_s`` seconds, with
     ``kv_usage`` of its device blocks held, is saturated."""
     return queued_s > settings.ttft_bound_s or 0 < settings.kv_threshold < kv_usage
+
+
+def has_room(queued_s: float, prefill_s: float, first_s: float, prefill_queued: bool,
+             kv_usage: float, settings: FlowSettings, *, keep_room: bool) -> bool:
+    """Whether a worker may take a request leaving the queue (module docstring).
+
+    Args:
+        queued_s: seconds the work queued there holds a new first token (its fixed first
+            iteration included).
+        prefill_s: the request's own prefill there, in seconds.
+        first_s: the fixed part of a first token (one iteration).
+        prefill_queued: whether any prefill is queued there.
+        kv_usage: the share of its device blocks held.
+        settings: the bounds.
+        keep_room: the request is of the least urgent band waiting: it must leave the bound's
+            room for a more urgent arrival.
+    """
+    if 0 < settings.kv_threshold < kv_usage:
+        return False
+    bound = settings.ttft_bound_s
+    if not keep_room:
+        return queued_s <= bound
+    if queued_s + prefill_s <= bound:
+        return True
+    return prefill_s + first_s > bound and not prefill_queued  # a prompt longer than the bound
 
 
 def fleet_saturated(loads: Iterator[tuple[float, float]] | list[tuple[float, float]],
@@ -217,6 +252,11 @@ class FlowQueue:
             for w in band.items.values():
                 out[p, w.tenant] = out.get((p, w.tenant), 0) + 1
         return out
+
+    def least_urgent(self, item: Waiting) -> bool:
+        """Whether ``item`` is of the least urgent band waiting (:func:`has_room`)."""
+        return item.priority >= max((p for p, b in self._bands.items() if b.items),
+                                    default=item.priority)
 
     def tokens_ahead(self, priority: int, finish: float = math.inf) -> int:
         """Tokens that leave before a request of ``priority`` whose finish tag is ``finish``:

@@ -15,6 +15,7 @@ from router.routing.admission import (
     FlowSettings,
     Waiting,
     fleet_saturated,
+    has_room,
     priority_label,
     retry_after,
     worker_saturated,
@@ -233,3 +234,30 @@ def test_counts_and_refusals_name_the_priority_and_tenant() -> None:
     expired = q.expire(100.0, 0.5)
     assert {(s.key, s.priority, s.tenant) for s in expired} == {
         ("a1", 0, "a"), ("a2", 0, "a"), ("c1", 1, "c")}
+
+
+def test_the_least_urgent_band_leaves_room_for_an_urgent_arrival() -> None:
+    # Bound 1 s; 0.6 s queued. A more urgent request goes (0.6 <= 1); one of the least urgent
+    # band with 0.5 s of prefill would leave 1.1 s queued: it waits; with 0.3 s it fits.
+    assert has_room(0.6, 0.5, 0.1, True, 0.0, BOUNDS, keep_room=False)
+    assert not has_room(0.6, 0.5, 0.1, True, 0.0, BOUNDS, keep_room=True)
+    assert has_room(0.6, 0.3, 0.1, True, 0.0, BOUNDS, keep_room=True)
+    assert not has_room(1.2, 0.0, 0.1, True, 0.0, BOUNDS, keep_room=False)
+    # A prompt longer than the bound (0.95 s of prefill + 0.1 s first iteration) never fits:
+    # it goes where no prefill is queued, and waits where some is.
+    assert has_room(0.3, 0.95, 0.1, False, 0.0, BOUNDS, keep_room=True)
+    assert not has_room(0.3, 0.95, 0.1, True, 0.0, BOUNDS, keep_room=True)
+    # One that would fit an idle worker waits for the queue to fall, even with no prefill
+    # queued (decodes hold it): it does not take the room.
+    assert not has_room(0.5, 0.8, 0.1, False, 0.0, BOUNDS, keep_room=True)
+    assert not has_room(0.1, 0.1, 0.1, False, 0.95, BOUNDS, keep_room=False)  # KV is full
+
+
+def test_the_least_urgent_band_is_the_largest_priority_waiting() -> None:
+    q = FlowQueue(BOUNDS)
+    hi, lo = item("hi", -1), item("lo", 3)
+    assert q.least_urgent(hi)  # nothing waits: an arrival is the least urgent
+    q.offer(lo, 0.0, 2.0, 0.0)
+    assert not q.least_urgent(hi) and q.least_urgent(lo)
+    q.offer(hi, 0.0, 2.0, 0.0)
+    assert q.least_urgent(lo) and not q.least_urgent(hi)
