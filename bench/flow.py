@@ -9,9 +9,13 @@ interactive: priority 0, tenant ``chat``; the rest is batch at priority 1, from 
 flow control keeps its TTFT p99 under ``--slo``; :func:`bench.capacity.search_capacity`),
 and replays the workload at ``--loads`` times that rate through :func:`bench.sim.simulate`
 with ``kvroute`` (flow control off) and ``kvroute+flow``
-(:class:`~bench.policies.flow_policy.FlowPolicy`, the router's bounds; the TTFT bound is
+(:class:`~bench.policies.flow_policy.FlowPolicy`, the router's rules and bounds; ``--modes``
+may add ``lax``, the same without the room kept for the urgent; the TTFT bound is
 ``--bound``, and every request's TTFT deadline is ``--deadline``, by default the SLO: a
 request that cannot meet it is refused at once rather than served too late).
+
+``--live`` runs the same loads through the real router and ``kvroute worker`` processes
+instead (:mod:`bench.flow_live`).
 
 Per load and mode it prints: goodput (requests per second of the arrival window whose TTFT
 met the SLO), the shares of requests that waited in the router and that were shed, TTFT p50
@@ -132,11 +136,12 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     on = RouterSettings(flow_ttft_bound=args.bound, flow_max_wait=args.max_wait,
                         flow_deadlines=f"0={deadline},1={deadline}")
 
-    def replay(scale: float, settings: RouterSettings, flow: bool
+    def replay(scale: float, settings: RouterSettings, flow: bool, keep_room: bool = True
                ) -> tuple[SimResult, float, int]:
         requests = scale_rate(base, scale)
         window = max(requests[-1].arrival_s - requests[0].arrival_s, 1e-9)
-        policy = FlowPolicy(settings, tags) if flow else KvroutePolicy(settings)
+        policy = (FlowPolicy(settings, tags, keep_room=keep_room) if flow
+                  else KvroutePolicy(settings))
         result = simulate(requests, policy, sim, args.seed)
         return result, window, len(policy.waits) if isinstance(policy, FlowPolicy) else 0
 
@@ -153,12 +158,17 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     print(f"capacity: rate x{capacity:.3g} of {args.rate}/s ({args.workload}, "
           f"{args.workers} workers), TTFT p99 <= {args.slo} s without flow control",
           file=sys.stderr)
+    if args.live:
+        from bench.flow_live import run_live
+
+        return run_live(args, base, tags, capacity)
     rows = []
     for load in args.loads:
-        for mode, settings in (("off", off), ("on", on)):
+        for mode, settings in (("off", off), ("lax", on), ("on", on)):
             if mode not in args.modes.split(","):
                 continue
-            result, window, held = replay(capacity * load, settings, mode == "on")
+            result, window, held = replay(capacity * load, settings, mode != "off",
+                                          keep_room=mode == "on")
             rows.append({"load": load, "flow": mode,
                          **summarize(result, tags, args.slo, window, held)})
     return rows
@@ -199,7 +209,15 @@ def build_parser(prog: str = "python -m bench.flow") -> argparse.ArgumentParser:
     a("--capacity-steps", type=int, default=5)
     a("--capacity", type=float, default=None,
       help="the rate scale taken as the capacity (default: searched)")
-    a("--modes", default="off,on", help="which runs per load (default off,on)")
+    a("--modes", default="off,on",
+      help="which runs per load (default off,on; lax: flow control without the room kept "
+      "for the urgent, every band leaving the queue when the queued work is within the bound)")
+    a("--live", action="store_true",
+      help="run the real router and simulated workers (bench.flow_live) instead of the "
+      "simulation; the capacity is still searched in simulation unless --capacity is given")
+    a("--speedup", type=float, default=0.1,
+      help="--live: the workers' --speedup (default 0.1: ten times slower than the timing "
+      "model, so the machine keeps up); times are reported in the model's seconds")
     return p
 
 

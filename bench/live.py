@@ -41,7 +41,7 @@ from bench.figures import mean
 from bench.report import percentile, prediction_error, write_json
 from bench.workloads import WorkloadRequest
 
-__all__ = ["LATE_S", "LiveRecord", "replay_live", "run_live", "summarize_live"]
+__all__ = ["LATE_S", "Decorate", "LiveRecord", "replay_live", "run_live", "summarize_live"]
 
 #: A request sent more than this many seconds after its scheduled arrival counts as late.
 LATE_S = 0.010
@@ -65,9 +65,14 @@ class LiveRecord:
     error: str | None = None
 
 
+#: Extra body fields and headers for one request (``bench.flow``'s priorities and tenants).
+Decorate = Callable[[WorkloadRequest], tuple[dict[str, Any], dict[str, str]]]
+
+
 async def _one(session: aiohttp.ClientSession, url: str, req: WorkloadRequest,
                model: str | None, due: float,
-               as_text: Callable[[Sequence[int]], str] | None = None) -> LiveRecord:
+               as_text: Callable[[Sequence[int]], str] | None = None,
+               decorate: Decorate | None = None) -> LiveRecord:
     """Send one request; times count from ``due`` (its scheduled arrival, perf_counter)."""
     tokens = req.token_ids()
     rec = LiveRecord(req.request_id, len(tokens), max(0.0, time.perf_counter() - due))
@@ -76,8 +81,11 @@ async def _one(session: aiohttp.ClientSession, url: str, req: WorkloadRequest,
                             "stream": True, "stream_options": {"include_usage": True}}
     if model is not None:
         body["model"] = model
+    extra, headers = decorate(req) if decorate is not None else ({}, {})
+    body.update(extra)
     try:
-        async with session.post(f"{url.rstrip('/')}/v1/completions", json=body) as resp:
+        async with session.post(f"{url.rstrip('/')}/v1/completions", json=body,
+                                headers=headers) as resp:
             if resp.status != 200:
                 rec.error = f"HTTP {resp.status}"
                 return rec
@@ -117,7 +125,8 @@ async def _one(session: aiohttp.ClientSession, url: str, req: WorkloadRequest,
 async def replay_live(url: str, requests: Sequence[WorkloadRequest], *,
                       concurrency: int = 512, model: str | None = None,
                       progress: Any = None,
-                      as_text: Callable[[Sequence[int]], str] | None = None
+                      as_text: Callable[[Sequence[int]], str] | None = None,
+                      decorate: Decorate | None = None
                       ) -> tuple[list[LiveRecord], float]:
     """Send every request at its arrival time; return the records and the wall makespan.
 
@@ -130,6 +139,7 @@ async def replay_live(url: str, requests: Sequence[WorkloadRequest], *,
         progress: a tqdm-like object updated per finished request.
         as_text: sends each prompt as this text instead of token ids (for routers that take
             text only); the prompt's length is then the one the engine reports.
+        decorate: each request's extra body fields and headers.
     """
     limit = asyncio.Semaphore(concurrency)
     timeout = aiohttp.ClientTimeout(total=None, sock_connect=10)
@@ -143,7 +153,7 @@ async def replay_live(url: str, requests: Sequence[WorkloadRequest], *,
         if delay > 0:
             await asyncio.sleep(delay)
         async with limit:
-            rec = await _one(session, url, req, model, due, as_text)
+            rec = await _one(session, url, req, model, due, as_text, decorate)
         if progress is not None:
             progress.update(1)
         return rec

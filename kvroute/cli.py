@@ -306,6 +306,9 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
       help="a TTFT deadline per priority (the x-kvroute-ttft-deadline-ms header overrides)")
     a("--tenant-weights", metavar="TENANT=WEIGHT,...",
       help="each tenant's share of tokens inside its priority (one when not named)")
+    a("--objective-priorities", metavar="NAME=PRIORITY,...",
+      help="the priority of each InferenceObjective a request names in the "
+      "x-gateway-inference-objective header, as its spec.priority reads (higher first)")
     a = serving.add_argument
     a("--admin-token", help="bearer token for /workers and /debug/* (visible in ps: prefer "
       "--admin-token-file or KVROUTE_ADMIN_TOKEN)")

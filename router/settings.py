@@ -125,6 +125,10 @@ class RouterSettings:
     flow_deadlines: str = ""
     #: ``TENANT=WEIGHT,...``: each tenant's share inside its priority (1 when not named).
     tenant_weights: str = ""
+    #: ``NAME=PRIORITY,...``: the priority of each Gateway API Inference Extension
+    #: ``InferenceObjective`` a request names in ``x-gateway-inference-objective``, as the
+    #: objective's ``spec.priority`` reads (higher is more urgent).
+    objective_priorities: str = ""
 
     def __post_init__(self) -> None:
         for f in fields(self):  # inf or nan: a weight that swamps every other, a wait forever
@@ -202,6 +206,7 @@ class RouterSettings:
             except ValueError as exc:
                 raise SettingsError(f"discover: {exc}") from None
         self.flow_settings()
+        self.objectives()
 
     def flow_settings(self) -> FlowSettings:
         """Flow control's bounds, deadlines per priority and tenant weights.
@@ -224,6 +229,24 @@ class RouterSettings:
                                 weights=dict(_pairs(self.tenant_weights, "tenant_weights")))
         except ValueError as exc:
             raise SettingsError(str(exc)) from None
+
+    def objectives(self) -> dict[str, int]:
+        """Each named ``InferenceObjective``'s priority in flow control's order (lower is more
+        urgent): its ``spec.priority`` (higher is more urgent) negated.
+
+        Raises:
+            SettingsError: an entry is not ``NAME=INTEGER``.
+        """
+        out = {}
+        try:
+            for name, value in _pairs(self.objective_priorities, "objective_priorities"):
+                if value != int(value):
+                    raise ValueError(f"objective_priorities: the priority of {name!r} must be "
+                                     f"an integer, got {value}")
+                out[name] = -int(value)
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
+        return out
 
     def connection_limits(self) -> ConnectionLimits:
         """The HTTP server's connection limits and timeouts."""

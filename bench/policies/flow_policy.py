@@ -6,8 +6,11 @@ work queued there holding a first token past the bound, or its KV usage over the
 others already waiting is held (:data:`~bench.policies.base.HELD`) or refused
 (:data:`~bench.policies.base.SHED`); the simulation asks :meth:`FlowPolicy.dispatch` after
 every iteration and arrival which held requests leave now (each decided again then: late
-binding) and which were shed while waiting. Priorities and tenants come from ``tags``
-(request id -> (priority, tenant)); the flow settings from the router's.
+binding) and which were shed while waiting, leaving room for the urgent as the router does
+(:func:`~router.routing.admission.has_room`; ``keep_room=False``: every band leaves when the
+queued work is within the bound, the rule before that, for comparison). Priorities and
+tenants come from ``tags`` (request id -> (priority, tenant)); the flow settings from the
+router's.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from collections.abc import Mapping
 
 from bench.policies.base import HELD, SHED, RouteRequest
 from bench.policies.kvroute_policy import KvroutePolicy
-from router.routing.admission import FlowQueue, Waiting, worker_saturated
+from router.routing.admission import FlowQueue, Waiting, has_room, worker_saturated
 from router.routing.scheduler import Decision, WorkerCost
 from router.settings import RouterSettings
 
@@ -30,15 +33,18 @@ class FlowPolicy(KvroutePolicy):
         settings: the router's settings (flow control's among them).
         tags: each request's priority and tenant (priority 0, tenant ``""`` when absent).
         name: the name the run reports.
+        keep_room: whether the least urgent band leaves room for the urgent (module
+            docstring).
     """
 
     name = "kvroute+flow"
 
     def __init__(self, settings: RouterSettings | None = None,
                  tags: Mapping[str, tuple[int, str]] | None = None,
-                 name: str | None = None) -> None:
+                 name: str | None = None, keep_room: bool = True) -> None:
         super().__init__(settings, name)
         self.flow = self.settings.flow_settings()
+        self.keep_room = keep_room
         self.tags = dict(tags or {})
         self.queue = FlowQueue(self.flow)
         self._held: dict[str, RouteRequest] = {}
@@ -66,6 +72,20 @@ class FlowPolicy(KvroutePolicy):
         if free(decision.chosen):
             return decision.worker
         return next((c.worker for c in decision.costs if free(c)), None)
+
+    def _leaving(self, decision: Decision, head: Waiting) -> int | None:
+        """The cheapest candidate ``head`` may leave the queue for (None: none has room)."""
+        keep = self.keep_room and self.queue.least_urgent(head)
+
+        def room(c: WorkerCost) -> bool:
+            usage = self.cluster.worker_metrics(c.worker).kv_usage
+            first = c.cost - c.wait_s - c.prefill_s
+            return has_room(c.cost - c.prefill_s, c.prefill_s, first,
+                            c.pending_prefill_blocks > 0, usage, self.flow, keep_room=keep)
+
+        if room(decision.chosen):
+            return decision.worker
+        return next((c.worker for c in decision.costs if room(c)), None)
 
     def _book(self, request: RouteRequest, decision: Decision, worker: int, now: float) -> int:
         self.core.routed(request.request_id, worker, request.hashes, decision.terms(worker),
@@ -117,7 +137,7 @@ class FlowPolicy(KvroutePolicy):
                 self.shed[s.reason] = self.shed.get(s.reason, 0) + 1
             if head.key not in self.queue:
                 continue
-            worker = self._room(decision)
+            worker = self._leaving(decision, head)
             if worker is None:
                 break
             self.queue.pop()

@@ -17,7 +17,10 @@ Envoy opens one ``Process`` stream per HTTP request and sends its phases in orde
    Then the body is parsed, :meth:`Picker.pick` decides and books, and the answer names the
    endpoint (header, ``envoy.lb`` metadata, route cache cleared). Under
    ``FULL_DUPLEX_STREAMED`` the held body is sent back whole after the headers answer. An
-   invalid body gets an immediate 400 (or the picker's 404/503).
+   invalid body gets an immediate 400 (or the picker's 404/503, or flow control's 429 with
+   ``Retry-After``). While the fleet is saturated the picker answers :class:`Held`: the
+   exchange answers nothing and keeps it in :attr:`Exchange.held`; the stream's owner awaits
+   :meth:`Exchange.admitted` for the answers once flow control lets the request go.
 3. ``response_headers`` / ``response_body``: the first response body chunk marks the end of
    prefill; the last one, or the stream's end (:meth:`Exchange.close`), releases the booking.
 
@@ -35,7 +38,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 from openai_request.bodies import ApiError, parse_body
 from router.epp import messages
 from router.epp.early import EarlyBody
-from router.epp.picker import ENDPOINT, Pick, Picker
+from router.epp.picker import ENDPOINT, Held, Pick, Picker
 
 __all__ = ["Exchange", "kind_for_path"]
 
@@ -71,7 +74,11 @@ class Exchange:
         self._refused = False
         self._streamed_response = False
         self._early: EarlyBody | None = None
+        self._headers: dict[str, str] = {}
+        self._held_body: tuple[bytes, bool] = (b"", False)
         self.pick: Pick | None = None
+        #: A request flow control holds: :meth:`admitted` answers it.
+        self.held: Held | None = None
         #: Whether the decision came before the body's last chunk (full duplex).
         self.early = False
 
@@ -84,7 +91,8 @@ class Exchange:
         phase = request.WhichOneof("request")
         if phase == "request_headers":
             headers = request.request_headers
-            self._kind = kind_for_path(messages.header(headers, ":path"))
+            self._headers = messages.header_map(headers)
+            self._kind = kind_for_path(self._headers.get(":path"))
             if headers.end_of_stream:  # no body to route by: any worker answers alike
                 try:
                     endpoint = self._picker.pick_any(self._subset)
@@ -154,7 +162,8 @@ class Exchange:
     def _decide_early(self, partial: object, padded: object) -> list[ep.ProcessingResponse]:
         assert self._kind is not None, "an early try has the path's kind"
         try:
-            pick = self._picker.pick_early(partial, padded, self._kind, self._subset)
+            pick = self._picker.pick_early(partial, padded, self._kind, self._subset,
+                                           self._headers)
         except ApiError as exc:  # counted by the picker
             self._drop()
             self._refused = True
@@ -181,10 +190,30 @@ class Exchange:
             return [messages.immediate_error(exc)]
         kind = self._kind or ("chat" if "messages" in parsed else "completions")
         try:
-            self.pick = self._picker.pick(parsed, kind, self._subset)
+            picked = self._picker.pick(parsed, kind, self._subset, self._headers)
         except ApiError as exc:  # counted by the picker
             return [messages.immediate_error(exc)]
+        if isinstance(picked, Held):
+            self.held, self._held_body = picked, (raw, last)
+            return []
+        self.pick = picked
+        return self._routed(raw, last)
+
+    async def admitted(self) -> list[ep.ProcessingResponse]:
+        """The answers to the request flow control held, once it leaves the queue: where it
+        goes, or its refusal. Cancelled (the stream ended): it leaves the queue."""
+        held, self.held = self.held, None
+        assert held is not None, "admitted() without a held request"
+        try:
+            self.pick = await self._picker.admit(held)
+        except ApiError as exc:  # counted by the picker
+            return [messages.immediate_error(exc)]
+        return self._routed(*self._held_body)
+
+    def _routed(self, raw: bytes, last: bool) -> list[ep.ProcessingResponse]:
+        assert self.pick is not None, "routed without a pick"
         endpoint = self.pick.endpoint
+        self._held_body = (b"", False)
         if not self._duplex:
             return [messages.routed(endpoint, "request_body")]
         return [messages.routed(endpoint, "request_headers"), _streamed(raw, last)]

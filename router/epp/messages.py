@@ -31,6 +31,7 @@ __all__ = [
     "continue_response_body",
     "continue_response_headers",
     "header",
+    "header_map",
     "immediate_error",
     "routed",
     "subset_hint",
@@ -51,6 +52,12 @@ def header(headers: ep.HttpHeaders, name: str) -> str | None:
         if h.key == name:
             return h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
     return None
+
+
+def header_map(headers: ep.HttpHeaders) -> dict[str, str]:
+    """Every header in ``headers`` by its (lower-case) name; a repeated one's last value."""
+    return {h.key: h.raw_value.decode("utf-8", "replace") if h.raw_value else h.value
+            for h in headers.headers.headers}
 
 
 def subset_hint(request: ep.ProcessingRequest) -> frozenset[str] | None:
@@ -100,9 +107,12 @@ def routed(endpoint: str, phase: str) -> ep.ProcessingResponse:
 
 
 def immediate_error(error: ApiError) -> ep.ProcessingResponse:
-    """An ``ImmediateResponse``: Envoy answers the client with ``error`` and stops."""
+    """An ``ImmediateResponse``: Envoy answers the client with ``error`` and stops. Headers
+    the error carries (a 429's ``retry-after``) ride along."""
+    extra: dict[str, str] = getattr(error, "headers", None) or {}
     mutation = ep.HeaderMutation(set_headers=[base_pb2.HeaderValueOption(
-        header=base_pb2.HeaderValue(key="content-type", raw_value=b"application/json"))])
+        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()))
+        for key, value in {"content-type": "application/json", **extra}.items()])
     return ep.ProcessingResponse(immediate_response=ep.ImmediateResponse(
         status=http_status_pb2.HttpStatus(code=error.status), headers=mutation,
         body=json.dumps(error_body(error)).encode(), details=f"kvroute_epp_{error.status}"))

@@ -1,15 +1,21 @@
-"""The endpoint picker's one seam onto the router: decide, book, release.
+"""The endpoint picker's one seam onto the router: decide, admit, book, release.
 
 Everything the EPP needs from :class:`~router.service.RouterService` goes through
 :class:`Picker`: the same :meth:`~router.service.RouterService.decide` the HTTP router calls,
-the same booking (load, predicted residency, session) when the request is handed to Envoy,
-and the same release when it ends. Nothing here scores a worker; a change to the routing core
-shows up in the EPP with no change in this package beyond this module.
+the same flow control (:class:`~router.http.flow.FlowControl`: while the fleet is saturated
+a request is held, its ext_proc stream left unanswered, and decided again when it leaves the
+queue; a refusal is a 429 with ``Retry-After``), the same booking (load, predicted residency,
+session) when the request is handed to Envoy, and the same release when it ends. A request's
+priority may come from the ``InferenceObjective`` the gateway names
+(``x-gateway-inference-objective``, mapped by ``--objective-priorities``) and its tenant from
+``x-gateway-inference-fairness-id``. Nothing here scores a worker; a change to the routing
+core shows up in the EPP with no change in this package beyond this module.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -17,10 +23,12 @@ from urllib.parse import urlsplit
 from openai_request.bodies import ApiError
 from router.fleet.entry import Target
 from router.fleet.unavailable import unavailable_reason
+from router.http.flow import Ask, FlowControl, ask_of, tenant_of
+from router.http.flow_metrics import register_flow_metrics
 from router.http.metrics import RouterMetrics
 from router.service import Route, RouterService
 
-__all__ = ["ENDPOINT", "Pick", "Picker", "endpoint_of"]
+__all__ = ["ENDPOINT", "Held", "Pick", "Picker", "endpoint_of"]
 
 #: The endpoint label of the EPP's decisions in ``kvroute_requests`` (status 200: routed).
 ENDPOINT = "ext_proc"
@@ -51,6 +59,18 @@ class Pick:
     ended: bool = False
 
 
+@dataclass(frozen=True, slots=True)
+class Held:
+    """A request flow control must hold: what deciding it again and booking it need."""
+
+    route: Route
+    body: Any
+    kind: str
+    subset: frozenset[str] | None
+    ask: Ask
+    tenant: str
+
+
 class Picker:
     """Chooses a worker for a request body and keeps the router's books for it.
 
@@ -63,13 +83,17 @@ class Picker:
     def __init__(self, service: RouterService, metrics: RouterMetrics | None = None) -> None:
         self.service = service
         self.metrics = metrics if metrics is not None else RouterMetrics(service)
+        self.flow = FlowControl(service.settings.flow_settings())
+        self._objectives = service.settings.objectives()
+        register_flow_metrics(self.metrics.registry, self.flow, self.metrics.worker_label)
 
     def ready(self) -> bool:
         """Whether any worker may take a request now."""
         return bool(self.service.registry.candidates())
 
-    def pick(self, body: Any, kind: str, subset: frozenset[str] | None = None) -> Pick:
-        """Decide where ``body`` goes and book it there.
+    def pick(self, body: Any, kind: str, subset: frozenset[str] | None = None,
+             headers: Mapping[str, str] | None = None) -> Pick | Held:
+        """Decide where ``body`` goes and book it there, or say that it must wait.
 
         Args:
             body: the parsed request body.
@@ -77,16 +101,48 @@ class Picker:
             subset: ``host:port`` endpoints the data plane allows (the GIE subset hint);
                 ``None`` allows every worker. The router's choice is kept when allowed, else
                 its best-ranked allowed alternative.
+            headers: the request's headers (lower-case names): its priority, tenant and
+                deadline for flow control.
+
+        Returns:
+            The booked pick; or, while the fleet is saturated, a :class:`Held` for
+            :meth:`admit` (nothing booked, nothing queued yet).
 
         Raises:
-            ApiError: the body is invalid (400), names an unknown model (404), or no
-                (allowed) worker can take it (503).
+            ApiError: the body is invalid (400), names an unknown model (404), cannot meet
+                its deadline (429), or no (allowed) worker can take it (503).
         """
+        headers = headers or {}
         try:
+            ask = ask_of(body, headers, self._objectives)
             route = self.service.decide(body, kind)
+            now = self.flow.admit_now(route, ask, lambda: tenant_of(body, headers))
         except ApiError as exc:
             self.metrics.request(ENDPOINT, exc.status)
             raise
+        if now is None:
+            return Held(route, body, kind, subset, ask, tenant_of(body, headers))
+        return self._book(now, subset)
+
+    async def admit(self, held: Held) -> Pick:
+        """Wait in flow control's queue until the fleet has room, then book the request as
+        decided again then.
+
+        Raises:
+            ApiError: 429 (its deadline cannot be met, the queue is full, it waited too long,
+                a more urgent request displaced it) or 503 (no worker is healthy).
+        """
+        try:
+            route = await self.flow.admit(
+                held.route, held.ask,
+                lambda: self.service.decide(held.body, held.kind, held.route.prompt),
+                lambda: held.tenant)
+        except ApiError as exc:
+            self.metrics.request(ENDPOINT, exc.status)
+            raise
+        return self._book(route, held.subset)
+
+    def _book(self, route: Route, subset: frozenset[str] | None) -> Pick:
         ranked = [route.worker, *route.fallbacks()]
         for worker in ranked:
             endpoint = endpoint_of(worker.url)
@@ -100,7 +156,8 @@ class Picker:
                        "service_unavailable")
 
     def pick_early(self, partial: Any, padded: Any, kind: str,
-                   subset: frozenset[str] | None = None) -> Pick | None:
+                   subset: frozenset[str] | None = None,
+                   headers: Mapping[str, str] | None = None) -> Pick | None:
         """Decide on the first part of a body, when that part settles the match.
 
         ``partial`` is the body as far as it has arrived (its prompt cut where the bytes end);
@@ -110,7 +167,8 @@ class Picker:
         whether the match ends inside what arrived: only then (its prompt was walked only
         part way, ``estimated_tokens``) can no later byte change it, and ``padded`` is decided
         and booked as :meth:`pick` does. ``None``: not settled yet (or ``partial`` is not a
-        body the router takes yet); wait for more.
+        body the router takes yet), or flow control would hold it (it is held when the whole
+        body has come); wait for more.
 
         Raises:
             ApiError: as :meth:`pick`, for a settled body.
@@ -124,7 +182,8 @@ class Picker:
             self.service.rng.setstate(state)
         if not getattr(probe.prompt, "estimated_tokens", 0):
             return None
-        return self.pick(padded, kind, subset)
+        picked = self.pick(padded, kind, subset, headers)
+        return picked if isinstance(picked, Pick) else None
 
     def pick_any(self, subset: frozenset[str] | None = None) -> str:
         """A worker for a request with no body to route by (``GET /v1/models``): the allowed

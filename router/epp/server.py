@@ -75,6 +75,8 @@ class ExternalProcessor(ep_grpc.ExternalProcessorServicer):
                     return
                 try:
                     answers = exchange.on_message(request)
+                    if exchange.held is not None:  # the fleet is saturated: wait in the queue
+                        answers = [*answers, *await exchange.admitted()]
                 except Exception:  # one request's bug must not stop the stream or server
                     log.exception("endpoint picker failed on a request")
                     answers = [messages.immediate_error(ApiError(
@@ -179,6 +181,7 @@ async def epp_server(settings: RouterSettings, grpc_port: int, host: str | None 
         with contextlib.suppress(asyncio.CancelledError):
             await watcher
         await health_servicer.enter_graceful_shutdown()
+        await picker.flow.close()  # every request still held is answered 503
         await server.stop(grace=5)
         await service.registry.stop()
         if runner is not None:

@@ -6,16 +6,20 @@ and the event loop).
 fleet with nobody waiting it returns the route as it is (one comparison on the chosen worker's
 queued work). Otherwise the request joins the queue and its handler waits;
 one dispatcher task, alive only while the queue is not empty, decides the queue's head again
-every ``tick_s`` (late binding: the worker is chosen with the index and loads of the moment it
-leaves) and lets it go as soon as some candidate is no longer saturated. Refusals are
+every ``tick_s`` and at each arrival that joins the queue (late binding: the worker is chosen
+with the index and loads of the moment it leaves) and lets it go as soon as some candidate has
+room for it (:func:`~router.routing.admission.has_room`: the least urgent band waiting leaves
+the bound's room for a more urgent arrival). Refusals are
 :class:`~openai_request.bodies.ApiError` 429s carrying ``Retry-After``; no healthy worker is
 the decision's own 503.
 
-What a request asks of flow control (:func:`ask_of`): its priority (the body's ``priority``,
-an integer as vLLM takes it, lower first; or the ``x-kvroute-priority`` header), its tenant
-(the ``x-kvroute-tenant`` header, else the body's ``cache_salt``, else a hash of its API key),
-and a deadline for its first token (``x-kvroute-ttft-deadline-ms``, else its priority's
-configured one).
+What a request asks of flow control (:func:`ask_of`): its priority (the
+``x-kvroute-priority`` header; else the priority configured for the Gateway API Inference
+Extension ``InferenceObjective`` its ``x-gateway-inference-objective`` header names; else the
+body's ``priority``, an integer as vLLM takes it, lower first), its tenant (the
+``x-kvroute-tenant`` header, else the gateway's ``x-gateway-inference-fairness-id``, else the
+body's ``cache_salt``, else a hash of its API key), and a deadline for its first token
+(``x-kvroute-ttft-deadline-ms``, else its priority's configured one).
 """
 
 from __future__ import annotations
@@ -37,12 +41,19 @@ from router.routing.admission import (
     FlowSettings,
     Shed,
     Waiting,
+    has_room,
     worker_saturated,
 )
 from router.routing.scheduler import Decision, WorkerCost
 from router.service import Route
 
-__all__ = ["Ask", "FlowControl", "Refused", "ask_of", "tenant_of"]
+__all__ = ["FAIRNESS_HEADER", "OBJECTIVE_HEADER", "Ask", "FlowControl", "Refused", "ask_of",
+           "tenant_of"]
+
+#: The Gateway API Inference Extension's request headers: the ``InferenceObjective`` a request
+#: serves, and the flow it shares capacity with.
+OBJECTIVE_HEADER = "x-gateway-inference-objective"
+FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
 
 #: Workers whose last seen saturation is kept at most (for ``/metrics``).
 _MAX_SHOWN = 4096
@@ -70,8 +81,11 @@ class Ask:
     deadline_s: float | None = None
 
 
-def ask_of(body: Mapping[str, Any], headers: Mapping[str, str]) -> Ask:
-    """Read a request's priority and deadline (module docstring).
+def ask_of(body: Mapping[str, Any], headers: Mapping[str, str],
+           objectives: Mapping[str, int] | None = None) -> Ask:
+    """Read a request's priority and deadline (module docstring); ``objectives`` maps an
+    ``InferenceObjective``'s name to its priority in flow control's order (an objective not
+    named there sets none).
 
     Raises:
         ApiError: 400 for a priority that is not an integer or a deadline that is not a
@@ -84,6 +98,8 @@ def ask_of(body: Mapping[str, Any], headers: Mapping[str, str]) -> Ask:
         except ValueError:
             raise ApiError(400, "the x-kvroute-priority header must be an integer, got "
                            f"{header!r}") from None
+    elif objectives and headers.get(OBJECTIVE_HEADER) in objectives:
+        priority = objectives[headers[OBJECTIVE_HEADER]]
     else:
         priority = body.get("priority", 0)
         if priority is None:
@@ -106,9 +122,10 @@ def ask_of(body: Mapping[str, Any], headers: Mapping[str, str]) -> Ask:
 
 
 def tenant_of(body: Mapping[str, Any], headers: Mapping[str, str]) -> str:
-    """A request's tenant: its ``x-kvroute-tenant`` header, else its ``cache_salt`` (hashed),
-    else its API key (hashed), else ``""``. Read only for a request that waits."""
-    tenant = headers.get("x-kvroute-tenant")
+    """A request's tenant: its ``x-kvroute-tenant`` header, else the gateway's fairness id,
+    else its ``cache_salt`` (hashed), else its API key (hashed), else ``""``. Read only for a
+    request that waits or is refused."""
+    tenant = headers.get("x-kvroute-tenant", headers.get(FAIRNESS_HEADER))
     if tenant is not None:
         return tenant
     salt = body.get("cache_salt")
@@ -158,10 +175,13 @@ class FlowControl:
         self._tick = tick_s
         self._waiting: dict[str, tuple[asyncio.Future[Route], Callable[[], Route]]] = {}
         self._task: asyncio.Task[None] | None = None
-        #: Requests refused, by reason.
-        self.shed: Counter[str] = Counter()
-        #: Called with each request's priority and seconds waited as it leaves the queue.
-        self.on_wait: Callable[[int, float], None] | None = None
+        #: Set by an arrival that joins the queue: it may be the new head.
+        self._wake = asyncio.Event()
+        #: Requests refused, by reason, priority and tenant.
+        self.shed: Counter[tuple[str, int, str]] = Counter()
+        #: Called with each request's priority, tenant and seconds waited as it leaves the
+        #: queue.
+        self.on_wait: Callable[[int, str, float], None] | None = None
         #: Whether each worker was saturated when a decision last looked at it.
         self.saturated: dict[int, bool] = {}
 
@@ -180,9 +200,47 @@ class FlowControl:
                           for c in route.decision.costs}
         return next((w for w, full in self.saturated.items() if not full), None)
 
+    def _leaving(self, route: Route, head: Waiting) -> int | None:
+        """The cheapest candidate the queue's ``head`` may leave for, leaving room for the
+        urgent (:func:`~router.routing.admission.has_room`); None: none has room."""
+        keep = self.queue.least_urgent(head)
+
+        def room(c: WorkerCost) -> bool:
+            first = c.cost - c.wait_s - c.prefill_s
+            return has_room(_queued(c), c.prefill_s, first, c.pending_prefill_blocks > 0,
+                            _usage(route, c), self.settings, keep_room=keep)
+
+        chosen = route.decision.chosen
+        if room(chosen):
+            return chosen.worker
+        return next((c.worker for c in route.decision.costs if room(c)), None)
+
     def _refuse(self, shed: Shed) -> Refused:
-        self.shed[shed.reason] += 1
+        self.shed[shed.reason, shed.priority, shed.tenant] += 1
         return Refused(shed)
+
+    def admit_now(self, route: Route, ask: Ask, tenant: Callable[[], str] = str
+                  ) -> Route | None:
+        """``route`` (or the same request sent to a dearer candidate with room) when it may go
+        at once: flow control is off, or nobody waits and some candidate is not saturated.
+        None: it must wait (:meth:`admit`).
+
+        Raises:
+            Refused: 429, it could go at once but its deadline cannot be met.
+        """
+        if not self.settings.enabled:
+            return route
+        free = None if self.queue else self._unsaturated(route)
+        if free is None:
+            return None
+        now = self._clock()
+        deadline = self.settings.deadline(ask.priority, now, ask.deadline_s)
+        ttft = route.decision.chosen.cost
+        if deadline is not None and now + ttft > deadline:
+            raise self._refuse(Shed(route.request_id, "deadline", 1,
+                                    f"the first token is predicted in {ttft:.3g} s, past "
+                                    "the request's deadline", ask.priority, tenant()))
+        return route if free == route.decision.worker else _rebound(route, free)
 
     async def admit(self, route: Route, ask: Ask, decide_again: Callable[[], Route],
                     tenant: Callable[[], str] = str) -> Route:
@@ -194,19 +252,12 @@ class FlowControl:
                 a more urgent request displaced it.
             ApiError: deciding it again failed (503: no worker is healthy).
         """
-        settings = self.settings
-        if not settings.enabled:
-            return route
+        now_route = self.admit_now(route, ask, tenant)
+        if now_route is not None:
+            return now_route
         now = self._clock()
-        deadline = settings.deadline(ask.priority, now, ask.deadline_s)
+        deadline = self.settings.deadline(ask.priority, now, ask.deadline_s)
         ttft = route.decision.chosen.cost
-        free = None if self.queue else self._unsaturated(route)
-        if free is not None:
-            if deadline is not None and now + ttft > deadline:
-                raise self._refuse(Shed(route.request_id, "deadline", 1,
-                                        f"the first token is predicted in {ttft:.3g} s, past "
-                                        "the request's deadline"))
-            return route if free == route.decision.worker else _rebound(route, free)
         item = Waiting(route.request_id, ask.priority, tenant(), len(route.prompt.token_ids),
                        now, deadline)
         offer = self.queue.offer(item, now, ttft, self._drain(route))
@@ -216,6 +267,7 @@ class FlowControl:
             raise self._refuse(offer.refused)
         future: asyncio.Future[Route] = asyncio.get_running_loop().create_future()
         self._waiting[item.key] = (future, decide_again)
+        self._wake.set()
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._dispatch())
         try:
@@ -255,9 +307,11 @@ class FlowControl:
                 self._fail(shed.key, self._refuse(shed))
             if head.key not in self.queue:
                 continue
-            worker = self._unsaturated(route)
+            worker = self._leaving(route, head)
             if worker is None:
-                await asyncio.sleep(self._tick)
+                self._wake.clear()
+                with contextlib.suppress(TimeoutError):  # a tick, or an arrival, first
+                    await asyncio.wait_for(self._wake.wait(), self._tick)
                 continue
             if worker != route.decision.worker:
                 route = _rebound(route, worker)
@@ -266,7 +320,7 @@ class FlowControl:
             if not future.done():
                 future.set_result(route)
                 if self.on_wait is not None:
-                    self.on_wait(head.priority, now - head.arrived)
+                    self.on_wait(head.priority, head.tenant, now - head.arrived)
             # Let the handler book the request on its worker before the next decision reads
             # the loads (it does so before its first suspension).
             await asyncio.sleep(0)

@@ -1,12 +1,18 @@
 """Flow control's metrics (:mod:`router.http.flow`): the queue's length and each request's
-wait by priority, refusals by reason, and each worker's saturation as the last decision saw
-it. Priorities are labelled within a bounded set (:func:`router.routing.admission.priority_label`);
-workers as every per-worker family is (:meth:`router.http.metrics.RouterMetrics.worker_label`:
-the id, or ``other`` past the bound, saturated when any worker sharing it is).
+wait by priority and tenant, refusals by reason, priority and tenant, and each worker's
+saturation as the last decision saw it.
+
+Every label set is bounded whatever clients send: priorities by
+:func:`~router.routing.admission.priority_label` (``-10`` .. ``10``, else ``high`` or
+``low``), tenants by :meth:`~router.routing.admission.FlowSettings.tenant_label` (a tenant
+named in the weights is its own label, every other one is ``other``), workers as every
+per-worker family is (:meth:`router.http.metrics.RouterMetrics.worker_label`: the id, or
+``other`` past the bound, saturated when any worker sharing it is).
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -29,10 +35,11 @@ def register_flow_metrics(registry: CollectorRegistry, flow: FlowControl,
     workers with ``worker_label``."""
     wait = Histogram(
         "kvroute_flow_wait_seconds",
-        "Seconds a request waited in the router's queue for a saturated fleet, by priority",
-        ["priority"], buckets=_WAIT_BUCKETS, registry=registry)
-    flow.on_wait = lambda priority, seconds: wait.labels(
-        priority_label(priority)).observe(seconds)
+        "Seconds a request waited in the router's queue for a saturated fleet, by priority "
+        "and tenant", ["priority", "tenant"], buckets=_WAIT_BUCKETS, registry=registry)
+    tenant_label = flow.settings.tenant_label
+    flow.on_wait = lambda priority, tenant, seconds: wait.labels(
+        priority_label(priority), tenant_label(tenant)).observe(seconds)
     registry.register(_FlowCollector(flow, worker_label))
 
 
@@ -43,22 +50,25 @@ class _FlowCollector:
 
     def collect(self) -> Iterator[Metric]:
         flow = self._flow
+        tenant_label = flow.settings.tenant_label
         queued = GaugeMetricFamily("kvroute_flow_queued",
-                                   "Requests waiting in the router's queue, by priority",
-                                   labels=["priority"])
-        lengths: dict[str, int] = {}
-        for priority, n in flow.queue.lengths().items():
-            label = priority_label(priority)
-            lengths[label] = lengths.get(label, 0) + n
-        for label, n in lengths.items():
-            queued.add_metric([label], n)
+                                   "Requests waiting in the router's queue, by priority and "
+                                   "tenant", labels=["priority", "tenant"])
+        lengths: Counter[tuple[str, str]] = Counter()
+        for (priority, tenant), n in flow.queue.counts().items():
+            lengths[priority_label(priority), tenant_label(tenant)] += n
+        for (priority_l, tenant_l), n in sorted(lengths.items()):
+            queued.add_metric([priority_l, tenant_l], n)
         yield queued
         shed = CounterMetricFamily(
             "kvroute_flow_shed",
-            "Requests flow control refused (429), by reason: deadline, queue_full, timeout, "
-            "displaced", labels=["reason"])
-        for reason in SHED_REASONS:
-            shed.add_metric([reason], flow.shed.get(reason, 0))
+            f"Requests flow control refused (429), by reason ({', '.join(SHED_REASONS)}), "
+            "priority and tenant", labels=["reason", "priority", "tenant"])
+        refused: Counter[tuple[str, str, str]] = Counter()
+        for (reason, priority, tenant), n in flow.shed.items():
+            refused[reason, priority_label(priority), tenant_label(tenant)] += n
+        for key, count in sorted(refused.items()):
+            shed.add_metric(list(key), count)
         yield shed
         saturated = GaugeMetricFamily(
             "kvroute_flow_saturated",

@@ -10,7 +10,16 @@ first: when it is not saturated the request goes at once, at the cost of one com
 
 **The queue.** A request that finds the fleet saturated (or finds others already waiting)
 waits in the router. It is bound to a worker only when it leaves (late binding): the caller
-decides it again then, with the index and loads of that moment. The queue holds one band per
+decides it again then, with the index and loads of that moment.
+
+**Room kept for the urgent** (:func:`has_room`). The bound is the work an urgent arrival finds
+queued ahead of it. A waiting request more urgent than some other waiting one leaves when the
+work queued on a worker is within the bound, as an arrival does. One of the least urgent band
+waiting leaves only when the work it leaves queued, its own prefill added, stays within the
+bound: otherwise each dispatch pushes the queue past the bound by one prompt, and an urgent
+arrival then waits that prompt in the engine and, in the router, for the books to fall back
+under the bound. A prompt whose prefill and first iteration alone exceed the bound goes to a
+worker with no prefill queued, so it is never held for good. The queue holds one band per
 priority; the band of the most urgent priority is served first (lower numbers first, as vLLM's
 ``priority`` field reads). Inside a band, tenants share by start-time fair queuing on tokens:
 each request gets ``start = max(V, last finish of its tenant)`` and ``finish = start + tokens /
@@ -35,8 +44,9 @@ import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
-__all__ = ["SHED_REASONS", "FlowQueue", "FlowSettings", "Offer", "Shed", "Waiting",
-           "fleet_saturated", "priority_label", "retry_after", "worker_saturated"]
+__all__ = ["OTHER_TENANTS", "SHED_REASONS", "FlowQueue", "FlowSettings", "Offer", "Shed",
+           "Waiting", "fleet_saturated", "has_room", "priority_label", "retry_after",
+           "worker_saturated"]
 
 #: Why a request was refused: its deadline could not be met (on arrival or while waiting),
 #: the queue was full, it waited the longest allowed, it was displaced by a more urgent one.
@@ -44,6 +54,9 @@ SHED_REASONS = ("deadline", "queue_full", "timeout", "displaced")
 
 #: Priorities shown as themselves in metrics; the rest as ``"low"`` or ``"high"``.
 _LABELLED = range(-10, 11)
+
+#: The metrics label of every tenant not named in the weights.
+OTHER_TENANTS = "other"
 
 
 def priority_label(priority: int) -> str:
@@ -99,6 +112,12 @@ class FlowSettings:
         """``tenant``'s weight (1 when not configured)."""
         return self.weights.get(tenant, 1.0)
 
+    def tenant_label(self, tenant: str) -> str:
+        """The metrics label of ``tenant``: its name when the weights name it, else
+        :data:`OTHER_TENANTS`, so the label set is the configuration's, whatever clients
+        send."""
+        return tenant if tenant in self.weights else OTHER_TENANTS
+
     def deadline(self, priority: int, arrived: float, header_s: float | None) -> float | None:
         """The absolute deadline of a request: its header's seconds, else its priority's."""
         seconds = header_s if header_s is not None else self.deadlines.get(priority)
@@ -109,6 +128,31 @@ def worker_saturated(queued_s: float, kv_usage: float, settings: FlowSettings) -
     """Whether a worker whose queued work would hold a first token ``queued_s`` seconds, with
     ``kv_usage`` of its device blocks held, is saturated."""
     return queued_s > settings.ttft_bound_s or 0 < settings.kv_threshold < kv_usage
+
+
+def has_room(queued_s: float, prefill_s: float, first_s: float, prefill_queued: bool,
+             kv_usage: float, settings: FlowSettings, *, keep_room: bool) -> bool:
+    """Whether a worker may take a request leaving the queue (module docstring).
+
+    Args:
+        queued_s: seconds the work queued there holds a new first token (its fixed first
+            iteration included).
+        prefill_s: the request's own prefill there, in seconds.
+        first_s: the fixed part of a first token (one iteration).
+        prefill_queued: whether any prefill is queued there.
+        kv_usage: the share of its device blocks held.
+        settings: the bounds.
+        keep_room: the request is of the least urgent band waiting: it must leave the bound's
+            room for a more urgent arrival.
+    """
+    if 0 < settings.kv_threshold < kv_usage:
+        return False
+    bound = settings.ttft_bound_s
+    if not keep_room:
+        return queued_s <= bound
+    if queued_s + prefill_s <= bound:
+        return True
+    return prefill_s + first_s > bound and not prefill_queued  # a prompt longer than the bound
 
 
 def fleet_saturated(loads: Iterator[tuple[float, float]] | list[tuple[float, float]],
@@ -153,6 +197,8 @@ class Shed:
     reason: str
     retry_after_s: int
     message: str
+    priority: int = 0
+    tenant: str = ""
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,6 +245,19 @@ class FlowQueue:
         """Waiting requests per priority."""
         return {p: len(b.items) for p, b in sorted(self._bands.items()) if b.items}
 
+    def counts(self) -> dict[tuple[int, str], int]:
+        """Waiting requests per priority and tenant."""
+        out: dict[tuple[int, str], int] = {}
+        for p, band in self._bands.items():
+            for w in band.items.values():
+                out[p, w.tenant] = out.get((p, w.tenant), 0) + 1
+        return out
+
+    def least_urgent(self, item: Waiting) -> bool:
+        """Whether ``item`` is of the least urgent band waiting (:func:`has_room`)."""
+        return item.priority >= max((p for p, b in self._bands.items() if b.items),
+                                    default=item.priority)
+
     def tokens_ahead(self, priority: int, finish: float = math.inf) -> int:
         """Tokens that leave before a request of ``priority`` whose finish tag is ``finish``:
         every more urgent band's, and its own band's with a smaller tag."""
@@ -240,16 +299,17 @@ class FlowQueue:
         if item.deadline is not None and now + expected > item.deadline:
             return Offer(Shed(item.key, "deadline", retry_after(expected),
                               f"the first token is predicted in {expected:.3g} s, past the "
-                              f"request's deadline"))
+                              f"request's deadline", item.priority, item.tenant))
         displaced: tuple[Shed, ...] = ()
         if len(self._where) >= self.settings.max_queue:
             victim = self._least_urgent()
             if victim is None or victim.priority <= item.priority:
                 return Offer(Shed(item.key, "queue_full", retry_after(expected),
-                                  "the router's queue is full"))
+                                  "the router's queue is full", item.priority, item.tenant))
             self.remove(victim.key)
             displaced = (Shed(victim.key, "displaced", retry_after(expected),
-                              "displaced from the router's queue by a more urgent request"),)
+                              "displaced from the router's queue by a more urgent request",
+                              victim.priority, victim.tenant),)
             start, finish = self._tags(item)
         band = self._bands.setdefault(item.priority, _Band())
         item.start, item.finish, item.seq = start, finish, self._seq
@@ -307,10 +367,12 @@ class FlowQueue:
             for item in list(band.items.values()):
                 if now - item.arrived >= limit:
                     shed.append(Shed(item.key, "timeout", retry_after(ttft_s),
-                                     f"waited {limit:.3g} s in the router's queue"))
+                                     f"waited {limit:.3g} s in the router's queue",
+                                     item.priority, item.tenant))
                 elif item.deadline is not None and now + ttft_s > item.deadline:
                     shed.append(Shed(item.key, "deadline", retry_after(ttft_s),
-                                     "the request's deadline can no longer be met"))
+                                     "the request's deadline can no longer be met",
+                                     item.priority, item.tenant))
         for s in shed:
             self.remove(s.key)
         return shed

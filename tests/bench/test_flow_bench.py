@@ -58,3 +58,30 @@ def test_overload_is_held_or_shed_and_nothing_is_lost() -> None:
     assert all(r.finish_s >= 0 and r.tokens_out == r.output_length for r in served)
     row = summarize(result, tags, slo_s=1.0, window_s=10.0)
     assert 0 < row["shed"] < 1 and 0 < row["jain"] <= 1
+
+
+def test_a_live_run_counts_429s_as_shed_and_reports_engine_seconds() -> None:
+    from bench.flow_live import summarize_records
+    from bench.live import LiveRecord
+
+    tags = {"a": (0, "chat"), "b": (1, "bulk"), "c": (1, "bulk"), "d": (1, "bulk")}
+    records = [LiveRecord("a", 100, ttft_s=2.0), LiveRecord("b", 100, ttft_s=20.0),
+               LiveRecord("c", 100, error="HTTP 429"), LiveRecord("d", 100, error="HTTP 503")]
+    # Speedup 0.1: 2 wall seconds are 0.2 engine seconds (within the SLO of 1), 20 are 2.
+    row = summarize_records(records, tags, slo_s=1.0, window_s=10.0, speedup=0.1)
+    assert row["goodput_rps"] == pytest.approx(1.0)  # one good request in 1 engine second
+    assert row["shed"] == 0.25 and row["failed"] == 0.25
+    assert row["p0_ttft_p50_s"] == pytest.approx(0.2) and row["p1_ttft_p99_s"] == pytest.approx(2)
+
+
+def test_without_room_kept_the_low_band_fills_to_the_bound() -> None:
+    reqs = scale_rate(workload(4.0), 100.0)
+    tags = tag(reqs, 1, 0.3)
+    settings = RouterSettings(flow_ttft_bound=0.01, flow_max_queue=10, flow_deadlines="1=0.5")
+    results = {}
+    for keep in (True, False):
+        flow = FlowPolicy(settings, tags, keep_room=keep)
+        result = simulate(reqs, flow, CONFIG, seed=5)
+        assert all(r.finish_s >= 0 for r in result.records if not r.shed)
+        results[keep] = [(r.worker, r.shed) for r in result.records]
+    assert results[True] != results[False]  # the rule changes which requests go where

@@ -192,12 +192,20 @@ def test_flow_control_flags_become_its_settings() -> None:
     assert flow.weight("gold") == 3.0 and flow.weight("anyone") == 1.0
 
 
+def test_objective_priorities_are_read_as_the_inference_objective_orders_them() -> None:
+    # GIE's spec.priority: higher is more urgent; flow control's: lower is.
+    settings = load_settings({"objective_priorities": "critical=10, batch=-2, std=0"}, env={})
+    assert settings.objectives() == {"critical": -10, "batch": 2, "std": 0}
+
+
 @pytest.mark.parametrize(("flags", "message"), [
     ({"tenant_weights": "gold"}, "tenant_weights: 'gold' is not KEY=NUMBER"),
     ({"tenant_weights": "gold=0"}, "weight of 'gold' must be"),
     ({"flow_deadlines": "high=1"}, "priority 'high' is not an integer"),
     ({"flow_ttft_bound": "0"}, "ttft_bound_s must be"),
     ({"flow_max_queue": "-1"}, "max_queue must be"),
+    ({"objective_priorities": "critical=1.5"}, "the priority of 'critical' must be an integer"),
+    ({"objective_priorities": "critical"}, "'critical' is not KEY=NUMBER"),
 ])
 def test_bad_flow_control_settings_are_refused_with_a_clear_message(
         flags: dict[str, str], message: str) -> None:

@@ -27,9 +27,6 @@ def router_exposition() -> str:
     """The router's families, and the picker's own (``kvroute epp`` serves the router's)."""
     from router.epp.picker import Picker
     from router.epp.server import ExternalProcessor
-    from router.http.flow import FlowControl
-    from router.http.flow_metrics import register_flow_metrics
-    from router.routing.admission import FlowSettings
 
     # A Hugging Face tokenizer: the segment cache's families show with one.
     with tempfile.TemporaryDirectory() as folder:
@@ -39,9 +36,7 @@ def router_exposition() -> str:
     assert service.core.follows_sessions  # the session families show when on
     metrics = RouterMetrics(service)
     disconnect_counter(metrics.registry)  # the app registers it beside the metrics
-    register_flow_metrics(metrics.registry, FlowControl(FlowSettings()),  # and flow control's
-                          metrics.worker_label)
-    ExternalProcessor(Picker(service, metrics))
+    ExternalProcessor(Picker(service, metrics))  # the picker registers flow control's
     return metrics.render()[0].decode()
 
 

@@ -25,8 +25,9 @@ from router.settings import RouterSettings
 from tests.support.eventually import eventually
 from tests.support.servers import ScriptedWorker, UvicornServer
 
-#: 7 and 12 full blocks of 32 bytes-tokens: 0.224 s and 0.384 s of predicted prefill.
-SHORT, LONG = 7 * 32 + 8, 12 * 32 + 8
+#: 7 and 12 full blocks of 32 bytes-tokens: 0.224 s and 0.384 s of predicted prefill; 3
+#: blocks, 0.096 s: two fit under the bound, a third does not.
+SHORT, LONG, SMALL = 7 * 32 + 8, 12 * 32 + 8, 3 * 32 + 8
 
 
 @contextlib.asynccontextmanager
@@ -63,9 +64,10 @@ async def queued(client: httpx.AsyncClient) -> int:
 
 
 async def shed(client: httpx.AsyncClient, reason: str) -> float:
+    """Requests refused for ``reason``, whatever their priority and tenant."""
     text = (await client.get("/metrics")).text
-    found = re.search(rf'^kvroute_flow_shed_total\{{reason="{reason}"\}} (\S+)$', text, re.M)
-    return float(found.group(1)) if found else 0.0
+    return sum(float(v) for v in re.findall(
+        rf'^kvroute_flow_shed_total\{{[^}}]*reason="{reason}"[^}}]*\}} (\S+)$', text, re.M))
 
 
 async def post(client: httpx.AsyncClient, payload: dict[str, Any],
@@ -118,6 +120,31 @@ async def test_a_high_priority_request_passes_a_queued_low_priority_flood() -> N
         answers = await asyncio.gather(high, *low)
     statuses = Counter(r.status_code for r in answers)
     assert statuses == {200: 8, 429: 5}  # every request answered: served or refused
+
+
+async def test_the_low_band_leaves_the_room_an_urgent_arrival_takes() -> None:
+    async with ScriptedWorker("paced") as w, router(w) as client:
+        # Arrivals to a queue with nobody waiting go while the queued work is within 0.2 s:
+        # 0, 0.096, 0.192 s; the fourth and fifth find 0.288 s and wait.
+        low = [asyncio.create_task(post(client, body(f"low{i}", SMALL, priority=5)))
+               for i in range(5)]
+        await wait_for("3 sent, 2 queued",
+                       lambda: _both(len(w.requests) == 3, queued(client), 2))
+        w.finish()  # 0.192 s queued: the next low one would leave 0.288 s, so it stays
+        await wait_for("the first answered", lambda: _true(low[0].done()))
+        assert len(w.requests) == 3 and await queued(client) == 2
+        # An urgent arrival finds 0.192 s queued, within the bound: it goes at once.
+        high = asyncio.create_task(post(client, body("high", SMALL),
+                                        {"x-kvroute-priority": "-1"}))
+        await wait_for("the urgent one sent", lambda: _true(len(w.requests) == 4))
+        assert tag_of(w.requests[3]) == "high" and await queued(client) == 2
+        w.finish()
+        w.finish()  # 0.096 s queued: a low one fits again (0.192 s), the last does not
+        await wait_for("a queued low one sent", lambda: _true(len(w.requests) == 5))
+        assert await queued(client) == 1
+        drain(w, n=5)
+        answers = await asyncio.gather(high, *low)
+    assert all(r.status_code == 200 for r in answers)
 
 
 async def test_equal_tenants_get_equal_tokens_when_one_sends_ten_times_more() -> None:
@@ -177,6 +204,35 @@ async def test_debug_route_says_why_a_request_would_wait() -> None:
         assert busy["workers"][0]["saturated"] and busy["workers"][0]["queued_s"] > 0.2
         drain(w, n=1)
         await first
+
+
+async def test_flow_metrics_label_named_tenants_and_pool_the_rest_as_other() -> None:
+    async with ScriptedWorker("paced") as w, router(w, tenant_weights="gold=2") as client:
+        first = asyncio.create_task(post(client, body("first", SHORT)))
+        await wait_for("the first sent", lambda: _true(len(w.requests) == 1))
+        tasks = [asyncio.create_task(post(client, body(f"q{i}", SHORT, priority=p),
+                                          {"x-kvroute-tenant": t}))
+                 for i, (t, p) in enumerate([("gold", 0), ("x", 0), ("y", 0), ("y", 2)])]
+        tasks.append(asyncio.create_task(post(client, body("anon", SHORT))))
+        await wait_for("5 queued", lambda: _both(True, queued(client), 5))
+        text = (await client.get("/metrics")).text
+        assert re.findall(r'^kvroute_flow_queued\{([^}]*)\} (\S+)$', text, re.M) == [
+            ('priority="0",tenant="gold"', "1.0"), ('priority="0",tenant="other"', "3.0"),
+            ('priority="2",tenant="other"', "1.0")]
+        late = await post(client, body("late", SHORT), {"x-kvroute-tenant": "gold",
+                                                        "x-kvroute-ttft-deadline-ms": "100"})
+        assert late.status_code == 429
+        text = (await client.get("/metrics")).text
+        assert re.findall(r'^kvroute_flow_shed_total\{([^}]*)\} (\S+)$', text, re.M) == [
+            ('priority="0",reason="deadline",tenant="gold"', "1.0")]
+        drain(w, n=6)
+        assert all(r.status_code == 200 for r in await asyncio.gather(first, *tasks))
+        text = (await client.get("/metrics")).text
+        waits = dict(re.findall(
+            r'^kvroute_flow_wait_seconds_count\{([^}]*)\} (\S+)$', text, re.M))
+        assert waits == {'priority="0",tenant="gold"': "1.0",
+                         'priority="0",tenant="other"': "3.0",
+                         'priority="2",tenant="other"': "1.0"}
 
 
 async def test_with_flow_control_off_nothing_waits() -> None:

@@ -10,10 +10,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.routing.admission import (
+    OTHER_TENANTS,
     FlowQueue,
     FlowSettings,
     Waiting,
     fleet_saturated,
+    has_room,
     priority_label,
     retry_after,
     worker_saturated,
@@ -207,3 +209,55 @@ def test_pop_order_is_by_band_then_finish_and_nothing_is_lost(
         for tenant in "abc":
             seqs = [w.seq for w in out if w.priority == prio and w.tenant == tenant]
             assert seqs == sorted(seqs)
+
+
+def test_tenant_labels_are_the_weights_names_and_other() -> None:
+    flow = FlowSettings(weights={"gold": 3.0, "salt:0a1b2c3d4e5f": 1.0})
+    assert [flow.tenant_label(t) for t in ("gold", "salt:0a1b2c3d4e5f", "anyone", "")] == [
+        "gold", "salt:0a1b2c3d4e5f", OTHER_TENANTS, OTHER_TENANTS]
+
+
+def test_counts_and_refusals_name_the_priority_and_tenant() -> None:
+    q = FlowQueue(FlowSettings(max_queue=3))
+    q.offer(item("a1", 0, "a"), 0.0, 2.0, 0.0)
+    q.offer(item("a2", 0, "a"), 0.0, 2.0, 0.0)
+    q.offer(item("b1", 5, "b"), 0.0, 2.0, 0.0)
+    assert q.counts() == {(0, "a"): 2, (5, "b"): 1}
+    offer = q.offer(item("c1", 1, "c"), 0.0, 2.0, 0.0)  # displaces b's
+    assert [(s.key, s.priority, s.tenant) for s in offer.displaced] == [("b1", 5, "b")]
+    full = q.offer(item("c2", 1, "c"), 0.0, 2.0, 0.0)
+    assert full.refused is not None
+    assert (full.refused.priority, full.refused.tenant) == (1, "c")
+    late = q.offer(item("d1", 0, "d", deadline=1.0), 0.0, 2.0, 0.0)
+    assert late.refused is not None and (late.refused.reason, late.refused.tenant) == (
+        "deadline", "d")
+    expired = q.expire(100.0, 0.5)
+    assert {(s.key, s.priority, s.tenant) for s in expired} == {
+        ("a1", 0, "a"), ("a2", 0, "a"), ("c1", 1, "c")}
+
+
+def test_the_least_urgent_band_leaves_room_for_an_urgent_arrival() -> None:
+    # Bound 1 s; 0.6 s queued. A more urgent request goes (0.6 <= 1); one of the least urgent
+    # band with 0.5 s of prefill would leave 1.1 s queued: it waits; with 0.3 s it fits.
+    assert has_room(0.6, 0.5, 0.1, True, 0.0, BOUNDS, keep_room=False)
+    assert not has_room(0.6, 0.5, 0.1, True, 0.0, BOUNDS, keep_room=True)
+    assert has_room(0.6, 0.3, 0.1, True, 0.0, BOUNDS, keep_room=True)
+    assert not has_room(1.2, 0.0, 0.1, True, 0.0, BOUNDS, keep_room=False)
+    # A prompt longer than the bound (0.95 s of prefill + 0.1 s first iteration) never fits:
+    # it goes where no prefill is queued, and waits where some is.
+    assert has_room(0.3, 0.95, 0.1, False, 0.0, BOUNDS, keep_room=True)
+    assert not has_room(0.3, 0.95, 0.1, True, 0.0, BOUNDS, keep_room=True)
+    # One that would fit an idle worker waits for the queue to fall, even with no prefill
+    # queued (decodes hold it): it does not take the room.
+    assert not has_room(0.5, 0.8, 0.1, False, 0.0, BOUNDS, keep_room=True)
+    assert not has_room(0.1, 0.1, 0.1, False, 0.95, BOUNDS, keep_room=False)  # KV is full
+
+
+def test_the_least_urgent_band_is_the_largest_priority_waiting() -> None:
+    q = FlowQueue(BOUNDS)
+    hi, lo = item("hi", -1), item("lo", 3)
+    assert q.least_urgent(hi)  # nothing waits: an arrival is the least urgent
+    q.offer(lo, 0.0, 2.0, 0.0)
+    assert not q.least_urgent(hi) and q.least_urgent(lo)
+    q.offer(hi, 0.0, 2.0, 0.0)
+    assert q.least_urgent(lo) and not q.least_urgent(hi)
