@@ -8,7 +8,9 @@ and its dependencies would double the main one), found at ``$KVROUTE_VLLM_PYTHON
 Each server runs the tiny model of :mod:`bench.tiny_model`, block size 32 (the CPU attention
 backend needs a multiple of 32), with prefix caching, cached-token counts in usage, and KV
 events on a PUB socket plus a replay ROUTER. Waits are bounded; :meth:`VllmServer.kill` takes
-the whole process group (the API server and its engine core).
+the whole process group (the API server and its engine core) and removes the shared-memory
+segments in ``/dev/shm`` that the group had mapped (vLLM's ``psm_*`` message queues, 160-240 MB
+each, which a killed server leaves behind): only those, so another server's stay.
 """
 
 from __future__ import annotations
@@ -61,6 +63,8 @@ class VllmServer:
         self.port, self.events_port, self.replay_port = free_port(), free_port(), free_port()
         self.log = log_dir / f"{name}.log"
         self.popen: subprocess.Popen[bytes] | None = None
+        #: The ``/dev/shm`` segments its processes were seen to map (removed at the end).
+        self.segments: set[Path] = set()
 
     @property
     def url(self) -> str:
@@ -109,6 +113,8 @@ class VllmServer:
                 raise RuntimeError(f"{self.name} exited:\n{self.tail()}")
             try:
                 if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    assert self.popen is not None
+                    self.segments |= _shared_memory_of_group(self.popen.pid)
                     return
             except httpx.HTTPError:
                 pass
@@ -120,9 +126,13 @@ class VllmServer:
         httpx.post(f"{self.url}/reset_prefix_cache", timeout=30).raise_for_status()
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
-        """Signal the process group (the API server and its engine core) and reap it."""
+        """Signal the process group (the API server and its engine core), reap it, and remove
+        the shared memory it had mapped."""
         if self.popen is None:
             return
+        # Seen when it became healthy, and now: a segment made since, or a scan that found the
+        # group gone, still leaves none behind.
+        self.segments |= _shared_memory_of_group(self.popen.pid)
         if self.popen.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.popen.pid, sig)
@@ -134,8 +144,32 @@ class VllmServer:
         # The engine core is a child in the same group: make sure none outlives the server.
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.popen.pid, signal.SIGKILL)
+        for segment in self.segments:
+            with contextlib.suppress(OSError):
+                segment.unlink()
+        self.segments.clear()
 
     def tail(self, lines: int = 40) -> str:
         if not self.log.exists():
             return ""
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
+
+
+def _shared_memory_of_group(pgid: int) -> set[Path]:
+    """The ``/dev/shm`` files mapped by the live processes of process group ``pgid``."""
+    found: set[Path] = set()
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            # The group is the fifth field of /proc/PID/stat, after the ")" that ends the name.
+            if int((proc / "stat").read_text().rsplit(")", 1)[1].split()[2]) != pgid:
+                continue
+            maps = (proc / "maps").read_text()
+        except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile, or not readable
+        for line in maps.splitlines():
+            path = line.split(maxsplit=5)[5:]
+            if path and path[0].startswith("/dev/shm/"):
+                found.add(Path(path[0].removesuffix(" (deleted)")))
+    return found

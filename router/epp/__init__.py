@@ -7,12 +7,13 @@ protocol's header and metadata (:mod:`router.epp.messages`), one request at a ti
 """
 
 from router.epp.exchange import Exchange, kind_for_path
-from router.epp.messages import DESTINATION_HEADER
+from router.epp.messages import DESTINATION_HEADER, PREFILLER_HEADER
 from router.epp.picker import Pick, Picker, endpoint_of
 from router.epp.server import ExternalProcessor, epp_server, run_epp
 
 __all__ = [
     "DESTINATION_HEADER",
+    "PREFILLER_HEADER",
     "Exchange",
     "ExternalProcessor",
     "Pick",

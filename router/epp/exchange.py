@@ -15,7 +15,8 @@ Envoy opens one ``Process`` stream per HTTP request and sends its phases in orde
    once what is held passes the router's ``max_body_bytes`` the request is refused at once
    with a 413 and the chunks dropped (a body that never ends holds at most the limit here).
    Then the body is parsed, :meth:`Picker.pick` decides and books, and the answer names the
-   endpoint (header, ``envoy.lb`` metadata, route cache cleared). Under
+   endpoint (header, ``envoy.lb`` metadata, route cache cleared; for disaggregated serving
+   the decode worker, with the prefill worker in ``x-prefiller-host-port``). Under
    ``FULL_DUPLEX_STREAMED`` the held body is sent back whole after the headers answer. An
    invalid body gets an immediate 400 (or the picker's 404/503, or flow control's 429 with
    ``Retry-After``). While the fleet is saturated the picker answers :class:`Held`: the
@@ -173,7 +174,8 @@ class Exchange:
         self.pick, self.early = pick, True
         raw = b"".join(self._held)
         self._drop()
-        return [messages.routed(pick.endpoint, "request_headers"), _streamed(raw, False)]
+        return [messages.routed(pick.endpoint, "request_headers", pick.prefiller),
+                _streamed(raw, False)]
 
     def _drop(self) -> None:
         self._held.clear()
@@ -212,11 +214,11 @@ class Exchange:
 
     def _routed(self, raw: bytes, last: bool) -> list[ep.ProcessingResponse]:
         assert self.pick is not None, "routed without a pick"
-        endpoint = self.pick.endpoint
+        endpoint, prefiller = self.pick.endpoint, self.pick.prefiller
         self._held_body = (b"", False)
         if not self._duplex:
-            return [messages.routed(endpoint, "request_body")]
-        return [messages.routed(endpoint, "request_headers"), _streamed(raw, last)]
+            return [messages.routed(endpoint, "request_body", prefiller)]
+        return [messages.routed(endpoint, "request_headers", prefiller), _streamed(raw, last)]
 
 
 def _streamed(raw: bytes, last: bool) -> ep.ProcessingResponse:

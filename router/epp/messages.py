@@ -3,10 +3,14 @@
 The Gateway API Inference Extension's endpoint picker protocol rides on Envoy's external
 processing API: the EPP names the chosen endpoint in the ``x-gateway-destination-endpoint``
 request header and under the same key in the ``envoy.lb`` dynamic metadata namespace, and
-clears the route cache so the new header is routed on. A request it refuses gets an
-``ImmediateResponse`` carrying an OpenAI-style JSON error. The data plane may restrict the
-choice with ``envoy.lb.subset_hint`` / ``x-gateway-destination-endpoint-subset`` in the
-request's filter metadata.
+clears the route cache so the new header is routed on. For disaggregated serving the
+destination is the decode worker, and the prefill worker rides in llm-d's
+``x-prefiller-host-port`` request header (``host:port``): the routing sidecar beside the decode
+engine runs the prefill there first (vLLM's ``kv_transfer_params`` two-step), then hands the
+request to its own engine; without the header it serves the request locally. A request it
+refuses gets an ``ImmediateResponse`` carrying an OpenAI-style JSON error. The data plane may
+restrict the choice with ``envoy.lb.subset_hint`` / ``x-gateway-destination-endpoint-subset``
+in the request's filter metadata.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from openai_request.bodies import ApiError, error_body
 __all__ = [
     "DESTINATION_HEADER",
     "LB_NAMESPACE",
+    "PREFILLER_HEADER",
     "SUBSET_KEY",
     "SUBSET_NAMESPACE",
     "continue_body",
@@ -38,6 +43,7 @@ __all__ = [
 ]
 
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
+PREFILLER_HEADER = "x-prefiller-host-port"
 LB_NAMESPACE = "envoy.lb"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
@@ -73,10 +79,22 @@ def subset_hint(request: ep.ProcessingRequest) -> frozenset[str] | None:
     return frozenset(p.strip() for p in value.string_value.split(",") if p.strip())
 
 
-def _destination(endpoint: str) -> ep.CommonResponse:
-    mutation = ep.HeaderMutation(set_headers=[base_pb2.HeaderValueOption(
-        header=base_pb2.HeaderValue(key=DESTINATION_HEADER, raw_value=endpoint.encode()),
-        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)])
+def _set(key: str, value: str) -> base_pb2.HeaderValueOption:
+    return base_pb2.HeaderValueOption(
+        header=base_pb2.HeaderValue(key=key, raw_value=value.encode()),
+        append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
+
+
+def _destination(endpoint: str, prefiller: str | None) -> ep.CommonResponse:
+    options = [_set(DESTINATION_HEADER, endpoint)]
+    # A client's own prefiller header must not pick the prefill worker: the router's choice
+    # replaces it, and with no remote prefill it is removed.
+    removed = []
+    if prefiller is not None:
+        options.append(_set(PREFILLER_HEADER, prefiller))
+    else:
+        removed.append(PREFILLER_HEADER)
+    mutation = ep.HeaderMutation(set_headers=options, remove_headers=removed)
     return ep.CommonResponse(header_mutation=mutation, clear_route_cache=True)
 
 
@@ -87,7 +105,7 @@ def _lb_metadata(endpoint: str) -> struct_pb2.Struct:
 
 
 @functools.lru_cache(maxsize=4096)
-def routed(endpoint: str, phase: str) -> ep.ProcessingResponse:
+def routed(endpoint: str, phase: str, prefiller: str | None = None) -> ep.ProcessingResponse:
     """The answer that sends the request to ``endpoint`` (one shared message per endpoint
     and phase: building it costs more than deciding; callers must not modify it).
 
@@ -95,8 +113,10 @@ def routed(endpoint: str, phase: str) -> ep.ProcessingResponse:
         endpoint: ``host:port`` of the chosen worker.
         phase: ``"request_body"`` (the buffered body was read) or ``"request_headers"``
             (the full-duplex headers answer, or a request without a body).
+        prefiller: ``host:port`` of the prefill worker that prefills for ``endpoint`` (the
+            ``x-prefiller-host-port`` header); ``None``: no remote prefill.
     """
-    common = _destination(endpoint)
+    common = _destination(endpoint, prefiller)
     metadata = _lb_metadata(endpoint)
     if phase == "request_body":
         return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common),

@@ -51,12 +51,19 @@ def endpoint_of(url: str) -> str:
 
 @dataclass(slots=True)
 class Pick:
-    """One request handed to Envoy: where it goes and what was booked for it."""
+    """One request handed to Envoy: where it goes and what was booked for it.
+
+    ``prefiller``: disaggregated serving, the prefill worker's ``host:port`` (the
+    ``x-prefiller-host-port`` header; the decode pod's routing sidecar runs the prefill
+    there), with ``prefill_booking`` its booking, held until the decode worker's first byte
+    (the prefill is done by then) or the request's end."""
 
     route: Route
     worker: Target
     endpoint: str
     ended: bool = False
+    prefiller: str | None = None
+    prefill_booking: str | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -147,10 +154,16 @@ class Picker:
         for worker in ranked:
             endpoint = endpoint_of(worker.url)
             if subset is None or endpoint in subset:
+                pick = Pick(route, worker, endpoint)
+                if route.prefill is not None:
+                    pick.prefiller = endpoint_of(route.prefill.url)
+                    pick.prefill_booking = self.service.prefill_dispatched(route)
+                    counters = self.service.counters
+                    counters["pd_remote_prefills"] = counters.get("pd_remote_prefills", 0) + 1
                 self.service.dispatched(route, worker)
                 self.metrics.decided(route)
                 self.metrics.request(ENDPOINT, 200)
-                return Pick(route, worker, endpoint)
+                return pick
         self.metrics.request(ENDPOINT, 503)
         raise ApiError(503, "no worker in the gateway's endpoint subset is available",
                        "service_unavailable")
@@ -202,11 +215,18 @@ class Picker:
         return min(allowed)[2]
 
     def first_byte(self, pick: Pick) -> None:
-        """The worker started answering: its prefill is done."""
+        """The worker started answering: its prefill (remote or its own) is done."""
+        self._prefill_done(pick)
         self.service.first_token(pick.route)
 
     def release(self, pick: Pick) -> None:
         """The request ended (answered, failed or abandoned); idempotent."""
         if not pick.ended:
             pick.ended = True
+            self._prefill_done(pick)
             self.service.finished(pick.route)
+
+    def _prefill_done(self, pick: Pick) -> None:
+        if pick.prefill_booking is not None:
+            self.service.core.finished(pick.prefill_booking)
+            pick.prefill_booking = None

@@ -15,6 +15,11 @@ resolved at start and every ``discover_interval`` seconds:
 
 Only workers this module registered are ever removed by it; ``--worker`` ones are left alone.
 
+The target's query gives its workers a topology: ``dns:///prefill.NS.svc:8000?role=prefill``
+(``prefill``, ``decode`` or ``both``, the default) and ``&dp_size=2`` (data-parallel ranks
+behind each address), the keys of a configured worker (:mod:`router.fleet.worker_config`).
+A worker whose topology changes (its labels, for ``k8s://``) is registered anew.
+
 ``k8s://NAMESPACE/LABEL-SELECTOR`` targets watch EndpointSlices instead
 (router.fleet.k8s_discovery); their workers join and leave through the same path.
 """
@@ -30,7 +35,7 @@ import socket
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
-from urllib.parse import urlsplit
+from urllib.parse import parse_qsl, urlsplit
 
 from router.fleet.k8s_discovery import (
     EndpointSliceWatch,
@@ -38,6 +43,7 @@ from router.fleet.k8s_discovery import (
     cluster_client,
     parse_k8s_target,
 )
+from router.fleet.worker_config import MAX_DP_SIZE, ROLES, WorkerConfig
 from router.fleet.worker_table import IncompatibleWorker
 
 __all__ = ["Discovery", "DnsTarget", "K8sTarget", "Membership", "Resolver", "parse_target",
@@ -52,35 +58,53 @@ Resolver = Callable[[str, int], Awaitable[list[str]]]
 
 @dataclass(frozen=True, slots=True)
 class DnsTarget:
-    """A DNS name whose addresses are workers on ``port``."""
+    """A DNS name whose addresses are workers on ``port``, in ``role`` with ``dp_size``
+    ranks each (``None``: what the engine reports)."""
 
     host: str
     port: int
+    role: str = "both"
+    dp_size: int | None = None
 
     def __str__(self) -> str:
-        return f"dns:///{self.host}:{self.port}"
+        query = "&".join(([f"role={self.role}"] if self.role != "both" else [])
+                         + ([f"dp_size={self.dp_size}"] if self.dp_size is not None else []))
+        return f"dns:///{self.host}:{self.port}" + (f"?{query}" if query else "")
 
 
 def parse_target(text: str) -> DnsTarget | K8sTarget:
-    """Parse ``dns:///NAME:PORT`` (gRPC's DNS target form, without a DNS server authority)
-    or ``k8s://NAMESPACE/LABEL-SELECTOR[?port=NAME]``.
+    """Parse ``dns:///NAME:PORT[?role=ROLE&dp_size=N]`` (gRPC's DNS target form, without a
+    DNS server authority) or ``k8s://NAMESPACE/LABEL-SELECTOR[?port=NAME]``.
 
     Raises:
-        ValueError: not of either form, or the port is out of range.
+        ValueError: not of either form, the port is out of range, or the query names an
+            unknown key or a bad value.
     """
     if text.startswith("k8s:"):
         return parse_k8s_target(text)
     parts = urlsplit(text)
-    if parts.scheme != "dns" or parts.netloc or not parts.path.startswith("/"):
-        raise ValueError(f"{text!r} is not dns:///NAME:PORT")
+    if parts.scheme != "dns" or parts.netloc or not parts.path.startswith("/") \
+            or parts.fragment:
+        raise ValueError(f"{text!r} is not {DNS_FORM}")
     try:
         name = urlsplit(f"//{parts.path.lstrip('/')}")
         port = name.port
     except ValueError:
         port = None
     if not name.hostname or port is None or not 0 < port < 65536:
-        raise ValueError(f"{text!r} is not dns:///NAME:PORT (a port in 1..65535 is needed)")
-    return DnsTarget(name.hostname, port)
+        raise ValueError(f"{text!r} is not {DNS_FORM} (a port in 1..65535 is needed)")
+    pairs = parse_qsl(parts.query, keep_blank_values=True)
+    query = dict(pairs)
+    if set(query) - {"role", "dp_size"} or len(query) != len(pairs):
+        raise ValueError(f"{text!r} is not {DNS_FORM} (the options are role and dp_size, "
+                         "each once)")
+    role = query.get("role", "both")
+    if role not in ROLES:
+        raise ValueError(f"{text!r}: role {role!r} is not one of {', '.join(ROLES)}")
+    size = query.get("dp_size")
+    if size is not None and not (size.isdigit() and 1 <= int(size) <= MAX_DP_SIZE):
+        raise ValueError(f"{text!r}: dp_size {size!r} is not in 1..{MAX_DP_SIZE}")
+    return DnsTarget(name.hostname, port, role, None if size is None else int(size))
 
 
 async def system_resolver(host: str, port: int) -> list[str]:
@@ -104,11 +128,14 @@ async def system_resolver(host: str, port: int) -> list[str]:
 class Membership(Protocol):
     """What discovery needs of the registry."""
 
-    async def add(self, url: str, *, must_answer: bool = True) -> object: ...
+    async def add(self, worker: WorkerConfig, *, must_answer: bool = True) -> object: ...
 
     async def remove(self, worker: int) -> object: ...
 
     def find(self, url: str) -> object | None: ...
+
+
+DNS_FORM = "dns:///NAME:PORT[?role=ROLE&dp_size=N]"
 
 
 def worker_url(address: str, port: int) -> str:
@@ -145,7 +172,9 @@ class Discovery:
         self.interval = interval
         self._registry = registry
         self._resolve = resolver
-        self._found: dict[DnsTarget | K8sTarget, set[str]] = {t: set() for t in parsed}
+        #: Each target's workers now, by URL.
+        self._found: dict[DnsTarget | K8sTarget, dict[str, WorkerConfig]] = {
+            t: {} for t in parsed}
         self._ids: dict[str, int] = {}
         self._task: asyncio.Task[None] | None = None
         self._lock = asyncio.Lock()
@@ -160,7 +189,7 @@ class Discovery:
     @property
     def urls(self) -> set[str]:
         """The worker URLs discovery holds now."""
-        return set().union(*self._found.values())
+        return set().union(*(found.keys() for found in self._found.values()))
 
     async def refresh(self) -> None:
         """Resolve every target once and add or remove workers to match."""
@@ -171,23 +200,28 @@ class Discovery:
                 log.warning("cannot resolve %s (keeping %d workers): %s", target,
                             len(self._found[target]), exc)
                 continue
-            wanted = set()
+            wanted = {}
             for address in addresses:
                 try:
-                    wanted.add(worker_url(address, target.port))
+                    url = worker_url(address, target.port)
+                    wanted[url] = WorkerConfig(url, role=target.role, dp_size=target.dp_size)
                 except ValueError:
                     log.warning("%s resolved to %r, not an IP address: skipped", target, address)
             await self._apply(target, wanted)
 
-    async def _apply(self, target: DnsTarget | K8sTarget, wanted: set[str]) -> None:
+    async def _apply(self, target: DnsTarget | K8sTarget, wanted: dict[str, WorkerConfig]
+                     ) -> None:
         async with self._lock:  # DNS refreshes and watches run side by side
             await self._apply_locked(target, wanted)
 
-    async def _apply_locked(self, target: DnsTarget | K8sTarget, wanted: set[str]) -> None:
+    async def _apply_locked(self, target: DnsTarget | K8sTarget,
+                            wanted: dict[str, WorkerConfig]) -> None:
         held = self._found[target]
-        others = set().union(*(v for k, v in self._found.items() if k != target))
-        for url in sorted(held - wanted):
-            held.discard(url)
+        others = set().union(*(v.keys() for k, v in self._found.items() if k != target))
+        # A worker whose topology changed leaves and joins again in its new role.
+        changed = {url for url in held.keys() & wanted.keys() if held[url] != wanted[url]}
+        for url in sorted(held.keys() - wanted.keys() | changed):
+            del held[url]
             if url in others:  # the same address under another name stays
                 continue
             worker = self._ids.pop(url, None)
@@ -196,19 +230,19 @@ class Discovery:
             log.info("worker %s left %s", url, target)
             with contextlib.suppress(KeyError):
                 await self._registry.remove(worker)
-        for url in sorted(wanted - held):
-            held.add(url)
+        for url in sorted(wanted.keys() - held.keys()):
+            held[url] = wanted[url]
             if url in self._ids:
                 continue
             if self._registry.find(url) is not None:  # also configured with --worker
                 continue
             try:
-                entry = await self._registry.add(url, must_answer=False)
+                entry = await self._registry.add(wanted[url], must_answer=False)
             except (IncompatibleWorker, ValueError) as exc:  # not retried until it rejoins
                 log.error("not routing to %s from %s: %s", url, target, exc)
                 continue
             self._ids[url] = entry.id  # type: ignore[attr-defined]
-            log.info("worker %s joined %s", url, target)
+            log.info("worker %s joined %s as %s", url, target, wanted[url].role)
 
     async def start(self) -> None:
         """Resolve once now, then keep resolving in the background until :meth:`stop`;

@@ -6,6 +6,12 @@ watches them. Every ready endpoint (``conditions.ready`` true or unset, as the A
 is a worker at ``http://ADDRESS:PORT``; one that turns not-ready, or whose slice is deleted,
 leaves. The port is the slice port named by ``?port=NAME``, or the slice's only port.
 
+A slice's labels may give its workers a topology: ``kvroute.io/role`` (``prefill``,
+``decode`` or ``both``, the default) and ``kvroute.io/dp-size`` (data-parallel ranks behind
+each endpoint). The EndpointSlice controller copies a Service's labels onto its slices, so
+they are set on the Service (one Service per role). A slice whose labels are malformed gives
+no workers, with a warning, rather than workers in the wrong role.
+
 - The cluster is found as ``kubectl`` finds it: the pod's service account
   (``/var/run/secrets/kubernetes.io/serviceaccount`` with ``KUBERNETES_SERVICE_HOST`` and
   ``_PORT``), else ``$KUBECONFIG``, else ``~/.kube/config`` (lightkube reads them).
@@ -29,16 +35,22 @@ from dataclasses import dataclass
 from typing import Any
 from urllib.parse import parse_qsl, urlsplit
 
-__all__ = ["EndpointSliceWatch", "K8sTarget", "cluster_client", "parse_k8s_target"]
+from router.fleet.worker_config import MAX_DP_SIZE, ROLES, WorkerConfig
+
+__all__ = ["DP_SIZE_LABEL", "ROLE_LABEL", "EndpointSliceWatch", "K8sTarget", "cluster_client",
+           "parse_k8s_target"]
 
 log = logging.getLogger(__name__)
 
 _NAMESPACE = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 _PORT_NAME = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
 FORM = "k8s://NAMESPACE/LABEL-SELECTOR[?port=NAME]"
+#: The slice (Service) labels that give its workers a role and data-parallel ranks.
+ROLE_LABEL = "kvroute.io/role"
+DP_SIZE_LABEL = "kvroute.io/dp-size"
 
-#: ``apply(urls)``: make the target's workers exactly ``urls``.
-Apply = Callable[[set[str]], Awaitable[None]]
+#: ``apply(workers)``: make the target's workers exactly ``workers`` (URL -> configuration).
+Apply = Callable[[dict[str, WorkerConfig]], Awaitable[None]]
 
 
 @dataclass(frozen=True, slots=True)
@@ -142,7 +154,7 @@ class EndpointSliceWatch:
         self.max_endpoints = max_endpoints
         self.backoff = backoff
         self._sleep = sleep
-        self._slices: dict[str, set[str]] = {}
+        self._slices: dict[str, dict[str, WorkerConfig]] = {}
         self.resource_version: str | None = None
         #: Lines of the watch that were not a well-formed event, skipped.
         self.bad_events = 0
@@ -156,11 +168,20 @@ class EndpointSliceWatch:
     @property
     def urls(self) -> set[str]:
         """The worker URLs the slices hold now (at most ``max_endpoints``)."""
-        found = set().union(*self._slices.values())
+        return set(self.workers)
+
+    @property
+    def workers(self) -> dict[str, WorkerConfig]:
+        """The workers the slices hold now (at most ``max_endpoints``), by URL; an address in
+        two slices takes the first slice's (by name) labels."""
+        found: dict[str, WorkerConfig] = {}
+        for name in sorted(self._slices):
+            for url, config in self._slices[name].items():
+                found.setdefault(url, config)
         if len(found) > self.max_endpoints:
             self._warn_once("cap", "%s: %d endpoints, keeping the first %d", self.target,
                             len(found), self.max_endpoints)
-            found = set(sorted(found)[:self.max_endpoints])
+            found = {url: found[url] for url in sorted(found)[:self.max_endpoints]}
         return found
 
     async def run(self) -> None:
@@ -188,7 +209,7 @@ class EndpointSliceWatch:
                 await self._sleep(min(most, first * 2 ** min(failures - 1, 16)))
 
     async def _list(self) -> None:
-        slices: dict[str, set[str]] = {}
+        slices: dict[str, dict[str, WorkerConfig]] = {}
         params: dict[str, Any] = {"labelSelector": self.target.selector, "limit": 500}
         version = None
         for _ in range(64):  # pages; 64 x 500 slices is far past max_endpoints
@@ -215,7 +236,7 @@ class EndpointSliceWatch:
         self.lists += 1
         self._slices = slices
         self.resource_version = version
-        await self._apply(self.urls)
+        await self._apply(self.workers)
 
     async def _watch(self) -> bool:
         """One watch request; True when it brought at least one event."""
@@ -274,29 +295,44 @@ class EndpointSliceWatch:
             self._warn_once("slices", "%s: more than %d slices; ignoring the rest",
                             self.target, self.max_endpoints)
             return
-        await self._apply(self.urls)
+        await self._apply(self.workers)
 
-    def _slice(self, obj: Any) -> tuple[str | None, set[str]]:
-        """A slice's name and the URLs of its ready endpoints (``None``: not a slice)."""
-        name = _metadata(obj).get("name")
+    def _slice(self, obj: Any) -> tuple[str | None, dict[str, WorkerConfig]]:
+        """A slice's name and its ready endpoints' workers by URL (``None``: not a slice)."""
+        metadata = _metadata(obj)
+        name = metadata.get("name")
         if not isinstance(name, str):
             log.warning("%s: skipped an EndpointSlice without a name", self.target)
-            return None, set()
+            return None, {}
         if obj.get("addressType") not in ("IPv4", "IPv6"):
-            return name, set()
+            return name, {}
         port = self._port(name, obj.get("ports"))
-        if port is None:
-            return name, set()
-        urls = set()
+        topology = self._topology(name, metadata.get("labels"))
+        if port is None or topology is None:
+            return name, {}
+        workers: dict[str, WorkerConfig] = {}
         for address in _ready_addresses(obj.get("endpoints")):
             try:
-                urls.add(self._url(address, port))
+                url = self._url(address, port)
+                workers[url] = WorkerConfig(url, **topology)
             except ValueError:
                 log.warning("%s: slice %s has %r, not an IP address: skipped", self.target,
                             name, address)
-            if len(urls) >= self.max_endpoints:
+            if len(workers) >= self.max_endpoints:
                 break
-        return name, urls
+        return name, workers
+
+    def _topology(self, name: str, labels: Any) -> dict[str, Any] | None:
+        """The role and data-parallel ranks a slice's labels give (``None``: malformed)."""
+        labels = labels if isinstance(labels, dict) else {}
+        role, size = labels.get(ROLE_LABEL, "both"), labels.get(DP_SIZE_LABEL)
+        dp_size = int(size) if isinstance(size, str) and size.isdigit() else None
+        if role not in ROLES or (size is not None and not 1 <= (dp_size or 0) <= MAX_DP_SIZE):
+            self._warn_once(f"labels:{name}", "%s: slice %s: %s=%r is not one of %s, or %s=%r "
+                            "is not in 1..%d: no workers from it", self.target, name,
+                            ROLE_LABEL, role, "/".join(ROLES), DP_SIZE_LABEL, size, MAX_DP_SIZE)
+            return None
+        return {"role": role, "dp_size": dp_size}
 
     def _port(self, name: str, ports: Any) -> int | None:
         numbered = [p for p in ports if isinstance(p, dict) and isinstance(p.get("port"), int)

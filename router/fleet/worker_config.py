@@ -35,6 +35,9 @@ Keys:
     ``both`` (default: serves whole requests), ``prefill`` (prefills for decode workers and
     hands its KV over) or ``decode`` (decodes requests prefilled elsewhere, and prefills
     locally when it already holds most of the prompt). See ``docs/routing.md``.
+``bootstrap_port``
+    An SGLang prefill server's ``--disaggregation-bootstrap-port`` (8998 when left out): the
+    port its decode servers fetch the KV through (:mod:`router.http.bootstrap`).
 """
 
 from __future__ import annotations
@@ -50,7 +53,7 @@ __all__ = ["ENGINES", "MAX_DP_SIZE", "ROLES", "WorkerConfig", "format_worker", "
 #: Engines a worker may name; ``kvroute`` is the bundled worker.
 ENGINES = ("kvroute", "vllm", "sglang", "trtllm")
 
-_KEYS = ("url", "engine", "events", "replay", "block_size", "dp_size", "role")
+_KEYS = ("url", "engine", "events", "replay", "block_size", "dp_size", "role", "bootstrap_port")
 #: What a worker does with a request (module docstring).
 ROLES = ("both", "prefill", "decode")
 #: The most data-parallel ranks one worker may declare.
@@ -69,6 +72,7 @@ class WorkerConfig:
     block_size: int | None = None
     dp_size: int | None = None
     role: str = "both"
+    bootstrap_port: int | None = None
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -92,6 +96,9 @@ class WorkerConfig:
         if self.dp_size is not None and not 1 <= self.dp_size <= MAX_DP_SIZE:
             raise ValueError(f"worker {self.url}: dp_size {self.dp_size} is not in "
                              f"1..{MAX_DP_SIZE}")
+        if self.bootstrap_port is not None and not 0 < self.bootstrap_port < 65536:
+            raise ValueError(f"worker {self.url}: bootstrap_port {self.bootstrap_port} is not "
+                             "in 1..65535")
         if self.engine == "kvroute" and (self.events or self.replay or self.block_size):
             raise ValueError(f"worker {self.url}: a kvroute worker describes its own events "
                              "and block size at /model_info; give them to the worker instead")
@@ -130,6 +137,8 @@ def parse_worker(value: Any) -> WorkerConfig:
         fields["block_size"] = _integer(value["block_size"], "block_size", url)
     if value.get("dp_size") is not None:
         fields["dp_size"] = _integer(value["dp_size"], "dp_size", url)
+    if value.get("bootstrap_port") is not None:
+        fields["bootstrap_port"] = _integer(value["bootstrap_port"], "bootstrap_port", url)
     return WorkerConfig(**fields)
 
 

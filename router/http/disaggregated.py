@@ -16,6 +16,9 @@ A prefill that fails (no answer, an error status, a timeout of ``pd_prefill_time
 or an answer without ``kv_transfer_params``) costs the client nothing: the request is served
 whole (aggregated) on its decode worker, and ``pd_prefill_failures`` counts it. Either way the
 prefill worker's booking ends when its step does.
+
+An SGLang prefill worker is driven by SGLang's protocol instead (:mod:`router.http.bootstrap`):
+the bootstrap fields, the prefill sent beside the decode request rather than before it.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import logging
 from collections.abc import Mapping
 from typing import Any
 
+from router.http.bootstrap import prefill_alongside
 from router.http.failover import pinned
 from router.http.proxy import UpstreamUnavailable
 from router.http.state import RouterState
@@ -50,6 +54,8 @@ async def prefill_remotely(state: RouterState, route: Route, path: str, body: di
     service = state.service
     worker = route.prefill
     assert worker is not None, "a remote prefill needs its prefill worker"
+    if worker.worker.engine == "sglang":
+        return await prefill_alongside(state, route, path, body, headers)
     step = {**body, "max_tokens": 1, "stream": False, "kv_transfer_params": REMOTE_DECODE}
     step.pop("stream_options", None)
     if "max_completion_tokens" in step:

@@ -122,3 +122,29 @@ async def test_the_system_resolver_answers_and_says_no_such_name_as_empty() -> N
     assert await system_resolver("no-such-name.invalid", 80) == []
     with pytest.raises(OSError, match="not a valid DNS name"):
         await system_resolver("bad..name", 80)
+
+
+def test_a_dns_target_gives_its_workers_a_role_and_ranks_and_bad_ones_are_refused() -> None:
+    target = parse_target(f"dns:///{NAME}:8000?role=prefill&dp_size=2")
+    assert target == DnsTarget(NAME, 8000, "prefill", 2)
+    assert parse_target(str(target)) == target
+    assert str(DnsTarget(NAME, 8000, "decode")) == f"dns:///{NAME}:8000?role=decode"
+    for bad, why in (("?role=prefil", "role 'prefil'"), ("?dp_size=0", "dp_size '0'"),
+                     ("?dp_size=two", "dp_size 'two'"), ("?rank=1", "options are role"),
+                     ("?role=prefill&role=decode", "each once")):
+        with pytest.raises(ValueError, match=why):
+            parse_target(f"dns:///{NAME}:8000{bad}")
+    with pytest.raises(SettingsError) as error:
+        load_settings({"discover": [f"dns:///{NAME}:8000?role=both&x=1"]}, env={})
+    assert "\n" not in str(error.value) and "role and dp_size" in str(error.value)
+
+
+async def test_discovered_workers_take_the_targets_role_and_ranks() -> None:
+    reg = registry()
+    resolve = StubResolver(prefill=["10.0.0.1"], decode=["10.0.0.2", "10.0.0.3"])
+    discovery = Discovery(["dns:///prefill:8000?role=prefill&dp_size=2",
+                           "dns:///decode:8000?role=decode"], 5.0, reg, resolve)
+    await discovery.refresh()
+    assert {(e.url, e.role, e.dp_size) for e in reg.entries()} == {
+        ("http://10.0.0.1:8000", "prefill", 2), ("http://10.0.0.2:8000", "decode", 1),
+        ("http://10.0.0.3:8000", "decode", 1)}

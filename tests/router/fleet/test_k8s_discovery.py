@@ -21,7 +21,13 @@ from indexer.index import PrefixIndex
 from kvroute.up import free_port
 from router.fleet.discovery import Discovery, parse_target
 from router.fleet.facts import FleetFacts
-from router.fleet.k8s_discovery import EndpointSliceWatch, K8sTarget, cluster_client
+from router.fleet.k8s_discovery import (
+    DP_SIZE_LABEL,
+    ROLE_LABEL,
+    EndpointSliceWatch,
+    K8sTarget,
+    cluster_client,
+)
 from router.fleet.registry import Registry
 from router.settings import RouterSettings, SettingsError, load_settings
 from tests.support.eventually import eventually
@@ -387,7 +393,7 @@ async def test_reconnects_back_off_doubling_up_to_the_cap() -> None:
         if len(waits) == 9:
             raise asyncio.CancelledError
 
-    async def apply(found: set[str]) -> None:
+    async def apply(found: dict[str, Any]) -> None:
         raise AssertionError("nothing was listed")
 
     port = free_port()  # nothing listens there
@@ -398,3 +404,36 @@ async def test_reconnects_back_off_doubling_up_to_the_cap() -> None:
             await watch.run()
     assert waits == [0.5, 1.0, 2.0, 4.0, 8.0, 16.0, 30.0, 30.0, 30.0]
     assert watch.lists == 0 and watch.watches == 0
+
+
+async def test_slice_labels_give_roles_and_ranks_and_malformed_ones_no_workers(
+        cluster: Any) -> None:
+    reg = registry()
+
+    def topology() -> set[tuple[str, str, int]]:
+        return {(e.url, e.role, e.dp_size) for e in reg.entries()}
+
+    app = {"app": "kvroute-worker"}
+    async with FakeKubeApi() as api:
+        cluster(api)
+        api.put("prefill", [("10.0.0.1", True)], labels={**app, ROLE_LABEL: "prefill",
+                                                         DP_SIZE_LABEL: "2"})
+        api.put("decode", [("10.0.0.2", True)], labels={**app, ROLE_LABEL: "decode"})
+        api.put("plain", [("10.0.0.3", True)])
+        api.put("typo", [("10.0.0.4", True)], labels={**app, ROLE_LABEL: "prefil"})
+        api.put("zero", [("10.0.0.5", True)], labels={**app, DP_SIZE_LABEL: "0"})
+        async with watching(api, reg) as discovery:
+            await eventually(topology, "the labelled slices' workers joined in their roles",
+                             until=lambda t: t == {("http://10.0.0.1:8000", "prefill", 2),
+                                                   ("http://10.0.0.2:8000", "decode", 1),
+                                                   ("http://10.0.0.3:8000", "both", 1)})
+            await eventually(lambda: api.streams, "the watch is open")
+            # A Service relabelled: its worker leaves and joins again in its new role.
+            old = reg.find("http://10.0.0.2:8000").id
+            api.put("decode", [("10.0.0.2", True)], labels={**app, ROLE_LABEL: "both"})
+            await eventually(topology, "the relabelled worker is registered anew",
+                             until=lambda t: ("http://10.0.0.2:8000", "both", 1) in t)
+            assert reg.find("http://10.0.0.2:8000").id != old
+            # The malformed ones gave none, and were not counted as bad events.
+            assert discovery.urls == {f"http://10.0.0.{i}:8000" for i in (1, 2, 3)}
+            assert discovery.watches[0].bad_events == 0
