@@ -21,8 +21,8 @@ from starlette.requests import Request
 
 from openai_request.bodies import ApiError, parse_body
 
-__all__ = ["TOKENIZE_OFF_LOOP_BYTES", "ClientGone", "read_body", "read_json", "receive_body",
-           "wait_for_disconnect"]
+__all__ = ["TOKENIZE_OFF_LOOP_BYTES", "BodyTooLarge", "ClientGone", "check_declared", "read_body",
+           "read_json", "receive_body", "wait_for_disconnect"]
 
 #: The ASGI receive channel.
 Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
@@ -69,11 +69,7 @@ async def receive_body(declared: str | None, receive: Receive, max_bytes: int) -
         ApiError: as :func:`read_body`.
         ClientGone: as :func:`read_body`.
     """
-    if declared is not None:
-        if not declared.isdigit():
-            raise ApiError(400, "Content-Length is not a number")
-        if int(declared) > max_bytes:
-            raise BodyTooLarge(max_bytes)
+    check_declared(declared, max_bytes)
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -88,6 +84,22 @@ async def receive_body(declared: str | None, receive: Receive, max_bytes: int) -
         if not message.get("more_body", False):
             break
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+def check_declared(declared: str | None, max_bytes: int) -> int | None:
+    """Rule 1: the declared ``Content-Length`` as a number (``None`` when there is none).
+
+    Raises:
+        ApiError: 413 (a :class:`BodyTooLarge`) when it is over ``max_bytes``; 400 when it is
+            not a number.
+    """
+    if declared is None:
+        return None
+    if not declared.isdigit():
+        raise ApiError(400, "Content-Length is not a number")
+    if int(declared) > max_bytes:
+        raise BodyTooLarge(max_bytes)
+    return int(declared)
 
 
 async def read_json(request: Request, max_bytes: int) -> dict[str, Any]:

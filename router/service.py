@@ -220,6 +220,28 @@ class RouterService:
             return False
         return body_bytes > TOKENIZE_OFF_LOOP_BYTES
 
+    @property
+    def decides_early(self) -> bool:
+        """Whether a body may be decided before its end (:meth:`settles`): only under
+        ``--tokenize match``, which stops tokenizing where the match ends."""
+        return self.settings.tokenize == "match" and isinstance(self.tokenizer,
+                                                                 SegmentedTokenizer)
+
+    def settles(self, partial: Any, kind: str) -> bool:
+        """Whether ``partial``, a body as far as it has arrived (its prompt cut where the
+        bytes end), already settles the match: a decision on it, with the random state put
+        back after it, walked its prompt only part way (``estimated_tokens``), so no later
+        byte can lengthen the match. A body the router refuses as it stands is not settled
+        (its end may mend it; the buffered path answers it)."""
+        state = self.rng.getstate()
+        try:
+            probe = self.decide(partial, kind)
+        except ApiError:
+            return False
+        finally:
+            self.rng.setstate(state)
+        return bool(getattr(probe.prompt, "estimated_tokens", 0))
+
     def decide(self, body: Any, kind: str, prompt: PromptTokens | None = None) -> Route:
         """Tokenize (unless ``prompt`` is given, from :meth:`tokenize`), hash, match and score
         one request body (``kind``: ``completions`` or ``chat``, the endpoint it came to).

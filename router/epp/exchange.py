@@ -9,7 +9,7 @@ Envoy opens one ``Process`` stream per HTTP request and sends its phases in orde
    body (``GET /v1/models``) is sent at once to the least busy worker, unbooked.
 2. ``request_body``: under ``BUFFERED`` one message with the whole body; under
    ``FULL_DUPLEX_STREAMED`` chunks, held until the decision: read as they arrive
-   (:class:`~router.epp.early.EarlyBody`), decided as soon as the prompt's match is settled
+   (:class:`~openai_request.early_body.EarlyBody`), decided as soon as the prompt's match is settled
    (:meth:`Picker.pick_early`), else at ``end_of_stream`` (or the request trailers); after
    the decision each chunk is sent back as it came;
    once what is held passes the router's ``max_body_bytes`` the request is refused at once
@@ -37,8 +37,8 @@ from envoy.extensions.filters.http.ext_proc.v3 import processing_mode_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ep
 
 from openai_request.bodies import ApiError, parse_body
+from openai_request.early_body import EarlyBody
 from router.epp import messages
-from router.epp.early import EarlyBody
 from router.epp.picker import ENDPOINT, Held, Pick, Picker
 
 __all__ = ["Exchange", "kind_for_path"]

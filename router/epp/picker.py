@@ -186,14 +186,7 @@ class Picker:
         Raises:
             ApiError: as :meth:`pick`, for a settled body.
         """
-        state = self.service.rng.getstate()
-        try:
-            probe = self.service.decide(partial, kind)
-        except ApiError:
-            return None
-        finally:
-            self.service.rng.setstate(state)
-        if not getattr(probe.prompt, "estimated_tokens", 0):
+        if not self.service.settles(partial, kind):
             return None
         picked = self.pick(padded, kind, subset, headers)
         return picked if isinstance(picked, Pick) else None

@@ -27,6 +27,7 @@ from router.fleet.entry import Target
 from router.fleet.ranks import RANK_HEADER
 from router.fleet.worker_table import WorkerState
 from router.http.first_byte import FirstByteClock
+from router.http.incoming_body import IncomingBody
 from router.http.proxy import Proxy, UpstreamAnswer, UpstreamUnavailable
 from router.service import Route, RouterService
 
@@ -48,8 +49,8 @@ class Sent:
 
 
 async def send_with_failover(service: RouterService, proxy: Proxy, clock: FirstByteClock,
-                             route: Route, path: str, body: bytes, headers: Mapping[str, str],
-                             stream: bool,
+                             route: Route, path: str, body: bytes | IncomingBody,
+                             headers: Mapping[str, str], stream: bool | Callable[[], bool],
                              on_failure: Callable[[Target, int, str], None]) -> Sent:
     """Send ``route``'s request until a worker begins to answer.
 
@@ -59,9 +60,12 @@ async def send_with_failover(service: RouterService, proxy: Proxy, clock: FirstB
         clock: gives the first attempt's deadline and learns from streams that begin.
         route: the decided request.
         path: the endpoint path on the worker.
-        body: the request body, forwarded as is.
+        body: the request body, forwarded as is (one still arriving is sent as it arrives,
+            and replayed from its first byte to each worker tried).
         headers: the client's headers.
-        stream: whether the client asked for a stream.
+        stream: whether the client asked for a stream; a callable, asked once a worker's
+            answer began, for a body sent before its end (whose first attempt then has no
+            learned deadline: the client's upload is no part of the worker's prefill).
         on_failure: called with the worker, the attempt and the cause of each failure.
 
     Raises:
@@ -77,7 +81,7 @@ async def send_with_failover(service: RouterService, proxy: Proxy, clock: FirstB
         attempt, tried = tried, tried + 1
         service.dispatched(route, worker)
         ahead = service.queued_prefill(worker)
-        deadline = clock.deadline(worker.id, ahead) if stream and attempt == 0 else None
+        deadline = clock.deadline(worker.id, ahead) if stream is True and attempt == 0 else None
         started = time.monotonic()
         try:
             answer = await proxy.send(f"{worker.url}{path}", body, pinned(headers, worker),
@@ -91,7 +95,9 @@ async def send_with_failover(service: RouterService, proxy: Proxy, clock: FirstB
             continue
         worker.liveness.progressed()  # an answer began: alive, whatever its probe says
         answer.on_progress = worker.liveness.progressed
-        if stream and answer.status == 200:
+        if (stream() if callable(stream) else stream) and answer.status == 200:
+            if isinstance(body, IncomingBody):  # timed from the body's end, not its upload
+                started = max(started, body.completed_at or started)
             clock.observed(worker.id, ahead, time.monotonic() - started)
         elif answer.status >= 400:
             service.refused(route, worker)

@@ -30,12 +30,13 @@ import asyncio
 import contextlib
 import json
 import re
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
 from dataclasses import dataclass
 
 import aiohttp
 
 from router.fleet.first_byte_waits import FirstByteWaits
+from router.http.incoming_body import IncomingBody
 
 __all__ = ["Proxy", "ProxyTimeouts", "UpstreamAnswer", "UpstreamUnavailable"]
 
@@ -177,17 +178,21 @@ class Proxy:
             await self._session.close()
             self._session = None
 
-    async def send(self, url: str, body: bytes, headers: Mapping[str, str], *,
-                   stream: bool = False, first_byte: float | None = None,
+    async def send(self, url: str, body: bytes | IncomingBody, headers: Mapping[str, str], *,
+                   stream: bool | Callable[[], bool] = False, first_byte: float | None = None,
                    waits: FirstByteWaits | None = None) -> UpstreamAnswer:
         """POST ``body`` to ``url`` and wait for its first byte: the status line and headers,
         and for a ``stream`` its first chunk too.
 
         Args:
             url: the worker's endpoint.
-            body: the request body, forwarded as is.
+            body: the request body, forwarded as is: bytes, or a body still arriving, sent
+                as it arrives (with the client's ``Content-Length`` when it declared one,
+                else chunked).
             headers: the client's headers (hop-by-hop ones are dropped).
-            stream: whether the answer is a stream (its first chunk is awaited and checked).
+            stream: whether the answer is a stream (its first chunk is awaited and checked);
+                a callable is asked once the answer's headers are in (a body sent as it
+                arrives says whether it asks for a stream only at its end).
             first_byte: seconds to wait for the first byte (capped by the proxy's own).
             waits: the worker's registry of waits, through which the health poll can end
                 this one early.
@@ -199,15 +204,24 @@ class Proxy:
         if self._session is None:
             raise RuntimeError("proxy is not started")
         forward = {k: v for k, v in headers.items() if k.lower() not in _DROP_HEADERS}
+        data: bytes | AsyncIterator[bytes]
+        if isinstance(body, IncomingBody):
+            data = body.chunks()
+            if body.declared is not None:
+                forward["Content-Length"] = str(body.declared)
+        else:
+            data = body
         limit = self.timeouts.first_byte if first_byte is None else min(
             first_byte, self.timeouts.first_byte)
         response: aiohttp.ClientResponse | None = None
         first = b""
+        streamed = False
         try:
             async with asyncio.timeout(limit) as timeout:
                 with waits.waiting(timeout) if waits is not None else contextlib.nullcontext():
-                    response = await self._session.post(url, data=body, headers=forward)
-                    if stream and response.status == 200:
+                    response = await self._session.post(url, data=data, headers=forward)
+                    streamed = stream() if callable(stream) else stream
+                    if streamed and response.status == 200:
                         first = await response.content.readany()
         except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
             if response is not None:
@@ -225,7 +239,7 @@ class Proxy:
             detail = (await response.read())[:200].decode(errors="replace")
             response.release()
             raise UpstreamUnavailable(f"{url}: status {response.status}: {detail}", "status")
-        if stream and response.status == 200 and (not first or _SSE_ERROR.match(first)):
+        if streamed and response.status == 200 and (not first or _SSE_ERROR.match(first)):
             response.close()
             detail = first[:200].decode(errors="replace").strip() or "an empty stream"
             raise UpstreamUnavailable(f"{url}: the stream failed before its first token: "

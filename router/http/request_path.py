@@ -3,40 +3,50 @@
 
 Read the body within its byte limit, check it against the OpenAI schema,
 :meth:`RouterService.decide`, book the load, forward through the :class:`~router.http.proxy.Proxy`,
-pass the answer back as it arrives. A worker that fails before the first byte is left for the
-next-best one (:mod:`router.http.failover`); the answer names the worker and the matched blocks
-in ``x-kvroute-*`` headers.
+pass the answer back as it arrives. A long prompt whose body arrives in pieces may be decided
+before its end (under ``--tokenize match``, once what arrived settles the match:
+:mod:`openai_request.early_body`); the upstream request then starts at once and the rest of
+the body follows it as it arrives (:mod:`router.http.incoming_body`: the same limits and
+deadlines, the bytes kept for a failover). A body the router must rewrite (a disaggregated
+prefill's) or one refused as it stands is read whole first, as is one that arrived whole. A
+worker that fails before the first byte is left for the next-best one
+(:mod:`router.http.failover`); the answer names the worker and the matched blocks in
+``x-kvroute-*`` headers.
 
 A completions prompt whose length alone proves it longer than every worker's model is refused
 before it is encoded; a body the service says is worth it
 (:meth:`~router.service.RouterService.tokenizes_off_loop`: over ``TOKENIZE_OFF_LOOP_BYTES``
 under ``--tokenize full``) is encoded in a thread, not on the event loop.
 
-A client that hangs up is only seen on the ASGI receive channel: one watcher task, started
-once the body is read, cancels the handler when the client leaves, so the upstream request is
-cancelled with it (before the answer began: counted, answered 499) or the stream is closed
-(after). One watcher that cancels the handler is cheaper than racing two tasks, and cheaper
-than the task group Starlette's ``StreamingResponse`` runs per stream.
+A client that hangs up is only seen on the ASGI receive channel: one watcher task (the body's
+pump, reading what is left of it first) cancels the handler when the client leaves, so the
+upstream request is cancelled with it (before the answer began: counted, answered 499) or the
+stream is closed (after). One watcher that cancels the handler is cheaper than racing two
+tasks, and cheaper than the task group Starlette's ``StreamingResponse`` runs per stream. A
+body that fails after it began upstream (413, 408, the client gone) ends the pump the same
+way, and the handler answers that failure instead.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import re
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from starlette.types import Message, Receive, Scope, Send
 
-from httpapi.body import receive_body, wait_for_disconnect
 from httpapi.responses import CLIENT_GONE_STATUS
 from openai_request.bodies import ApiError, fewest_prompt_tokens, parse_body, validate_request
+from openai_request.early_body import EarlyBody
 from openai_request.prompts import PromptTokens
 from router.http.disaggregated import prefill_remotely
 from router.http.failover import Sent, send_with_failover
 from router.http.flow import ask_of, tenant_of
+from router.http.incoming_body import IncomingBody
 from router.http.metrics import RequestTimer
 from router.http.proxy import UpstreamUnavailable
 from router.http.state import RouterState
@@ -66,31 +76,41 @@ class Forward:
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         max_bytes = state.settings.max_body_bytes
         try:
-            raw = await receive_body(headers.get("content-length"), receive, max_bytes)
-            body = parse_body(raw, max_bytes)
-            route = await decide(state, body, self.kind, len(raw), headers)
+            incoming = IncomingBody(receive, headers.get("content-length"), max_bytes)
+            route, body, pump = await self._decided(incoming, headers)
         except ApiError as exc:
             metrics.request(path, exc.status)
             raise
         metrics.decided(route)
         this = asyncio.current_task()
         assert this is not None, "a request handler runs in a task"
-        watcher = asyncio.get_running_loop().create_task(wait_for_disconnect(receive))
+        # The pump reads what is left of the body, then waits for the client to leave; its
+        # end (the client left, or the body failed) cancels the handler.
+        watcher = pump or asyncio.get_running_loop().create_task(incoming.pump())
         watcher.add_done_callback(lambda w: w.cancelled() or this.cancel())
-        stream = bool(body.get("stream"))
         answering = False
         timer.sending()
         try:
+            if body is None and route.prefill is not None:
+                await incoming.ended()  # the prefill step rewrites the body: all of it first
+                body = parse_body(incoming.whole(), max_bytes)
+            payload: bytes | IncomingBody = incoming
+            stream: bool | Callable[[], bool] = functools.cache(
+                lambda: _asks_stream(incoming, max_bytes))
+            if body is not None:
+                payload, stream = incoming.whole(), bool(body.get("stream"))
             try:
                 if route.prefill is not None:  # disaggregated: the prefill step first
-                    raw = await prefill_remotely(state, route, path, body, raw, headers)
+                    assert body is not None and isinstance(payload, bytes), "read whole above"
+                    payload = await prefill_remotely(state, route, path, body, payload, headers)
                 sent = await send_with_failover(state.service, state.proxy, state.first_byte,
-                                                route, path, raw, headers, stream,
+                                                route, path, payload, headers, stream,
                                                 metrics.upstream_failure)
             except ApiError as exc:
                 metrics.request(path, exc.status)
                 raise
             metrics.request(path, sent.answer.status)
+            stream = stream() if callable(stream) else stream
             streamed = stream and sent.answer.status == 200
             timer.answered(sent.worker, sent.answer.status, streamed)
             if streamed:
@@ -104,8 +124,13 @@ class Forward:
         except asyncio.CancelledError:
             if watcher.done() and not watcher.cancelled():  # the client left, not a shutdown
                 this.uncancel()
+                failure = watcher.exception()
                 if not answering:
                     state.service.finished(route)
+                    if failure is not None:  # the body failed after it began upstream
+                        if isinstance(failure, ApiError):
+                            metrics.request(path, failure.status)
+                        raise failure from None
                     state.client_gone("answer")
                     await send({"type": "http.response.start", "status": CLIENT_GONE_STATUS,
                                 "headers": [(b"content-length", b"0")]})
@@ -115,6 +140,40 @@ class Forward:
         finally:
             watcher.cancel()
 
+    async def _decided(self, incoming: IncomingBody, headers: Mapping[str, str]
+                       ) -> tuple[Route, dict[str, Any] | None, asyncio.Task[None] | None]:
+        """Read ``incoming`` until the request is decided: at the body's end (the route, the
+        parsed body, no pump), or before it, once what arrived settles the match (the route,
+        ``None`` and the pump already reading the rest: :mod:`openai_request.early_body` says when a
+        body may be decided early and on what).
+
+        Raises:
+            ApiError: the body's refusals (413, 408, 400) and :func:`decide`'s.
+            ClientGone: the client left before the body's end.
+        """
+        state, kind = self.state, self.kind
+        service = state.service
+        early = EarlyBody(kind, incoming.declared) if service.decides_early else None
+        chunk = await incoming.read_more()
+        while not incoming.complete:
+            tries = early.feed(chunk) if early is not None else None
+            if tries is not None and service.settles(tries[0], kind):
+                pump = asyncio.get_running_loop().create_task(incoming.pump())
+                try:
+                    route = await decide(state, tries[1], kind,
+                                         incoming.declared or incoming.size, headers)
+                except ApiError:  # refused as it stands: answered as buffered, at its end
+                    await _stopped(pump)
+                    early = None
+                except BaseException:
+                    pump.cancel()
+                    raise
+                else:
+                    return route, None, pump
+            chunk = await incoming.read_more()
+        raw = incoming.whole()
+        body = parse_body(raw, state.settings.max_body_bytes)
+        return await decide(state, body, kind, len(raw), headers), body, None
 
 async def decide(state: RouterState, body: dict[str, Any], kind: str, size: int,
                  headers: Mapping[str, str]) -> Route:
@@ -193,6 +252,28 @@ async def _whole(state: RouterState, sent: Sent, route: Route, timer: RequestTim
     if found and sent.answer.status == 200:
         state.metrics.reported_cached(route, int(found.group(1)))
     return _start(sent, route, _JSON, len(content)), content
+
+
+async def _stopped(pump: asyncio.Task[None]) -> None:
+    """Stop ``pump``, which read the body ahead of an early decision that did not stand;
+    raise what ended the body if that was a failure."""
+    pump.cancel()
+    await asyncio.wait([pump])
+    failure = None if pump.cancelled() else pump.exception()
+    if failure is not None:
+        raise failure
+
+
+def _asks_stream(incoming: IncomingBody, max_bytes: int) -> bool:
+    """Whether a body sent as it arrived asks for a stream: read once it is whole (a body
+    still arriving when a worker answered, or not valid JSON, does not; the worker said what
+    was wrong with it)."""
+    if not incoming.complete:
+        return False
+    try:
+        return bool(parse_body(incoming.whole(), max_bytes).get("stream"))
+    except ApiError:
+        return False
 
 
 async def _relay(state: RouterState, sent: Sent, route: Route, send: Send,

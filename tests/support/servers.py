@@ -59,6 +59,7 @@ class UvicornServer:
 
 class ScriptedWorker:
     """A worker whose completions follow ``mode``: "ok", "refuse" (HTTP 503 before any byte),
+    "refuse_unread" (HTTP 503 as soon as the request's headers are in, its body unread),
     "reject" (HTTP 400, as for a prompt longer than the worker takes),
     "fail_stream" (a stream whose first event is the engine's error), "stall" (takes the
     request, sends a stream's headers, then nothing until the client goes away),
@@ -96,6 +97,11 @@ class ScriptedWorker:
         self.port = free_port()
         self.instance_id = "scripted-1"
         self.requests: list[dict[str, Any]] = []
+        #: Each completions request's body as received, its headers, and whether one began
+        #: (set once its headers are in, before its body is read).
+        self.bodies: list[bytes] = []
+        self.headers: list[dict[str, str]] = []
+        self.began = asyncio.Event()
         self.cancelled = asyncio.Event()
         self._runner: web.AppRunner | None = None
 
@@ -172,7 +178,13 @@ class ScriptedWorker:
         return web.Response(body=self.load_answer, content_type="application/json")
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:
-        body = await request.json()
+        self.began.set()
+        self.headers.append(dict(request.headers))
+        if self.mode == "refuse_unread":
+            return web.json_response({"error": {"message": "overloaded"}}, status=503)
+        raw = await request.read()
+        self.bodies.append(raw)
+        body = json.loads(raw)
         self.requests.append(body)
         await self._wait_if_paused()
         if self.mode == "refuse":

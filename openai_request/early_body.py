@@ -1,10 +1,11 @@
-"""When a streamed body may be decided before its end, and on what.
+"""When a request body that arrives in pieces may be decided before its end, and on what.
 
-Under ``FULL_DUPLEX_STREAMED`` the body arrives in chunks that an :class:`EarlyBody` reads
-with :class:`~openai_request.stream_json.ObjectReader`. Once the body's ``model`` is known and
+The body arrives in chunks (from Envoy under ``FULL_DUPLEX_STREAMED``, or from the client
+on the router's own HTTP path) that an :class:`EarlyBody` reads with
+:class:`~openai_request.stream_json.ObjectReader`. Once the body's ``model`` is known and
 its prompt (``prompt`` for completions, ``messages`` for chat) is being read, it offers the
-body as far as it has arrived, at doubling sizes (from :data:`FIRST_TRY_BYTES`), for
-:meth:`~router.epp.picker.Picker.pick_early` to try: with ``--tokenize match`` the router
+body as far as it has arrived, at doubling sizes (from :data:`FIRST_TRY_BYTES`), for the
+router to try (``RouterService.settles``): with ``--tokenize match`` the router
 tokenizes a prompt only as far as some worker holds it, so once the match ends inside what
 arrived the decision is settled. The tail still to come is stood in for by as many
 characters as the body has bytes left by its ``content-length`` (none when it sends none),
@@ -13,8 +14,9 @@ so the load booked counts the whole prompt.
 Only what the decision reads before the prompt counts: a body whose ``model`` comes after its
 prompt, whose prompt is a list of token ids, or whose last message's content is not a string
 is decided at its end. Members after the prompt that would have changed the choice
-(``cache_salt``, ``tools``, chat template arguments) are not seen by an early decision: a
-client that needs them to steer routing writes them before the prompt. A reader error (not
+(``cache_salt``, ``tools``, chat template arguments, a ``priority`` for flow control) are
+not seen by an early decision: a client that needs them to steer routing writes them before
+the prompt (or sends the priority as a header). A reader error (not
 a JSON object) also leaves the body to its end, where the buffered path's parse gives the
 client its error. A body decided early that turns out invalid past the decision (cut
 short, say) has been sent on: the worker refuses it, as it would any invalid body.
