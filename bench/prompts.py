@@ -53,11 +53,14 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import random
+import re
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +74,8 @@ SHAPES = ("first", "repeat", "next_turn", "shared_doc")
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
           "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 SPECIALS = ["<unk>", "<s>", "</s>", "<|im_start|>", "<|im_end|>", "<|image|>"]
+#: Bytes a paced upload writes at a time (``--upload-mbps``).
+UPLOAD_PIECE = 16 * 1024
 #: The straight-to-worker path is the sim worker's; its model name.
 MODEL = "kvroute-sim"
 
@@ -217,7 +222,7 @@ def _cpu_seconds(pid: int) -> float:
 
 
 def over_http(folder: Path, shapes: list[str], sizes: dict[str, int], n: int,
-              chars_per_token: float) -> list[dict[str, Any]]:
+              chars_per_token: float, upload_mbps: float = 0.0) -> list[dict[str, Any]]:
     """Part 2: added latency and router CPU, straight to a worker against each router."""
     from bench.http_load import spawn, stop
     from kvroute.up import free_port
@@ -257,37 +262,72 @@ def over_http(folder: Path, shapes: list[str], sizes: dict[str, int], n: int,
                         seed=tokens + 1 + (t if fresh else 0))]
                         for t, (name, _, _) in enumerate(targets)}
                     times: dict[str, list[float]] = {"direct": [], "match": [], "full": []}
+                    raw_times: dict[str, list[float]] = {"direct": [], "match": [], "full": []}
                     cpu = {m: 0.0 for m in routers}
                     for k in range(n + 1):
                         for name, url, pid in targets:
                             raw = raws[name][k]
                             before = _cpu_seconds(pid) if pid else 0.0
                             started = time.perf_counter()
-                            r = client.post(url + "/v1/chat/completions", content=raw,
-                                            headers={"content-type": "application/json"})
+                            r = client.post(url + "/v1/chat/completions",
+                                            content=_paced(raw, upload_mbps),
+                                            headers={"content-type": "application/json",
+                                                     "content-length": str(len(raw))})
                             elapsed = time.perf_counter() - started
                             if r.status_code != 200:
                                 raise RuntimeError(f"{name}, {shape} {label}: "
                                                    f"{r.status_code} {r.text[:200]}")
                             if k:
-                                times[name].append(elapsed)
+                                # The worker's own time (from the body's end to its answer)
+                                # is left out of both paths: it is the same work either way.
+                                times[name].append(elapsed - _worker_seconds(r))
+                                raw_times[name].append(elapsed)
                                 if pid:
                                     cpu[name] += _cpu_seconds(pid) - before
                     row: dict[str, Any] = {"shape": shape, "size": label,
-                                           "direct_p50_ms": _ms(times["direct"], 50)}
+                                           "direct_p50_ms": _ms(raw_times["direct"], 50)}
                     for mode in routers:
                         # Paired: each request through the router against the same body
                         # straight to the worker just before it.
                         added = [r - d for r, d in zip(times[mode], times["direct"],
                                                         strict=True)]
+                        gross = [r - d for r, d in zip(raw_times[mode], raw_times["direct"],
+                                                        strict=True)]
                         row[f"added_p50_ms_{mode}"] = _ms(added, 50)
                         row[f"added_p99_ms_{mode}"] = _ms(added, 99)
+                        row[f"gross_p50_ms_{mode}"] = _ms(gross, 50)
                         row[f"router_cpu_ms_{mode}"] = round(cpu[mode] / n * 1e3, 2)
                     rows.append(row)
         return rows
     finally:
         for proc in procs:
             stop(proc)
+
+
+def _paced(raw: bytes, mbps: float) -> bytes | Iterator[bytes]:
+    """``raw`` at once (``mbps`` 0), or in pieces at ``mbps`` megabits a second, as a client
+    on a link of that speed would upload it."""
+    if not mbps:
+        return raw
+
+    def pieces() -> Iterator[bytes]:
+        started = time.perf_counter()
+        for at in range(0, len(raw), UPLOAD_PIECE):
+            due = started + at * 8 / (mbps * 1e6)
+            time.sleep(max(0.0, due - time.perf_counter()))
+            yield raw[at:at + UPLOAD_PIECE]
+
+    return pieces()
+
+
+def _worker_seconds(answer: httpx.Response) -> float:
+    """The worker's own seconds for a request, from its ``Server-Timing`` (which the router
+    passes through)."""
+    timing = answer.headers.get("server-timing", "")
+    found = re.search(r"worker;dur=([0-9.]+)", timing)
+    if not found:
+        raise RuntimeError(f"the worker's answer has no Server-Timing: {timing!r}")
+    return float(found.group(1)) / 1e3
 
 
 def _ms(values: list[float], pct: int) -> float:
@@ -303,6 +343,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--sizes", help="comma-separated of 1k,8k,32k,128k (default all)")
     parser.add_argument("--requests", type=int, default=20, help="measured requests a cell")
     parser.add_argument("--no-http", action="store_true", help="the in-process part only")
+    parser.add_argument("--upload-mbps", type=float, default=0.0,
+                        help="over HTTP, upload each body at this many megabits a second, in "
+                        f"{UPLOAD_PIECE // 1024} KB pieces (default 0: all at once)")
     args = parser.parse_args(argv)
     sizes = dict(SIZES)
     if args.sizes:
@@ -321,7 +364,10 @@ def main(argv: list[str] | None = None) -> None:
 
     sample = Language(99).text(200_000)
     chars_per_token = len(sample) / len(load_tokenizer(str(folder)).encode(sample))
-    parts = [("in_process", in_process)] + ([] if args.no_http else [("http", over_http)])
+    if args.upload_mbps < 0:
+        parser.error("--upload-mbps must be >= 0")
+    http = functools.partial(over_http, upload_mbps=args.upload_mbps)
+    parts = [("in_process", in_process)] + ([] if args.no_http else [("http", http)])
     for part, run in parts:
         rows = run(folder, list(SHAPES), sizes, n, chars_per_token)
         rows.append({"load_average": [round(x, 2) for x in os.getloadavg()]})

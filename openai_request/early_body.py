@@ -32,7 +32,10 @@ __all__ = ["FIRST_TRY_BYTES", "EarlyBody"]
 
 #: The body bytes read before the first try; each later try waits for twice as many.
 FIRST_TRY_BYTES = 8192
-_FILL = "x"
+#: The stand-in for the bytes still to come: words of one letter, so the tokenizer's cutter
+#: finds a cut every few characters (a run without spaces as long as the tail cost a 100 KB
+#: body's decision 3.9 ms of CPU against 0.5 ms for this).
+_FILL = " x"
 
 
 class EarlyBody:
@@ -80,10 +83,15 @@ class EarlyBody:
 def _padded(partial: dict[str, Any], key: str, rest: int) -> dict[str, Any] | None:
     prompt = partial.get(key)
     if key == "prompt":
-        return {**partial, key: prompt + _FILL * rest} if isinstance(prompt, str) else None
+        return {**partial, key: prompt + _fill(rest)} if isinstance(prompt, str) else None
     if not isinstance(prompt, list) or not prompt or not isinstance(prompt[-1], dict):
         return None
     last = prompt[-1]
     if not isinstance(last.get("role"), str) or not isinstance(last.get("content"), str):
         return None
-    return {**partial, key: [*prompt[:-1], {**last, "content": last["content"] + _FILL * rest}]}
+    return {**partial, key: [*prompt[:-1], {**last, "content": last["content"] + _fill(rest)}]}
+
+
+def _fill(size: int) -> str:
+    """``size`` characters (and bytes) of stand-in text."""
+    return _FILL * (size // len(_FILL)) + _FILL[-1] * (size % len(_FILL))

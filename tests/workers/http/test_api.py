@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import base64
 import json
+import re
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -51,6 +53,19 @@ async def test_completion_reports_usage_and_cached_tokens(client: httpx.AsyncCli
                               "total_tokens": 187, "prompt_tokens_details": {"cached_tokens": 0}}
     assert again["usage"]["prompt_tokens_details"]["cached_tokens"] == 160
     assert again["choices"][0]["text"] == first["choices"][0]["text"], "deterministic"
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_an_answer_names_the_workers_own_time_within_the_round_trip(
+        client: httpx.AsyncClient, stream: bool) -> None:
+    body = {"model": "kvroute-sim", "prompt": TEXT, "max_tokens": 2, "stream": stream}
+    started = time.perf_counter()
+    r = await client.post("/v1/completions", json=body)
+    elapsed_ms = (time.perf_counter() - started) * 1e3
+    assert r.status_code == 200
+    found = re.fullmatch(r"worker;dur=(\d+\.\d{3})", r.headers["server-timing"])
+    assert found, r.headers["server-timing"]
+    assert 0 < float(found.group(1)) <= elapsed_ms
 
 
 async def test_token_id_prompts_are_accepted(client: httpx.AsyncClient) -> None:

@@ -1,0 +1,45 @@
+"""The early tries of a body read in pieces: offered once ``model`` is known and the prompt is
+being read, at doubling sizes, with the tail still to come stood in for byte for byte."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from openai_request.early_body import FIRST_TRY_BYTES, EarlyBody
+
+TEXT = "a prompt read in pieces " * 2_000
+
+
+@pytest.mark.parametrize("cut", [FIRST_TRY_BYTES + 1, FIRST_TRY_BYTES + 2])  # odd, even tails
+def test_the_padded_prompt_is_as_long_as_the_whole_body_says(cut: int) -> None:
+    raw = json.dumps({"model": "m", "prompt": TEXT, "max_tokens": 1}).encode()
+    early = EarlyBody("completions", len(raw))
+    tries = early.feed(raw[:cut])
+    assert tries is not None
+    partial, padded = tries
+    assert TEXT.startswith(partial["prompt"])
+    assert padded["prompt"].startswith(partial["prompt"])
+    assert len(padded["prompt"].encode()) == len(partial["prompt"].encode()) + len(raw) - cut
+    # the stand-in has a space every other character, for the tokenizer's cutter
+    assert padded["prompt"][len(partial["prompt"]):].count(" ") >= (len(raw) - cut) // 2
+
+
+def test_a_chat_body_pads_its_last_message_and_tries_again_at_twice_the_bytes() -> None:
+    raw = json.dumps({"model": "m", "messages": [{"role": "system", "content": "be brief"},
+                                                 {"role": "user", "content": TEXT}]}).encode()
+    early = EarlyBody("chat", len(raw))
+    assert early.feed(raw[:1000]) is None  # fewer bytes than the first try wants
+    first = early.feed(raw[1000:FIRST_TRY_BYTES])
+    assert first is not None
+    _, padded = first
+    assert padded["messages"][0] == {"role": "system", "content": "be brief"}
+    assert early.feed(raw[FIRST_TRY_BYTES:FIRST_TRY_BYTES + 100]) is None
+    assert early.feed(raw[FIRST_TRY_BYTES + 100:2 * FIRST_TRY_BYTES]) is not None
+
+
+def test_a_body_naming_its_model_after_the_prompt_is_never_tried() -> None:
+    raw = json.dumps({"prompt": TEXT, "model": "m"}).encode()
+    early = EarlyBody("completions", len(raw))
+    assert all(early.feed(raw[at:at + 4096]) is None for at in range(0, len(raw), 4096))
