@@ -227,14 +227,20 @@ def over_http(folder: Path, shapes: list[str], sizes: dict[str, int], n: int,
     from bench.http_load import spawn, stop
     from kvroute.up import free_port
 
-    ports = [free_port() for _ in range(2)]
     procs = []
+
+    def worker() -> int:
+        port = free_port()
+        procs.append(spawn(["worker", "--port", str(port), "--events-port", str(free_port()),
+                            "--replay-port", str(free_port()), "--speedup", "1e9",
+                            "--tokenizer", str(folder), "--max-model-len", "1000000",
+                            "--num-blocks", "65536"], f"http://127.0.0.1:{port}"))
+        return port
+
     try:
-        for p in ports:
-            procs.append(spawn(["worker", "--port", str(p), "--events-port", str(free_port()),
-                                "--replay-port", str(free_port()), "--speedup", "1e9",
-                                "--tokenizer", str(folder), "--max-model-len", "1000000",
-                                "--num-blocks", "65536"], f"http://127.0.0.1:{p}"))
+        # The straight path has a worker of its own, which no router hears; each router has
+        # two of its own: a router ingests only the events of the requests it routed.
+        direct = worker()
         routers = {}
         for mode in ("match", "full"):
             port = free_port()
@@ -244,7 +250,7 @@ def over_http(folder: Path, shapes: list[str], sizes: dict[str, int], n: int,
                     # answer its health probe late: that is not what this measures.
                     "--health-timeout", "10", "--unhealthy-grace", "60",
                     "--first-byte-floor", "60", "--first-byte-timeout", "120"]
-            for p in ports:
+            for p in (worker(), worker()):
                 args += ["--worker", f"http://127.0.0.1:{p}"]
             procs.append(spawn(args, f"http://127.0.0.1:{port}", health="/ready"))
             routers[mode] = (f"http://127.0.0.1:{port}", procs[-1].pid)
@@ -252,15 +258,12 @@ def over_http(folder: Path, shapes: list[str], sizes: dict[str, int], n: int,
         with httpx.Client(timeout=120) as client:
             for shape in shapes:
                 for label, tokens in sizes.items():
-                    targets = [("direct", f"http://127.0.0.1:{ports[0]}", 0),
+                    targets = [("direct", f"http://127.0.0.1:{direct}", 0),
                                *((m, url, pid) for m, (url, pid) in routers.items())]
-                    # A first-time prompt is new to every target: each gets its own (a
-                    # worker that served it straight would hold it for the routers).
-                    fresh = shape == "first"
-                    raws = {name: [msgspec.json.encode(b) for b in bodies(
-                        shape, tokens, n + 1, chars_per_token,
-                        seed=tokens + 1 + (t if fresh else 0))]
-                        for t, (name, _, _) in enumerate(targets)}
+                    # Every target gets the same bodies: no worker is shared between them.
+                    same = [msgspec.json.encode(b) for b in bodies(
+                        shape, tokens, n + 1, chars_per_token, seed=tokens + 1)]
+                    raws = {name: same for name, _, _ in targets}
                     times: dict[str, list[float]] = {"direct": [], "match": [], "full": []}
                     raw_times: dict[str, list[float]] = {"direct": [], "match": [], "full": []}
                     cpu = {m: 0.0 for m in routers}
