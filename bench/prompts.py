@@ -1,5 +1,5 @@
 """Long-prompt benchmark: ``python -m bench.prompts [--json] [--quick] [--sizes 1k,8k,...]
-[--no-http]``.
+[--requests N] [--no-http] [--upload-mbps M]``.
 
 The router's cost on long chat prompts with a real tokenizer: a byte-level BPE with a
 32,000-entry vocabulary trained with ``tokenizers`` on generated text (built once, kept in
@@ -18,12 +18,18 @@ Two parts, one run, ``--tokenize match`` (the default) against ``--tokenize full
    tokenize, hash, match, score, book), as the app does it (under ``full`` a body over
    256 KB is tokenized whole, off the event loop). Each request is booked, and the worker
    it went to is then told to hold the whole prompt, as that worker's events would.
-2. Over HTTP (unless ``--no-http``): two simulated workers (``--speedup 1e9``, the same
-   tokenizer) behind two routers, one per mode; each request goes straight to a worker and
-   through each router in turn. ``added_p50_ms`` / ``added_p99_ms`` are percentiles of
-   router minus straight-to-worker, request by request (a first-time prompt: each path gets
-   its own); ``router_cpu_ms`` is the router process's CPU seconds over the
-   requests it served (from ``/proc``).
+2. Over HTTP (unless ``--no-http``): five simulated workers (``--speedup 1e9``, the same
+   tokenizer): one for the straight path, which no router hears, and two behind each router
+   (one router per mode), so a router applies only the events of the requests it routed.
+   Each request goes straight to a worker and through each router in turn, with the same
+   body. ``added_p50_ms`` / ``added_p99_ms`` are percentiles, request by request, of the
+   router's round trip less the worker's own time, minus the straight round trip less the
+   worker's own time; the worker's own time (from the body's end to its answer) is what its
+   ``Server-Timing`` header says, and the router passes it through. ``gross_p50_ms`` is the
+   same without taking the worker's time out. ``router_cpu_ms`` is the router process's CPU
+   seconds over the requests it served (from ``/proc``). ``--upload-mbps`` uploads each body
+   in 16 KB pieces at that link speed, on both paths: a body that arrives in pieces may be
+   decided, and sent on, before its end.
 
 What the measurements taught (2-core machine shared with other jobs, load average 3-10):
 
@@ -43,9 +49,22 @@ What the measurements taught (2-core machine shared with other jobs, load averag
 - Before a large body could be walked on the event loop (the walk needs the index), bodies
   over 256 KB were tokenized whole in a thread: a first-time 600 KB prompt cost 196 ms of CPU
   instead of 6 ms.
-- Wall-clock figures here move by tens of milliseconds from run to run: the straight-to-worker
-  path includes the worker's own whole-prompt tokenization (~250 ms at 32k tokens), whose
-  jitter under load dwarfs the router's few milliseconds. Read ``router_cpu_ms`` first.
+- Where the added time of a 100 KB prompt went, timed in the router and the worker at load
+  average 8: the body arrived as one ASGI message (0.1 ms), parsing took 0.1 ms, the
+  decision 3.1 ms (first time, next turn; 0.9 ms a repeat), handing it to the client pool
+  0.2 ms, the hop to the worker 1.1 ms (straight: 1.3 ms from the client), the way back
+  about 0.6 ms more than straight: 5-6 ms in all, 3-4 ms for a repeat. The 10-17 ms once
+  reported as added were the worker's own time differing between the two requests: it
+  tokenizes the whole prompt (115-190 ms a request at that load, moving by 15 ms from one
+  to the next), and the straight path went to a worker both routers heard, so its
+  first-time prompts' events landed on them too. Hence the worker's own time taken out of
+  both paths, and a worker of its own for the straight path.
+- A body decided before its end is decided on its first part with the rest stood in for by
+  as many bytes of filler (so the load booked counts the whole prompt); filler of one long
+  run without spaces made the tokenizer's cutter cost 3.9 ms of CPU on a 100 KB body, filler
+  of one-letter words 0.5 ms. The early decision (the read, the try, the decision) costs
+  about what the buffered one does (2.8 ms at 100 KB, 3.8 ms at 400 KB, first time), but
+  before the body's end.
 - Figures with the command that printed them are in ``docs/benchmarks.md``.
 """
 
