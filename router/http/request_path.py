@@ -94,11 +94,13 @@ class Forward:
             if body is None and route.prefill is not None:
                 await incoming.ended()  # the prefill step rewrites the body: all of it first
                 body = parse_body(incoming.whole(), max_bytes)
-            payload: bytes | IncomingBody = incoming
-            stream: bool | Callable[[], bool] = functools.cache(
-                lambda: _asks_stream(incoming, max_bytes))
+            payload: bytes | IncomingBody
+            stream: bool | Callable[[], bool]
             if body is not None:
                 payload, stream = incoming.whole(), bool(body.get("stream"))
+            else:
+                payload = incoming
+                stream = functools.cache(lambda: _asks_stream(incoming, max_bytes))
             try:
                 if route.prefill is not None:  # disaggregated: the prefill step first
                     assert body is not None and isinstance(payload, bytes), "read whole above"
@@ -153,8 +155,10 @@ class Forward:
         """
         state, kind = self.state, self.kind
         service = state.service
-        early = EarlyBody(kind, incoming.declared) if service.decides_early else None
         chunk = await incoming.read_more()
+        # Only a body still arriving is read as it comes (most arrive in one message).
+        early = (EarlyBody(kind, incoming.declared)
+                 if not incoming.complete and service.decides_early else None)
         while not incoming.complete:
             tries = early.feed(chunk) if early is not None else None
             if tries is not None and service.settles(tries[0], kind):
