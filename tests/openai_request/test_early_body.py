@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from openai_request.early_body import FIRST_TRY_BYTES, EarlyBody
+from openai_request.early_body import FIRST_TRY_BYTES, LAST_TRY_BYTES, EarlyBody
 
 TEXT = "a prompt read in pieces " * 2_000
 
@@ -43,3 +43,14 @@ def test_a_body_naming_its_model_after_the_prompt_is_never_tried() -> None:
     raw = json.dumps({"prompt": TEXT, "model": "m"}).encode()
     early = EarlyBody("completions", len(raw))
     assert all(early.feed(raw[at:at + 4096]) is None for at in range(0, len(raw), 4096))
+
+
+def test_no_try_once_more_than_the_last_try_bytes_arrived() -> None:
+    raw = json.dumps({"model": "m", "prompt": TEXT * 4}).encode()
+    early = EarlyBody("completions", len(raw))
+    tried = [at + 4096 for at in range(0, len(raw), 4096)
+             if early.feed(raw[at:at + 4096]) is not None]
+    assert tried == [FIRST_TRY_BYTES * 2 ** k for k in range(4)]
+    assert tried[-1] * 2 > LAST_TRY_BYTES
+    # a body whose first piece is already past it is never tried
+    assert EarlyBody("completions", len(raw)).feed(raw[:LAST_TRY_BYTES + 1]) is None
