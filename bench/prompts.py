@@ -68,7 +68,8 @@ What the measurements taught (2-core machine shared with other jobs, load averag
   which arrives in three or four pieces even on loopback and which no try can settle, 9-12
   ms of CPU (against 0.3-0.7 ms to read it whole): no try is made past 64 KB.
 - The router process spends about 7 ms of CPU while a 600 KB request is upstream (sending
-  it, and the worker's events), in either mode; the in-process part does not count it.
+  it among the rest; not yet broken down), in either mode; the in-process part does not
+  count it.
 - Figures with the command that printed them are in ``docs/benchmarks.md``.
 """
 
