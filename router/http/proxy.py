@@ -1,9 +1,11 @@
 """Forwards a request to the chosen worker and passes the answer back as it arrives.
 
 The scheduler decides; this module only sends (Dynamo's rule: "the router decides which worker;
-it does not send you there"). Forwarding uses one pooled aiohttp ``ClientSession``: measured
-here, FastAPI forwarding through httpx's AsyncClient served 324 req/s against aiohttp's 2,928
-req/s on the same box, so httpx stays for control calls and tests, never the hot path.
+it does not send you there"). Forwarding uses a pool of kept-alive HTTP/1.1 connections with
+httptools' parser (:mod:`router.http.upstream`): measured here, FastAPI forwarding through
+httpx's AsyncClient served 324 req/s against aiohttp's 2,928 req/s on the same box, and
+aiohttp's client cost more CPU per request than the pool (``bench/router.py``'s docstring has
+the figures), so httpx stays for control calls and tests, never the hot path.
 
 Failure rules:
 
@@ -21,7 +23,7 @@ Failure rules:
 - Closing the returned stream (a client that went away) closes the upstream connection, which
   the worker sees as a disconnect and cancels the request.
 
-Exceptions from aiohttp are translated here and nowhere else.
+Connection errors (``OSError``, ``ConnectionError``) are translated here and nowhere else.
 """
 
 from __future__ import annotations
@@ -30,13 +32,13 @@ import asyncio
 import contextlib
 import json
 import re
-from collections.abc import AsyncGenerator, AsyncIterator, Callable, Mapping
+import ssl
+from collections.abc import AsyncGenerator, Callable, Mapping
 from dataclasses import dataclass
-
-import aiohttp
+from urllib.parse import urlsplit
 
 from router.fleet.first_byte_waits import FirstByteWaits
-from router.http.incoming_body import IncomingBody
+from router.http.upstream import ConnectionPool, Exchange
 
 __all__ = ["Proxy", "ProxyTimeouts", "UpstreamAnswer", "UpstreamUnavailable"]
 
@@ -47,6 +49,9 @@ _SSE_ERROR = re.compile(rb'\s*data:\s*\{\s*"error"')
 _DROP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length",
                            "content-encoding", "host", "te", "trailer", "upgrade",
                            "proxy-authorization", "proxy-authenticate", "date", "server"})
+_DROP_BYTES = frozenset(h.encode() for h in _DROP_HEADERS)
+#: Worker URLs parsed, at most this many kept (a fleet's endpoints, so a few per worker).
+_MAX_TARGETS = 4096
 
 
 class UpstreamUnavailable(Exception):
@@ -87,7 +92,7 @@ class UpstreamAnswer:
 
     status: int
     headers: dict[str, str]
-    response: aiohttp.ClientResponse
+    exchange: Exchange
     timeouts: ProxyTimeouts
     first_chunk: bytes = b""
     #: Called whenever body bytes arrive: the worker's data path is alive
@@ -102,44 +107,49 @@ class UpstreamAnswer:
         Raises:
             UpstreamUnavailable: the body did not arrive (nothing was sent to the client yet).
         """
+        exchange = self.exchange
         try:
-            async with asyncio.timeout(self.timeouts.first_byte):
-                body = await self.response.read()
+            if exchange.complete:  # the usual case: it came with the head
+                body = await exchange.body()
+            else:
+                async with asyncio.timeout(self.timeouts.first_byte):
+                    body = await exchange.body()
             if self.on_progress is not None:
                 self.on_progress()
             return body
-        except (aiohttp.ClientError, TimeoutError) as exc:
+        except (ConnectionError, TimeoutError) as exc:
             raise UpstreamUnavailable(f"worker failed while sending its answer: {exc}",
                                       "connect") from exc
         finally:
-            self.response.release()
+            exchange.release()
 
     async def stream(self) -> AsyncGenerator[bytes, None]:
         """Yield the body as it arrives; a failure midway yields an SSE error event last.
 
         Closing the generator early closes the upstream connection.
         """
+        exchange = self.exchange
         try:
             if self.first_chunk:
                 yield self.first_chunk
             while True:
                 async with asyncio.timeout(self.timeouts.between_chunks):
-                    chunk = await self.response.content.readany()
+                    chunk = await exchange.chunk()
                 if not chunk:
                     return
                 if self.on_progress is not None:
                     self.on_progress()
                 yield chunk
-        except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
+        except (ConnectionError, TimeoutError) as exc:
             message = f"the worker failed mid-stream: {type(exc).__name__}: {exc}".rstrip(": ")
             self.broken = True
             yield sse_error(message, "upstream_error")
         finally:
-            self.response.close()
+            exchange.release()
 
     def close(self) -> None:
         """Drop the upstream connection without reading further."""
-        self.response.close()
+        self.exchange.close()
 
 
 def sse_error(message: str, kind: str) -> bytes:
@@ -160,39 +170,51 @@ class Proxy:
                  ) -> None:
         self.timeouts = timeouts or ProxyTimeouts()
         self._max_connections = max_connections
-        self._session: aiohttp.ClientSession | None = None
+        self._pool: ConnectionPool | None = None
+        #: url -> (host, port, TLS context, the request line and Host header)
+        self._targets: dict[str, tuple[str, int, ssl.SSLContext | None, bytes]] = {}
 
     async def start(self) -> None:
         """Open the connection pool."""
-        connector = aiohttp.TCPConnector(limit=self._max_connections, limit_per_host=0,
-                                         keepalive_timeout=IDLE_KEEPALIVE_S,
-                                         enable_cleanup_closed=True)
-        timeout = aiohttp.ClientTimeout(total=self.timeouts.total,
-                                        sock_connect=self.timeouts.connect)
-        self._session = aiohttp.ClientSession(connector=connector, timeout=timeout,
-                                              auto_decompress=False)
+        self._pool = ConnectionPool(self._max_connections, IDLE_KEEPALIVE_S)
 
     async def close(self) -> None:
         """Close the pool; safe to call twice."""
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        if self._pool is not None:
+            self._pool.close()
+            self._pool = None
 
-    async def send(self, url: str, body: bytes | IncomingBody, headers: Mapping[str, str], *,
-                   stream: bool | Callable[[], bool] = False, first_byte: float | None = None,
+    def _target(self, url: str) -> tuple[str, int, ssl.SSLContext | None, bytes]:
+        found = self._targets.get(url)
+        if found is None:
+            parts = urlsplit(url)
+            if parts.scheme not in ("http", "https") or not parts.hostname:
+                raise ValueError(f"not an http(s) URL: {url!r}")
+            tls = ssl.create_default_context() if parts.scheme == "https" else None
+            port = parts.port or (443 if tls else 80)
+            path = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+            line = f"POST {path} HTTP/1.1\r\nhost: {parts.netloc}\r\n".encode("latin-1")
+            if len(self._targets) >= _MAX_TARGETS:
+                self._targets.clear()
+            found = self._targets[url] = (parts.hostname, port, tls, line)
+        return found
+
+    async def _connect(self, pool: ConnectionPool, host: str, port: int,
+                       tls: ssl.SSLContext | None) -> Exchange:
+        async with asyncio.timeout(self.timeouts.connect):
+            return await pool.acquire(host, port, tls)
+
+    async def send(self, url: str, body: bytes, headers: Mapping[str, str], *,
+                   stream: bool = False, first_byte: float | None = None,
                    waits: FirstByteWaits | None = None) -> UpstreamAnswer:
         """POST ``body`` to ``url`` and wait for its first byte: the status line and headers,
         and for a ``stream`` its first chunk too.
 
         Args:
             url: the worker's endpoint.
-            body: the request body, forwarded as is: bytes, or a body still arriving, sent
-                as it arrives (with the client's ``Content-Length`` when it declared one,
-                else chunked).
+            body: the request body, forwarded as is.
             headers: the client's headers (hop-by-hop ones are dropped).
-            stream: whether the answer is a stream (its first chunk is awaited and checked);
-                a callable is asked once the answer's headers are in (a body sent as it
-                arrives says whether it asks for a stream only at its end).
+            stream: whether the answer is a stream (its first chunk is awaited and checked).
             first_byte: seconds to wait for the first byte (capped by the proxy's own).
             waits: the worker's registry of waits, through which the health poll can end
                 this one early.
@@ -201,48 +223,53 @@ class Proxy:
             UpstreamUnavailable: no answer began (connection failed, deadline passed or the
                 wait was given up, 5xx, or a stream that opened with an error event).
         """
-        if self._session is None:
+        pool = self._pool
+        if pool is None:
             raise RuntimeError("proxy is not started")
-        forward = {k: v for k, v in headers.items() if k.lower() not in _DROP_HEADERS}
-        data: bytes | AsyncIterator[bytes]
-        if isinstance(body, IncomingBody):
-            data = body.chunks()
-            if body.declared is not None:
-                forward["Content-Length"] = str(body.declared)
-        else:
-            data = body
+        host, port, tls, line = self._target(url)
+        head = [line]
+        for k, v in headers.items():
+            if k.lower() not in _DROP_HEADERS:
+                head.append(f"{k}: {v}\r\n".encode("latin-1"))
+        head.append(b"content-length: %d\r\n\r\n" % len(body))
         limit = self.timeouts.first_byte if first_byte is None else min(
             first_byte, self.timeouts.first_byte)
-        response: aiohttp.ClientResponse | None = None
+        exchange: Exchange | None = None
         first = b""
-        streamed = False
         try:
             async with asyncio.timeout(limit) as timeout:
                 with waits.waiting(timeout) if waits is not None else contextlib.nullcontext():
-                    response = await self._session.post(url, data=data, headers=forward)
-                    streamed = stream() if callable(stream) else stream
-                    if streamed and response.status == 200:
-                        first = await response.content.readany()
-        except (aiohttp.ClientError, TimeoutError, ConnectionError) as exc:
-            if response is not None:
-                response.close()
+                    exchange = await self._connect(pool, host, port, tls)
+                    exchange.send(b"".join(head), body)
+                    await exchange.head()
+                    if stream and exchange.status == 200:
+                        first = await exchange.chunk()
+        except (OSError, TimeoutError) as exc:  # ConnectionError is an OSError
+            if exchange is not None:
+                exchange.close()
             if isinstance(exc, TimeoutError):
                 raise UpstreamUnavailable(
                     f"{url}: no first byte within {limit:.1f}s, or the worker stopped "
                     f"answering its health probe", "deadline") from exc
             raise UpstreamUnavailable(f"{url}: {type(exc).__name__}: {exc}", "connect") from exc
-        except asyncio.CancelledError:  # the client went away, or shutdown
-            if response is not None:
-                response.close()
+        except BaseException:  # the client went away, or shutdown
+            if exchange is not None:
+                exchange.close()
             raise
-        if response.status >= 500:
-            detail = (await response.read())[:200].decode(errors="replace")
-            response.release()
-            raise UpstreamUnavailable(f"{url}: status {response.status}: {detail}", "status")
-        if streamed and response.status == 200 and (not first or _SSE_ERROR.match(first)):
-            response.close()
+        status = exchange.status
+        if status >= 500:
+            try:
+                async with asyncio.timeout(self.timeouts.connect):
+                    detail = (await exchange.body())[:200].decode(errors="replace")
+            except (ConnectionError, TimeoutError):
+                detail = "(its body did not arrive)"
+            exchange.release()
+            raise UpstreamUnavailable(f"{url}: status {status}: {detail}", "status")
+        if stream and status == 200 and (not first or _SSE_ERROR.match(first)):
+            exchange.close()
             detail = first[:200].decode(errors="replace").strip() or "an empty stream"
             raise UpstreamUnavailable(f"{url}: the stream failed before its first token: "
                                       f"{detail}", "stream_error")
-        kept = {k: v for k, v in response.headers.items() if k.lower() not in _DROP_HEADERS}
-        return UpstreamAnswer(response.status, kept, response, self.timeouts, first)
+        kept = {k.decode("latin-1"): v.decode("latin-1") for k, v in exchange.headers
+                if k.lower() not in _DROP_BYTES}
+        return UpstreamAnswer(status, kept, exchange, self.timeouts, first)
