@@ -29,7 +29,6 @@ Connection errors (``OSError``, ``ConnectionError``) are translated here and now
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import re
 import ssl
@@ -202,7 +201,7 @@ class Proxy:
     async def _connect(self, pool: ConnectionPool, host: str, port: int,
                        tls: ssl.SSLContext | None) -> Exchange:
         async with asyncio.timeout(self.timeouts.connect):
-            return await pool.acquire(host, port, tls)
+            return await pool.open(host, port, tls)
 
     async def send(self, url: str, body: bytes, headers: Mapping[str, str], *,
                    stream: bool = False, first_byte: float | None = None,
@@ -238,12 +237,19 @@ class Proxy:
         first = b""
         try:
             async with asyncio.timeout(limit) as timeout:
-                with waits.waiting(timeout) if waits is not None else contextlib.nullcontext():
-                    exchange = await self._connect(pool, host, port, tls)
+                if waits is not None:
+                    waits.add(timeout)
+                try:
+                    exchange = pool.take_idle(host, port)
+                    if exchange is None:
+                        exchange = await self._connect(pool, host, port, tls)
                     exchange.send(b"".join(head), body)
                     await exchange.head()
                     if stream and exchange.status == 200:
                         first = await exchange.chunk()
+                finally:
+                    if waits is not None:
+                        waits.discard(timeout)
         except (OSError, TimeoutError) as exc:  # ConnectionError is an OSError
             if exchange is not None:
                 exchange.close()

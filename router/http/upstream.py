@@ -244,13 +244,14 @@ class ConnectionPool:
 
     async def acquire(self, host: str, port: int, tls: ssl.SSLContext | None = None
                       ) -> Exchange:
-        """An idle connection to ``host:port``, or a new one (over TLS with ``tls``).
+        """An idle connection to ``host:port`` (:meth:`take_idle`), or a new one
+        (:meth:`open`)."""
+        return self.take_idle(host, port) or await self.open(host, port, tls)
 
-        Raises:
-            OSError: the connection could not be opened (refused, unreachable).
-        """
-        key = (host, port)
-        idle = self._idle.get(key)
+    def take_idle(self, host: str, port: int) -> Exchange | None:
+        """The most recently used idle connection to ``host:port`` that is still open and
+        within its keep-alive, if any; the expired ones found on the way are closed."""
+        idle = self._idle.get((host, port))
         if idle:
             now = self._clock()
             while idle:
@@ -258,6 +259,16 @@ class ConnectionPool:
                 if not exchange.closed and now - exchange.idle_since < self.idle_keepalive:
                     return exchange
                 exchange.close()
+        return None
+
+    async def open(self, host: str, port: int, tls: ssl.SSLContext | None = None
+                   ) -> Exchange:
+        """A new connection to ``host:port`` (over TLS with ``tls``), once fewer than
+        ``max_connections`` are open.
+
+        Raises:
+            OSError: the connection could not be opened (refused, unreachable).
+        """
         while len(self._open) >= self.max_connections:
             if not self._close_oldest_idle():
                 waiter = asyncio.get_running_loop().create_future()
@@ -267,7 +278,7 @@ class ConnectionPool:
                 finally:
                     if waiter in self._waiting:
                         self._waiting.remove(waiter)
-        exchange = Exchange(self, key)
+        exchange = Exchange(self, (host, port))
         self._open.add(exchange)
         try:
             await asyncio.get_running_loop().create_connection(
