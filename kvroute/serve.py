@@ -1,8 +1,18 @@
-"""``kvroute worker`` and ``kvroute router``: settings read once, then uvicorn until SIGTERM."""
+"""``kvroute worker`` and ``kvroute router``: settings read once, then uvicorn until SIGTERM.
+
+Before serving, everything built at start-up is moved out of the cyclic garbage collector's
+sight (``gc.freeze``) and the collector runs after every ``GC_THRESHOLD`` new container
+objects instead of Python's 700: a request allocates a few hundred, so the default collected
+a generation every request or two, on a process whose index and tables are large. Measured on
+the router (``python -m bench.peers_http --no-peers``, one checkout with each setting,
+alternated in one run, load average 16 on 2 cores): 440 µs of CPU per request with
+Python's defaults, 408 with the freeze alone, 375 with the threshold alone, 364 with both.
+"""
 
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 
 import uvicorn
@@ -11,6 +21,9 @@ from httpapi.logs import configure_logging
 from httpapi.server import raise_open_file_limit, server_config
 
 _OWN = ("command", "config", "events_command")
+
+#: New container objects between two collections of the youngest generation.
+GC_THRESHOLD = 100_000
 
 
 def serve(args: argparse.Namespace) -> int:
@@ -40,6 +53,9 @@ def serve(args: argparse.Namespace) -> int:
         return 2
     limits = settings.connection_limits()
     raise_open_file_limit(limits)
+    gc.collect()
+    gc.freeze()
+    gc.set_threshold(GC_THRESHOLD, 50, 100)
     uvicorn.Server(server_config(app, settings.host, settings.port, limits, level,
                                  log_config=None)).run()
     return 0
