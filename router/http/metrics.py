@@ -8,11 +8,11 @@ resyncs, malformed input, the pool gauges) is read from the service at scrape ti
 bounded (:mod:`router.http.worker_labels`). No ``_created`` series: they double the series
 count and no dashboard reads them.
 
-Cost: a :class:`RequestTimer` is about 11 µs of CPU for a stream of five chunks (each
-histogram observation takes prometheus_client's lock), and the request id of
-:class:`httpapi.logs.RequestIds` about 3 µs. ``python -m bench.router --quick`` printed
-``router_cpu_us_per_request`` 469-507 with both against 433-467 without, four runs each,
-alternated on a loaded 2-core machine.
+Cost: the request-path families are :mod:`router.http.tallies` (no locks), so a request's
+eight increments and observations cost a few µs; with prometheus_client's ``Counter`` and
+``Histogram`` they cost about 45 µs of CPU on the 2-core VM under load (``bench/router.py``'s
+docstring has the before and after). The request id of :class:`httpapi.logs.RequestIds` is
+about 3 µs.
 """
 
 from __future__ import annotations
@@ -20,16 +20,11 @@ from __future__ import annotations
 import time
 from typing import TYPE_CHECKING, NamedTuple
 
-from prometheus_client import (
-    CollectorRegistry,
-    Counter,
-    Histogram,
-    disable_created_metrics,
-    generate_latest,
-)
+from prometheus_client import CollectorRegistry, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from router.http.state_metrics import StateCollector
+from router.http.tallies import Count, CountFamily, Tally, TallyFamily
 from router.http.worker_labels import WorkerLabels
 
 if TYPE_CHECKING:
@@ -52,12 +47,12 @@ ROUTER_BUCKETS = (25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 1e-2, 
 
 class _PerWorker(NamedTuple):
     label: str
-    ttft: Histogram
-    itl: Histogram
-    duration_stream: Histogram
-    duration_whole: Histogram
+    ttft: Tally
+    itl: Tally
+    duration_stream: Tally
+    duration_whole: Tally
     #: The worker's children of the counters with more labels, by family and label values.
-    counted: dict[tuple[str, ...], Counter]
+    counted: dict[tuple[str, ...], Count]
 
 
 class RouterMetrics:
@@ -66,45 +61,45 @@ class RouterMetrics:
     def __init__(self, service: RouterService) -> None:
         self._service = service
         self.registry = r = CollectorRegistry()
-        self.requests = Counter("kvroute_requests", "Requests answered, by endpoint and status",
+        self.requests = CountFamily("kvroute_requests", "Requests answered, by endpoint and status",
                                 ["endpoint", "status"], registry=r)
-        self.decision = Histogram(
+        self.decision = TallyFamily(
             "kvroute_decision_seconds", "Time to tokenize, hash, match and score a request",
             buckets=(25e-6, 50e-6, 100e-6, 200e-6, 500e-6, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2),
             registry=r)
-        self.before_upstream = Histogram(
+        self.before_upstream = TallyFamily(
             "kvroute_router_seconds",
             "Time from a request's arrival to its first upstream send (body, decision, booking)",
             buckets=ROUTER_BUCKETS, registry=r)
-        self.predicted = Counter("kvroute_predicted_cached_tokens",
+        self.predicted = CountFamily("kvroute_predicted_cached_tokens",
                                  "Prompt tokens the router expected cached where it sent them",
                                  registry=r)
-        self.reported = Counter("kvroute_reported_cached_tokens",
+        self.reported = CountFamily("kvroute_reported_cached_tokens",
                                 "Cached prompt tokens the workers reported for routed requests",
                                 registry=r)
-        self.prediction_error = Histogram(
+        self.prediction_error = TallyFamily(
             "kvroute_cached_tokens_error", "Reported minus predicted cached tokens, per request",
             buckets=(-4096, -1024, -256, -64, -1, 0, 1, 64, 256, 1024, 4096), registry=r)
-        self.upstream_failures = Counter(
+        self.upstream_failures = CountFamily(
             "kvroute_upstream_failures",
             "Workers that failed before answering (the request went to the next one), by "
             "cause: connect, status (5xx), stream_error, deadline (no first byte in time or "
             "the worker stopped answering its health probe)",
             ["worker", "attempt", "cause"], registry=r)
-        self.upstream_requests = Counter(
+        self.upstream_requests = CountFamily(
             "kvroute_upstream_requests", "Answers that began from the worker, by status",
             ["worker", "status"], registry=r)
-        self.upstream_errors = Counter(
+        self.upstream_errors = CountFamily(
             "kvroute_upstream_errors",
             "Worker errors, by cause: the causes of kvroute_upstream_failures, and midstream "
             "(a stream that broke after its first byte)", ["worker", "cause"], registry=r)
-        self.ttft = Histogram("kvroute_time_to_first_token_seconds",
+        self.ttft = TallyFamily("kvroute_time_to_first_token_seconds",
                               "Time from a streamed request's arrival to its first token",
                               ["worker"], buckets=TTFT_BUCKETS, registry=r)
-        self.itl = Histogram("kvroute_inter_token_latency_seconds",
+        self.itl = TallyFamily("kvroute_inter_token_latency_seconds",
                              "Time between a stream's chunks, over the events in the later one",
                              ["worker"], buckets=ITL_BUCKETS, registry=r)
-        self.duration = Histogram(
+        self.duration = TallyFamily(
             "kvroute_request_duration_seconds",
             "Time from a request's arrival to the end of its answer, streamed or not",
             ["worker", "stream"], buckets=DURATION_BUCKETS, registry=r)
@@ -112,6 +107,8 @@ class RouterMetrics:
                           "kvroute_upstream_requests": self.upstream_requests,
                           "kvroute_upstream_errors": self.upstream_errors}
         self._workers: WorkerLabels[_PerWorker] = WorkerLabels(self._children, self._forget)
+        #: The requests counter's children by endpoint and status (a few dozen at most).
+        self._answered: dict[tuple[str, int], Count] = {}
         self.registry.register(StateCollector(service, self._workers.label))
 
     def _children(self, worker: str) -> _PerWorker:
@@ -141,7 +138,11 @@ class RouterMetrics:
 
     def request(self, endpoint: str, status: int) -> None:
         """Count one answered request."""
-        self.requests.labels(endpoint, str(status)).inc()
+        child = self._answered.get((endpoint, status))
+        if child is None:
+            child = self._answered[endpoint, status] = self.requests.labels(endpoint,
+                                                                            str(status))
+        child.inc()
 
     def timer(self, arrived: float) -> RequestTimer:
         """A timer for a request that arrived at ``arrived`` (``time.perf_counter()``)."""
