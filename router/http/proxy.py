@@ -90,7 +90,8 @@ class UpstreamAnswer:
     chunk); the body is read by the caller."""
 
     status: int
-    headers: dict[str, str]
+    #: The worker's headers as sent, less the hop-by-hop and length ones.
+    raw_headers: list[tuple[bytes, bytes]]
     exchange: Exchange
     timeouts: ProxyTimeouts
     first_chunk: bytes = b""
@@ -99,6 +100,11 @@ class UpstreamAnswer:
     on_progress: Callable[[], None] | None = None
     #: Set when the stream failed after its first byte (its last chunk is an SSE error).
     broken: bool = False
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """:attr:`raw_headers`, decoded."""
+        return {k.decode("latin-1"): v.decode("latin-1") for k, v in self.raw_headers}
 
     async def read(self) -> bytes:
         """Read the whole body (non-streaming answers), then release the connection.
@@ -276,6 +282,5 @@ class Proxy:
             detail = first[:200].decode(errors="replace").strip() or "an empty stream"
             raise UpstreamUnavailable(f"{url}: the stream failed before its first token: "
                                       f"{detail}", "stream_error")
-        kept = {k.decode("latin-1"): v.decode("latin-1") for k, v in exchange.headers
-                if k.lower() not in _DROP_BYTES}
+        kept = [(k, v) for k, v in exchange.headers if k.lower() not in _DROP_BYTES]
         return UpstreamAnswer(status, kept, exchange, self.timeouts, first)

@@ -222,8 +222,7 @@ def _start(sent: Sent, route: Route, default_type: bytes, length: int | None = N
     """The ``http.response.start`` message: the worker's headers, its content type (or
     ``default_type``), the ``x-kvroute-*`` headers and, for a whole answer, its length."""
     answer, worker = sent.answer, sent.worker
-    headers = [(k.lower().encode("latin-1"), v.encode("latin-1"))
-               for k, v in answer.headers.items()]
+    headers = [(k.lower(), v) for k, v in answer.raw_headers]
     if not any(k == b"content-type" for k, _ in headers):
         headers.append((b"content-type", default_type))
     matched = route.decision.chosen.matched_blocks if worker is route.worker else 0
