@@ -63,8 +63,10 @@ class _Family:
         self.documentation = documentation
         self.labelnames = tuple(labelnames)
         self._children: dict[tuple[str, ...], Count | Tally] = {}
+        #: An unlabelled family's one series (None when labelled).
+        self._only: Count | Tally | None = None
         if not self.labelnames:
-            self._children[()] = self._new()
+            self._only = self._children[()] = self._new()
         if registry is not None:
             registry.register(self)
 
@@ -105,7 +107,10 @@ class CountFamily(_Family):
 
     def inc(self, amount: float = 1.0) -> None:
         """Add to an unlabelled family's counter."""
-        self.labels().inc(amount)
+        only = self._only
+        if only is None:
+            raise ValueError(f"{self.name} is labelled: inc() through labels()")
+        only.inc(amount)  # type: ignore[union-attr]
 
     def collect(self) -> Iterator[Metric]:
         family = CounterMetricFamily(self.name, self.documentation, labels=self.labelnames)
@@ -143,7 +148,10 @@ class TallyFamily(_Family):
 
     def observe(self, value: float) -> None:
         """Observe into an unlabelled family's histogram."""
-        self.labels().observe(value)
+        only = self._only
+        if only is None:
+            raise ValueError(f"{self.name} is labelled: observe() through labels()")
+        only.observe(value)  # type: ignore[union-attr]
 
     def collect(self) -> Iterator[Metric]:
         # Built by hand, as prometheus_client's Histogram writes it: with a negative bucket,

@@ -68,6 +68,10 @@ def test_label_values_must_match_the_names() -> None:
     family = CountFamily("c", "a counter", ["worker"])
     with pytest.raises(ValueError, match="takes 1 label values, got 2"):
         family.labels("a", "b")
+    with pytest.raises(ValueError, match="is labelled"):
+        family.inc()
+    with pytest.raises(ValueError, match="is labelled"):
+        TallyFamily("h", "a histogram", ["worker"], buckets=(1,)).observe(0.5)
 
 
 def test_buckets_must_increase() -> None:
