@@ -19,12 +19,22 @@ The table gives the median over rounds, and the range where rounds differ by mor
 tenth. ``--kvroute DIR`` (repeatable) runs kvroute from each checkout named, as
 ``python -m kvroute.cli`` in that folder, to compare two versions in one run.
 
-On the 2-core VM (load average about 2 from other jobs), ``python -m bench.peers_http
---rounds 3 --seconds 5``:
+On the 2-core VM (load average 10-12 from other jobs), ``python -m bench.peers_http --rounds
+3 --seconds 5 --kvroute CHECKOUT-BEFORE --kvroute .`` printed (kvroute at commits f9e4ebd,
+aiohttp's client and prometheus_client's metrics, and d274a5b, the pool of
+:mod:`router.http.upstream` and lock-free tallies):
 
-| router | added p50 | req/s, 64 connections | CPU per request |
+| router | added p50 (ms) | req/s, 64 connections | CPU per request (µs) |
 |---|---|---|---|
-| kvroute ``--policy kv`` | (figures below) | | |
+| nginx direct | - | 59,665 (49,554-64,349) | - |
+| kvroute --policy kv, before | 1.81 (0.64-3.61) | 881 (612-996) | 652 (604-735) |
+| kvroute --policy kv | 0.73 (0.46-0.92) | 1,361 (1,016-1,408) | 342 (325-411) |
+| sglang-router 0.3.2 cache_aware | 0.28 (0.27-0.38) | 3,123 (2,444-3,916) | 130 (109-151) |
+| vllm-router 0.1.17 cache_aware | 0.34 (0.29-0.38) | 2,429 (1,608-2,648) | 173 (171-223) |
+
+On a loaded machine the figures move by a tenth or more between rounds; compare within one
+run. The added p50 is measured on one connection, so it is the router's own latency, not
+queueing at 64 connections.
 """
 
 from __future__ import annotations

@@ -44,10 +44,12 @@ What the measurements taught (all on this 2-core machine, other jobs running at 
   itself), our code 22%, uvicorn 14%, Starlette/FastAPI 14%. Plain Starlette routes for the two
   hot endpoints and request ids without ``uuid4`` (a urandom syscall each) gave ~10%. What is
   left is mostly the four socket syscalls a proxied request needs.
-- A lean HTTP/1.1 client (asyncio streams + httptools, one write per request) lost to
+- A lean HTTP/1.1 client on asyncio *streams* (+ httptools, one write per request) lost to
   aiohttp's client on this machine, measured in one run with the order swapped: 2,032-2,246
-  against 2,629-2,763 req/s, added p50 0.60 against 0.55 ms. aiohttp's protocol and C parser
-  beat asyncio's stream layer; it was removed.
+  against 2,629-2,763 req/s, added p50 0.60 against 0.55 ms: asyncio's stream layer
+  (``StreamReader``, ``readuntil``) cost more than aiohttp's objects saved. The client the
+  proxy uses now (:mod:`router.http.upstream`) is an ``asyncio.Protocol`` fed straight to
+  httptools' parser, with no stream layer; it won (next to last item).
 - The router stopped checking token-id prompts against the vocabulary (the hash checks every
   full block, the router the partial tail, the worker the vocabulary): ``decide`` went from
   ~133 µs p50 / 170-280 µs p99 to ~66 µs / 90-110 µs.
@@ -87,6 +89,36 @@ What the measurements taught (all on this 2-core machine, other jobs running at 
   URL and a dummy cookie jar for aiohttp, and joining uvicorn's two writes of a response into
   one, measured within the spread. What is left is the aiohttp client, the decision on cold
   caches and the metrics' locks.
+- The next cuts, each predicted from a py-spy profile (250 Hz, the router pinned to one core,
+  wrk at 64 connections, the nginx backend of ``bench.peers_http``), then measured with
+  ``python -m bench.peers_http --no-peers --kvroute DIR ...``, one checkout per version
+  alternated in one run (3-5 rounds; CPU per request, medians, ranges over rounds; load
+  average 12-19 on the 2 cores, so the figures are high and move by a tenth between rounds):
+
+  * aiohttp's ``ClientSession`` was a quarter of the router's CPU (request and response
+    objects, header multidicts, a timer handle per request for the session's total timeout).
+    A kept-alive connection pool on ``asyncio.Protocol`` with httptools' parser
+    (:mod:`router.http.upstream`; one write per request, the answer's head and body parsed
+    as they arrive, no timers of its own): 778 -> 478 µs per request at load 16 (the first
+    version reused no connection: httptools' ``should_keep_alive`` is only true before the
+    message completes; a test holds it).
+  * Taking an idle connection without awaiting or a connect deadline, and registering the
+    first-byte wait without a generator context manager: within the spread (kept: less code
+    runs).
+  * Python's cyclic collector ran a young-generation pass every 700 new objects, one every
+    request or two: ``gc.freeze()`` after start-up and a threshold of 100,000
+    (``kvroute/serve.py``): 440 -> 364 µs (freeze alone 408, threshold alone 375).
+  * prometheus_client's locked counters and histograms (eight calls a request, ~3 µs an
+    increment and ~7 µs an observation under this load) replaced by lock-free tallies with
+    the same exposition (:mod:`router.http.tallies`): 389 -> 370 µs (5 rounds, ranges
+    350-397 and 333-396: the ~20 µs predicted, inside the spread).
+  * uvicorn's X-Forwarded-For middleware off (nothing reads the client's address) and the
+    worker's answer headers passed through as bytes: a middleware call and two decodes a
+    header less; too small to see here.
+
+  A profile after these: uvicorn ~19% (its two socket writes a request ~10%), the event
+  loop and asyncio's timeouts and tasks ~14%, the decision and its booking ~20%, the
+  upstream write and parse ~9%, the request path, request ids and body deadline ~15%.
 """
 
 from __future__ import annotations
