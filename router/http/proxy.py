@@ -32,7 +32,7 @@ import asyncio
 import json
 import re
 import ssl
-from collections.abc import AsyncGenerator, Callable, Mapping
+from collections.abc import AsyncGenerator, AsyncIterable, Callable, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -209,7 +209,8 @@ class Proxy:
         async with asyncio.timeout(self.timeouts.connect):
             return await pool.open(host, port, tls)
 
-    async def send(self, url: str, body: bytes, headers: Mapping[str, str], *,
+    async def send(self, url: str, body: bytes | AsyncIterable[bytes],
+                   headers: Mapping[str, str], *, length: int | None = None,
                    stream: bool = False, first_byte: float | None = None,
                    waits: FirstByteWaits | None = None) -> UpstreamAnswer:
         """POST ``body`` to ``url`` and wait for its first byte: the status line and headers,
@@ -217,8 +218,11 @@ class Proxy:
 
         Args:
             url: the worker's endpoint.
-            body: the request body, forwarded as is.
+            body: the request body, forwarded as is: bytes, or chunks still arriving, sent
+                as they arrive (an error they raise is raised here, unless the answer began).
             headers: the client's headers (hop-by-hop ones are dropped).
+            length: a body of chunks' length, sent as its ``Content-Length``; without it the
+                chunks go in the chunked transfer coding.
             stream: whether the answer is a stream (its first chunk is awaited and checked).
             first_byte: seconds to wait for the first byte (capped by the proxy's own).
             waits: the worker's registry of waits, through which the health poll can end
@@ -236,7 +240,13 @@ class Proxy:
         for k, v in headers.items():
             if k.lower() not in _DROP_HEADERS:
                 head.append(f"{k}: {v}\r\n".encode("latin-1"))
-        head.append(b"content-length: %d\r\n\r\n" % len(body))
+        whole = body if isinstance(body, bytes) else None
+        if whole is not None:
+            head.append(b"content-length: %d\r\n\r\n" % len(whole))
+        elif length is not None:
+            head.append(b"content-length: %d\r\n\r\n" % length)
+        else:
+            head.append(b"transfer-encoding: chunked\r\n\r\n")
         limit = self.timeouts.first_byte if first_byte is None else min(
             first_byte, self.timeouts.first_byte)
         exchange: Exchange | None = None
@@ -249,7 +259,11 @@ class Proxy:
                     exchange = pool.take_idle(host, port)
                     if exchange is None:
                         exchange = await self._connect(pool, host, port, tls)
-                    exchange.send(b"".join(head), body)
+                    if whole is not None:
+                        exchange.send(b"".join(head), whole)
+                    else:
+                        assert not isinstance(body, bytes)
+                        exchange.send_streamed(b"".join(head), body, chunked=length is None)
                     await exchange.head()
                     if stream and exchange.status == 200:
                         first = await exchange.chunk()

@@ -5,6 +5,8 @@ An :class:`Exchange` is one connection's protocol; :class:`ConnectionPool` hands
 ones per ``host:port`` (most recently used first) and opens new ones, at most
 ``max_connections`` in all. A request is one write of its head and body; the answer's status
 and headers are awaited, then its body is read whole or chunk by chunk, as it arrives
+(a request body still arriving is written as it comes, from a task of its own, with its
+length or in the chunked coding)
 (chunked transfer coding is decoded by the parser). An exchange whose answer was read to its
 end goes back to the pool when both sides keep the connection alive, and is dropped when it
 was idle for ``idle_keepalive`` seconds or the worker closed it meanwhile; every other one is
@@ -29,7 +31,7 @@ import collections
 import socket
 import ssl
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterable, Callable
 from typing import cast
 
 import httptools
@@ -63,6 +65,9 @@ class Exchange(asyncio.Protocol):
         self.error: Exception | None = None
         self.closed = False
         self.idle_since = 0.0
+        #: The task writing a body sent as it arrives, while it runs.
+        self._writer: asyncio.Task[None] | None = None
+        self._drained: asyncio.Future[None] | None = None
 
     # -- asyncio.Protocol
 
@@ -72,6 +77,16 @@ class Exchange(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def pause_writing(self) -> None:
+        if self._drained is None:
+            self._drained = asyncio.get_running_loop().create_future()
+
+    def resume_writing(self) -> None:
+        if self._drained is not None:
+            if not self._drained.done():
+                self._drained.set_result(None)
+            self._drained = None
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -83,6 +98,7 @@ class Exchange(asyncio.Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self.closed = True
         self._pool.lost(self)
+        self.resume_writing()
         if self.head_done and self._ends_at_close and not self.complete:
             self.on_message_complete()  # a body delimited by the connection's end
         elif not self.complete:
@@ -127,6 +143,37 @@ class Exchange(asyncio.Protocol):
             self.transport.write(head + body)
         else:
             self.transport.writelines((head, body))
+
+    def send_streamed(self, head: bytes, chunks: AsyncIterable[bytes], chunked: bool) -> None:
+        """Write a request whose body arrives as ``chunks`` (framed with the chunked coding
+        when ``chunked``, else under the length the head declares), from a task of its own,
+        so that an answer that begins before the body ends is read meanwhile. A failure of
+        ``chunks`` fails the exchange with that error."""
+        assert self.transport is not None, "send_streamed() on an unconnected exchange"
+        self.transport.write(head)
+        self._writer = asyncio.get_running_loop().create_task(self._write(chunks, chunked))
+
+    async def _write(self, chunks: AsyncIterable[bytes], chunked: bool) -> None:
+        try:
+            async for chunk in chunks:
+                if self.closed:
+                    raise ConnectionError("the worker closed the connection")
+                if chunk:
+                    assert self.transport is not None
+                    self.transport.write(b"%x\r\n%s\r\n" % (len(chunk), chunk) if chunked
+                                         else chunk)
+                if self._drained is not None:
+                    await self._drained
+            if chunked and not self.closed:
+                assert self.transport is not None
+                self.transport.write(b"0\r\n\r\n")
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # handed to whoever waits on the answer
+            self._fail(exc)
+            self.close()
+        finally:
+            self._writer = None
 
     async def head(self) -> None:
         """Wait for the answer's status and headers.
@@ -185,7 +232,8 @@ class Exchange(asyncio.Protocol):
     def release(self) -> None:
         """Done with the exchange: back to the pool when its answer ended and the connection
         stays alive, else closed."""
-        if self.complete and self._keep_alive and not self.closed and not self._chunks:
+        if (self.complete and self._keep_alive and not self.closed and not self._chunks
+                and self._writer is None):
             self._reset()
             self._pool.idle(self)
         else:
@@ -196,6 +244,8 @@ class Exchange(asyncio.Protocol):
         if not self.closed:
             self.closed = True
             self._pool.lost(self)
+            if self._writer is not None and self._writer is not asyncio.current_task():
+                self._writer.cancel()
             if self.transport is not None:
                 self.transport.close()
 

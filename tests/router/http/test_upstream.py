@@ -1,7 +1,8 @@
 """The proxy's HTTP/1.1 client against a raw server on 127.0.0.1 that answers exactly the bytes
 a test gives it: connections kept and reused (and dropped when idle, closed or refused for
 reuse), answers split across reads, chunked and close-delimited bodies, answers that do not
-parse, the connection limit, and the same under uvloop (the loop the router serves on)."""
+parse, the connection limit, request bodies sent as they arrive, and the same under uvloop
+(the loop the router serves on)."""
 
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ import uvloop
 from router.http.proxy import Proxy, UpstreamUnavailable
 from router.http.upstream import ConnectionPool
 from tests.support.eventually import eventually
+from tests.support.servers import ScriptedWorker
 
 BODY = b'{"prompt": "hello"}'
 ANSWER = b'{"ok":true}'
@@ -207,3 +209,37 @@ def test_the_client_works_under_uvloop() -> None:
         connections, bodies = runner.run(scenario())
     assert connections == 1 and bodies == [ANSWER] * 3
     assert json.loads(bodies[0]) == {"ok": True}
+
+
+async def _pieces(body: bytes, fail: Exception | None = None) -> AsyncIterator[bytes]:
+    for i in range(0, len(body), 7):
+        await asyncio.sleep(0)  # each piece as if it had just arrived
+        yield body[i:i + 7]
+    if fail is not None:
+        raise fail
+
+
+@pytest.mark.parametrize("declared", [True, False])
+async def test_a_body_still_arriving_is_sent_as_it_arrives(proxy: Proxy, declared: bool
+                                                           ) -> None:
+    body = json.dumps({"model": "kvroute-sim", "prompt": "hello " * 50,
+                       "max_tokens": 4}).encode()
+    async with ScriptedWorker() as worker:
+        answer = await proxy.send(f"{worker.url}/v1/completions", _pieces(body), {},
+                                  length=len(body) if declared else None)
+        assert answer.status == 200
+        assert json.loads(await answer.read())["choices"][0]["text"] == "ok"
+    assert worker.requests == [json.loads(body)]  # with its length, or chunked
+
+
+async def test_a_body_that_fails_while_sent_raises_its_error(proxy: Proxy) -> None:
+    class Gone(Exception):
+        pass
+
+    async with ScriptedWorker() as worker:
+        with pytest.raises(Gone):
+            await proxy.send(f"{worker.url}/v1/completions", _pieces(b'{"prompt": "x', Gone()),
+                             {})
+        pool = proxy._pool
+        assert pool is not None
+        await eventually(lambda: len(pool) == 0, "the broken connection closed")
