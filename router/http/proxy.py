@@ -45,8 +45,9 @@ __all__ = ["Proxy", "ProxyTimeouts", "UpstreamAnswer", "UpstreamUnavailable"]
 _SSE_ERROR = re.compile(rb'\s*data:\s*\{\s*"error"')
 
 # Hop-by-hop and length headers are the proxy's own business, never copied through.
+# (expect: the router's own server answered the client's 100-continue already.)
 _DROP_HEADERS = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length",
-                           "content-encoding", "host", "te", "trailer", "upgrade",
+                           "content-encoding", "host", "te", "trailer", "upgrade", "expect",
                            "proxy-authorization", "proxy-authenticate", "date", "server"})
 _DROP_BYTES = frozenset(h.encode() for h in _DROP_HEADERS)
 #: Worker URLs parsed, at most this many kept (a fleet's endpoints, so a few per worker).

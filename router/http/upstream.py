@@ -62,6 +62,7 @@ class Exchange(asyncio.Protocol):
         self.complete = False
         self._ends_at_close = False
         self._keep_alive = False
+        self._interim = False
         self.error: Exception | None = None
         self.closed = False
         self.idle_since = 0.0
@@ -111,7 +112,12 @@ class Exchange(asyncio.Protocol):
         self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
-        self.status = self._parser.get_status_code()
+        status = self._parser.get_status_code()
+        if 100 <= status < 200:  # an interim answer (100 Continue): the real one follows
+            self._interim = True
+            self.headers = []
+            return
+        self.status = status
         self.head_done = True
         # Read here: once the message completes, the parser no longer says.
         self._keep_alive = self._parser.should_keep_alive()
@@ -129,6 +135,9 @@ class Exchange(asyncio.Protocol):
         self._wake_body()
 
     def on_message_complete(self) -> None:
+        if self._interim:
+            self._interim = False
+            return
         self.complete = True
         self._wake_head()
         self._wake_body()

@@ -243,3 +243,13 @@ async def test_a_body_that_fails_while_sent_raises_its_error(proxy: Proxy) -> No
         pool = proxy._pool
         assert pool is not None
         await eventually(lambda: len(pool) == 0, "the broken connection closed")
+
+
+async def test_an_interim_answer_is_skipped_and_expect_not_forwarded(proxy: Proxy) -> None:
+    async with RawServer(lambda n: [b"HTTP/1.1 100 Continue\r\n\r\n", OK]) as server:
+        for _ in range(2):
+            answer = await proxy.send(f"{server.url}/v1/completions", BODY,
+                                      {"Expect": "100-continue"})
+            assert answer.status == 200 and await answer.read() == ANSWER
+        assert server.connections == 1
+    assert not any(b"expect" in r.lower() for r in server.requests)
