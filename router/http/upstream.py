@@ -3,14 +3,13 @@ time on each, parsed with httptools (the C parser uvicorn serves with).
 
 An :class:`Exchange` is one connection's protocol; :class:`ConnectionPool` hands out idle
 ones per ``host:port`` (most recently used first) and opens new ones, at most
-``max_connections`` in all. A request is one write of its head and body; the answer's status
-and headers are awaited, then its body is read whole or chunk by chunk, as it arrives
-(a request body still arriving is written as it comes, from a task of its own, with its
-length or in the chunked coding)
-(chunked transfer coding is decoded by the parser). An exchange whose answer was read to its
-end goes back to the pool when both sides keep the connection alive, and is dropped when it
-was idle for ``idle_keepalive`` seconds or the worker closed it meanwhile; every other one is
-closed. No timers run per request: the caller's deadlines bound every wait
+``max_connections`` in all. A request is one write of its head and body (a body still
+arriving is written as it comes, from a task of its own, under its length or in the chunked
+coding); the answer's status and headers are awaited (an interim ``100 Continue`` skipped),
+then its body is read whole or chunk by chunk, as it arrives (the parser decodes the chunked
+coding). An exchange whose answer was read to its end goes back to the pool when both sides
+keep the connection alive, and is dropped when it was idle for ``idle_keepalive`` seconds or
+the worker closed it meanwhile; every other one is closed. No timers run per request: the caller's deadlines bound every wait
 (:mod:`router.http.proxy`).
 
 Errors: a connection that fails (refused, reset, closed before the answer ended, or an answer
