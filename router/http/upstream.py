@@ -9,8 +9,8 @@ coding); the answer's status and headers are awaited (an interim ``100 Continue`
 then its body is read whole or chunk by chunk, as it arrives (the parser decodes the chunked
 coding). An exchange whose answer was read to its end goes back to the pool when both sides
 keep the connection alive, and is dropped when it was idle for ``idle_keepalive`` seconds or
-the worker closed it meanwhile; every other one is closed. No timers run per request: the caller's deadlines bound every wait
-(:mod:`router.http.proxy`).
+the worker closed it meanwhile; every other one is closed. No timers run per request: the
+caller's deadlines bound every wait (:mod:`router.http.proxy`).
 
 Errors: a connection that fails (refused, reset, closed before the answer ended, or an answer
 that does not parse) raises :class:`ConnectionError` from the wait it breaks; the proxy
