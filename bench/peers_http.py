@@ -19,18 +19,18 @@ The table gives the median over rounds, and the range where rounds differ by mor
 tenth. ``--kvroute DIR`` (repeatable) runs kvroute from each checkout named, as
 ``python -m kvroute.cli`` in that folder, to compare two versions in one run.
 
-On the 2-core VM (load average 10-12 from other jobs), ``python -m bench.peers_http --rounds
-3 --seconds 5 --kvroute CHECKOUT-BEFORE --kvroute .`` printed (kvroute at commits f9e4ebd,
-aiohttp's client and prometheus_client's metrics, and d274a5b, the pool of
+On the 2-core VM (load average 9-10 from other jobs), ``python -m bench.peers_http
+--rounds 3 --seconds 5 --kvroute CHECKOUT-BEFORE --kvroute .`` printed (kvroute at commits
+0d72a05, aiohttp's client and prometheus_client's metrics, and 1e8a8df, the pool of
 :mod:`router.http.upstream` and lock-free tallies):
 
 | router | added p50 (ms) | req/s, 64 connections | CPU per request (µs) |
 |---|---|---|---|
-| nginx direct | - | 59,665 (49,554-64,349) | - |
-| kvroute --policy kv, before | 1.81 (0.64-3.61) | 881 (612-996) | 652 (604-735) |
-| kvroute --policy kv | 0.73 (0.46-0.92) | 1,361 (1,016-1,408) | 342 (325-411) |
-| sglang-router 0.3.2 cache_aware | 0.28 (0.27-0.38) | 3,123 (2,444-3,916) | 130 (109-151) |
-| vllm-router 0.1.17 cache_aware | 0.34 (0.29-0.38) | 2,429 (1,608-2,648) | 173 (171-223) |
+| nginx direct | - | 37,216 (23,377-47,754) | - |
+| kvroute --policy kv, before | 3.79 (1.05-5.52) | 497 (351-505) | 738 (731-967) |
+| kvroute --policy kv | 0.64 (0.57-1.42) | 1,076 (1,007-1,117) | 370 |
+| sglang-router 0.3.2 cache_aware | 0.20 (0.18-0.33) | 3,312 (3,066-3,424) | 116 (110-126) |
+| vllm-router 0.1.17 cache_aware | 0.46 (0.29-0.56) | 1,968 (1,836-2,856) | 185 |
 
 On a loaded machine the figures move by a tenth or more between rounds; compare within one
 run. The added p50 is measured on one connection, so it is the router's own latency, not
