@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from router.fleet.first_byte_waits import FirstByteWaits
+from router.http.incoming_body import IncomingBody
 from router.http.upstream import ConnectionPool, Exchange
 
 __all__ = ["Proxy", "ProxyTimeouts", "UpstreamAnswer", "UpstreamUnavailable"]
@@ -210,21 +211,25 @@ class Proxy:
         async with asyncio.timeout(self.timeouts.connect):
             return await pool.open(host, port, tls)
 
-    async def send(self, url: str, body: bytes | AsyncIterable[bytes],
+    async def send(self, url: str, body: bytes | IncomingBody | AsyncIterable[bytes],
                    headers: Mapping[str, str], *, length: int | None = None,
-                   stream: bool = False, first_byte: float | None = None,
+                   stream: bool | Callable[[], bool] = False, first_byte: float | None = None,
                    waits: FirstByteWaits | None = None) -> UpstreamAnswer:
         """POST ``body`` to ``url`` and wait for its first byte: the status line and headers,
         and for a ``stream`` its first chunk too.
 
         Args:
             url: the worker's endpoint.
-            body: the request body, forwarded as is: bytes, or chunks still arriving, sent
-                as they arrive (an error they raise is raised here, unless the answer began).
+            body: the request body, forwarded as is: bytes, or a body still arriving (an
+                :class:`~router.http.incoming_body.IncomingBody`, or chunks), sent as it
+                arrives (an error it raises is raised here, unless the answer began).
             headers: the client's headers (hop-by-hop ones are dropped).
-            length: a body of chunks' length, sent as its ``Content-Length``; without it the
-                chunks go in the chunked transfer coding.
-            stream: whether the answer is a stream (its first chunk is awaited and checked).
+            length: the chunks' length, sent as their ``Content-Length`` (an
+                ``IncomingBody`` gives the client's); without it a body still arriving goes
+                in the chunked transfer coding.
+            stream: whether the answer is a stream (its first chunk is awaited and checked);
+                a callable is asked once the answer's headers are in (a body sent as it
+                arrives says whether it asks for a stream only at its end).
             first_byte: seconds to wait for the first byte (capped by the proxy's own).
             waits: the worker's registry of waits, through which the health poll can end
                 this one early.
@@ -241,6 +246,9 @@ class Proxy:
         for k, v in headers.items():
             if k.lower() not in _DROP_HEADERS:
                 head.append(f"{k}: {v}\r\n".encode("latin-1"))
+        if isinstance(body, IncomingBody):
+            length = body.declared
+            body = body.chunks()
         whole = body if isinstance(body, bytes) else None
         if whole is not None:
             head.append(b"content-length: %d\r\n\r\n" % len(whole))
@@ -252,6 +260,7 @@ class Proxy:
             first_byte, self.timeouts.first_byte)
         exchange: Exchange | None = None
         first = b""
+        streamed = False
         try:
             async with asyncio.timeout(limit) as timeout:
                 if waits is not None:
@@ -266,7 +275,8 @@ class Proxy:
                         assert not isinstance(body, bytes)
                         exchange.send_streamed(b"".join(head), body, chunked=length is None)
                     await exchange.head()
-                    if stream and exchange.status == 200:
+                    streamed = stream() if callable(stream) else stream
+                    if streamed and exchange.status == 200:
                         first = await exchange.chunk()
                 finally:
                     if waits is not None:
@@ -292,7 +302,7 @@ class Proxy:
                 detail = "(its body did not arrive)"
             exchange.release()
             raise UpstreamUnavailable(f"{url}: status {status}: {detail}", "status")
-        if stream and status == 200 and (not first or _SSE_ERROR.match(first)):
+        if streamed and status == 200 and (not first or _SSE_ERROR.match(first)):
             exchange.close()
             detail = first[:200].decode(errors="replace").strip() or "an empty stream"
             raise UpstreamUnavailable(f"{url}: the stream failed before its first token: "
