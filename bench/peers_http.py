@@ -19,19 +19,20 @@ The table gives the median over rounds, and the range where rounds differ by mor
 tenth. ``--kvroute DIR`` (repeatable) runs kvroute from each checkout named, as
 ``python -m kvroute.cli`` in that folder, to compare two versions in one run.
 
-On the 2-core VM (load average 9-10 from other jobs), ``python -m bench.peers_http
+On the 2-core VM (load average 2.5-5 from other jobs), ``python -m bench.peers_http
 --rounds 3 --seconds 5 --kvroute CHECKOUT-BEFORE --kvroute .`` printed (kvroute at commits
-0d72a05, aiohttp's client and prometheus_client's metrics, and 1e8a8df, the pool of
+ddce0fc, aiohttp's client and prometheus_client's metrics, and 504cea5, the pool of
 :mod:`router.http.upstream` and lock-free tallies):
 
 | router | added p50 (ms) | req/s, 64 connections | CPU per request (µs) |
 |---|---|---|---|
-| nginx direct | - | 37,216 (23,377-47,754) | - |
-| kvroute --policy kv, before | 3.79 (1.05-5.52) | 497 (351-505) | 738 (731-967) |
-| kvroute --policy kv | 0.64 (0.57-1.42) | 1,076 (1,007-1,117) | 370 |
-| sglang-router 0.3.2 cache_aware | 0.20 (0.18-0.33) | 3,312 (3,066-3,424) | 116 (110-126) |
-| vllm-router 0.1.17 cache_aware | 0.46 (0.29-0.56) | 1,968 (1,836-2,856) | 185 |
+| nginx direct | - | 55,101 (37,685-80,510) | - |
+| kvroute --policy kv, before | 0.91 (0.86-2.88) | 955 (419-1,054) | 767 (687-1,119) |
+| kvroute --policy kv | 0.67 (0.52-0.69) | 1,869 (682-1,869) | 424 (403-578) |
+| sglang-router 0.3.2 cache_aware | 0.39 (0.31-0.41) | 2,591 (2,452-6,392) | 170 (109-176) |
+| vllm-router 0.1.17 cache_aware | 0.51 (0.36-3.54) | 1,494 (1,211-3,220) | 275 (208-276) |
 
+docs/routing.md keeps two earlier runs (kvroute 738 -> 370 µs at load 9-10).
 On a loaded machine the figures move by a tenth or more between rounds; compare within one
 run. The added p50 is measured on one connection, so it is the router's own latency, not
 queueing at 64 connections.
