@@ -49,10 +49,10 @@ __all__ = ["BASELINES", "POLICIES", "CoreSettings", "Prediction", "Routed", "Rou
 POLICIES = ("kv", "dynamo", "round_robin", "random")
 #: Cache-blind choices, measured against: the next worker in turn, or one at random.
 BASELINES = ("round_robin", "random")
-#: Seconds a request's predicted blocks outlive its first token on a worker that publishes
-#: events: by then its prompt is stored and the events saying so have had time to arrive
-#: (they follow an iteration by milliseconds); from then on the index is the truth.
-SETTLE_S = 1.0
+#: Prompts whose first token came, per event-fed worker, waiting for that worker's next batch
+#: of events to end their predictions (:meth:`RoutingCore.first_token`); past this many the
+#: oldest keep their ttl.
+MAX_SETTLING = 4096
 
 #: Match lengths per worker, as :meth:`indexer.index.PrefixIndex.match` gives them:
 #: ``worker -> (blocks matched on any tier, blocks matched on the device)``.
@@ -155,6 +155,7 @@ class RoutingCore:
         self._applied: dict[str, float] = {}
         self._rates: dict[int, Rates] = {}  # per worker, per block, the factor applied
         self._booked: dict[str, _Booked] = {}
+        self._settling: dict[int, list[Sequence[int]]] = {}
         self._groups = LoadGroups()
         self._turns = 0
         self._default_rates = settings.base_rates("kvroute")
@@ -210,6 +211,7 @@ class RoutingCore:
         self._pressure.observe(worker, [Cleared()], now)
 
     def _forget(self, worker: int) -> None:
+        self._settling.pop(worker, None)
         self._predicted.forget(worker)
         self._approximate.forget(worker)
         if self._sessions is not None:
@@ -221,8 +223,14 @@ class RoutingCore:
         self._refresh(worker)
 
     def events_applied(self, worker: int, events: Iterable[Event], now: float) -> None:
-        """``worker``'s normalised KV events were applied to the index at ``now``."""
+        """``worker``'s normalised KV events were applied to the index at ``now``: the
+        predictions of the prompts whose first token came before end (their blocks were
+        stored by then, and the index, now current, says so and will say when they go)."""
         self._pressure.observe(worker, events, now)
+        settling = self._settling.pop(worker, None)
+        if settling:
+            for hashes in settling:
+                self._predicted.settle(worker, hashes, now)
 
     def record_resident(self, worker: int, stored: int, removed: int, now: float) -> None:
         """Count blocks stored and removed on ``worker`` without their events (a benchmark
@@ -459,11 +467,13 @@ class RoutingCore:
             self._refresh(worker)
             return None
         delivered = now - booked.routed_at
-        if not self._tracked.get(worker):
-            # Its prompt is computed and stored: the worker's events say so within moments,
-            # and the index knows from then on, evictions included. A prediction living its
-            # whole ttl past that would claim blocks the worker has since evicted.
-            self._predicted.settle(worker, booked.hashes, now + SETTLE_S)
+        if not self._tracked.get(worker) and booked.hashes:
+            # Its prompt is computed and stored, and the worker's next events say so: from
+            # then on the index knows, evictions included. A prediction living its whole ttl
+            # past that would claim blocks the worker has since evicted.
+            settling = self._settling.setdefault(worker, [])
+            if len(settling) < MAX_SETTLING:
+                settling.append(booked.hashes)
         kind = self._kind.get(worker)
         if self.settings.learns and kind is not None:
             self._learn(kind, booked.work_s, max(0.0, delivered - self._base[kind].first_s))

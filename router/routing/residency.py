@@ -4,8 +4,8 @@ Two uses, one structure:
 
 - Predict-on-route: when a request is sent to w, its prompt blocks count as resident on w for
   ``ttl`` seconds (ten by default: near saturation a request can wait seconds before its
-  blocks are stored), or until a moment after its first token (:meth:`settle`: its prompt is
-  stored, w's events say so, and the index knows from then on, evictions included). So a
+  blocks are stored), or until w's first events after its first token (:meth:`settle`: its
+  prompt is stored, the events say so, and the index knows from then on, evictions included). So a
   burst of siblings sharing a new prefix lands together instead of spreading before the first
   one's events arrive.
 - Approximate mode, for workers that publish no events: the same record with a long ``ttl``

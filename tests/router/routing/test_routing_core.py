@@ -98,11 +98,9 @@ def test_requests_cached_behind_a_giant_cold_prefill_do_not_queue_behind_it() ->
 
 def test_a_prediction_settles_on_the_index_after_its_first_token() -> None:
     # Worker 0 publishes events, worker 1 does not (approximate). A prompt routed to each is
-    # predicted resident for --predict-ttl (10 s); once its first token says the prompt is
-    # stored, the event-fed worker's prediction ends a moment later (the index knows from
-    # then on, evictions included), the approximate worker's lives on.
-    from router.routing.core import SETTLE_S
-
+    # predicted resident for --predict-ttl (10 s). Its first token says the prompt is stored;
+    # the event-fed worker's next events bring the index up to date, and its prediction ends
+    # (the index knows from then on, evictions included); the approximate worker's lives on.
     core = RoutingCore(CoreSettings())
     core.worker_joined(0)
     core.worker_joined(1, approximate=True)
@@ -110,9 +108,16 @@ def test_a_prediction_settles_on_the_index_after_its_first_token() -> None:
     prompts = {0: list(range(1, 9)), 1: list(range(101, 109))}
     for w, prompt in prompts.items():
         core.routed(f"r{w}", w, prompt, _terms(core, w), 0.0, None, 8 * 32 + 1)
+
+    def held(worker: int, now: float) -> int:
+        decision = core.decide(prompts[worker], {}, now, rng, tokens=8 * 32 + 1).decision
+        return decision.terms(worker).matched_blocks
+
+    core.events_applied(0, [], 0.2)  # events before the first token end nothing
+    assert (held(0, 0.3), held(1, 0.3)) == (8, 8)
+    for w in prompts:
         core.first_token(f"r{w}", 0.5)
-    for now, held in ((0.5 + SETTLE_S / 2, 8), (0.5 + SETTLE_S * 2, 0)):
-        decision = core.decide(prompts[0], {}, now, rng, tokens=8 * 32 + 1).decision
-        assert decision.terms(0).matched_blocks == held
-        approximate = core.decide(prompts[1], {}, now, rng, tokens=8 * 32 + 1).decision
-        assert approximate.terms(1).matched_blocks == 8
+    assert (held(0, 5.0), held(1, 5.0)) == (8, 8)  # no events from worker 0 yet
+    core.events_applied(0, [], 5.0)
+    core.events_applied(1, [], 5.0)
+    assert (held(0, 5.1), held(1, 5.1)) == (0, 8)
