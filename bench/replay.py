@@ -13,6 +13,8 @@ Every run with ``kvroute`` and a peer policy in it also gets the targets checked
 (:mod:`bench.targets`): a line under its table and ``targets`` in its JSON. ``--seeds 0-9``
 repeats the whole run at each seed (generators draw a new workload per seed; the trace is the
 same, the policies' and engines' randomness is not) and ends with the tally over all runs;
+``--topologies 4,1p3d,2p2d --rate-scales 0.5,1,1.5`` compares worker topologies, disaggregated
+prefill and decode against aggregated workers, at several loads (:mod:`bench.topology`).
 ``--jobs N`` runs the simulations in N processes (each one's figures are the same as in one
 process: a simulation is seeded and in virtual time).
 
@@ -86,6 +88,13 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
     a("--capacity-range", default="0.25,4", metavar="LO,HI",
       help="capacity mode: the rate scales searched (default 0.25,4)")
     a("--capacity-steps", type=int, default=6, help="capacity mode: bisection steps (default 6)")
+    a("--topologies", metavar="SPECS",
+      help="topology mode: compare worker topologies, comma-separated: N aggregated workers "
+           "or PpDd (P prefill, D decode workers), e.g. 4,1p3d,2p2d (bench.topology)")
+    a("--rate-scales", metavar="SCALES",
+      help="topology mode: the loads, comma-separated rate scales (default --rate-scale)")
+    a("--kv-transfer-bandwidth", type=positive_float, default=25e9, metavar="BYTES_PER_S",
+      help="disaggregated serving: the prefill-to-decode KV link (default 25e9)")
     a("--json", dest="json_path", metavar="OUT", help="write the results as JSON here")
     a("--plot-dir", metavar="DIR", help="write PNG plots here")
     a("--sensitivity", action="store_true",
@@ -171,7 +180,8 @@ def _sim_config(args: argparse.Namespace, lag_ms: float) -> Any:
                      block_size=args.block_size, event_lag_s=lag_ms / 1e3,
                      event_path=args.event_path,
                      max_num_batched_tokens=args.max_num_batched_tokens,
-                     timing=TIMING_MODELS[args.timing])
+                     timing=TIMING_MODELS[args.timing],
+                     kv_transfer_bytes_per_s=args.kv_transfer_bandwidth)
 
 
 def _simulate_one(args: argparse.Namespace, seed: int, lag_ms: float, policy_name: str,
@@ -205,6 +215,10 @@ def run_bench(args: argparse.Namespace) -> int:
     from bench.report import per_worker_table, plot, table, write_json
     from bench.targets import describe, summary_line, tally, verdict
 
+    if args.topologies and not args.live:
+        from bench.topology import run_topologies
+
+        return run_topologies(args)
     if args.slo is not None and not args.live:
         from bench.capacity import run_replay_capacity
 

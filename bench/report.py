@@ -8,6 +8,10 @@ Figures per policy (:data:`METRIC_KEYS`):
   ``e2e_p50_s``, ``e2e_p99_s``. The mean is there because a median alone can reward an
   imbalanced cluster: when a third of the requests land on lightly loaded workers, the median
   falls while most others wait longer (``docs/benchmarks.md``, "The ``multi_turn`` median").
+- ``itl_p50_s``, ``itl_p99_s``: inter-token latency, over every gap between two consecutive
+  output tokens of a request.
+- ``remote_prefill_share``: the share of requests prefilled on a prefill worker (disaggregated
+  serving, :mod:`bench.sim`).
 - ``output_tok_s``: output tokens over the makespan (first arrival to last token).
 - ``load_imbalance``: max over mean of the workers' busy time (1.0 is perfect balance).
 - ``decision_us_mean``, ``decision_us_p99``: wall time of the routing decision (hashing,
@@ -48,6 +52,9 @@ METRIC_KEYS = (
     "e2e_mean_s",
     "e2e_p50_s",
     "e2e_p99_s",
+    "itl_p50_s",
+    "itl_p99_s",
+    "remote_prefill_share",
     "output_tok_s",
     "load_imbalance",
     "decision_us_mean",
@@ -85,6 +92,10 @@ def summarize(result: SimResult, bounds: Bounds | None) -> dict[str, Any]:
         "e2e_mean_s": mean(e2e),
         "e2e_p50_s": percentile(e2e, 50),
         "e2e_p99_s": percentile(e2e, 99),
+        "itl_p50_s": percentile(result.token_gaps_s, 50),
+        "itl_p99_s": percentile(result.token_gaps_s, 99),
+        "remote_prefill_share": sum(r.prefill_worker >= 0 for r in recs) / len(recs)
+        if recs else math.nan,
         "output_tok_s": out / result.makespan_s if result.makespan_s > 0 else math.nan,
         "load_imbalance": max(busy) / mean_busy if mean_busy > 0 else math.nan,
         "decision_us_mean": sum(decision) / len(decision) if decision else math.nan,

@@ -25,6 +25,21 @@ decision *lost a hit* when another worker held more blocks with no more queued; 
 time* when its estimate exceeded the least by more than :data:`TIME_LOST_MARGIN` of itself
 (the error allowed a prediction). The same judge for every policy.
 
+Disaggregated serving (``SimConfig.roles``): a worker may be ``prefill``, ``decode`` or
+``both``. For a request the policy gives a prefill worker (:meth:`Policy.prefill_for
+<bench.policies.base.Policy.prefill_for>`), the prefill worker runs it with one output token,
+as vLLM's ``kv_transfer_params`` flow has it; when that ends, its KV travels to the decode
+worker for ``tokens * kv_bytes_per_token / kv_transfer_bytes_per_s`` seconds (the tokens of the
+prompt's full blocks the decode worker does not hold yet), enters the decode worker's cache as
+committed blocks (published on its event stream, as vLLM's decode server publishes what it
+received), and the request then runs there whole: it finds those blocks cached, computes its
+last block and decodes. The transfer overlaps the decode worker's iterations (a copy engine,
+not the forward pass). A request's TTFT is its decode worker's first token; its hit rate is what
+the prefill worker found cached. Inter-token latency is each gap between two consecutive output
+tokens of a request, so a decode step that shared its forward pass with a prefill chunk (the
+timing model prices one pass of both, :meth:`~workers.engine.timing.TimingModel.iteration_ms`)
+shows in it: the interference disaggregation removes from decode workers.
+
 Output tokens are the workload's (:meth:`~bench.workloads.WorkloadRequest.output_tokens`), so
 generated blocks are cached and reused exactly as a multi-turn workload expects.
 """
@@ -38,7 +53,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from bench.policies.base import HELD, SHED, Policy, RouteRequest, WorkerMetrics
+from bench.policies.base import HELD, PREFILL_SUFFIX, SHED, Policy, RouteRequest, WorkerMetrics
 from bench.workloads import WorkloadRequest
 from indexer.decode import DecodeStats, decode_batch
 from indexer.events import Cleared, MmItem, Removed, Stored
@@ -51,7 +66,7 @@ from workers.engine.batcher import Batcher, EngineRequest
 from workers.engine.executor import IterationPlan, SimExecutor
 from workers.engine.timing import DEFAULT_TIMING, TIMING_MODELS, TimingModel
 
-__all__ = ["EVENT_PATHS", "TIME_LOST_MARGIN", "Regret", "RequestRecord", "SimConfig",
+__all__ = ["EVENT_PATHS", "ROLES", "TIME_LOST_MARGIN", "Regret", "RequestRecord", "SimConfig",
            "SimResult", "simulate"]
 
 #: A decision lost time when its worker's estimated TTFT exceeded the least by more than this
@@ -61,7 +76,11 @@ TIME_LOST_MARGIN = 0.25
 #: How events reach the index: over the wire format, or as structs in process.
 EVENT_PATHS = ("wire", "direct")
 
-_DELIVER, _DONE, _ARRIVE = 0, 1, 2
+_DELIVER, _DONE, _TRANSFERRED, _ARRIVE = 0, 1, 2, 3
+
+#: A worker's role under disaggregated serving (``both``: prefills and decodes its own).
+ROLES = ("prefill", "decode", "both")
+
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +97,9 @@ class SimConfig:
         event_path: ``"wire"`` or ``"direct"`` (module docstring).
         max_pending_stored: the event sink's cap on stored blocks per batch.
         timing: the engine's cost model.
+        roles: each worker's role (:data:`ROLES`); empty: every worker is ``both``.
+        kv_transfer_bytes_per_s: the prefill-to-decode KV link, bytes a second (25 GB/s: the
+            worker's ``--kv-transfer-bandwidth`` default, a 200 Gb/s RDMA link).
     """
 
     workers: int = 8
@@ -89,6 +111,8 @@ class SimConfig:
     event_path: str = "wire"
     max_pending_stored: int = 4096
     timing: TimingModel = TIMING_MODELS[DEFAULT_TIMING]
+    roles: tuple[str, ...] = ()
+    kv_transfer_bytes_per_s: float = 25e9
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -99,6 +123,17 @@ class SimConfig:
             raise ValueError(f"event_lag_s must be >= 0, got {self.event_lag_s}")
         if self.event_path not in EVENT_PATHS:
             raise ValueError(f"event_path must be one of {EVENT_PATHS}, got {self.event_path!r}")
+        if self.roles and len(self.roles) != self.workers:
+            raise ValueError(f"roles names {len(self.roles)} workers, not {self.workers}")
+        if any(r not in ROLES for r in self.roles):
+            raise ValueError(f"roles must each be one of {ROLES}, got {self.roles}")
+        if not self.kv_transfer_bytes_per_s > 0:
+            raise ValueError("kv_transfer_bytes_per_s must be positive")
+
+    @property
+    def disaggregated(self) -> bool:
+        """Whether some worker only prefills or only decodes."""
+        return any(r != "both" for r in self.roles)
 
     @property
     def num_blocks(self) -> int:
@@ -119,6 +154,8 @@ class RequestRecord:
     first_token_s: float = -1.0
     finish_s: float = -1.0
     tokens_out: int = 0
+    #: The worker that prefilled it for its decode worker (-1: it prefilled where it ran).
+    prefill_worker: int = -1
     #: Refused by the policy's flow control (never served).
     shed: bool = False
 
@@ -173,6 +210,11 @@ class SimResult:
     regret: Regret = field(default_factory=lambda: Regret())
     #: Each first token's predicted and delivered seconds, from a policy that predicts them.
     predictions: list[tuple[float, float]] | None = None
+    #: Every gap between two consecutive output tokens of a request (inter-token latency).
+    token_gaps_s: list[float] = field(default_factory=list)
+    #: Prompt tokens moved from prefill to decode workers, and the transfers.
+    transferred_tokens: int = 0
+    transfers: int = 0
 
 
 @dataclass(slots=True)
@@ -204,8 +246,9 @@ class _Cluster:
     """The :class:`~bench.policies.base.ClusterView` the policy sees."""
 
     def __init__(self, workers: list[_Worker], block_size: int, index: PrefixIndex | None,
-                 rng: random.Random) -> None:
+                 rng: random.Random, roles: tuple[str, ...] = ()) -> None:
         self._workers = workers
+        self.roles = roles or ("both",) * len(workers)
         self.num_workers = len(workers)
         self.block_size = block_size
         self.index = index
@@ -282,11 +325,13 @@ def simulate(requests: Sequence[WorkloadRequest], policy: Policy, config: SimCon
     Raises:
         ValueError: a request cannot fit one worker's cache.
     """
+    if config.disaggregated and not policy.disaggregates:
+        raise ValueError(f"policy {policy.name} does not route for prefill and decode roles")
     started = time.perf_counter()
     uses_events = policy.needs_index
     workers = [_Worker(w, config, uses_events) for w in range(config.workers)]
     index = PrefixIndex(config.block_size) if uses_events else None
-    policy.start(_Cluster(workers, config.block_size, index, random.Random(seed)))
+    policy.start(_Cluster(workers, config.block_size, index, random.Random(seed), config.roles))
     executor = SimExecutor(config.timing, block_size=config.block_size)
     heap: list[tuple[float, int, int, int, Any]] = []
     serial = 0
@@ -327,17 +372,65 @@ def simulate(requests: Sequence[WorkloadRequest], policy: Policy, config: SimCon
         serial += 1
 
     held: dict[str, tuple[Prompt, int]] = {}
+    #: Remote prefills in flight, by their prefill request's id: the request, its prompt.
+    remote: dict[str, tuple[str, Prompt]] = {}
+    last_token: dict[str, float] = {}
+    gaps: list[float] = []
+    moved = [0, 0]  # tokens transferred, transfers
 
-    def send(request_id: str, prompt: Prompt, output_length: int, worker: int,
-             now: float) -> None:
-        if not 0 <= worker < config.workers:
-            raise ValueError(f"policy {policy.name} chose worker {worker}")
-        by_id[request_id].worker = worker
-        _judge(workers, prompt, config.timing, config.block_size, worker, regret)
+    def admit(worker: int, request_id: str, prompt: Prompt, output_length: int,
+              now: float) -> None:
         w = workers[worker]
         w.batcher.add(EngineRequest(request_id, prompt, output_length))
         if idle[worker]:
             start_iteration(w, now)
+
+    def send(request_id: str, prompt: Prompt, output_length: int, worker: int,
+             now: float) -> None:
+        for chosen in (worker, prefill := policy.prefill_for(request_id)):
+            if chosen is not None and not 0 <= chosen < config.workers:
+                raise ValueError(f"policy {policy.name} chose worker {chosen}")
+        rec = by_id[request_id]
+        rec.worker = worker
+        if not config.disaggregated:
+            _judge(workers, prompt, config.timing, config.block_size, worker, regret)
+        if prefill is None:
+            admit(worker, request_id, prompt, output_length, now)
+            return
+        rec.prefill_worker = prefill
+        step = request_id + PREFILL_SUFFIX
+        remote[step] = (request_id, prompt)
+        outputs[step] = outputs[request_id][:1]
+        admit(prefill, step, prompt, 1, now)
+
+    def prefilled(step: str, now: float) -> None:
+        """A remote prefill ended: its KV leaves for the decode worker (module docstring)."""
+        nonlocal serial
+        request_id, prompt = remote[step]
+        rec = by_id[request_id]
+        pool, bs = workers[rec.worker].cache.pool, config.block_size
+        blocks = RequestBlocks(prompt, bs)
+        usable = (blocks.num_tokens - 1) // bs
+        have = 0
+        while have < usable and pool.cached_block(blocks.block(have).key) is not None:
+            have += 1
+        tokens = (usable - have) * bs
+        moved[0] += tokens
+        moved[1] += 1
+        seconds = tokens * config.timing.kv_bytes_per_token / config.kv_transfer_bytes_per_s
+        heapq.heappush(heap, (now + seconds, _TRANSFERRED, serial, rec.worker, step))
+        serial += 1
+
+    def transferred(worker: int, step: str, now: float) -> None:
+        """The KV of ``step`` arrived on ``worker``: its blocks enter the cache as committed
+        (as :meth:`workers.engine.loop.Engine.receive_blocks` does), then the request runs."""
+        request_id, prompt = remote.pop(step)
+        cache, bs = workers[worker].cache, config.block_size
+        usable = (len(prompt.token_ids) - 1) // bs * bs
+        if usable > 0 and cache.allocate(step, prompt) is not None:
+            cache.commit_computed(step, usable)
+            cache.free(step)
+        admit(worker, request_id, prompt, by_id[request_id].output_length, now)
 
     def release(now: float) -> None:
         """Send the held requests the policy lets go; mark those it shed."""
@@ -382,7 +475,8 @@ def simulate(requests: Sequence[WorkloadRequest], policy: Policy, config: SimCon
             sampled: dict[str, int] = {}
             for c in plan.prefill:
                 if plan.admitted and c.request_id in plan.admitted:
-                    rec = by_id[c.request_id]
+                    rec = by_id[remote[c.request_id][0] if c.request_id in remote
+                                else c.request_id]
                     if rec.cached_tokens < 0:
                         rec.cached_tokens = c.start
                 if c.samples:
@@ -390,15 +484,24 @@ def simulate(requests: Sequence[WorkloadRequest], policy: Policy, config: SimCon
             for d in plan.decode:
                 sampled[d.request_id] = outputs[d.request_id][d.output_index]
             for out in w.batcher.complete(plan, sampled):
+                if out.request_id in remote:  # a remote prefill: its one token is not output
+                    del outputs[out.request_id]
+                    policy.first_token(out.request_id, now)
+                    policy.finished(out.request_id, now)
+                    prefilled(out.request_id, now)
+                    continue
                 rec = by_id[out.request_id]
                 rec.tokens_out += 1
                 if out.index == 0:
                     rec.first_token_s = now
                     policy.first_token(out.request_id, now)
+                else:
+                    gaps.append(now - last_token[out.request_id])
+                last_token[out.request_id] = now
                 if out.finished:
                     rec.finish_s = now
                     last_t = now
-                    del outputs[out.request_id]
+                    del outputs[out.request_id], last_token[out.request_id]
                     policy.finished(out.request_id, now)
                     if progress is not None:
                         progress.update(1)
@@ -420,6 +523,8 @@ def simulate(requests: Sequence[WorkloadRequest], policy: Policy, config: SimCon
                     serial += 1
             start_iteration(w, now)
             release(now)
+        elif kind == _TRANSFERRED:
+            transferred(a, payload, now)
         else:
             assert index is not None
             t0 = perf()
@@ -456,4 +561,7 @@ def simulate(requests: Sequence[WorkloadRequest], policy: Policy, config: SimCon
         decode_context_s=[w.context_s for w in workers],
         regret=regret,
         predictions=policy.predictions(),
+        token_gaps_s=gaps,
+        transferred_tokens=moved[0],
+        transfers=moved[1],
     )

@@ -33,6 +33,7 @@ from router.fleet.registry import Registry
 from router.fleet.unavailable import unavailable_reason
 from router.fleet.worker_table import WorkerInfo
 from router.routing.core import Prediction, RoutingCore
+from router.routing.disaggregation import prefills_locally
 from router.routing.load import ReportedLoad
 from router.routing.prompt_path import HashingTerms, PrefixReach, request_hashes
 from router.routing.scheduler import Decision
@@ -303,9 +304,8 @@ class RouterService:
         """Disaggregated serving: the prefill worker by prefix hit against prefill load, unless
         the decode worker holds so much of the prompt that it prefills the rest itself
         (``pd_local_prefill_tokens``)."""
-        block_size = self.settings.block_size
-        held = route.decision.chosen.matched_blocks * block_size
-        if len(route.prompt.token_ids) - held <= self.settings.pd_local_prefill_tokens:
+        if prefills_locally(len(route.prompt.token_ids), route.decision.chosen.matched_blocks,
+                            self.settings.block_size, self.settings.pd_local_prefill_tokens):
             self.counters["pd_local_prefills"] = self.counters.get("pd_local_prefills", 0) + 1
             return
         chosen = self.core.decide(route.hashes, matches, now, self.rng,

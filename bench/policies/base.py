@@ -31,11 +31,16 @@ from openai_request.images import ImageSpan
 from openai_request.prompts import PromptTokens
 from router.routing.prompt_path import HashingTerms, request_hashes
 
-__all__ = ["HELD", "SHED", "ClusterView", "Policy", "RouteRequest", "WorkerMetrics"]
+__all__ = ["HELD", "PREFILL_SUFFIX", "SHED", "ClusterView", "Policy", "RouteRequest",
+           "WorkerMetrics"]
 
 #: What :meth:`Policy.route` answers for a request it holds (sent later, by
 #: :meth:`Policy.dispatch`) or refuses (never served), in place of a worker.
 HELD, SHED = -1, -2
+
+#: A request's remote prefill runs on its prefill worker as the request's id and this
+#: (:meth:`Policy.prefill_for`).
+PREFILL_SUFFIX = "/prefill"
 
 
 @dataclass(frozen=True, slots=True)
@@ -64,6 +69,8 @@ class ClusterView(Protocol):
     max_num_seqs: int
     #: Each worker's device KV blocks, as its ``/model_info`` reports them.
     capacity_blocks: int
+    #: Each worker's role: ``prefill``, ``decode`` or ``both`` (:data:`bench.sim.ROLES`).
+    roles: tuple[str, ...]
 
     def worker_metrics(self, worker: int) -> WorkerMetrics:
         """Return the worker's engine metrics now."""
@@ -110,11 +117,13 @@ class RouteRequest:
 class Policy(ABC):
     """A routing policy: picks a worker per request (see the module docstring).
 
-    Subclasses set :attr:`name` and, if they read the event-fed index, :attr:`needs_index`.
+    Subclasses set :attr:`name`; if they read the event-fed index, :attr:`needs_index`; if
+    they route for prefill and decode roles (:meth:`prefill_for`), :attr:`disaggregates`.
     """
 
     name: ClassVar[str]
     needs_index: ClassVar[bool] = False
+    disaggregates: ClassVar[bool] = False
 
     def start(self, cluster: ClusterView) -> None:
         """Attach to a cluster before the first request; resets per-run state."""
@@ -124,6 +133,13 @@ class Policy(ABC):
     def route(self, request: RouteRequest, now: float) -> int:
         """Return the worker (in ``range(cluster.num_workers)``) that serves ``request``, or
         :data:`HELD` or :data:`SHED` for a policy with flow control."""
+
+    def prefill_for(self, request_id: str) -> int | None:
+        """Disaggregated serving: the prefill worker :meth:`route` chose for the request
+        (which the driver then runs there first, as ``request_id`` + :data:`PREFILL_SUFFIX`, and
+        reports to :meth:`first_token` and :meth:`finished` under that id); None: the worker
+        :meth:`route` answered prefills it itself. Asked once per request, when it is sent."""
+        return None
 
     def dispatch(self, now: float) -> tuple[list[tuple[str, int]], list[str]]:
         """A policy that holds requests (:meth:`route` answered :data:`HELD`): those that

@@ -4,7 +4,11 @@ A thin shell around :class:`router.routing.core.RoutingCore`, as
 :class:`router.service.RouterService` is: per request it hands the core the event-fed index's
 matches and ``now``, books the choice where it went, feeds the core each worker's first tokens
 (which teach its rates) and ends, and the normalised events the index applies. It keeps each
-first token's predicted and delivered seconds (:meth:`KvroutePolicy.predictions`). The settings
+first token's predicted and delivered seconds (:meth:`KvroutePolicy.predictions`). On a cluster
+with prefill and decode roles it routes as :meth:`router.service.RouterService.decide` does:
+the decode worker by the rule among the workers that are not prefill-only, no remote prefill
+when :func:`router.routing.disaggregation.prefills_locally` says so, else the prefill worker
+by the rule among the prefill workers, both booked as the router books them. The settings
 are :class:`router.settings.RouterSettings`, so a run with ``--set NAME=VALUE``
 (:mod:`bench.replay`) is the router with that flag, and a policy named
 ``kvroute[NAME=VALUE,...]`` (:func:`bench.policies.make_policies`) runs the router with those
@@ -17,9 +21,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Sequence
 
-from bench.policies.base import ClusterView, Policy, RouteRequest
+from bench.policies.base import PREFILL_SUFFIX, ClusterView, Policy, RouteRequest
 from indexer.events import Event
 from router.routing.core import RoutingCore
+from router.routing.disaggregation import prefills_locally
 from router.settings import RouterSettings
 
 __all__ = ["KvroutePolicy"]
@@ -36,6 +41,7 @@ class KvroutePolicy(Policy):
 
     name = "kvroute"
     needs_index = True
+    disaggregates = True
 
     def __init__(self, settings: RouterSettings | None = None, name: str | None = None) -> None:
         self.settings = settings or RouterSettings()
@@ -54,6 +60,14 @@ class KvroutePolicy(Policy):
         self._predictions: list[tuple[float, float]] = []
         for w in range(cluster.num_workers):
             self.core.worker_joined(w, capacity_blocks=float(cluster.capacity_blocks))
+        # As the router's fleet has it: prefill workers prefill for the others, unless there
+        # are no others.
+        roles = cluster.roles
+        serving = [w for w, r in enumerate(roles) if r != "prefill"]
+        self._prefill_workers = [w for w, r in enumerate(roles) if r == "prefill"] if serving \
+            else []
+        self._serving = serving if self._prefill_workers else None
+        self._prefill_of: dict[str, int] = {}
 
     def route(self, request: RouteRequest, now: float) -> int:
         hashes = request.hashes
@@ -61,11 +75,25 @@ class KvroutePolicy(Policy):
         assert index is not None, "kvroute needs the event-fed index"
         matches = index.match(hashes) if hashes else {}
         tokens = len(request.token_ids)
-        routed = self.core.decide(hashes, matches, now, self.cluster.rng, tokens=tokens)
+        routed = self.core.decide(hashes, matches, now, self.cluster.rng,
+                                  workers=self._serving, tokens=tokens)
         decision = routed.decision
-        self.core.routed(request.request_id, decision.worker, hashes, decision.chosen, now,
+        terms = decision.chosen
+        if self._prefill_workers and not prefills_locally(
+                tokens, terms.matched_blocks, self.cluster.block_size,
+                self.settings.pd_local_prefill_tokens):
+            prefill = self.core.decide(hashes, matches, now, self.cluster.rng,
+                                       workers=self._prefill_workers).decision
+            self.core.routed(request.request_id + PREFILL_SUFFIX, prefill.worker, hashes,
+                             prefill.chosen, now)
+            self._prefill_of[request.request_id] = prefill.worker
+            terms = dataclasses.replace(terms, prefill_blocks=0, prefill_s=0.0)
+        self.core.routed(request.request_id, decision.worker, hashes, terms, now,
                          routed.continued, tokens)
         return decision.worker
+
+    def prefill_for(self, request_id: str) -> int | None:
+        return self._prefill_of.pop(request_id, None)
 
     def first_token(self, request_id: str, now: float) -> None:
         prediction = self.core.first_token(request_id, now)

@@ -19,6 +19,11 @@ prefill worker's booking ends when its step does.
 
 An SGLang prefill worker is driven by SGLang's protocol instead (:mod:`router.http.bootstrap`):
 the bootstrap fields, the prefill sent beside the decode request rather than before it.
+
+A decode worker that fails before its first byte costs nothing either: the request goes to the
+next decode worker (:func:`router.http.failover.send_with_failover`) with a fresh prefill, since
+the first one's KV was held for the worker that failed (a prefill worker releases it once one
+decode has taken it, or when its lease ends); ``pd_decode_retries`` counts them.
 """
 
 from __future__ import annotations
@@ -26,16 +31,17 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
+from router.fleet.entry import Target
 from router.http.bootstrap import prefill_alongside
-from router.http.failover import pinned
+from router.http.failover import Sent, pinned, send_with_failover
 from router.http.proxy import UpstreamUnavailable
 from router.http.state import RouterState
 from router.service import Route
 
-__all__ = ["REMOTE_DECODE", "prefill_remotely"]
+__all__ = ["REMOTE_DECODE", "prefill_remotely", "send_disaggregated"]
 
 log = logging.getLogger(__name__)
 
@@ -80,6 +86,29 @@ async def prefill_remotely(state: RouterState, route: Route, path: str, body: di
         service.core.finished(booking)
     _count(service.counters, "pd_remote_prefills")
     return json.dumps({**body, "kv_transfer_params": params}).encode()
+
+
+async def send_disaggregated(state: RouterState, route: Route, path: str,
+                             body: dict[str, Any], raw: bytes, headers: Mapping[str, str],
+                             stream: bool, on_failure: Callable[[Target, int, str], None]
+                             ) -> Sent:
+    """Send a request with a remote prefill: the prefill step, then the decode worker, and on
+    a decode worker's failure before its first byte the next one with a fresh prefill (module
+    docstring; the prefill worker stays the one chosen, which holds the prompt now).
+
+    Raises:
+        ApiError: 503, no decode worker began to answer.
+    """
+    decode_body = await prefill_remotely(state, route, path, body, raw, headers)
+
+    async def refreshed() -> bytes:
+        _count(state.service.counters, "pd_decode_retries")
+        if route.prefill is None:  # served whole: the original body serves again
+            return raw
+        return await prefill_remotely(state, route, path, body, raw, headers)
+
+    return await send_with_failover(state.service, state.proxy, state.first_byte, route, path,
+                                    decode_body, headers, stream, on_failure, refreshed)
 
 
 def _transfer_params(content: bytes) -> dict[str, Any] | None:

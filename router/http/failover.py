@@ -10,6 +10,10 @@ there is withdrawn and it goes to the next candidate that is still healthy, up t
 failed by an estimate alone. A worker that answers a client error (4xx) refused the request:
 its booking is withdrawn too, and the answer goes back as it is.
 
+Under disaggregated serving the body carries a prefill's ``kv_transfer_params``, which name
+KV held for one decode: a retry on another decode worker goes with a fresh prefill's body
+(``refreshed``, :func:`router.http.disaggregated.send_disaggregated`).
+
 A candidate that is one data-parallel rank of a worker (:mod:`router.fleet.ranks`) is pinned
 with the ``X-data-parallel-rank`` header (a client's own is replaced), so the worker's engine
 serves the request on the rank whose cache was chosen.
@@ -19,7 +23,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 
 from openai_request.bodies import ApiError
@@ -51,7 +55,8 @@ class Sent:
 async def send_with_failover(service: RouterService, proxy: Proxy, clock: FirstByteClock,
                              route: Route, path: str, body: bytes | IncomingBody,
                              headers: Mapping[str, str], stream: bool | Callable[[], bool],
-                             on_failure: Callable[[Target, int, str], None]) -> Sent:
+                             on_failure: Callable[[Target, int, str], None],
+                             refreshed: Callable[[], Awaitable[bytes]] | None = None) -> Sent:
     """Send ``route``'s request until a worker begins to answer.
 
     Args:
@@ -67,6 +72,7 @@ async def send_with_failover(service: RouterService, proxy: Proxy, clock: FirstB
             answer began, for a body sent before its end (whose first attempt then has no
             learned deadline: the client's upload is no part of the worker's prefill).
         on_failure: called with the worker, the attempt and the cause of each failure.
+        refreshed: gives the body for each attempt after the first (None: ``body`` again).
 
     Raises:
         ApiError: 503, no worker began to answer.
@@ -79,6 +85,8 @@ async def send_with_failover(service: RouterService, proxy: Proxy, clock: FirstB
         if tried and worker.state is not WorkerState.HEALTHY:
             continue  # turned unhealthy since the decision
         attempt, tried = tried, tried + 1
+        if attempt and refreshed is not None:
+            body = await refreshed()
         service.dispatched(route, worker)
         ahead = service.queued_prefill(worker)
         deadline = clock.deadline(worker.id, ahead) if stream is True and attempt == 0 else None

@@ -43,7 +43,7 @@ from httpapi.responses import CLIENT_GONE_STATUS
 from openai_request.bodies import ApiError, fewest_prompt_tokens, parse_body, validate_request
 from openai_request.early_body import EarlyBody
 from openai_request.prompts import PromptTokens
-from router.http.disaggregated import prefill_remotely
+from router.http.disaggregated import send_disaggregated
 from router.http.failover import Sent, send_with_failover
 from router.http.flow import ask_of, tenant_of
 from router.http.incoming_body import IncomingBody
@@ -104,10 +104,13 @@ class Forward:
             try:
                 if route.prefill is not None:  # disaggregated: the prefill step first
                     assert body is not None and isinstance(payload, bytes), "read whole above"
-                    payload = await prefill_remotely(state, route, path, body, payload, headers)
-                sent = await send_with_failover(state.service, state.proxy, state.first_byte,
-                                                route, path, payload, headers, stream,
-                                                metrics.upstream_failure)
+                    sent = await send_disaggregated(state, route, path, body, payload, headers,
+                                                    bool(body.get("stream")),
+                                                    metrics.upstream_failure)
+                else:
+                    sent = await send_with_failover(state.service, state.proxy,
+                                                    state.first_byte, route, path, payload,
+                                                    headers, stream, metrics.upstream_failure)
             except ApiError as exc:
                 metrics.request(path, exc.status)
                 raise

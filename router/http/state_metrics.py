@@ -88,9 +88,10 @@ class StateCollector:
             "kvroute_pd_prefills",
             "Disaggregated serving: requests prefilled on a prefill worker (remote), on their "
             "decode worker because it held most of the prompt (local), or served whole on it "
-            "after the prefill failed (failed)", labels=["outcome"])
+            "after the prefill failed (failed); sent to another decode worker with a fresh "
+            "prefill after one failed before its first byte (retried)", labels=["outcome"])
         for outcome, name in (("remote", "pd_remote_prefills"), ("local", "pd_local_prefills"),
-                              ("failed", "pd_prefill_failures")):
+                              ("failed", "pd_prefill_failures"), ("retried", "pd_decode_retries")):
             prefills.add_metric([outcome], service.counters.get(name, 0))
         yield prefills
         yield per_worker(GaugeMetricFamily, "kvroute_rate_factor",

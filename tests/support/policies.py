@@ -12,10 +12,13 @@ BS = 4
 
 
 class FakeCluster:
-    """Two workers, 256 sequences and 1,000 blocks each, an empty index, fixed metrics."""
+    """Two workers (``roles``: each one's, both by default), 256 sequences and 1,000 blocks
+    each, an empty index, fixed metrics."""
 
-    def __init__(self, metrics: list[WorkerMetrics] | None = None) -> None:
+    def __init__(self, metrics: list[WorkerMetrics] | None = None,
+                 roles: tuple[str, ...] = ("both", "both")) -> None:
         self.num_workers = 2
+        self.roles = roles
         self.max_num_seqs = 256
         self.capacity_blocks = 1000
         self.block_size = BS

@@ -12,7 +12,8 @@ from typing import Any
 
 import httpx
 
-from router.http.disaggregated import REMOTE_DECODE, prefill_remotely
+from router.http.disaggregated import REMOTE_DECODE, prefill_remotely, send_disaggregated
+from router.http.first_byte import FirstByteClock
 from router.http.proxy import Proxy
 from router.service import RouterService
 from router.settings import RouterSettings
@@ -28,10 +29,10 @@ VLLM_PARAMS = {"do_remote_prefill": True, "do_remote_decode": False,
 
 
 @contextlib.asynccontextmanager
-async def served(prefill: ScriptedWorker, decode: ScriptedWorker, **settings: Any
+async def served(prefill: ScriptedWorker, *decode: ScriptedWorker, **settings: Any
                  ) -> AsyncIterator[SimpleNamespace]:
     """What :func:`prefill_remotely` reads of the router's state: settings, service, proxy."""
-    specs = (f"{prefill.url},role=prefill", f"{decode.url},role=decode")
+    specs = (f"{prefill.url},role=prefill", *(f"{d.url},role=decode" for d in decode))
     config = RouterSettings(workers=specs, seed=3, **settings)
     async with httpx.AsyncClient() as http:
         service = RouterService(config, http)
@@ -90,3 +91,32 @@ async def test_a_decode_worker_holding_most_of_the_prompt_prefills_it_itself() -
             assert state.service.counters == {"pd_local_prefills": 1}
         async with served(prefill, decode, pd_local_prefill_tokens=tokens - 1) as state:
             assert state.service.decide(BODY, "completions").prefill is not None
+
+
+
+async def test_a_decode_worker_failing_before_its_first_byte_hands_on_with_a_fresh_prefill(
+        ) -> None:
+    # Two decode workers; the second reports a deep queue, so the first is chosen, and it
+    # refuses (503 before any byte). The request goes to the second with a prefill of its own.
+    async with (ScriptedWorker() as prefill, ScriptedWorker("refuse") as first,
+                ScriptedWorker() as second):
+        prefill.answer_extra = {"kv_transfer_params": VLLM_PARAMS}
+        second.load_answer = b'{"running": 0, "waiting": 64, "pending_prefill_tokens": 1000000}'
+        async with served(prefill, first, second) as state:
+            await state.service.registry.poll_once()
+            state.first_byte = FirstByteClock(2.0, 4.0, 300.0)
+            route = state.service.decide(BODY, "completions")
+            assert (route.worker.url, route.prefill.url) == (first.url, prefill.url)
+            failures: list[tuple[str, int, str]] = []
+            sent = await send_disaggregated(
+                state, route, "/v1/completions", BODY, json.dumps(BODY).encode(), {}, True,
+                lambda w, attempt, cause: failures.append((w.url, attempt, cause)))
+            assert (sent.worker.url, sent.attempt) == (second.url, 1)
+            assert failures == [(first.url, 0, "status")]
+            await sent.answer.read()
+            # One prefill for each decode worker tried; each decode worker got its params.
+            assert len(prefill.requests) == 2
+            assert [r["kv_transfer_params"] for r in first.requests + second.requests] \
+                == [VLLM_PARAMS, VLLM_PARAMS]
+            assert state.service.counters == {"pd_remote_prefills": 2, "pd_decode_retries": 1}
+            assert state.service.core.in_flight(route.prefill.id) == 0
