@@ -132,6 +132,9 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     a("--kv-transfer-bandwidth", type=float,
       help="sim engine, disaggregated serving: bytes per second a KV transfer moves "
       "(default %(default)s)")
+    a("--kv-lease-seconds", type=float,
+      help="disaggregated serving: seconds a prefill's blocks are held for a decode worker "
+      "that has not taken them (default %(default)s, vLLM's)")
     a = engine.add_argument
     a("--engine", choices=["sim", "torch"], help="sim (no GPU) or torch (default %(default)s)")
     a("--model", help="served model name (default %(default)s); with --engine torch also the "

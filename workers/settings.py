@@ -49,6 +49,9 @@ class WorkerSettings:
     #: The defaults: a Llama-3-8B token in bf16 (128 KiB), over 25 GB/s.
     kv_bytes_per_token: int = 131072
     kv_transfer_bandwidth: float = 25e9
+    #: Seconds a prefill worker holds a prefill's blocks for a decode worker that has not
+    #: taken them (vLLM's lease; divided by ``speedup``).
+    kv_lease_seconds: float = 30.0
     engine: str = "sim"
     model: str = "kvroute-sim"
     tokenizer: str | None = None
@@ -136,9 +139,10 @@ class WorkerSettings:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise WorkerSettingsError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
-        if self.kv_bytes_per_token <= 0 or self.kv_transfer_bandwidth <= 0:
-            raise WorkerSettingsError("kv_bytes_per_token and kv_transfer_bandwidth must be "
-                                      "positive")
+        if self.kv_bytes_per_token <= 0 or self.kv_transfer_bandwidth <= 0 \
+                or self.kv_lease_seconds <= 0:
+            raise WorkerSettingsError("kv_bytes_per_token, kv_transfer_bandwidth and "
+                                      "kv_lease_seconds must be positive")
         if self.speedup <= 0:
             raise WorkerSettingsError(f"speedup must be positive, got {self.speedup}")
         if self.timing not in TIMING_MODELS:

@@ -256,6 +256,22 @@ class Engine:
             await self._publish_pending()
         return usable
 
+    def hold_blocks(self, hold_id: str, prompt: Prompt) -> bool:
+        """Keep ``prompt``'s cached blocks referenced (a prefill's KV, held for its decode
+        worker, :mod:`workers.engine.leases`) until :meth:`release_blocks`; False when too
+        few blocks are free to hold them (nothing is held then).
+
+        Raises:
+            ValueError: ``hold_id`` is held already.
+        """
+        return self.cache.allocate(hold_id, prompt) is not None
+
+    def release_blocks(self, hold_id: str) -> None:
+        """Let go of what :meth:`hold_blocks` held: the blocks stay cached, now evictable."""
+        if hold_id in self.cache:
+            self.cache.free(hold_id)
+            self._wake.set()  # freed blocks may admit a waiting request
+
     def drop_next_batches(self, n: int) -> None:
         """Withhold the next ``n`` batches from the live stream (fault injection).
 

@@ -1,9 +1,10 @@
 """The worker's control surface, for the router and for operators: ``GET /model_info`` and
-``GET /load`` (open: the router's control calls), and, behind the admin token when one is set,
-``POST /reset_prefix_cache``, ``GET /kv/snapshot`` (every resident block, as one encoded event
-batch, for a router that lost the stream) and ``POST /debug/drop_events`` (fault injection:
-withhold the next N event batches from the live socket, as a PUB socket at its high-water mark
-would).
+``GET /load`` (open: the router's control calls), ``POST /kv_transfer/release`` (open: a
+decode worker saying it took a prefill's KV, :mod:`workers.http.kv_transfer`), and, behind
+the admin token when one is set, ``POST /reset_prefix_cache``, ``GET /kv/snapshot`` (every
+resident block, as one encoded event batch, for a router that lost the stream) and
+``POST /debug/drop_events`` (fault injection: withhold the next N event batches from the live
+socket, as a PUB socket at its high-water mark would).
 """
 
 from __future__ import annotations
@@ -32,7 +33,17 @@ def add_control_routes(app: FastAPI, state: WorkerState) -> None:
 
     @app.get("/load")
     async def load() -> dict[str, Any]:
+        state.held_prefills.expire()  # polled by routers: leases end even with no traffic
         return runtime.load()
+
+    @app.post("/kv_transfer/release")
+    async def release(request: Request) -> dict[str, Any]:
+        body = await read_json(request, ADMIN_BODY_BYTES)
+        lease = body.get("remote_request_id")
+        if not isinstance(lease, str):
+            raise ApiError(400, "the body must be {\"remote_request_id\": \"...\"}",
+                           param="remote_request_id")
+        return {"released": state.held_prefills.release(lease)}
 
     @app.post("/reset_prefix_cache")
     async def reset(request: Request) -> dict[str, Any]:

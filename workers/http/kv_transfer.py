@@ -7,6 +7,12 @@ blocks stay in its prefix cache, released as any finished request's are) and ans
 the original request to the decode worker, whose ``"do_remote_prefill": true`` makes it take
 the prompt's KV from the prefill worker before it runs the request.
 
+The prefill worker holds the prompt's blocks for the decode worker (:class:`HeldPrefills`):
+referenced, so not evictable, until the decode worker has taken them (it tells the prefill
+worker with ``POST /kv_transfer/release``, naming the ``remote_request_id`` of the params) or
+until a lease of ``kv_lease_seconds`` (30 s, vLLM's; divided by ``speedup``) ends: a prefill
+whose decode never comes costs its blocks for that long, no longer.
+
 The sim engine moves no bytes: the transfer takes ``tokens * kv_bytes_per_token /
 kv_transfer_bandwidth`` seconds (divided by ``speedup``), then the blocks enter the decode
 worker's cache as committed blocks and go out on its event stream
@@ -18,15 +24,24 @@ then finds them cached and computes only its last block.
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
+import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import httpx
+
 from openai_request.bodies import ApiError
 from workers.cache.block_keys import Prompt
+from workers.engine.leases import PrefillLeases
 from workers.engine.loop import Engine
 from workers.settings import WorkerSettings
 
-__all__ = ["Transfer", "answer_params", "parse_transfer", "receive"]
+__all__ = ["HeldPrefills", "Transfer", "answer_params", "parse_transfer", "receive"]
+
+log = logging.getLogger(__name__)
 
 #: The most blocks one transfer may name (a prompt of 2 M tokens at block size 16).
 MAX_REMOTE_BLOCKS = 1 << 17
@@ -40,6 +55,52 @@ class Transfer:
     remote_decode: bool = False
     #: The prompt's first blocks were prefilled elsewhere: take them before running.
     remote_blocks: int = 0
+    #: Where to say they were taken: the prefill worker's release URL and lease (None: a
+    #: prefill worker that leases nothing, such as vLLM's, which the transfer itself tells).
+    release_url: str | None = None
+    remote_request_id: str | None = None
+
+
+class HeldPrefills:
+    """The prefills this worker holds for their decode workers, each under a lease.
+
+    Args:
+        lease_s: how long a prefill's blocks are held at most.
+        clock: monotonic seconds (injected in tests).
+    """
+
+    def __init__(self, lease_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._leases = PrefillLeases(lease_s)
+        self._clock = clock
+        self._engines: dict[str, Engine] = {}
+
+    def __len__(self) -> int:
+        return len(self._engines)
+
+    def hold(self, engine: Engine, prompt: Prompt) -> str | None:
+        """Hold ``prompt``'s blocks on ``engine``; returns the lease id (None: too few blocks
+        were free to hold them, and the decode worker may find them evicted)."""
+        self.expire()
+        lease_id = f"lease-{uuid.uuid4().hex}"
+        if not engine.hold_blocks(lease_id, prompt):
+            return None
+        self._leases.grant(lease_id, self._clock())
+        self._engines[lease_id] = engine
+        return lease_id
+
+    def release(self, lease_id: str) -> bool:
+        """The decode worker took the KV: let it go; False for an unknown or ended lease."""
+        if not self._leases.claim(lease_id):
+            return False
+        self._engines.pop(lease_id).release_blocks(lease_id)
+        return True
+
+    def expire(self) -> int:
+        """Let go of every prefill whose lease ended; returns how many."""
+        ended = self._leases.expired(self._clock())
+        for lease_id in ended:
+            self._engines.pop(lease_id).release_blocks(lease_id)
+        return len(ended)
 
 
 def parse_transfer(body: dict[str, Any]) -> Transfer | None:
@@ -68,24 +129,42 @@ def parse_transfer(body: dict[str, Any]) -> Transfer | None:
             raise ApiError(400, "kv_transfer_params.remote_block_ids must be a list of at "
                            f"most {MAX_REMOTE_BLOCKS} block ids", param="kv_transfer_params")
         blocks = len(ids)
+        lease, host, port = (params.get(k) for k in ("remote_request_id", "remote_host",
+                                                      "remote_port"))
+        if isinstance(lease, str) and isinstance(host, str) and type(port) is int:
+            return Transfer(remote_blocks=blocks, remote_request_id=lease,
+                            release_url=f"http://{host}:{port}/kv_transfer/release")
     return Transfer(remote_decode=bool(decode), remote_blocks=blocks)
 
 
-def answer_params(settings: WorkerSettings, instance_id: str, prompt_tokens: int
-                  ) -> dict[str, Any]:
+def answer_params(settings: WorkerSettings, instance_id: str, prompt_tokens: int,
+                  lease_id: str | None = None) -> dict[str, Any]:
     """The ``kv_transfer_params`` a prefill answer carries for its decode worker: this
-    worker, and the prompt's full blocks it holds."""
+    worker, the prompt's full blocks it holds, and the lease they are held under."""
     blocks = max(0, prompt_tokens - 1) // settings.block_size
-    return {"do_remote_prefill": True, "do_remote_decode": False,
-            "remote_engine_id": instance_id, "remote_block_ids": list(range(blocks)),
-            "remote_host": settings.host, "remote_port": settings.port, "tp_size": 1}
+    params = {"do_remote_prefill": True, "do_remote_decode": False,
+              "remote_engine_id": instance_id, "remote_block_ids": list(range(blocks)),
+              "remote_host": settings.host, "remote_port": settings.port, "tp_size": 1}
+    if lease_id is not None:
+        params["remote_request_id"] = lease_id
+    return params
 
 
-async def receive(settings: WorkerSettings, engine: Engine, prompt: Prompt, blocks: int
-                  ) -> int:
-    """Take ``blocks`` of ``prompt``'s KV from the prefill worker (simulated: the module
-    docstring); returns the tokens received."""
-    tokens = min(blocks * settings.block_size, len(prompt.token_ids))
+async def receive(settings: WorkerSettings, engine: Engine, prompt: Prompt,
+                  transfer: Transfer, http: httpx.AsyncClient | None = None) -> int:
+    """Take ``transfer``'s blocks of ``prompt``'s KV from the prefill worker (simulated: the
+    module docstring), then tell it they were taken (with ``http``, when the params name a
+    lease; a failure to tell is logged, and the lease ends the hold); returns the tokens
+    received."""
+    tokens = min(transfer.remote_blocks * settings.block_size, len(prompt.token_ids))
     seconds = tokens * settings.kv_bytes_per_token / settings.kv_transfer_bandwidth
     await asyncio.sleep(seconds / settings.speedup)
-    return await engine.receive_blocks(prompt, tokens)
+    received = await engine.receive_blocks(prompt, tokens)
+    if http is not None and transfer.release_url is not None:
+        try:
+            await http.post(transfer.release_url,
+                            json={"remote_request_id": transfer.remote_request_id})
+        except httpx.HTTPError as exc:
+            log.warning("could not release the prefill at %s (%s); its lease will",
+                        transfer.release_url, exc)
+    return received

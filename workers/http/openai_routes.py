@@ -15,7 +15,7 @@ import asyncio
 import functools
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -104,6 +104,7 @@ async def generate(state: WorkerState, request: Request, chat: bool) -> Response
     scope = Scope(lora_id=lora[0] if lora else None, lora_name=lora[1] if lora else None,
                   salt=runtime.scope_salt(tokens.cache_salt))
     transfer = parse_transfer(body)
+    state.held_prefills.expire()
     if transfer is not None and transfer.remote_blocks and settings.engine != "sim":
         raise ApiError(400, "this worker's engine takes no transferred KV; only the sim "
                        "engine simulates a transfer", param="kv_transfer_params")
@@ -111,7 +112,7 @@ async def generate(state: WorkerState, request: Request, chat: bool) -> Response
     try:
         prompt = Prompt(tokens.token_ids, tuple(tokens.images), scope)
         if transfer is not None and transfer.remote_blocks:
-            received = await receive(settings, engine, prompt, transfer.remote_blocks)
+            received = await receive(settings, engine, prompt, transfer, state.peers)
             state.metrics.transferred_tokens.inc(received)
         handle = runtime.submit(f"req-{uuid.uuid4().hex}", prompt, max_tokens, engine)
     except ValueError as exc:
@@ -124,8 +125,10 @@ async def generate(state: WorkerState, request: Request, chat: bool) -> Response
                                  media_type="text/event-stream", headers=_timing(started))
     extra = None
     if transfer is not None and transfer.remote_decode:  # prefill for a decode worker
-        extra = {"kv_transfer_params": answer_params(settings, runtime.instance_id,
-                                                     len(tokens.token_ids))}
+        def extra() -> dict[str, Any]:  # once it ended: its blocks held, under a lease
+            lease = state.held_prefills.hold(engine, prompt)
+            return {"kv_transfer_params": answer_params(settings, runtime.instance_id,
+                                                        len(tokens.token_ids), lease)}
     return await _whole(state, request, handle, reply, started, extra)
 
 
@@ -136,7 +139,8 @@ def _timing(started: float) -> dict[str, str]:
 
 
 async def _whole(state: WorkerState, request: Request, handle: RequestHandle,
-                 reply: Completion, started: float, extra: dict[str, Any] | None = None
+                 reply: Completion, started: float,
+                 extra: Callable[[], dict[str, Any]] | None = None
                  ) -> JSONResponse:
     collect = asyncio.ensure_future(_collect(handle))
     gone = asyncio.ensure_future(wait_for_disconnect(request.receive))
@@ -156,7 +160,7 @@ async def _whole(state: WorkerState, request: Request, handle: RequestHandle,
     reply.cached_tokens = handle.num_cached_tokens or 0
     state.metrics.finished(reply, len(ids))
     answer = reply.whole(state.runtime.tokenizer.decode(ids), reason, len(ids))
-    return JSONResponse({**answer, **extra} if extra else answer, headers=_timing(started))
+    return JSONResponse({**answer, **extra()} if extra else answer, headers=_timing(started))
 
 
 async def _stream(state: WorkerState, handle: RequestHandle, reply: Completion, usage: bool

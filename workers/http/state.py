@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import AsyncIterator
 
+import httpx
 from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
@@ -16,6 +17,7 @@ from httpapi.app import Admin
 from httpapi.responses import disconnect_counter
 from openai_request.bodies import ApiError
 from workers.http.image_fetch import ImageBudget
+from workers.http.kv_transfer import HeldPrefills
 from workers.http.metrics import WorkerMetrics
 from workers.runtime import WorkerRuntime
 from workers.settings import WorkerSettings
@@ -34,6 +36,10 @@ class WorkerState:
         self.disconnects = disconnect_counter(self.metrics.registry)
         #: Image bytes being fetched for all requests (``max_image_fetch_bytes``).
         self.image_budget = ImageBudget(settings.max_image_fetch_bytes)
+        #: Disaggregated serving: prefills held for their decode workers, and the client
+        #: that tells a prefill worker its KV was taken.
+        self.held_prefills = HeldPrefills(settings.kv_lease_seconds / settings.speedup)
+        self.peers = httpx.AsyncClient(timeout=5.0)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
@@ -42,6 +48,7 @@ class WorkerState:
         try:
             yield
         finally:
+            await self.peers.aclose()
             await self.runtime.stop()
 
     def refused(self, error: ApiError) -> None:
