@@ -217,3 +217,25 @@ def test_kvroute_bench_runs_the_replay_through_the_entry_point(
     with pytest.raises(SystemExit) as unknown:
         kvroute(["bench", "nope"])
     assert unknown.value.code == 2 and "invalid choice: 'nope'" in capsys.readouterr().err
+
+
+def test_topologies_print_each_load_side_by_side_and_the_spread_over_seeds(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_json = tmp_path / "topo.json"
+    status = main(["--trace", str(tiny_trace(tmp_path / "t.jsonl")), "--topologies", "2,1p1d",
+                   "--rate-scales", "1,2", "--seeds", "1-2", "--no-progress",
+                   "--policies", "kvroute,kvroute[pd_local_prefill_tokens=0]",
+                   "--json", str(out_json)])
+    assert status == 0
+    out = capsys.readouterr().out
+    assert out.count("topology  policy") == 2 * 2 + 2  # per seed and load, then per load
+    rows = json.loads(out_json.read_text())["rows"]
+    assert len(rows) == 2 * 2 * 2 * 2
+    # Aggregated workers never prefill remotely; the split ones do, all of it at threshold 0.
+    assert {r["remote_prefill_share"] for r in rows if r["topology"] == "2"} == {0.0}
+    assert {r["remote_prefill_share"] for r in rows if r["topology"] == "1p1d"
+            and r["policy"] == "kvroute[pd_local_prefill_tokens=0]"} == {1.0}
+    assert main(["--trace", str(tiny_trace(tmp_path / "t.jsonl")), "--topologies", "1p1d",
+                 "--policies", "round_robin", "--no-progress"]) == 2
+    assert main(["--trace", str(tiny_trace(tmp_path / "t.jsonl")), "--topologies", "3q",
+                 "--no-progress"]) == 2
