@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-from collections.abc import AsyncIterator
 
 import pytest
 
@@ -19,14 +18,6 @@ from tests.support.servers import ScriptedWorker, sse_events
 BODY = json.dumps({"model": "kvroute-sim", "prompt": "hello", "max_tokens": 4}).encode()
 STREAM = json.dumps({"model": "kvroute-sim", "prompt": "hello", "stream": True}).encode()
 HEADERS = {"Content-Type": "application/json", "Connection": "keep-alive", "X-Client": "a"}
-
-
-@pytest.fixture
-async def proxy() -> AsyncIterator[Proxy]:
-    p = Proxy()
-    await p.start()
-    yield p
-    await p.close()
 
 
 async def body_of(answer: UpstreamAnswer) -> bytes:

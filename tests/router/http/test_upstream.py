@@ -70,14 +70,6 @@ class RawServer:
         await self._server.wait_closed()
 
 
-@pytest.fixture
-async def proxy() -> AsyncIterator[Proxy]:
-    p = Proxy()
-    await p.start()
-    yield p
-    await p.close()
-
-
 async def test_sequential_requests_reuse_one_connection(proxy: Proxy) -> None:
     async with RawServer(lambda n: [OK]) as server:
         for _ in range(3):
