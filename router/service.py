@@ -230,18 +230,17 @@ class RouterService:
 
     def settles(self, partial: Any, kind: str) -> bool:
         """Whether ``partial``, a body as far as it has arrived (its prompt cut where the
-        bytes end), already settles the match: a decision on it, with the random state put
-        back after it, walked its prompt only part way (``estimated_tokens``), so no later
-        byte can lengthen the match. A body the router refuses as it stands is not settled
-        (its end may mend it; the buffered path answers it)."""
-        state = self.rng.getstate()
+        bytes end), already settles the match: tokenized as :meth:`decide` tokenizes it, its
+        prompt was walked only part way (``estimated_tokens``), so no later byte can lengthen
+        the match. Nothing is decided or counted. A body the router refuses as it stands is
+        not settled (its end may mend it; the buffered path answers it)."""
+        model = partial.get("model") if isinstance(partial, dict) else None
         try:
-            probe = self.decide(partial, kind)
+            prompt, _ = self._tokenized(partial, kind, self._fleet(self.registry.candidates(),
+                                                                   model), model)
         except ApiError:
             return False
-        finally:
-            self.rng.setstate(state)
-        return bool(getattr(probe.prompt, "estimated_tokens", 0))
+        return bool(prompt.estimated_tokens)
 
     def decide(self, body: Any, kind: str, prompt: PromptTokens | None = None) -> Route:
         """Tokenize (unless ``prompt`` is given, from :meth:`tokenize`), hash, match and score
@@ -259,14 +258,10 @@ class RouterService:
         entries, ids, by_id = fleet.entries, fleet.ids, fleet.by_id
         reach: PrefixReach | None = None
         if prompt is None:
-            reach = self._reach(fleet, model)
-            prompt = self.tokenize(body, kind, reach)
+            prompt, reach = self._tokenized(body, kind, fleet, model)
         # Only workers the prompt fits are candidates; 400 when it fits none (told by the
-        # exact count: an estimate past the limit is tokenized in full).
+        # exact count: an estimate past the limit was tokenized in full).
         size = prompt.total_tokens
-        if fleet.min_model_len and size > fleet.min_model_len and prompt.estimated_tokens:
-            prompt, reach = self.tokenize(body, kind), None
-            size = len(prompt.token_ids)
         if fleet.min_model_len and size > fleet.min_model_len:
             entries = [e for e in entries if not (e.info and e.info.max_model_len)
                        or size <= e.info.max_model_len]
@@ -299,6 +294,19 @@ class RouterService:
         if fleet.prefill:
             self._choose_prefill(route, fleet, matches, now)
         return route
+
+    def _tokenized(self, body: Any, kind: str, fleet: _Fleet, model: str | None
+                   ) -> tuple[PromptTokens, PrefixReach | None]:
+        """The prompt of ``body`` and the reach it was tokenized with: under ``--tokenize
+        match`` only as far as the index's longest match, in full (no reach) when the estimate
+        passes the fleet's shortest model length, so that a refusal is told by the exact
+        count."""
+        reach = self._reach(fleet, model)
+        prompt = self.tokenize(body, kind, reach)
+        if (fleet.min_model_len and prompt.total_tokens > fleet.min_model_len
+                and prompt.estimated_tokens):
+            return self.tokenize(body, kind), None
+        return prompt, reach
 
     def _choose_prefill(self, route: Route, fleet: _Fleet, matches: Any, now: float) -> None:
         """Disaggregated serving: the prefill worker by prefix hit against prefill load, unless
