@@ -170,19 +170,18 @@ def _pool(service: RouterService) -> Iterator[Metric]:
     # fraction) and of the queued requests, as each worker last reported them.
     ready = service.registry.candidates()
     reports = [r for r in (service.core.last_report(e.id) for e in ready) if r is not None]
-    pods = GaugeMetricFamily("inference_pool_ready_pods",
-                             "Workers in the pool that may take a request", labels=["name"])
-    pods.add_metric([POOL_NAME], len(ready))
-    yield pods
-    usage = GaugeMetricFamily("inference_pool_average_kv_cache_utilization",
-                              "Mean KV cache use (a fraction) over the ready workers",
-                              labels=["name"])
-    usage.add_metric([POOL_NAME], sum(r.kv_usage for r in reports) / len(reports)
-                     if reports else 0.0)
-    yield usage
-    queue = GaugeMetricFamily("inference_pool_average_queue_size",
-                              "Mean requests waiting in the ready workers' queues",
-                              labels=["name"])
-    queue.add_metric([POOL_NAME], sum(r.waiting for r in reports) / len(reports)
-                     if reports else 0.0)
-    yield queue
+    yield _pool_gauge("inference_pool_ready_pods",
+                      "Workers in the pool that may take a request", len(ready))
+    yield _pool_gauge("inference_pool_average_kv_cache_utilization",
+                      "Mean KV cache use (a fraction) over the ready workers",
+                      _mean([r.kv_usage for r in reports]) if reports else 0.0)
+    yield _pool_gauge("inference_pool_average_queue_size",
+                      "Mean requests waiting in the ready workers' queues",
+                      _mean([r.waiting for r in reports]) if reports else 0.0)
+
+
+def _pool_gauge(name: str, documentation: str, value: float) -> GaugeMetricFamily:
+    """One of GIE's pool gauges: ``value``, labelled with the pool's name."""
+    gauge = GaugeMetricFamily(name, documentation, labels=["name"])
+    gauge.add_metric([POOL_NAME], value)
+    return gauge
