@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import random
+from collections.abc import Callable
 
 import pytest
 
@@ -72,15 +73,23 @@ def _step(core: RoutingCore, rng: random.Random, step: int, workers: int,
         core.cache_cleared(rng.randrange(workers), now)
 
 
-@pytest.mark.parametrize("seed", range(12))
-def test_the_fast_choice_is_the_full_scans(seed: int) -> None:
+def _random_run(seed: int, before_step: Callable[[RoutingCore], None] | None = None) -> None:
+    """300 random requests on a random fleet of ``seed``, each decided both ways (``_step``);
+    ``before_step`` sees the core before each."""
     rng = random.Random(seed)
     workers = rng.choice([1, 2, 3, 8, 24])
     core = _fleet(rng, workers, learn=seed % 3 != 0)
     prefixes = [[rng.getrandbits(32) for _ in range(rng.randrange(1, 12))] for _ in range(5)]
     in_flight: list[str] = []
     for step in range(300):
+        if before_step is not None:
+            before_step(core)
         _step(core, rng, step, workers, prefixes, in_flight)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_the_fast_choice_is_the_full_scans(seed: int) -> None:
+    _random_run(seed)
 
 
 def test_hand_set_rates_agree_too() -> None:
@@ -171,15 +180,7 @@ def test_a_lazy_explanation_lists_every_worker_cheapest_first() -> None:
 def test_the_random_fleets_cover_busy_and_idle_fleets() -> None:
     # The price differs when no worker is idle (the prefill passed on): the differential
     # runs above must meet both kinds of fleet.
-    seen = set()
+    seen: set[bool] = set()
     for seed in range(12):
-        rng = random.Random(seed)
-        workers = rng.choice([1, 2, 3, 8, 24])
-        core = _fleet(rng, workers, learn=seed % 3 != 0)
-        prefixes = [[rng.getrandbits(32) for _ in range(rng.randrange(1, 12))]
-                    for _ in range(5)]
-        in_flight: list[str] = []
-        for step in range(300):
-            seen.add(core._groups.order[0][0] > 0)
-            _step(core, rng, step, workers, prefixes, in_flight)
+        _random_run(seed, lambda core: seen.add(core._groups.order[0][0] > 0))
     assert seen == {True, False}
