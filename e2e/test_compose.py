@@ -50,6 +50,9 @@ def deployment(runtime: Runtime) -> Iterator[tuple[str, dict[str, str]]]:
         runtime.compose(project, compose_file, "up", "-d", "--no-build", env=env)
         yield project, env
     finally:
+        # Printed, so a failure's report holds the router's side of it (``down`` removes it).
+        logs = runtime.podman("logs", "--tail", "200", f"{project}_router_1", check=False)
+        print(f"router container log (last 200 lines):\n{logs.stdout}{logs.stderr}")
         runtime.compose(project, compose_file, "down", env=env)
 
 

@@ -5,10 +5,12 @@ A worker that fails before the first byte (:class:`~router.http.proxy.UpstreamUn
 refused, 5xx, a stream that opened with an error, no first byte by the deadline, or given up
 when the health poll found the worker hung) costs the client nothing: the request's booking
 there is withdrawn and it goes to the next candidate that is still healthy, up to
-``MAX_ATTEMPTS`` workers in all. Only the first attempt has the learned deadline
-(:mod:`router.http.first_byte`); a fallback waits the proxy's ceiling, so a request is never
-failed by an estimate alone. A worker that answers a client error (4xx) refused the request:
-its booking is withdrawn too, and the answer goes back as it is.
+``MAX_ATTEMPTS`` workers. When every one of them failed to connect, the same is tried once
+more after ``RETRY_PAUSE_S``: a blip of the network fails healthy workers too. Only the
+first attempt has the learned deadline (:mod:`router.http.first_byte`); a fallback waits the
+proxy's ceiling, so a request is never failed by an estimate alone. A worker that answers a
+client error (4xx) refused the request: its booking is withdrawn too, and the answer goes
+back as it is.
 
 Under disaggregated serving the body carries a prefill's ``kv_transfer_params``, which name
 KV held for one decode: a retry on another decode worker goes with a fresh prefill's body
@@ -21,9 +23,10 @@ serves the request on the rank whose cache was chosen.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterator, Mapping
 from dataclasses import dataclass
 
 from openai_request.bodies import ApiError
@@ -35,12 +38,16 @@ from router.http.incoming_body import IncomingBody
 from router.http.proxy import Proxy, UpstreamAnswer, UpstreamUnavailable
 from router.service import Route, RouterService
 
-__all__ = ["MAX_ATTEMPTS", "Sent", "pinned", "send_with_failover"]
+__all__ = ["MAX_ATTEMPTS", "RETRY_PAUSE_S", "Sent", "pinned", "send_with_failover"]
 
 log = logging.getLogger(__name__)
 
-#: Workers tried per request at most (the chosen one and two fallbacks).
+#: Workers tried per round at most (the chosen one and two fallbacks).
 MAX_ATTEMPTS = 3
+#: Seconds before the second round, tried only when every attempt of the first failed to
+#: connect: a network blip (a resolver answering nothing, a bridge being rebuilt) fails every
+#: new connection at once, healthy workers' too.
+RETRY_PAUSE_S = 0.5
 
 
 @dataclass(slots=True)
@@ -56,7 +63,9 @@ async def send_with_failover(service: RouterService, proxy: Proxy, clock: FirstB
                              route: Route, path: str, body: bytes | IncomingBody,
                              headers: Mapping[str, str], stream: bool | Callable[[], bool],
                              on_failure: Callable[[Target, int, str], None],
-                             refreshed: Callable[[], Awaitable[bytes]] | None = None) -> Sent:
+                             refreshed: Callable[[], Awaitable[bytes]] | None = None,
+                             pause: Callable[[float], Awaitable[None]] = asyncio.sleep
+                             ) -> Sent:
     """Send ``route``'s request until a worker begins to answer.
 
     Args:
@@ -73,17 +82,18 @@ async def send_with_failover(service: RouterService, proxy: Proxy, clock: FirstB
             learned deadline: the client's upload is no part of the worker's prefill).
         on_failure: called with the worker, the attempt and the cause of each failure.
         refreshed: gives the body for each attempt after the first (None: ``body`` again).
+        pause: waits the seconds before the second round.
 
     Raises:
         ApiError: 503, no worker began to answer.
     """
     candidates = [route.worker, *route.fallbacks()]
     tried = 0
-    for worker in candidates:
-        if tried == MAX_ATTEMPTS:
-            break
-        if tried and worker.state is not WorkerState.HEALTHY:
-            continue  # turned unhealthy since the decision
+    causes: set[str] = set()
+    for worker in _attempts(candidates, causes):
+        if worker is None:
+            await pause(RETRY_PAUSE_S)
+            continue
         attempt, tried = tried, tried + 1
         if attempt and refreshed is not None:
             body = await refreshed()
@@ -97,6 +107,7 @@ async def send_with_failover(service: RouterService, proxy: Proxy, clock: FirstB
                                       first_byte=deadline, waits=worker.waits)
         except UpstreamUnavailable as exc:
             service.undispatched(route, worker)
+            causes.add(exc.cause)
             on_failure(worker, attempt, exc.cause)
             log.warning("worker %s failed before answering (%s): %s", worker.url, exc.cause,
                         exc)
@@ -112,6 +123,25 @@ async def send_with_failover(service: RouterService, proxy: Proxy, clock: FirstB
         return Sent(worker, answer, attempt)
     raise ApiError(503, f"no worker could take the request (tried {tried})",
                    "service_unavailable")
+
+
+def _attempts(candidates: list[Target], causes: set[str]) -> Iterator[Target | None]:
+    """The workers to try, in order: the chosen one, then up to ``MAX_ATTEMPTS`` in all of
+    the fallbacks still healthy; then, when every failure was a connection's (``causes``),
+    ``None`` for the pause and a second such round of the ones healthy then."""
+    for second in (False, True):
+        if second:
+            if causes != {"connect"}:
+                return
+            yield None
+        given = 0
+        for worker in candidates:
+            if given == MAX_ATTEMPTS:
+                break
+            if (second or given) and worker.state is not WorkerState.HEALTHY:
+                continue  # turned unhealthy since the decision
+            given += 1
+            yield worker
 
 
 def pinned(headers: Mapping[str, str], worker: Target) -> Mapping[str, str]:

@@ -208,8 +208,13 @@ class Proxy:
 
     async def _connect(self, pool: ConnectionPool, host: str, port: int,
                        tls: ssl.SSLContext | None) -> Exchange:
-        async with asyncio.timeout(self.timeouts.connect):
-            return await pool.open(host, port, tls)
+        try:
+            async with asyncio.timeout(self.timeouts.connect):
+                return await pool.open(host, port, tls)
+        except TimeoutError:  # the connection's own limit, not the request's deadline
+            raise ConnectionError(
+                f"no connection within {self.timeouts.connect:g}s (looking up {host}, or "
+                "connecting to it)") from None
 
     async def send(self, url: str, body: bytes | IncomingBody | AsyncIterable[bytes],
                    headers: Mapping[str, str], *, length: int | None = None,
@@ -246,9 +251,10 @@ class Proxy:
         for k, v in headers.items():
             if k.lower() not in _DROP_HEADERS:
                 head.append(f"{k}: {v}\r\n".encode("latin-1"))
-        if isinstance(body, IncomingBody):
-            length = body.declared
-            body = body.chunks()
+        incoming = body if isinstance(body, IncomingBody) else None
+        if incoming is not None:
+            length = incoming.declared
+            body = incoming.chunks()
         whole = body if isinstance(body, bytes) else None
         if whole is not None:
             head.append(b"content-length: %d\r\n\r\n" % len(whole))
@@ -267,14 +273,30 @@ class Proxy:
                     waits.add(timeout)
                 try:
                     exchange = pool.take_idle(host, port)
-                    if exchange is None:
-                        exchange = await self._connect(pool, host, port, tls)
-                    if whole is not None:
-                        exchange.send(b"".join(head), whole)
-                    else:
-                        assert not isinstance(body, bytes)
-                        exchange.send_streamed(b"".join(head), body, chunked=length is None)
-                    await exchange.head()
+                    reused = exchange is not None
+                    while True:
+                        if exchange is None:
+                            exchange = await self._connect(pool, host, port, tls)
+                        if whole is not None:
+                            exchange.send(b"".join(head), whole)
+                        else:
+                            assert not isinstance(body, (bytes, IncomingBody))
+                            exchange.send_streamed(b"".join(head), body,
+                                                   chunked=length is None)
+                        try:
+                            await exchange.head()
+                            break
+                        except ConnectionError:
+                            # A kept-alive connection the worker closed as it was reused
+                            # (its own idle timeout, a restart): the worker never saw the
+                            # request, so it goes once more on a new connection.
+                            if not reused or exchange.head_done or (
+                                    whole is None and incoming is None):
+                                raise
+                            exchange.close()
+                            exchange, reused = None, False
+                            if incoming is not None:
+                                body = incoming.chunks()
                     streamed = stream() if callable(stream) else stream
                     if streamed and exchange.status == 200:
                         first = await exchange.chunk()

@@ -35,6 +35,8 @@ from typing import cast
 
 import httptools
 
+from router.http.resolver import Resolver
+
 __all__ = ["HIGH_WATER", "ConnectionPool", "Exchange"]
 
 #: Buffered answer bytes past which reading from the worker pauses (a slow reader).
@@ -285,12 +287,16 @@ class ConnectionPool:
         max_connections: connections open at once, busy and idle; one more waits for a free
             one.
         idle_keepalive: seconds an idle connection is kept for reuse.
-        clock: the clock idle times are measured with.
+        clock: the clock idle times (and kept addresses) are measured with.
+        resolver: looks hosts up (a :class:`~router.http.resolver.Resolver` on ``clock``).
     """
 
     def __init__(self, max_connections: int, idle_keepalive: float,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 resolver: Resolver | None = None) -> None:
         self.max_connections = max_connections
+        #: Looks hosts up for new connections, keeping the answers (:mod:`.resolver`).
+        self.resolver = resolver or Resolver(clock=clock)
         self.idle_keepalive = idle_keepalive
         self._clock = clock
         self._idle: dict[tuple[str, int], list[Exchange]] = {}
@@ -339,8 +345,17 @@ class ConnectionPool:
         exchange = Exchange(self, (host, port))
         self._open.add(exchange)
         try:
-            await asyncio.get_running_loop().create_connection(
-                lambda: exchange, host, port, ssl=tls, server_hostname=host if tls else None)
+            addresses = await self.resolver.resolve(host, port)
+            loop = asyncio.get_running_loop()
+            for i, (family, address) in enumerate(addresses):
+                try:
+                    await loop.create_connection(
+                        lambda: exchange, address, port, family=family, ssl=tls,
+                        server_hostname=host if tls else None)
+                    break
+                except OSError:
+                    if i == len(addresses) - 1:
+                        raise
         except BaseException:
             self.lost(exchange)
             raise

@@ -15,9 +15,9 @@ import pytest
 from openai_request.bodies import ApiError
 from router.fleet.entry import WorkerEntry
 from router.fleet.worker_table import WorkerState
-from router.http.failover import MAX_ATTEMPTS, send_with_failover
+from router.http.failover import MAX_ATTEMPTS, RETRY_PAUSE_S, send_with_failover
 from router.http.first_byte import FirstByteClock
-from router.http.proxy import Proxy
+from router.http.proxy import Proxy, UpstreamAnswer, UpstreamUnavailable
 from router.service import Route, RouterService
 from router.settings import RouterSettings
 from tests.support.servers import ScriptedWorker
@@ -27,15 +27,31 @@ HEADERS = {"Content-Type": "application/json"}
 DEEP_QUEUE = b'{"running": 0, "waiting": 64, "pending_prefill_tokens": 1000000}'
 
 
+class Blip(Proxy):
+    """A proxy whose first ``failing`` sends fail to connect, as every new connection does
+    while the network blips (a resolver answering nothing)."""
+
+    def __init__(self, failing: int) -> None:
+        super().__init__()
+        self.failing = failing
+
+    async def send(self, url: str, *args: Any, **kwargs: Any) -> UpstreamAnswer:
+        if self.failing:
+            self.failing -= 1
+            raise UpstreamUnavailable(f"{url}: gaierror: Name or service not known", "connect")
+        return await super().send(url, *args, **kwargs)
+
+
 @contextlib.asynccontextmanager
-async def routed(*workers: ScriptedWorker) -> AsyncIterator[tuple[RouterService, Proxy]]:
+async def routed(*workers: ScriptedWorker, proxy: Proxy | None = None
+                 ) -> AsyncIterator[tuple[RouterService, Proxy]]:
     """A service with ``workers`` registered (no poll loop: the test polls) and a proxy."""
     settings = RouterSettings(workers=tuple(w.url for w in workers), seed=3)
     async with httpx.AsyncClient() as http:
         service = RouterService(settings, http)
         for worker in workers:
             await service.registry.add(worker.url)
-        proxy = Proxy()
+        proxy = proxy or Proxy()
         await proxy.start()
         try:
             yield service, proxy
@@ -63,13 +79,18 @@ def active(service: RouterService, worker: ScriptedWorker) -> int:
 
 
 async def send(service: RouterService, proxy: Proxy, route: Route, failures: list[Any], *,
-               stream: bool = False, floor: float = 2.0) -> Any:
+               stream: bool = False, floor: float = 2.0, pauses: list[float] | None = None
+               ) -> Any:
     def failed(worker: WorkerEntry, attempt: int, cause: str) -> None:
         failures.append((worker.url, attempt, cause))
 
+    async def pause(seconds: float) -> None:  # no real wait: the test counts them
+        (pauses if pauses is not None else []).append(seconds)
+
     body = json.dumps({**BODY, "stream": stream}).encode()
     return await send_with_failover(service, proxy, FirstByteClock(floor, 4.0, 300.0), route,
-                                    "/v1/completions", body, HEADERS, stream, failed)
+                                    "/v1/completions", body, HEADERS, stream, failed,
+                                    pause=pause)
 
 
 async def test_a_worker_failing_before_its_first_byte_hands_the_request_on() -> None:
@@ -95,10 +116,12 @@ async def test_no_more_than_max_attempts_workers_are_tried_then_503() -> None:
         service, proxy = await stack.enter_async_context(routed(*workers))
         route = await decided(service, workers[0], *workers[1:])
         failures: list[Any] = []
+        pauses: list[float] = []
         with pytest.raises(ApiError) as refused:
-            await send(service, proxy, route, failures)
+            await send(service, proxy, route, failures, pauses=pauses)
         assert refused.value.status == 503
         assert f"tried {MAX_ATTEMPTS}" in str(refused.value)
+        assert pauses == []  # workers that answered 5xx get no second round
         assert [attempt for _, attempt, _ in failures] == list(range(MAX_ATTEMPTS))
         assert sum(len(w.requests) for w in workers) == MAX_ATTEMPTS
         assert [active(service, w) for w in workers] == [0] * len(workers)
@@ -153,3 +176,39 @@ async def test_only_the_first_attempt_of_a_stream_has_the_learned_deadline() -> 
         assert failures == [(stalled.url, 0, "deadline")]
         body = b"".join([chunk async for chunk in sent.answer.stream()])
         assert body.endswith(b"data: [DONE]\n\n")
+
+
+async def test_when_every_attempt_failed_to_connect_a_second_round_follows_a_pause() -> None:
+    async with (
+        ScriptedWorker() as first,
+        ScriptedWorker() as second,
+        ScriptedWorker() as third,
+        routed(first, second, third, proxy=Blip(MAX_ATTEMPTS)) as (service, proxy),
+    ):
+        route = await decided(service, first, second, third)
+        failures: list[Any] = []
+        pauses: list[float] = []
+        sent = await send(service, proxy, route, failures, pauses=pauses)
+        assert pauses == [RETRY_PAUSE_S]
+        assert [cause for _, _, cause in failures] == ["connect"] * MAX_ATTEMPTS
+        # the second round starts again from the chosen worker, the prefix holder
+        assert (sent.worker.url, sent.attempt, sent.answer.status) == (
+            first.url, MAX_ATTEMPTS, 200)
+        await sent.answer.read()
+        assert [active(service, w) for w in (first, second, third)] == [1, 0, 0]
+
+
+async def test_a_blip_longer_than_both_rounds_is_a_503() -> None:
+    async with (
+        ScriptedWorker() as first,
+        ScriptedWorker() as second,
+        routed(first, second, proxy=Blip(100)) as (service, proxy),
+    ):
+        route = await decided(service, first, second)
+        failures: list[Any] = []
+        pauses: list[float] = []
+        with pytest.raises(ApiError) as refused:
+            await send(service, proxy, route, failures, pauses=pauses)
+        assert refused.value.status == 503 and "tried 4" in str(refused.value)
+        assert pauses == [RETRY_PAUSE_S] and len(failures) == 4
+        assert first.requests == second.requests == []

@@ -26,9 +26,10 @@ OK = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 11\
 
 class RawServer:
     """Answers each request it reads with ``answer(n)`` (n: the request's number, from 0),
-    written in the pieces given; counts connections and keeps what each request sent."""
+    written in the pieces given (``None``: the connection is closed instead); counts
+    connections and keeps what each request sent."""
 
-    def __init__(self, answer: Callable[[int], list[bytes]], close_after: bool = False
+    def __init__(self, answer: Callable[[int], list[bytes] | None], close_after: bool = False
                  ) -> None:
         self.answer = answer
         self.close_after = close_after
@@ -49,7 +50,10 @@ class RawServer:
                 length = next(int(line.split(b":")[1]) for line in head.split(b"\r\n")
                               if line.lower().startswith(b"content-length:"))
                 self.requests.append(head + await reader.readexactly(length))
-                for piece in self.answer(len(self.requests) - 1):
+                pieces = self.answer(len(self.requests) - 1)
+                if pieces is None:  # hang up unanswered, as a keep-alive timer firing
+                    break
+                for piece in pieces:
                     writer.write(piece)
                     await writer.drain()
                     await asyncio.sleep(0.01)  # each piece its own read on the other side
@@ -133,6 +137,23 @@ async def test_a_connection_the_worker_closed_while_idle_is_not_used(proxy: Prox
         answer = await proxy.send(f"{server.url}/v1/completions", BODY, {})
         assert await answer.read() == ANSWER
         assert server.connections == 2
+
+
+async def test_a_kept_connection_closed_as_it_is_reused_is_retried_on_a_new_one(
+        proxy: Proxy) -> None:
+    async with RawServer(lambda n: None if n == 1 else [OK]) as server:
+        for _ in range(2):
+            answer = await proxy.send(f"{server.url}/v1/completions", BODY, {})
+            assert answer.status == 200 and await answer.read() == ANSWER
+        assert server.connections == 2 and len(server.requests) == 3
+        assert server.requests[1] == server.requests[2]  # the same request, sent again
+
+
+async def test_a_new_connection_closed_unanswered_is_not_retried(proxy: Proxy) -> None:
+    async with RawServer(lambda n: None) as server:
+        with pytest.raises(UpstreamUnavailable, match="closed the connection") as failed:
+            await proxy.send(f"{server.url}/v1/completions", BODY, {})
+        assert failed.value.cause == "connect" and server.connections == 1
 
 
 @pytest.mark.parametrize("garbage", [b"NOT HTTP AT ALL\r\n\r\n", b"HTTP/1.1 2x0 OK\r\n\r\n"])
