@@ -87,10 +87,9 @@ async def send_with_failover(service: RouterService, proxy: Proxy, clock: FirstB
     Raises:
         ApiError: 503, no worker began to answer.
     """
-    candidates = [route.worker, *route.fallbacks()]
     tried = 0
     causes: set[str] = set()
-    for worker in _attempts(candidates, causes):
+    for worker in _attempts(route, causes):
         if worker is None:
             await pause(RETRY_PAUSE_S)
             continue
@@ -125,7 +124,7 @@ async def send_with_failover(service: RouterService, proxy: Proxy, clock: FirstB
                    "service_unavailable")
 
 
-def _attempts(candidates: list[Target], causes: set[str]) -> Iterator[Target | None]:
+def _attempts(route: Route, causes: set[str]) -> Iterator[Target | None]:
     """The workers to try, in order: the chosen one, then up to ``MAX_ATTEMPTS`` in all of
     the fallbacks still healthy; then, when every failure was a connection's (``causes``),
     ``None`` for the pause and a second such round of the ones healthy then."""
@@ -135,13 +134,20 @@ def _attempts(candidates: list[Target], causes: set[str]) -> Iterator[Target | N
                 return
             yield None
         given = 0
-        for worker in candidates:
+        for worker in _candidates(route):
             if given == MAX_ATTEMPTS:
                 break
             if (second or given) and worker.state is not WorkerState.HEALTHY:
                 continue  # turned unhealthy since the decision
             given += 1
             yield worker
+
+
+def _candidates(route: Route) -> Iterator[Target]:
+    """The chosen worker, then the others next-best first: those are priced only when a
+    retry asks for them (pricing every worker was a twentieth of a request's CPU)."""
+    yield route.worker
+    yield from route.fallbacks()
 
 
 def pinned(headers: Mapping[str, str], worker: Target) -> Mapping[str, str]:
