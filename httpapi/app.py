@@ -29,6 +29,7 @@ Rules:
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from contextlib import AbstractAsyncContextManager
 from typing import Any, Protocol
@@ -96,20 +97,36 @@ class _App(FastAPI):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         await self._with_ids(scope, receive, send)
 
+    @property
+    def request_ids(self) -> RequestIds:
+        """Names every request (rule 6)."""
+        return self._with_ids
+
+    def raw_routes(self) -> dict[bytes, ASGIApp]:
+        """Rule 5's raw routes by path, each answering rules 1 and 2 itself, for a server that
+        serves them without this app (:mod:`httpapi.lean_cycle`), naming each request with
+        :attr:`request_ids` as it does."""
+        return {path.encode("ascii"): functools.partial(self._answer_raw, route)
+                for path, route in self._raw.items()}
+
     async def _dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] == "http" and scope["method"] == "POST":
             route = self._raw.get(scope["path"])
             if route is not None:
-                try:
-                    await route(scope, receive, send)
-                except ApiError as exc:
-                    self._state.refused(exc)
-                    await error_response(exc)(scope, receive, send)
-                except ClientGone:
-                    self._state.client_gone("body")
-                    await Response(status_code=CLIENT_GONE_STATUS)(scope, receive, send)
+                await self._answer_raw(route, scope, receive, send)
                 return
         await super().__call__(scope, receive, send)
+
+    async def _answer_raw(self, route: ASGIApp, scope: Scope, receive: Receive, send: Send
+                          ) -> None:
+        try:
+            await route(scope, receive, send)
+        except ApiError as exc:
+            self._state.refused(exc)
+            await error_response(exc)(scope, receive, send)
+        except ClientGone:
+            self._state.client_gone("body")
+            await Response(status_code=CLIENT_GONE_STATUS)(scope, receive, send)
 
 
 def new_app(title: str, state: AppState, raw: Mapping[str, ASGIApp] | None = None

@@ -24,7 +24,7 @@ from httpapi.body import CLOSE
 from httpapi.refusals import count_refusal
 from openai_request.bodies import ApiError
 
-__all__ = ["BodyDeadline", "BodyTooSlow"]
+__all__ = ["BodyDeadline", "BodyTooSlow", "too_slow"]
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -39,6 +39,13 @@ class BodyTooSlow(ApiError):
     def __init__(self, message: str) -> None:
         super().__init__(408, message, code="request_timeout")
         self.headers = CLOSE
+
+
+def too_slow(whole: bool, body_timeout: float, body_idle_timeout: float) -> BodyTooSlow:
+    """Count and return the refusal of a body past rule 1's deadline (``whole``) or rule 2's."""
+    count_refusal("body_timeout" if whole else "body_idle_timeout")
+    return BodyTooSlow(f"the request body did not arrive within {body_timeout:g} s" if whole
+                       else f"the request body paused for over {body_idle_timeout:g} s")
 
 
 class BodyDeadline:
@@ -71,19 +78,13 @@ class BodyDeadline:
                 return await receive()
             left = deadline - self.clock()
             if left <= 0:
-                count_refusal("body_timeout")
-                raise BodyTooSlow(f"the request body did not arrive within "
-                                  f"{self.body_timeout:g} s")
+                raise too_slow(True, self.body_timeout, self.body_idle_timeout)
             try:
                 async with asyncio.timeout(min(left, self.body_idle_timeout)):
                     message = await receive()
             except TimeoutError:
-                whole = left <= self.body_idle_timeout
-                count_refusal("body_timeout" if whole else "body_idle_timeout")
-                raise BodyTooSlow(
-                    f"the request body did not arrive within {self.body_timeout:g} s" if whole
-                    else f"the request body paused for over {self.body_idle_timeout:g} s"
-                ) from None
+                raise too_slow(left <= self.body_idle_timeout, self.body_timeout,
+                               self.body_idle_timeout) from None
             if message["type"] != "http.request" or not message.get("more_body", False):
                 body_done = True
             return message

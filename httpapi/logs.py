@@ -116,10 +116,9 @@ class RequestIds:
         self._prefix = f"{os.getpid():x}{int(time.time()) & 0xFFFF:04x}"
         self._ids = itertools.count(1)
 
-    async def __call__(self, scope: _Scope, receive: _Receive, send: _Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
+    def named(self, scope: _Scope) -> tuple[_Scope, str]:
+        """``scope`` with the request's id in its headers, and the id: the client's when
+        usable, else a new one. Every line logged from here on in this task names it."""
         given = next((v for k, v in scope["headers"] if k == _HEADER), None)
         if given is not None and _USABLE.fullmatch(given):
             rid = given.decode()
@@ -127,6 +126,15 @@ class RequestIds:
             rid = f"{self._prefix}-{next(self._ids)}"
             headers = [(k, v) for k, v in scope["headers"] if k != _HEADER]
             scope = {**scope, "headers": [*headers, (_HEADER, rid.encode())]}
+        _current.set(rid)
+        return scope, rid
+
+    async def __call__(self, scope: _Scope, receive: _Receive, send: _Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        token = _current.set(None)
+        scope, rid = self.named(scope)
         encoded = rid.encode()
 
         async def send_with_id(message: MutableMapping[str, Any]) -> None:
@@ -135,7 +143,6 @@ class RequestIds:
                 message["headers"] = [*kept, (_HEADER, encoded)]
             await send(message)
 
-        token = _current.set(rid)
         try:
             await self.app(scope, receive, send_with_id)
         finally:

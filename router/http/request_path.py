@@ -39,6 +39,7 @@ from typing import Any
 
 from starlette.types import Message, Receive, Scope, Send
 
+from httpapi.lean_cycle import DEPARTURE
 from httpapi.responses import CLIENT_GONE_STATUS
 from openai_request.bodies import ApiError, fewest_prompt_tokens, parse_body, validate_request
 from openai_request.early_body import EarlyBody
@@ -85,8 +86,11 @@ class Forward:
         this = asyncio.current_task()
         assert this is not None, "a request handler runs in a task"
         # The pump reads what is left of the body, then waits for the client to leave; its
-        # end (the client left, or the body failed) cancels the handler.
-        watcher = pump or asyncio.get_running_loop().create_task(incoming.pump())
+        # end (the client left, or the body failed) cancels the handler. Once the body is
+        # whole, the server's own notice of a client that left does it, where it gives one.
+        departure = scope.get(DEPARTURE)
+        watcher = pump or (departure() if departure is not None
+                           else asyncio.get_running_loop().create_task(incoming.pump()))
         watcher.add_done_callback(lambda w: w.cancelled() or this.cancel())
         answering = False
         timer.sending()
@@ -146,7 +150,7 @@ class Forward:
             watcher.cancel()
 
     async def _decided(self, incoming: IncomingBody, headers: Mapping[str, str]
-                       ) -> tuple[Route, dict[str, Any] | None, asyncio.Task[None] | None]:
+                       ) -> tuple[Route, dict[str, Any] | None, asyncio.Future[None] | None]:
         """Read ``incoming`` until the request is decided: at the body's end (the route, the
         parsed body, no pump), or before it, once what arrived settles the match (the route,
         ``None`` and the pump already reading the rest: :mod:`openai_request.early_body` says when a
@@ -283,7 +287,7 @@ def _asks_stream(incoming: IncomingBody, max_bytes: int) -> bool:
 
 
 async def _relay(state: RouterState, sent: Sent, route: Route, send: Send,
-                 watcher: asyncio.Task[None], timer: RequestTimer) -> None:
+                 watcher: asyncio.Future[None], timer: RequestTimer) -> None:
     """Pass a stream back chunk by chunk; the first chunk marks the first token."""
     service = state.service
     try:
