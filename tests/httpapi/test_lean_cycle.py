@@ -238,3 +238,43 @@ async def test_a_client_that_leaves_mid_stream_is_noticed(
         await eventually(stream.left.is_set, "the route to notice the client left")
     assert head.startswith(b"HTTP/1.1 200 OK\r\n")
     assert b"transfer-encoding: chunked" in head
+
+
+class Slow:
+    """Streams ``chunks`` chunks, one every ``pause`` seconds."""
+
+    def __init__(self, chunks: int, pause: float) -> None:
+        self.chunks, self.pause = chunks, pause
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await receive_body(None, receive, 1024)
+        await send({"type": "http.response.start", "status": 200, "headers": []})
+        for _ in range(self.chunks):
+            await asyncio.sleep(self.pause)
+            await send({"type": "http.response.body", "body": b"x", "more_body": True})
+        await send({"type": "http.response.body", "body": b""})
+
+
+@pytest.mark.parametrize("lean", [True, False])
+async def test_keep_alive_closes_an_idle_connection_never_a_busy_one(
+        lean: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(LEAN_ENV, "1" if lean else "0")
+    app = new_app("test", FakeState(), {"/raw": Echo(), "/slow": Slow(15, 0.1)})
+    limits = ConnectionLimits(keep_alive_timeout=0.5)
+    async with UvicornServer(app, limits=limits) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        parsed = _Answers()
+        try:
+            async with asyncio.timeout(20):
+                for raw in (post(b"one"), post(b"", "/slow"), post(b"three")):
+                    writer.write(raw)  # the keep-alive timer runs from each answer's end
+                    wanted = len(parsed.done) + 1
+                    while len(parsed.done) < wanted:
+                        data = await reader.read(65536)
+                        assert data, "the server closed a connection it was still answering"
+                        parsed.parser.feed_data(data)
+                assert await reader.read(1) == b""  # then idle past the timeout: closed
+        finally:
+            writer.close()
+    assert [a.body for a in parsed.done] == [b"one", b"x" * 15, b"three"]
