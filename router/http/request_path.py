@@ -18,11 +18,13 @@ before it is encoded; a body the service says is worth it
 (:meth:`~router.service.RouterService.tokenizes_off_loop`: over ``TOKENIZE_OFF_LOOP_BYTES``
 under ``--tokenize full``) is encoded in a thread, not on the event loop.
 
-A client that hangs up is only seen on the ASGI receive channel: one watcher task (the body's
-pump, reading what is left of it first) cancels the handler when the client leaves, so the
-upstream request is cancelled with it (before the answer began: counted, answered 499) or the
-stream is closed (after). One watcher that cancels the handler is cheaper than racing two
-tasks, and cheaper than the task group Starlette's ``StreamingResponse`` runs per stream. A
+A client that hangs up cancels the handler through one watcher, so the upstream request is
+cancelled with it (before the answer began: counted, answered 499) or the stream is closed
+(after): the server's own notice of a client that left (:data:`httpapi.lean_cycle.DEPARTURE`,
+a future) once the body is whole, where the server gives one; else a task (the body's pump,
+reading what is left of it first) that waits on the ASGI receive channel. One watcher that
+cancels the handler is cheaper than racing two tasks, and cheaper than the task group
+Starlette's ``StreamingResponse`` runs per stream; a future is cheaper than a task. A
 body that fails after it began upstream (413, 408, the client gone) ends the pump the same
 way, and the handler answers that failure instead.
 """

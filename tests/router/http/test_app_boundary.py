@@ -4,7 +4,9 @@ mid-body, prompts refused by length alone, and connection limits."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import json
 import logging
 import re
 from collections.abc import AsyncIterator
@@ -13,7 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-from httpapi.server import ConnectionLimits
+from httpapi.server import LEAN_ENV, ConnectionLimits
 from router.http.app import create_app
 from router.settings import RouterSettings
 from tests.support.eventually import eventually
@@ -228,3 +230,35 @@ async def test_headers_past_the_limit_are_answered_431_and_the_connection_closed
     assert answer.headers["connection"] == "close" and closed
     assert after == before + 1
     assert fits.status_code == 200
+
+
+async def _leave_after_sending(port: int, body: dict[str, Any], read_until: bytes) -> None:
+    """POST ``body`` to the router, read until ``read_until`` arrived (nothing: no wait),
+    then hang up."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    raw = json.dumps(body).encode()
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nhost: r\r\ncontent-type: application/json"
+                 b"\r\ncontent-length: %d\r\n\r\n%s" % (len(raw), raw))
+    await writer.drain()
+    if read_until:
+        async with asyncio.timeout(10):
+            await reader.readuntil(read_until)
+    writer.close()
+
+
+@pytest.mark.parametrize("lean", ["1", "0"])
+async def test_a_client_that_leaves_ends_its_upstream_request(
+        lean: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(LEAN_ENV, lean)
+    async with ScriptedWorker("slow") as worker, router(worker) as (server, client):
+        # before the answer began (the worker takes 10 s): counted at once
+        await _leave_after_sending(server.port, BODY, b"")
+        await eventually(lambda: metric(client, "kvroute_client_disconnects_total",
+                                        'stage="answer"'), "the disconnect counted")
+        # mid-stream: the upstream stream is closed
+        await _leave_after_sending(server.port, {**BODY, "stream": True}, b"data: ")
+        await eventually(worker.cancelled.is_set, "the worker to see the stream closed")
+        # both bookings released
+        await eventually(lambda: client.get("/metrics"), "nothing left in flight",
+                         until=lambda r: re.search(r"^kvroute_requests_in_flight\{.*\} 0\.0$",
+                                                   r.text, re.M))
