@@ -19,20 +19,21 @@ The table gives the median over rounds, and the range where rounds differ by mor
 tenth. ``--kvroute DIR`` (repeatable) runs kvroute from each checkout named, as
 ``python -m kvroute.cli`` in that folder, to compare two versions in one run.
 
-On the 2-core VM (load average 2.5-5 from other jobs), ``python -m bench.peers_http
---rounds 3 --seconds 5 --kvroute CHECKOUT-BEFORE --kvroute .`` printed (kvroute at commits
-ddce0fc, aiohttp's client and prometheus_client's metrics, and 504cea5, the pool of
-:mod:`router.http.upstream` and lock-free tallies):
+On the 2-core VM (load average 7 from other jobs), ``python -m bench.peers_http --rounds 3
+--seconds 5 --kvroute CHECKOUT-BEFORE --kvroute .`` printed (kvroute at commit aba5530,
+uvicorn's request cycle, and with the server's own cycle for the forwarding routes,
+:mod:`httpapi.lean_cycle`, and fallbacks ranked only on a retry):
 
 | router | added p50 (ms) | req/s, 64 connections | CPU per request (µs) |
 |---|---|---|---|
-| nginx direct | - | 55,101 (37,685-80,510) | - |
-| kvroute --policy kv, before | 0.91 (0.86-2.88) | 955 (419-1,054) | 767 (687-1,119) |
-| kvroute --policy kv | 0.67 (0.52-0.69) | 1,869 (682-1,869) | 424 (403-578) |
-| sglang-router 0.3.2 cache_aware | 0.39 (0.31-0.41) | 2,591 (2,452-6,392) | 170 (109-176) |
-| vllm-router 0.1.17 cache_aware | 0.51 (0.36-3.54) | 1,494 (1,211-3,220) | 275 (208-276) |
+| nginx direct | - | 43,944 (39,609-79,605) | - |
+| kvroute --policy kv, before | 0.50 (0.40-1.67) | 1,917 (862-1,933) | 323 (322-414) |
+| kvroute --policy kv | 0.32 (0.31-4.58) | 2,000 (675-2,835) | 258 (242-327) |
+| sglang-router 0.3.2 cache_aware | 0.46 (0.24-2.04) | 4,538 (1,392-4,710) | 110 (96-143) |
+| vllm-router 0.1.17 cache_aware | 0.33 (0.27-0.43) | 2,162 (1,533-2,214) | 182 (178-201) |
 
-docs/routing.md keeps two earlier runs (kvroute 738 -> 370 µs at load 9-10).
+docs/routing.md keeps the earlier runs (kvroute 767 -> 424 µs at load 2.5-5, 738 -> 370 at
+load 9-10) and two more of this pair (373 -> 261 at load 7, 363 -> 287 at load 5).
 On a loaded machine the figures move by a tenth or more between rounds; compare within one
 run. The added p50 is measured on one connection, so it is the router's own latency, not
 queueing at 64 connections.

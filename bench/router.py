@@ -119,6 +119,33 @@ What the measurements taught (all on this 2-core machine, other jobs running at 
   A profile after these: uvicorn ~19% (its two socket writes a request ~10%), the event
   loop and asyncio's timeouts and tasks ~14%, the decision and its booking ~20%, the
   upstream write and parse ~9%, the request path, request ids and body deadline ~15%.
+
+- The cuts after that, measured the same way (``python -m bench.peers_http --rounds 3
+  --seconds 5 --kvroute BEFORE --kvroute STEP --kvroute .``, load average 7 on the 2 cores;
+  ``bench/peers_http.py``'s docstring has the whole table):
+
+  * Every forwarded request priced every worker of the fleet to rank its fallbacks
+    (``Decision.costs``, 5% of the profile), though only a failed attempt reads them: ranked
+    now when a retry asks (:func:`router.http.failover.send_with_failover`): 373 -> 319 µs.
+  * The two forwarding routes served by the connection's protocol on a cycle of their own
+    (:mod:`httpapi.lean_cycle`, ``httpapi/server.py`` rule 7), not through uvicorn's
+    ``RequestResponseCycle`` and the three ASGI layers around the app (body deadline,
+    request ids, the raw-route dispatch): no ``asyncio.timeout`` for a body that came with
+    its headers, the answer's head written with its first body piece (one ``write`` a whole
+    answer instead of two), the request id added as the head is built instead of by a
+    wrapped ``send``, and a client that leaves told by a future instead of a watcher task
+    reading the receive channel: 319 -> 261 µs (an earlier run of the same pair of commits
+    together: 323 -> 258). ``KVROUTE_LEAN_HTTP=0`` serves them through the app again.
+  * Tried and dropped: uvicorn's header timer set only for a head still open at the end of
+    a read and one keep-alive timer per connection moved on when it fires (two
+    ``call_later``/``cancel`` pairs a request less): 262 against 263 µs over 5 alternated
+    rounds, inside the spread. uvloop was already the loop (uvicorn picks it when installed).
+
+  A profile after these (the router at ~260-290 µs a request): the socket writes to the
+  client and to the worker ~12%, the event loop ~6%, the decision ~17% and its booking and
+  release ~10% (``RoutingCore._refresh`` regrouping the worker twice a request ~5%), the
+  proxy's first-byte ``asyncio.timeout`` ~4%, the server's parse and cycle ~10%, the
+  request path's own code ~6%.
 """
 
 from __future__ import annotations
