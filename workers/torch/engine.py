@@ -31,6 +31,7 @@ import logging
 import time
 from array import array
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -307,6 +308,12 @@ def build_torch_executor(
                              cuda_graphs=settings.cuda_graphs and device.type == "cuda",
                              memory=plan)
     capture_at_start(executor, settings)
+    started = time.perf_counter()
+    n = executor.prepare_chunks(settings.max_num_batched_tokens, settings.max_model_len)
+    if n:
+        _torch().cuda.empty_cache()
+        log.info("built cuDNN's plans of %d chunk shapes in %.1f s", n,
+                 time.perf_counter() - started)
     return executor
 
 
@@ -386,7 +393,8 @@ class TorchExecutor:
 
     Notes:
         1. One plan at a time (the batcher never overlaps two); :meth:`execute` runs the
-           forward in a worker thread so the event loop keeps serving while the device works.
+           forward in the executor's one thread so the event loop keeps serving while the
+           device works.
         2. Sampling is greedy: the same prompt gives the same tokens on any worker with the
            same model, after any preemption, up to the device's rounding.
     """
@@ -407,6 +415,8 @@ class TorchExecutor:
         # however the cache fragments.
         self._release_above = (None if memory is None
                                else memory.budget - memory.context - memory.iteration)
+        # One thread runs every pass (and builds cuDNN's plans first: they are per thread).
+        self._thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="torch-pass")
         self.block_size = kv.block_size
         self.vocab_limit = model.config.vocab_size if vocab_limit is None else vocab_limit
         self._layers = kv.layers()
@@ -431,7 +441,26 @@ class TorchExecutor:
         Returns:
             The sampled tokens, and the seconds the pass took (copies included).
         """
-        return await asyncio.to_thread(self.run, plan)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._thread, self.run, plan)
+
+    def prepare_chunks(self, max_new: int, max_context: int) -> int:
+        """Build, in the thread that runs the passes, cuDNN's plan of every bulk shape that
+        chunks of at most ``max_new`` tokens over ``max_context`` positions can use
+        (:mod:`workers.torch.bulk`: cuDNN keeps its plans per thread, ~32 ms each to build).
+
+        Returns:
+            The shapes built (0 where chunks do not split).
+        """
+        from workers.torch import bulk, model
+
+        device = self.kv.device
+        if not (model.SPLIT_CHUNKS and bulk.available(device)):
+            return 0
+        c = self.model.config
+        shapes = bulk.bulk_shapes(max_new, max_context)
+        return self._thread.submit(bulk.warm, shapes, c.num_heads, c.num_kv_heads,
+                                   c.head_dim, self.model.dtype, device).result()
 
     def run(self, plan: IterationPlan) -> tuple[dict[str, int], float]:
         """:meth:`execute`, synchronously.

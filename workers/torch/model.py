@@ -22,7 +22,8 @@ Notes:
        weights), or from a local folder (:func:`load_checkpoint`). Nothing is ever downloaded.
     2. Attention: a prefill from position 0 runs PyTorch's SDPA causally over its fresh K/V
        (flash attention on CUDA); a chunk over a cached prefix gathers its context and runs
-       the same kernel bottom-right causal (:data:`CHUNKS_IN_PLACE` says why); the decode
+       the same kernel bottom-right causal (:data:`CHUNKS_IN_PLACE` says why), its cached
+       bulk through cuDNN when the chunk is long (:data:`SPLIT_CHUNKS`); the decode
        steps (one padded batch) read their context in place through the block tables
        (:func:`workers.torch.paged.paged_attention`: a Triton kernel on CUDA, a gather and
        SDPA on the CPU).
@@ -43,12 +44,15 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention.bias import causal_lower_right
 
+from workers.torch.bulk import available as bulk_available
+from workers.torch.bulk import bulk_for, split_attention
 from workers.torch.paged import paged_attention
 
 __all__ = [
     "CHUNKS_IN_PLACE",
     "CONFIGS",
     "FUSE_MAX_TOKENS",
+    "SPLIT_CHUNKS",
     "Decoder",
     "ModelConfig",
     "PagedBatch",
@@ -314,6 +318,11 @@ class _RMSNorm(nn.Module):
 #: gathered context grows with the batch, read in place.
 CHUNKS_IN_PLACE = False
 
+#: Whether a long chunk over a long cached prefix attends its cached bulk through cuDNN and
+#: the rest through flash (:mod:`workers.torch.bulk`; CUDA with cuDNN only). On the H200, one
+#: layer of 8,192 new over 16,384 cached: 4.60 ms flash alone, 3.30 split (``docs/gpu.md``).
+SPLIT_CHUNKS = True
+
 #: Passes of more tokens use the projections one by one. Fused, a pass launches 128 kernels
 #: fewer (~0.2 ms in a graph) but an 8k cold pass measured 5% slower (~0.3 µs a token,
 #: ``docs/gpu.md``): by that line fusing pays below ~700 tokens.
@@ -492,7 +501,10 @@ class Decoder(nn.Module):
             else:
                 keys = kv[:, 0].index_select(0, view.table[0]).flatten(0, 1)[: view.context]
                 values = kv[:, 1].index_select(0, view.table[0]).flatten(0, 1)[: view.context]
-                out[rows] = _prefill_attention(q[rows], keys, values)
+                cut = bulk_for(view.new, view.context) if SPLIT_CHUNKS and bulk_available(
+                    kv.device) else 0
+                out[rows] = (split_attention(q[rows], keys, values, cut) if cut
+                             else _prefill_attention(q[rows], keys, values))
         if batch.decode_tables is not None:
             assert batch.decode_lens is not None, "decode tables without their lengths"
             n = batch.decode_tables.shape[0]
