@@ -130,7 +130,7 @@ def test_on_cuda_the_split_equals_flash_over_the_whole_context(new: int, cached:
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
-def test_on_cuda_a_pass_split_and_unsplit_gives_the_same_logits(
+def test_on_cuda_a_pass_split_or_not_gives_the_dense_forwards_logits(
         monkeypatch: pytest.MonkeyPatch) -> None:
     cached, new = 4096 + 64, 2100
     cache = CacheManager(256, 32)
@@ -145,9 +145,12 @@ def test_on_cuda_a_pass_split_and_unsplit_gives_the_same_logits(
     fill = PrefillChunk("a", blocks, 0, cached, tuple(tokens[:cached]), (), False, 0, prompt)
     chunk = PrefillChunk("a", blocks, cached, new, tuple(tokens[cached:]), (), True, 0, prompt)
     ex.run(IterationPlan(0, (fill,), (), (), ()))
-    logits = {}
+    with torch.inference_mode():
+        dense = ex.model.forward_dense(torch.tensor(tokens, device="cuda"))[-1]
+    errors = {}
     for split in (True, False):
         monkeypatch.setattr(model, "SPLIT_CHUNKS", split)
-        logits[split] = ex.logits(IterationPlan(1, (chunk,), (), (), ()))["a"]
-    err = ((logits[True] - logits[False]).norm() / logits[False].norm()).item()
-    assert err < 2e-2, err
+        row = ex.logits(IterationPlan(1, (chunk,), (), (), ()))["a"]
+        errors[split] = ((row - dense).norm() / dense.norm()).item()
+    # Both within the engine's bf16 tolerance of the dense forward (test_torch_engine's).
+    assert max(errors.values()) < 5e-2, errors
