@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-__all__ = ["kernel_available", "paged_attention", "splits_for"]
+__all__ = ["decode_splits", "kernel_available", "paged_attention", "splits_for"]
 
 #: Programs the split pass aims for: a few per multiprocessor of an H100/H200 (132).
 TARGET_PROGRAMS = 528
@@ -64,6 +64,15 @@ def splits_for(tiles: int, kv_heads: int, context: int) -> int:
     Decode graphs call it with their shape's widest context, so a shape's split is fixed."""
     want = -(-TARGET_PROGRAMS // max(1, tiles * kv_heads))
     return max(1, min(want, MAX_SPLITS, -(-context // BLOCK_N)))
+
+
+def decode_splits(batch: int, kv_heads: int, max_context: int) -> int:
+    """The split of a decode batch: :func:`splits_for` over the batch and context rounded up to
+    powers of two, as a decode graph's shape rounds them (``workers.torch.graphs``). The split
+    is a constant of the compiled kernel, so an unrounded one (a mixed pass's 18 decodes, say)
+    would be a compile of its own in the middle of a pass; rounded, every decode batch uses a
+    split the decode graphs compiled at start."""
+    return splits_for(_pow2(batch), kv_heads, _pow2(max_context))
 
 
 def paged_attention(q: Tensor, kv: Tensor, tables: Tensor, lens: Tensor, *, queries: int,
@@ -129,7 +138,8 @@ def _kernel(q: Tensor, kv: Tensor, tables: Tensor, lens: Tensor, *, queries: int
     block_q, warps, stages = (1, 4, 2) if decode else PREFILL_CONFIG
     rows = max(16, _pow2(block_q * group))
     tiles = n if decode else -(-n // block_q)
-    splits = splits_for(tiles, hkv, max_context)
+    splits = (decode_splits(tiles, hkv, max_context) if decode
+              else splits_for(tiles, hkv, max_context))
     out = torch.empty_like(q)
     keys, values = kv[:, 0], kv[:, 1]
     if splits > 1:

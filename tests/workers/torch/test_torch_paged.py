@@ -14,7 +14,14 @@ torch = pytest.importorskip("torch")
 
 import torch.nn.functional as F  # noqa: E402
 
-from workers.torch.paged import BLOCK_N, kernel_available, paged_attention, splits_for  # noqa: E402
+from workers.torch.graphs import decode_shapes  # noqa: E402
+from workers.torch.paged import (  # noqa: E402
+    BLOCK_N,
+    decode_splits,
+    kernel_available,
+    paged_attention,
+    splits_for,
+)
 
 DEVICES = [
     "cpu",
@@ -101,6 +108,19 @@ def test_the_kernel_is_used_only_on_cuda_and_splits_only_to_fill_the_device() ->
     assert splits_for(1, 8, 50) == 1  # one tile of context: nothing to split
     assert splits_for(8, 8, 8192) == 9  # 64 programs a split, 528 wanted
     assert splits_for(256, 8, 65536) == 1  # 2,048 programs fill the device already
+
+
+def test_every_eager_decode_batch_uses_a_split_the_decode_graphs_compiled_at_start() -> None:
+    # The split is a constant of the compiled kernel: one the graphs did not compile would be
+    # compiled in the middle of a mixed pass.
+    bs, kv_heads, seqs, model_len = 32, 8, 256, 65536
+    graphed = {decode_splits(b, kv_heads, w * bs)
+               for b, w in decode_shapes(seqs, model_len, bs, max_slots=None)}
+    eager = {decode_splits(n, kv_heads, width * bs)
+             for n in range(1, seqs + 1) for width in range(1, model_len // bs + 1)}
+    assert eager <= graphed
+    assert len(eager) > 4  # the split still follows the batch
+    assert decode_splits(18, kv_heads, 352 * bs) == splits_for(32, kv_heads, 512 * bs)
 
 
 @pytest.mark.parametrize("device", DEVICES)
