@@ -108,7 +108,8 @@ class CacheManager:
         host_blocks: host-tier blocks; 0 for none.
 
     Notes:
-        1. A request holds ``ceil(num_tokens / block_size)`` device blocks, in order.
+        1. A request holds ``ceil(num_tokens / block_size)`` device blocks, in order; a hold
+           (:meth:`hold_cached`) holds only its prompt's leading cached blocks.
         2. Its first ``num_committed`` blocks are in the cache (hit or committed); blocks are
            committed only when full and computed, so a partial block is never shared.
         3. Every method either succeeds completely or changes nothing (refusals return
@@ -200,6 +201,31 @@ class CacheManager:
         else:
             self._misses += 1
         return Allocation(tuple(block_ids), cached, host_cached, tuple(offload), tuple(onboard))
+
+    def hold_cached(self, hold_id: str, prompt: Prompt) -> tuple[int, ...]:
+        """Reference the leading full blocks of ``prompt`` that are cached on the device, and
+        nothing else (no block is taken, evicted or copied): a prefill's KV, held for the
+        decode worker that will read it, until :meth:`free` (``hold_id``).
+
+        Returns:
+            The held block ids, in prompt order (empty when the first block is not cached;
+            the hold is recorded all the same, for :meth:`free`).
+
+        Raises:
+            ValueError: ``hold_id`` is already allocated.
+        """
+        if hold_id in self._requests:
+            raise ValueError(f"request {hold_id!r} is already allocated")
+        blocks = RequestBlocks(prompt, self.block_size)
+        held: list[int] = []
+        for i in range((blocks.num_tokens - 1) // self.block_size):
+            b = self.pool.cached_block(blocks.block(i).key)
+            if b is None:
+                break
+            held.append(b)
+        self.pool.touch(held)
+        self._requests[hold_id] = _Request(blocks, held, len(held))
+        return tuple(held)
 
     def commit_computed(self, request_id: str, num_computed_tokens: int) -> None:
         """Record that KV is written for the first ``num_computed_tokens`` positions.

@@ -35,9 +35,12 @@ from workers.cache.cache_manager import CacheManager
 from workers.cache.event_sink import EventSink
 from workers.cache.publisher import EventPublisher
 from workers.engine.batcher import Batcher, EngineRequest, Output
-from workers.engine.executor import Executor, IterationPlan
+from workers.engine.executor import BlockTransfer, Executor, IterationPlan
 
-__all__ = ["Engine", "RequestFailed", "RequestHandle"]
+__all__ = ["Engine", "RequestFailed", "RequestHandle", "WriteBlocks"]
+
+#: Writes received KV into device blocks: (the prompt's first block index, device block ids).
+WriteBlocks = Callable[[int, tuple[int, ...]], None]
 
 log = logging.getLogger(__name__)
 
@@ -163,6 +166,9 @@ class Engine:
         self._handles: dict[str, RequestHandle] = {}
         self._wake = asyncio.Event()
         self._publish_lock = asyncio.Lock()
+        # Held from scheduling an iteration to its end, and while received KV is written: the
+        # cache's allocations and the device's blocks change under one holder at a time.
+        self._device = asyncio.Lock()
         self._task: asyncio.Task[None] | None = None
         self._stopped = False
         self._busy_seconds = 0.0
@@ -233,10 +239,17 @@ class Engine:
             await self._publish_pending()
         return True
 
-    async def receive_blocks(self, prompt: Prompt, num_tokens: int) -> int:
+    async def receive_blocks(self, prompt: Prompt, num_tokens: int,
+                             write: WriteBlocks | None = None) -> int:
         """Take KV computed elsewhere (a prefill worker's) for ``prompt``'s first
         ``num_tokens`` positions into the cache, as committed blocks, and publish them: the
         request that follows finds them cached, and a router learns of them from the events.
+
+        ``write(first, block_ids)`` puts the KV of the prompt's blocks ``first, first + 1,
+        ...`` into the device blocks ``block_ids`` (the torch engine's received bytes; the
+        sim engine has none to write). It runs in a thread while no iteration runs, after the
+        allocation's own copies; blocks this cache held already are not written again. When
+        it raises, nothing is committed and the error propagates.
 
         Returns:
             The tokens received: whole blocks, at most every full block but the one holding
@@ -248,23 +261,47 @@ class Engine:
         if usable <= 0:
             return 0
         transfer = f"transfer-{id(prompt)}-{time.monotonic_ns()}"
-        async with self._publish_lock:
-            if self.cache.allocate(transfer, prompt) is None:
+        async with self._device:
+            alloc = self.cache.allocate(transfer, prompt)
+            if alloc is None:
                 return 0
-            self.cache.commit_computed(transfer, usable)
-            self.cache.free(transfer)
-            await self._publish_pending()
+            try:
+                copy = getattr(self.executor, "copy_blocks", None)
+                if (alloc.offload or alloc.onboard) and callable(copy):
+                    await asyncio.to_thread(copy, (BlockTransfer(alloc.offload, alloc.onboard),))
+                first = alloc.num_cached_tokens // bs
+                if write is not None and usable // bs > first:
+                    await asyncio.to_thread(write, first, alloc.block_ids[first:usable // bs])
+            except BaseException:
+                self.cache.free(transfer)
+                self._wake.set()
+                raise
+            async with self._publish_lock:
+                self.cache.commit_computed(transfer, usable)
+                self.cache.free(transfer)
+                await self._publish_pending()
         return usable
 
-    def hold_blocks(self, hold_id: str, prompt: Prompt) -> bool:
-        """Keep ``prompt``'s cached blocks referenced (a prefill's KV, held for its decode
-        worker, :mod:`workers.engine.leases`) until :meth:`release_blocks`; False when too
-        few blocks are free to hold them (nothing is held then).
+    def hold_blocks(self, hold_id: str, prompt: Prompt) -> tuple[int, ...]:
+        """Keep ``prompt``'s leading cached blocks referenced (a prefill's KV, held for its
+        decode worker, :mod:`workers.engine.leases`) until :meth:`release_blocks`; nothing is
+        taken, evicted or copied for it.
+
+        Returns:
+            The held device block ids, in prompt order; empty when the prompt's first block
+            is not cached (nothing is held then).
 
         Raises:
             ValueError: ``hold_id`` is held already.
         """
-        return self.cache.allocate(hold_id, prompt) is not None
+        held = self.cache.hold_cached(hold_id, prompt)
+        if not held:
+            self.cache.free(hold_id)
+        return held
+
+    def held_blocks(self, hold_id: str) -> tuple[int, ...]:
+        """The device blocks :meth:`hold_blocks` holds under ``hold_id`` (empty: none)."""
+        return self.cache.block_ids(hold_id) if hold_id in self.cache else ()
 
     def release_blocks(self, hold_id: str) -> None:
         """Let go of what :meth:`hold_blocks` held: the blocks stay cached, now evictable."""
@@ -335,20 +372,22 @@ class Engine:
 
     async def _run(self) -> None:
         while True:
-            plan = self.batcher.schedule()
+            outputs: list[Output] = []
+            async with self._device:
+                plan = self.batcher.schedule()
+                if plan is not None:
+                    self._admit(plan)
+                    try:
+                        sampled, seconds = await self.executor.execute(plan)
+                        outputs = self.batcher.complete(plan, sampled)
+                        self._busy_seconds += seconds
+                    except Exception as exc:  # its requests are recomputed in smaller passes
+                        log.exception("iteration %d failed", plan.serial)
+                        self._recover(plan, exc)
             if plan is None:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            self._admit(plan)
-            outputs: list[Output] = []
-            try:
-                sampled, seconds = await self.executor.execute(plan)
-                outputs = self.batcher.complete(plan, sampled)
-                self._busy_seconds += seconds
-            except Exception as exc:  # its requests are recomputed in smaller iterations
-                log.exception("iteration %d failed", plan.serial)
-                self._recover(plan, exc)
             try:
                 async with self._publish_lock:
                     await self._publish_pending()

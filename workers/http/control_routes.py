@@ -1,6 +1,8 @@
 """The worker's control surface, for the router and for operators: ``GET /model_info`` and
 ``GET /load`` (open: the router's control calls), ``POST /kv_transfer/release`` (open: a
-decode worker saying it took a prefill's KV, :mod:`workers.http.kv_transfer`), and, behind
+decode worker saying it took a prefill's KV, :mod:`workers.http.kv_transfer`),
+``GET /kv_transfer/blocks/{remote_request_id}`` (open: the torch engine's held KV, for the
+decode worker that pulls it, :mod:`workers.http.kv_pull`), and, behind
 the admin token when one is set, ``POST /reset_prefix_cache``, ``GET /kv/snapshot`` (every
 resident block, as one encoded event batch, for a router that lost the stream) and
 ``POST /debug/drop_events`` (fault injection: withhold the next N event batches from the live
@@ -12,12 +14,13 @@ from __future__ import annotations
 import base64
 from typing import Any
 
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 
 from httpapi.app import ADMIN_BODY_BYTES
 from httpapi.body import read_json
 from indexer.wire import encode_batch
 from openai_request.bodies import ApiError
+from workers.http.kv_pull import serve_blocks
 from workers.http.state import WorkerState
 
 __all__ = ["add_control_routes"]
@@ -44,6 +47,10 @@ def add_control_routes(app: FastAPI, state: WorkerState) -> None:
             raise ApiError(400, "the body must be {\"remote_request_id\": \"...\"}",
                            param="remote_request_id")
         return {"released": state.held_prefills.release(lease)}
+
+    @app.get("/kv_transfer/blocks/{lease_id}")
+    async def blocks(lease_id: str) -> Response:
+        return await serve_blocks(state.held_prefills, lease_id)
 
     @app.post("/reset_prefix_cache")
     async def reset(request: Request) -> dict[str, Any]:

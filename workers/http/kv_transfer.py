@@ -1,4 +1,4 @@
-"""Disaggregated serving on the worker: vLLM's ``kv_transfer_params`` protocol, simulated.
+"""Disaggregated serving on the worker: vLLM's ``kv_transfer_params`` protocol.
 
 A router sends the prefill worker the request with ``max_tokens`` 1 and
 ``"kv_transfer_params": {"do_remote_decode": true, ...}``; the worker serves it as usual (its
@@ -11,7 +11,12 @@ The prefill worker holds the prompt's blocks for the decode worker (:class:`Held
 referenced, so not evictable, until the decode worker has taken them (it tells the prefill
 worker with ``POST /kv_transfer/release``, naming the ``remote_request_id`` of the params) or
 until a lease of ``kv_lease_seconds`` (30 s, vLLM's; divided by ``speedup``) ends: a prefill
-whose decode never comes costs its blocks for that long, no longer.
+whose decode never comes costs its blocks for that long, no longer. Only the prompt's leading
+blocks that are cached on the device when the prefill ends are held (and named).
+
+The torch engine moves the bytes: the decode worker pulls the held blocks from the prefill
+worker (:mod:`workers.http.kv_pull`), writes them into blocks of its own cache and publishes
+them, as below; a transfer that fails costs nothing but the time: the request prefills there.
 
 The sim engine moves no bytes: the transfer takes ``tokens * kv_bytes_per_token /
 kv_transfer_bandwidth`` seconds (divided by ``speedup``), then the blocks enter the decode
@@ -37,7 +42,9 @@ from openai_request.bodies import ApiError
 from workers.cache.block_keys import Prompt
 from workers.engine.leases import PrefillLeases
 from workers.engine.loop import Engine
+from workers.http.kv_pull import pull
 from workers.settings import WorkerSettings
+from workers.torch.kv_wire import TransferError
 
 __all__ = ["HeldPrefills", "Transfer", "answer_params", "parse_transfer", "receive"]
 
@@ -59,6 +66,8 @@ class Transfer:
     #: prefill worker that leases nothing, such as vLLM's, which the transfer itself tells).
     release_url: str | None = None
     remote_request_id: str | None = None
+    #: Where the held blocks' bytes are (the torch engine's transfer, :mod:`workers.http.kv_pull`).
+    blocks_url: str | None = None
 
 
 class HeldPrefills:
@@ -87,6 +96,13 @@ class HeldPrefills:
         self._leases.grant(lease_id, self._clock())
         self._engines[lease_id] = engine
         return lease_id
+
+    def held(self, lease_id: str) -> tuple[Engine, tuple[int, ...]] | None:
+        """The engine and device blocks of a prefill held under ``lease_id``, or None (unknown
+        or ended lease)."""
+        self.expire()
+        engine = self._engines.get(lease_id)
+        return None if engine is None else (engine, engine.held_blocks(lease_id))
 
     def release(self, lease_id: str) -> bool:
         """The decode worker took the KV: let it go; False for an unknown or ended lease."""
@@ -132,8 +148,9 @@ def parse_transfer(body: dict[str, Any]) -> Transfer | None:
         lease, host, port = (params.get(k) for k in ("remote_request_id", "remote_host",
                                                       "remote_port"))
         if isinstance(lease, str) and isinstance(host, str) and type(port) is int:
+            base = f"http://{host}:{port}/kv_transfer"
             return Transfer(remote_blocks=blocks, remote_request_id=lease,
-                            release_url=f"http://{host}:{port}/kv_transfer/release")
+                            release_url=f"{base}/release", blocks_url=f"{base}/blocks/{lease}")
     return Transfer(remote_decode=bool(decode), remote_blocks=blocks)
 
 
@@ -151,15 +168,31 @@ def answer_params(settings: WorkerSettings, instance_id: str, prompt_tokens: int
 
 
 async def receive(settings: WorkerSettings, engine: Engine, prompt: Prompt,
-                  transfer: Transfer, http: httpx.AsyncClient | None = None) -> int:
-    """Take ``transfer``'s blocks of ``prompt``'s KV from the prefill worker (simulated: the
-    module docstring), then tell it they were taken (with ``http``, when the params name a
-    lease; a failure to tell is logged, and the lease ends the hold); returns the tokens
-    received."""
-    tokens = min(transfer.remote_blocks * settings.block_size, len(prompt.token_ids))
-    seconds = tokens * settings.kv_bytes_per_token / settings.kv_transfer_bandwidth
-    await asyncio.sleep(seconds / settings.speedup)
-    received = await engine.receive_blocks(prompt, tokens)
+                  transfer: Transfer, http: httpx.AsyncClient | None = None
+                  ) -> tuple[int, str | None]:
+    """Take ``transfer``'s blocks of ``prompt``'s KV from the prefill worker (the sim engine
+    simulates it, the module docstring; the torch engine pulls the bytes,
+    :func:`workers.http.kv_pull.pull`), then tell the prefill worker they were taken (with
+    ``http``, when the params name a lease; a failure to tell is logged, and the lease ends
+    the hold).
+
+    Returns:
+        The tokens received, and why none were when a pull failed (None otherwise): the
+        request then prefills those tokens itself.
+    """
+    failure = None
+    if settings.engine == "sim":
+        tokens = min(transfer.remote_blocks * settings.block_size, len(prompt.token_ids))
+        seconds = tokens * settings.kv_bytes_per_token / settings.kv_transfer_bandwidth
+        await asyncio.sleep(seconds / settings.speedup)
+        received = await engine.receive_blocks(prompt, tokens)
+    else:
+        try:
+            received = await pull(engine, prompt, transfer, http)
+        except TransferError as exc:
+            received, failure = 0, str(exc)
+            log.warning("the KV transfer from %s failed (%s); prefilling the prompt here",
+                        transfer.blocks_url, exc)
     if http is not None and transfer.release_url is not None:
         try:
             await http.post(transfer.release_url,
@@ -167,4 +200,4 @@ async def receive(settings: WorkerSettings, engine: Engine, prompt: Prompt,
         except httpx.HTTPError as exc:
             log.warning("could not release the prefill at %s (%s); its lease will",
                         transfer.release_url, exc)
-    return received
+    return received, failure

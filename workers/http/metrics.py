@@ -45,6 +45,10 @@ class WorkerMetrics:
             "kvroute_worker_transferred_tokens",
             "Prompt tokens whose KV came from a prefill worker (disaggregated serving)",
             registry=self.registry)
+        self.transfer_failures = Counter(
+            "kvroute_worker_kv_transfer_failures",
+            "KV transfers from a prefill worker that failed (the prompt was prefilled here)",
+            registry=self.registry)
         self.registry.register(_EngineCollector(runtime))
 
     def finished(self, reply: Completion, generated: int) -> None:

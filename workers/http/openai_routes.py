@@ -105,15 +105,14 @@ async def generate(state: WorkerState, request: Request, chat: bool) -> Response
                   salt=runtime.scope_salt(tokens.cache_salt))
     transfer = parse_transfer(body)
     state.held_prefills.expire()
-    if transfer is not None and transfer.remote_blocks and settings.engine != "sim":
-        raise ApiError(400, "this worker's engine takes no transferred KV; only the sim "
-                       "engine simulates a transfer", param="kv_transfer_params")
     engine = runtime.rank_engine(_pinned_rank(request, len(runtime.engines)))
     try:
         prompt = Prompt(tokens.token_ids, tuple(tokens.images), scope)
         if transfer is not None and transfer.remote_blocks:
-            received = await receive(settings, engine, prompt, transfer, state.peers)
+            received, failure = await receive(settings, engine, prompt, transfer, state.peers)
             state.metrics.transferred_tokens.inc(received)
+            if failure is not None:
+                state.metrics.transfer_failures.inc()
         handle = runtime.submit(f"req-{uuid.uuid4().hex}", prompt, max_tokens, engine)
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None

@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING, Any
 
 from openai_request.tokenizer import Tokenizer, load_tokenizer
 from workers.cache.cache_manager import CacheManager
-from workers.engine.executor import IterationPlan
+from workers.engine.executor import BlockTransfer, IterationPlan
 from workers.settings import WorkerSettings
 
 if TYPE_CHECKING:
@@ -492,6 +492,15 @@ class TorchExecutor:
             best = self._stack(logits, ids)[:, : self.vocab_limit].argmax(dim=-1).tolist()
             sampled = dict(zip(ids, best, strict=True))
         return sampled, time.perf_counter() - started
+
+    def copy_blocks(self, transfers: Sequence[BlockTransfer]) -> None:
+        """Perform block copies outside a pass (an allocation that received KV needed them),
+        waiting for the device."""
+        torch = _torch()
+        with torch.inference_mode():
+            self.kv.transfer(transfers)
+        if self.kv.device.type == "cuda":
+            torch.cuda.current_stream(self.kv.device).synchronize()
 
     def stats(self) -> dict[str, int]:
         """Memory by use (bytes; ``memory_*``, CUDA only) and passes that ran out of it."""

@@ -33,6 +33,7 @@ from torch import Tensor
 
 from workers.cache.block_pool import BlockCopy
 from workers.engine.executor import BlockTransfer
+from workers.torch.kv_wire import KVLayout, TransferError
 
 __all__ = ["PagedKV", "bytes_per_block"]
 
@@ -129,6 +130,38 @@ class PagedKV:
                 self._copy(t.offload, self.device_blocks, self.host_blocks)
                 self._copy(t.onboard, self.host_blocks, self.device_blocks)
         compute.wait_stream(self._copy_stream)
+
+    def layout(self) -> KVLayout:
+        """One block's dtype and shape, as a KV transfer names them
+        (:mod:`workers.torch.kv_wire`)."""
+        dtype = str(self.device_blocks.dtype).removeprefix("torch.")
+        return KVLayout(dtype, tuple(self.device_blocks.shape[1:]))
+
+    def read_blocks(self, block_ids: Sequence[int]) -> bytes:
+        """The device blocks ``block_ids``, in that order, as one block-major byte string
+        (a KV transfer's payload); waits for the device."""
+        index = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        blocks = self.device_blocks.index_select(0, index).cpu().contiguous()
+        return blocks.view(torch.uint8).numpy().tobytes()
+
+    def write_blocks(self, block_ids: Sequence[int], payload: bytes | memoryview) -> None:
+        """Write a KV transfer's payload (block-major, :meth:`read_blocks`'s form) into the
+        device blocks ``block_ids``, in that order; waits for the device.
+
+        Raises:
+            TransferError: the payload is not ``len(block_ids)`` blocks.
+        """
+        if len(payload) != len(block_ids) * self.block_bytes:
+            raise TransferError(f"{len(payload)} bytes are not {len(block_ids)} blocks of "
+                                f"{self.block_bytes}")
+        if not block_ids:
+            return
+        shape = (len(block_ids), *self.device_blocks.shape[1:])
+        data = torch.frombuffer(bytearray(payload), dtype=self.device_blocks.dtype).view(shape)
+        index = torch.tensor(list(block_ids), dtype=torch.long, device=self.device)
+        self.device_blocks.index_copy_(0, index, data.to(self.device))
+        if self._cuda:
+            torch.cuda.current_stream(self.device).synchronize()
 
     def _copy(self, copies: Iterable[BlockCopy], src: Tensor, dst: Tensor) -> None:
         for s, d, n in _runs(copies):

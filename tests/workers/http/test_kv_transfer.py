@@ -61,6 +61,7 @@ def test_params_that_name_a_lease_say_where_to_release_it() -> None:
     assert params["remote_request_id"] == "lease-7"
     assert parse_transfer({"kv_transfer_params": params}) == Transfer(
         remote_blocks=3, release_url="http://127.0.0.1:8123/kv_transfer/release",
+        blocks_url="http://127.0.0.1:8123/kv_transfer/blocks/lease-7",
         remote_request_id="lease-7")
 
 

@@ -1,0 +1,115 @@
+"""The torch engine's KV transfer over HTTP: a decode worker pulls a held prefill's blocks.
+
+The prefill worker serves ``GET /kv_transfer/blocks/{remote_request_id}`` (open, as
+``/kv_transfer/release`` is: a lease id is a random 128-bit name) with the blocks it holds
+under that lease, as one :mod:`workers.torch.kv_wire` message. The decode worker
+(:func:`pull`) reads at most the message its prompt can need, checks it against its own
+block layout, writes the blocks into fresh blocks of its cache and commits them, which
+publishes them as stored blocks (:meth:`~workers.engine.loop.Engine.receive_blocks`); the
+request then finds them cached. Any failure (the prefill worker unreachable or answering an
+error, a lease that ended, a message cut short, too long, of another dtype or shape) raises
+:class:`~workers.torch.kv_wire.TransferError` having written nothing, and the request
+prefills the prompt itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import TYPE_CHECKING, Any
+
+import httpx
+from fastapi import Response
+
+from openai_request.bodies import ApiError
+from workers.cache.block_keys import Prompt
+from workers.engine.loop import Engine
+from workers.torch.kv_wire import TransferError, decode, header_bytes, max_message_bytes
+
+if TYPE_CHECKING:
+    from workers.http.kv_transfer import HeldPrefills, Transfer
+
+__all__ = ["PULL_TIMEOUT_S", "pull", "serve_blocks"]
+
+#: The most seconds one pull may take, connection to last byte.
+PULL_TIMEOUT_S = 30.0
+
+
+def _kv(engine: Engine) -> Any:
+    """The engine's KV storage (:class:`~workers.torch.kv.PagedKV`), or None (sim engine)."""
+    return getattr(engine.executor, "kv", None)
+
+
+async def serve_blocks(held: HeldPrefills, lease_id: str) -> Response:
+    """The answer to ``GET /kv_transfer/blocks/{lease_id}``: the held blocks as a message.
+
+    Raises:
+        ApiError: no prefill is held under ``lease_id`` (404), or this worker's engine holds
+            no KV bytes (409: the sim engine).
+    """
+    found = held.held(lease_id)
+    if found is None:
+        raise ApiError(404, f"no prefill is held under {lease_id!r} (unknown, taken, or its "
+                       "lease ended)", param="remote_request_id", code="not_found")
+    engine, block_ids = found
+    kv = _kv(engine)
+    if kv is None:
+        raise ApiError(409, "this worker's engine holds no KV bytes to send (the sim engine "
+                       "simulates its transfers)", code="no_kv")
+    payload = await asyncio.to_thread(kv.read_blocks, block_ids)
+    return Response(header_bytes(kv.layout(), len(block_ids)) + payload,
+                    media_type="application/octet-stream")
+
+
+async def pull(engine: Engine, prompt: Prompt, transfer: Transfer,
+               http: httpx.AsyncClient | None) -> int:
+    """Pull ``transfer``'s held blocks of ``prompt`` from the prefill worker into ``engine``'s
+    cache (module docstring); returns the tokens received.
+
+    Raises:
+        TransferError: the pull failed; nothing was written.
+    """
+    kv = _kv(engine)
+    if kv is None:
+        raise TransferError("this worker's engine holds no KV to receive into")
+    if transfer.blocks_url is None or http is None:
+        raise TransferError("the kv_transfer_params name no held prefill (remote_request_id, "
+                            "remote_host, remote_port) to pull from")
+    bs = engine.cache.block_size
+    wanted = min(transfer.remote_blocks, (len(prompt.token_ids) - 1) // bs)
+    if wanted <= 0:
+        return 0
+    layout = kv.layout()
+    data = await _fetch(http, transfer.blocks_url, max_message_bytes(layout, wanted))
+    message = decode(data, layout, wanted)
+    size = layout.block_bytes
+
+    def write(first: int, block_ids: tuple[int, ...]) -> None:
+        # Blocks past what the prefill worker held stay unwritten: receive_blocks commits
+        # only message.tokens positions, so write is never asked for them.
+        kv.write_blocks(block_ids, message.payload[first * size:(first + len(block_ids)) * size])
+
+    return await engine.receive_blocks(prompt, message.tokens, write)
+
+
+async def _fetch(http: httpx.AsyncClient, url: str, limit: int) -> bytes:
+    """The body at ``url``, refused past ``limit`` bytes."""
+    try:
+        async with asyncio.timeout(PULL_TIMEOUT_S), http.stream("GET", url) as answer:
+            if answer.status_code != 200:
+                text = (await answer.aread())[:200].decode(errors="replace")
+                raise TransferError(f"{url} answered {answer.status_code}: {text}")
+            declared = answer.headers.get("content-length")
+            if declared is not None and declared.isdigit() and int(declared) > limit:
+                raise TransferError(f"{url} sends {declared} bytes, more than the {limit} "
+                                    "its prompt can need")
+            body = bytearray()
+            async for chunk in answer.aiter_bytes():
+                body += chunk
+                if len(body) > limit:
+                    raise TransferError(f"{url} sent more than the {limit} bytes its prompt "
+                                        "can need")
+    except httpx.HTTPError as exc:
+        raise TransferError(f"{url} could not be read: {exc!r}") from None
+    except TimeoutError:
+        raise TransferError(f"{url} took longer than {PULL_TIMEOUT_S:.0f} s") from None
+    return bytes(body)
