@@ -252,9 +252,10 @@ class Engine:
         it raises, nothing is committed and the error propagates.
 
         Returns:
-            The tokens received: whole blocks, at most every full block but the one holding
-            the prompt's last token (which the request computes itself); 0 when too few
-            blocks are free (the request then prefills itself).
+            The tokens received that this cache did not hold already: whole blocks, up to
+            every full block but the one holding the prompt's last token (which the request
+            computes itself); 0 when too few blocks are free (the request then prefills
+            itself).
         """
         bs = self.cache.block_size
         usable = min(num_tokens, (len(prompt.token_ids) - 1) // bs * bs)
@@ -280,7 +281,7 @@ class Engine:
                 self.cache.commit_computed(transfer, usable)
                 self.cache.free(transfer)
                 await self._publish_pending()
-        return usable
+        return max(0, usable - alloc.num_cached_tokens)
 
     def hold_blocks(self, hold_id: str, prompt: Prompt) -> tuple[int, ...]:
         """Keep ``prompt``'s leading cached blocks referenced (a prefill's KV, held for its
