@@ -326,3 +326,25 @@ def test_caller_mistakes() -> None:
         CacheManager(num_blocks=0)
     with pytest.raises(ValueError, match="block_size"):
         CacheManager(num_blocks=1, block_size=0)
+
+
+def test_a_hold_references_only_the_leading_cached_blocks_and_takes_none() -> None:
+    m = CacheManager(num_blocks=6, block_size=4)
+    prompt = Prompt(list(range(14)))  # 3 full blocks, then a partial one
+    m.allocate("prefill", prompt)
+    m.commit_computed("prefill", 14)
+    m.free("prefill")
+    m.take_events()
+    free = m.pool.num_free_blocks
+    assert m.hold_cached("hold", prompt) == (0, 1, 2)
+    assert not any(m.pool.is_evictable(b) for b in (0, 1, 2))
+    assert m.pool.num_free_blocks == free - 3  # referenced, and nothing taken besides
+    assert facts(m) == []  # nothing stored, evicted or copied
+    with pytest.raises(ValueError, match="already allocated"):
+        m.hold_cached("hold", prompt)
+    m.free("hold")
+    assert all(m.pool.is_evictable(b) for b in (0, 1, 2))
+    # A prompt whose first block is not cached holds nothing; one cut short holds its head.
+    assert m.hold_cached("miss", Prompt([99] * 9)) == ()
+    other = Prompt([*range(8), 77, 78, 79, 80, 81])
+    assert m.hold_cached("head", other) == (0, 1)
