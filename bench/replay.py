@@ -165,10 +165,14 @@ def _policies(args: argparse.Namespace, names: str | None = None) -> list[Any]:
     kvroute policy."""
     from bench.policies import KvroutePolicy, make_policies
 
-    changes = _router_changes(args.router_settings)
+    # The router is told the simulated link, as an operator sets --pd-kv-bytes-per-token
+    # and --pd-transfer-bandwidth for theirs; --set may still change either.
+    link = {"pd_kv_bytes_per_token": TIMING_MODELS[args.timing].kv_bytes_per_token,
+            "pd_transfer_bandwidth": args.kv_transfer_bandwidth}
+    changes = link | _router_changes(args.router_settings)
     policies = make_policies(args.policies if names is None else names)
     for i, p in enumerate(policies):
-        if changes and isinstance(p, KvroutePolicy):
+        if isinstance(p, KvroutePolicy):
             policies[i] = p.with_settings(**changes)
     return policies
 

@@ -75,6 +75,7 @@ _COLUMNS = (
     ("output_tok_s", "out tok/s", "{:.0f}", 1.0),
     ("remote_prefill_share", "remote", "{:.0%}", 1.0),
     ("hit_rate", "hit", "{:.1%}", 1.0),
+    ("prediction_error", "pred err", "{:.0%}", 1.0),
 )
 
 

@@ -354,6 +354,12 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
     a("--pd-prefill-timeout", type=float,
       help="seconds a remote prefill may take before the request is served whole on its "
       "decode worker (default %(default)s)")
+    a("--pd-kv-bytes-per-token", type=positive_int,
+      help="disaggregated serving: KV bytes of one token, for the predicted transfer time "
+      "(default %(default)s)")
+    a("--pd-transfer-bandwidth", type=float,
+      help="disaggregated serving: the prefill-to-decode link in bytes a second, for the "
+      "predicted transfer time (default %(default)s)")
     a("--first-byte-timeout", type=float,
       help="longest wait for any answer's first byte (default %(default)s)")
     a("--unhealthy-grace", type=float,

@@ -33,7 +33,7 @@ from router.fleet.registry import Registry
 from router.fleet.unavailable import unavailable_reason
 from router.fleet.worker_table import WorkerInfo
 from router.routing.core import Prediction, RoutingCore
-from router.routing.disaggregation import prefills_locally
+from router.routing.disaggregation import prefills_locally, remote_prefill_ttft, transfer_seconds
 from router.routing.load import ReportedLoad
 from router.routing.prompt_path import HashingTerms, PrefixReach, request_hashes
 from router.routing.scheduler import Decision
@@ -62,6 +62,10 @@ class Route:
     #: decode worker (``worker``), and its decision; None: the decode worker prefills.
     prefill: Target | None = None
     prefill_decision: Decision | None = None
+    #: The predicted time to first token through ``prefill`` (its queue and prefill, the
+    #: transfer, the decode worker's wait; :func:`router.routing.disaggregation.
+    #: remote_prefill_ttft`), in seconds; None without a remote prefill.
+    remote_ttft_s: float | None = None
     #: The decision's ``cost`` is a predicted time to first token in seconds (the rule in
     #: seconds, ``--policy kv``); the other policies' costs are not times.
     predicts_ttft: bool = False
@@ -70,6 +74,14 @@ class Route:
     def worker(self) -> Target:
         """The chosen worker."""
         return self.entries[self.decision.worker]
+
+    @property
+    def predicted_ttft_s(self) -> float:
+        """The predicted time to first token on the chosen worker: through the remote
+        prefill while there is one, else the decision's cost."""
+        if self.prefill is not None and self.remote_ttft_s is not None:
+            return self.remote_ttft_s
+        return self.decision.chosen.cost
 
     def fallbacks(self) -> list[Target]:
         """The other candidates, next-best first."""
@@ -320,6 +332,12 @@ class RouterService:
                                   workers=[e.id for e in fleet.prefill]).decision
         route.prefill_decision = chosen
         route.prefill = next(e for e in fleet.prefill if e.id == chosen.worker)
+        decode, settings = route.decision.chosen, self.settings
+        moved = len(route.hashes) - decode.matched_blocks
+        route.remote_ttft_s = remote_prefill_ttft(
+            chosen.chosen, decode, self.core.rates(decode.worker).first_s,
+            transfer_seconds(moved, settings.block_size, settings.pd_kv_bytes_per_token,
+                             settings.pd_transfer_bandwidth))
 
     def prefill_dispatched(self, route: Route) -> str:
         """Book ``route``'s remote prefill on its prefill worker: its prefill as queued work
@@ -391,10 +409,13 @@ class RouterService:
         """Book a request as sent to ``worker``: load, predicted residency, and its session
         (now living on ``worker``; a fallback moves it again, without counting it twice)."""
         terms = route.decision.terms(worker.id)
+        predicted = None
         if route.prefill is not None:  # its KV arrives by transfer: nothing to prefill there
             terms = dataclasses.replace(terms, prefill_blocks=0, prefill_s=0.0)
+            if worker is route.worker:
+                predicted = route.remote_ttft_s
         self.core.routed(route.request_id, worker.id, route.hashes, terms, time.monotonic(),
-                         route.continued, len(route.prompt.token_ids))
+                         route.continued, len(route.prompt.token_ids), predicted)
         route.continued = None
 
     def undispatched(self, route: Route, worker: Target | None = None) -> None:

@@ -116,6 +116,11 @@ class RouterSettings:
     #: Seconds a remote prefill may take before the request is served whole on its decode
     #: worker instead.
     pd_prefill_timeout: float = 60.0
+    #: Disaggregated serving: the KV bytes of one token and the prefill-to-decode link's bytes
+    #: a second, which price a remote prefill's transfer in its predicted time to first token
+    #: (the defaults: the default rates' model, 32 KiB a token, over 25 GB/s).
+    pd_kv_bytes_per_token: int = 32768
+    pd_transfer_bandwidth: float = 25e9
     # Flow control (router.routing.admission): saturation bounds, the queue, deadlines, weights.
     flow_control: bool = _FLOW.enabled
     flow_ttft_bound: float = _FLOW.ttft_bound_s
@@ -159,6 +164,8 @@ class RouterSettings:
             (self.first_byte_factor >= 1, "first_byte_factor must be >= 1"),
             (self.pd_local_prefill_tokens >= 0, "pd_local_prefill_tokens must be >= 0"),
             (self.pd_prefill_timeout > 0, "pd_prefill_timeout must be positive"),
+            (self.pd_kv_bytes_per_token > 0 and self.pd_transfer_bandwidth > 0,
+             "pd_kv_bytes_per_token and pd_transfer_bandwidth must be positive"),
             (self.max_image_bytes > 0, "max_image_bytes must be positive"),
             (self.event_max_message_bytes > 0, "event_max_message_bytes must be positive"),
             (self.event_receive_hwm > 0, "event_receive_hwm must be positive"),

@@ -8,7 +8,8 @@ first token's predicted and delivered seconds (:meth:`KvroutePolicy.predictions`
 with prefill and decode roles it routes as :meth:`router.service.RouterService.decide` does:
 the decode worker by the rule among the workers that are not prefill-only, no remote prefill
 when :func:`router.routing.disaggregation.prefills_locally` says so, else the prefill worker
-by the rule among the prefill workers, both booked as the router books them. The settings
+by the rule among the prefill workers, both booked as the router books them (the decode
+booking with the remote prefill's predicted time to first token). The settings
 are :class:`router.settings.RouterSettings`, so a run with ``--set NAME=VALUE``
 (:mod:`bench.replay`) is the router with that flag, and a policy named
 ``kvroute[NAME=VALUE,...]`` (:func:`bench.policies.make_policies`) runs the router with those
@@ -24,7 +25,7 @@ from collections.abc import Sequence
 from bench.policies.base import PREFILL_SUFFIX, ClusterView, Policy, RouteRequest
 from indexer.events import Event
 from router.routing.core import RoutingCore
-from router.routing.disaggregation import prefills_locally
+from router.routing.disaggregation import prefills_locally, remote_prefill_ttft, transfer_seconds
 from router.settings import RouterSettings
 
 __all__ = ["KvroutePolicy"]
@@ -79,6 +80,7 @@ class KvroutePolicy(Policy):
                                   workers=self._serving, tokens=tokens)
         decision = routed.decision
         terms = decision.chosen
+        predicted = None
         if self._prefill_workers and not prefills_locally(
                 tokens, terms.matched_blocks, self.cluster.block_size,
                 self.settings.pd_local_prefill_tokens):
@@ -87,9 +89,15 @@ class KvroutePolicy(Policy):
             self.core.routed(request.request_id + PREFILL_SUFFIX, prefill.worker, hashes,
                              prefill.chosen, now)
             self._prefill_of[request.request_id] = prefill.worker
+            settings = self.settings
+            predicted = remote_prefill_ttft(
+                prefill.chosen, terms, self.core.rates(decision.worker).first_s,
+                transfer_seconds(len(hashes) - terms.matched_blocks, self.cluster.block_size,
+                                 settings.pd_kv_bytes_per_token,
+                                 settings.pd_transfer_bandwidth))
             terms = dataclasses.replace(terms, prefill_blocks=0, prefill_s=0.0)
         self.core.routed(request.request_id, decision.worker, hashes, terms, now,
-                         routed.continued, tokens)
+                         routed.continued, tokens, predicted)
         return decision.worker
 
     def prefill_for(self, request_id: str) -> int | None:
@@ -97,14 +105,17 @@ class KvroutePolicy(Policy):
 
     def first_token(self, request_id: str, now: float) -> None:
         prediction = self.core.first_token(request_id, now)
-        if prediction is not None:
+        # A remote prefill's first token is the prefill worker's, not the client's: it
+        # teaches that worker's rate, and is no prediction of a time to first token.
+        if prediction is not None and not request_id.endswith(PREFILL_SUFFIX):
             self._predictions.append((prediction.predicted_s, prediction.delivered_s))
 
     def finished(self, request_id: str, now: float) -> None:
         self.core.finished(request_id)
 
     def predictions(self) -> list[tuple[float, float]] | None:
-        """Each first token's predicted and delivered seconds since routing, in order (None
+        """Each client's first token's predicted and delivered seconds since routing, in
+        order (a remote prefill's own token not counted; None
         under a rule that prices in blocks or not at all: ``dynamo``, the baselines)."""
         return self._predictions if self.settings.policy == "kv" else None
 

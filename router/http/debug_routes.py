@@ -46,6 +46,9 @@ def explain(state: RouterState, route: Route) -> dict[str, Any]:
         # Disaggregated serving: the worker that prefills for the chosen (decode) one.
         "prefill": route.prefill.url if route.prefill else None,
         "prefill_id": route.prefill.id if route.prefill else None,
+        # The predicted time to first token (the rule in seconds only): through the remote
+        # prefill when there is one (its queue and prefill, the transfer, the decode wait).
+        "predicted_ttft_s": route.predicted_ttft_s if route.predicts_ttft else None,
         "prompt_tokens": len(route.prompt.token_ids), "request_blocks": len(route.hashes),
         "decision_us": round(route.decision_seconds * 1e6, 1),
         "continues_session_on": route.continued.worker if route.continued else None,

@@ -241,7 +241,7 @@ def _start(sent: Sent, route: Route, default_type: bytes, length: int | None = N
     if worker.rank is not None:
         headers.append((b"x-kvroute-worker-rank", str(worker.rank).encode()))
     if route.predicts_ttft and worker is route.worker:
-        ms = route.decision.chosen.cost * 1e3
+        ms = route.predicted_ttft_s * 1e3
         headers.append((b"x-kvroute-predicted-ttft-ms", f"{ms:.1f}".encode()))
     if length is not None:
         headers.append((b"content-length", str(length).encode()))

@@ -115,8 +115,9 @@ class _Booked:
 
     routed_at: float
     predicted_s: float
-    #: The predicted seconds less ``first_s``, at the worker's unscaled rates.
-    work_s: float
+    #: The predicted seconds less ``first_s``, at the worker's unscaled rates (None: the
+    #: prediction spans other workers' work, a remote prefill's, and teaches no rate).
+    work_s: float | None
     #: The prompt's blocks, predicted resident where it went.
     hashes: Sequence[int] = ()
 
@@ -433,10 +434,14 @@ class RoutingCore:
     # -- facts about requests ---------------------------------------------------------------
 
     def routed(self, request_id: str, worker: int, hashes: Sequence[int], terms: WorkerCost,
-               now: float, continued: Continuation | None = None, tokens: int = 0) -> None:
+               now: float, continued: Continuation | None = None, tokens: int = 0,
+               predicted_s: float | None = None) -> None:
         """Book a request as sent to ``worker``, priced there as ``terms`` (the decision's,
         :meth:`~router.routing.scheduler.Decision.terms`): its prefill as queued work there,
         its prompt as resident there from now, and its session as living there.
+        ``predicted_s``, when given, is its predicted time to first token instead of
+        ``terms.cost`` (a remote prefill's, :func:`router.routing.disaggregation.
+        remote_prefill_ttft`); its first token then teaches no rate.
 
         Raises:
             ValueError: the request id is in flight already, or the worker is not tracked.
@@ -446,8 +451,11 @@ class RoutingCore:
         self._load.routed(request_id, worker, float(terms.prefill_blocks), max(blocks, 1),
                           terms.prefill_s / factor)
         first = self.rates(worker).first_s
-        self._booked[request_id] = _Booked(now, terms.cost, (terms.cost - first) / factor,
-                                           hashes)
+        if predicted_s is None:
+            booked = _Booked(now, terms.cost, (terms.cost - first) / factor, hashes)
+        else:
+            booked = _Booked(now, predicted_s, None, hashes)
+        self._booked[request_id] = booked
         self._refresh(worker)
         residency = self._approximate if self._tracked.get(worker) else self._predicted
         residency.expire(now)  # amortised: only the expired front is looked at
@@ -475,7 +483,7 @@ class RoutingCore:
             if len(settling) < MAX_SETTLING:
                 settling.append(booked.hashes)
         kind = self._kind.get(worker)
-        if self.settings.learns and kind is not None:
+        if self.settings.learns and kind is not None and booked.work_s is not None:
             self._learn(kind, booked.work_s, max(0.0, delivered - self._base[kind].first_s))
         self._refresh(worker)
         return Prediction(worker, booked.predicted_s, delivered)

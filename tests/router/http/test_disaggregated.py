@@ -11,6 +11,7 @@ from types import SimpleNamespace
 from typing import Any
 
 import httpx
+import pytest
 
 from router.http.disaggregated import REMOTE_DECODE, prefill_remotely, send_disaggregated
 from router.http.first_byte import FirstByteClock
@@ -120,3 +121,31 @@ async def test_a_decode_worker_failing_before_its_first_byte_hands_on_with_a_fre
                 == [VLLM_PARAMS, VLLM_PARAMS]
             assert state.service.counters == {"pd_remote_prefills": 2, "pd_decode_retries": 1}
             assert state.service.core.in_flight(route.prefill.id) == 0
+
+
+async def test_a_remote_prefills_predicted_ttft_adds_its_queue_the_transfer_and_the_decode_wait(
+        ) -> None:
+    # The prefill worker has a deep queue; the decode worker is idle. The decode worker's own
+    # price knows nothing of the queue there: the prediction is the sum of the three steps.
+    async with ScriptedWorker() as prefill, ScriptedWorker() as decode:
+        prefill.load_answer = b'{"running": 1, "waiting": 4, "pending_prefill_tokens": 40000}'
+        for bandwidth in (25e9, 1e7):  # the default link, then a slow one
+            async with served(prefill, decode, pd_transfer_bandwidth=bandwidth) as state:
+                await state.service.registry.poll_once()
+                route = state.service.decide(BODY, "completions")
+                assert route.prefill is not None and route.prefill_decision is not None
+                there, here = route.prefill_decision.chosen, route.decision.chosen
+                assert there.wait_s > 0 and here.wait_s == 0
+                transfer = len(route.hashes) * 32 * 32768 / bandwidth  # it holds nothing
+                first = state.service.core.rates(here.worker).first_s
+                assert route.predicted_ttft_s == pytest.approx(
+                    there.cost + transfer + here.wait_s + first)
+                assert route.predicted_ttft_s > there.cost + here.wait_s
+                # The booking holds that prediction, and the first token reports it.
+                state.service.dispatched(route, route.worker)
+                told = state.service.first_token(route)
+                assert told is not None
+                assert told.predicted_s == pytest.approx(route.predicted_ttft_s)
+                # A prefill that fails serves the request whole: the decode worker's own price.
+                route.prefill = None
+                assert route.predicted_ttft_s == here.cost

@@ -121,3 +121,28 @@ def test_a_prediction_settles_on_the_index_after_its_first_token() -> None:
     core.events_applied(0, [], 5.0)
     core.events_applied(1, [], 5.0)
     assert (held(0, 5.1), held(1, 5.1)) == (0, 8)
+
+
+def test_a_booking_with_a_prediction_of_its_own_reports_it_and_teaches_no_rate() -> None:
+    # Each first token comes 10x later than the worker's own price says. Booked with its
+    # terms, the worker's factor learns it; booked with a prediction spanning other workers'
+    # work (a remote prefill's), the prediction is what the first token reports, and the
+    # factor stays where it was.
+    factors = []
+    for own in (False, True):
+        core = RoutingCore(CoreSettings())
+        core.worker_joined(0)
+        rng = random.Random(1)
+        now = 0.0
+        for i in range(40):
+            hashes = [1000 * i + b for b in range(20)]
+            terms = core.decide(hashes, {}, now, rng).decision.chosen
+            predicted = terms.cost * 3 if own else None
+            core.routed(f"r{i}", 0, hashes, terms, now, predicted_s=predicted)
+            told = core.first_token(f"r{i}", now + 10 * terms.cost)
+            assert told is not None
+            assert told.predicted_s == (terms.cost * 3 if own else terms.cost)
+            core.finished(f"r{i}")
+            now += 100.0
+        factors.append(core.rate_factor(0))
+    assert factors[0] > 2 and factors[1] == 1.0
