@@ -407,8 +407,13 @@ class RouterService:
 
     def dispatched(self, route: Route, worker: Target) -> None:
         """Book a request as sent to ``worker``: load, predicted residency, and its session
-        (now living on ``worker``; a fallback moves it again, without counting it twice)."""
-        terms = route.decision.terms(worker.id)
+        (now living on ``worker``; a fallback moves it again, without counting it twice). A
+        prefill worker serving the request whole (the decode workers failed it) is booked at
+        its terms in the prefill decision."""
+        if worker.id not in route.entries and route.prefill_decision is not None:
+            terms = route.prefill_decision.terms(worker.id)
+        else:
+            terms = route.decision.terms(worker.id)
         predicted = None
         if route.prefill is not None:  # its KV arrives by transfer: nothing to prefill there
             terms = dataclasses.replace(terms, prefill_blocks=0, prefill_s=0.0)

@@ -23,7 +23,13 @@ the bootstrap fields, the prefill sent beside the decode request rather than bef
 A decode worker that fails before its first byte costs nothing either: the request goes to the
 next decode worker (:func:`router.http.failover.send_with_failover`) with a fresh prefill, since
 the first one's KV was held for the worker that failed (a prefill worker releases it once one
-decode has taken it, or when its lease ends); ``pd_decode_retries`` counts them.
+decode has taken it, or when its lease ends); ``pd_decode_retries`` counts them. When no decode
+worker is left (a fleet of one, say, whose KV transfer timed out: vLLM's NixlConnector gives a
+handshake 5 s, and fails the request on a loaded machine), the chosen decode worker gets one
+more try with a fresh prefill, unless it could not be reached at all; then the request is
+served whole, the original body, on the decode worker (it prefills the prompt itself) or else
+on the prefill worker; ``pd_served_whole`` counts those. Every request is answered while one
+of the two can answer it.
 """
 
 from __future__ import annotations
@@ -31,9 +37,10 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any
 
+from openai_request.bodies import ApiError
 from router.fleet.entry import Target
 from router.http.bootstrap import prefill_alongside
 from router.http.failover import Sent, pinned, send_with_failover
@@ -93,13 +100,21 @@ async def send_disaggregated(state: RouterState, route: Route, path: str,
                              stream: bool, on_failure: Callable[[Target, int, str], None]
                              ) -> Sent:
     """Send a request with a remote prefill: the prefill step, then the decode worker, and on
-    a decode worker's failure before its first byte the next one with a fresh prefill (module
-    docstring; the prefill worker stays the one chosen, which holds the prompt now).
+    a decode worker's failure before its first byte the next one with a fresh prefill; when
+    none is left, the last resorts (:func:`_last_resorts`; module docstring).
 
     Raises:
-        ApiError: 503, no decode worker began to answer.
+        ApiError: 503, no worker began to answer.
     """
     decode_body = await prefill_remotely(state, route, path, body, raw, headers)
+    prefill_worker = route.prefill
+    causes: dict[int, str] = {}
+    tries = [0]
+
+    def failed(worker: Target, attempt: int, cause: str) -> None:
+        causes[worker.id] = cause
+        tries[0] = attempt + 1
+        on_failure(worker, attempt, cause)
 
     async def refreshed() -> bytes:
         _count(state.service.counters, "pd_decode_retries")
@@ -107,8 +122,55 @@ async def send_disaggregated(state: RouterState, route: Route, path: str,
             return raw
         return await prefill_remotely(state, route, path, body, raw, headers)
 
-    return await send_with_failover(state.service, state.proxy, state.first_byte, route, path,
-                                    decode_body, headers, stream, on_failure, refreshed)
+    try:
+        return await send_with_failover(state.service, state.proxy, state.first_byte, route,
+                                        path, decode_body, headers, stream, failed, refreshed)
+    except ApiError as exc:
+        if exc.status != 503 or prefill_worker is None:
+            raise
+    return await _last_resorts(state, route, path, raw, headers, stream, failed, refreshed,
+                               prefill_worker, causes, tries[0])
+
+
+async def _last_resorts(state: RouterState, route: Route, path: str, raw: bytes,
+                        headers: Mapping[str, str], stream: bool,
+                        failed: Callable[[Target, int, str], None],
+                        refreshed: Callable[[], Awaitable[bytes]], prefill_worker: Target,
+                        causes: Mapping[int, str], tried: int) -> Sent:
+    """Every decode worker failed the request before its first byte: try the chosen one once
+    more with a fresh prefill (a KV transfer that timed out on a loaded pair may go through
+    the next time), unless it could not be reached; then serve the request whole (the
+    original body): on the chosen decode worker, which prefills it itself, then on the
+    prefill worker. ``pd_decode_retries`` counts the first, ``pd_served_whole`` the second.
+
+    Raises:
+        ApiError: 503, none of them began to answer either.
+    """
+    service, decode = state.service, route.worker
+    served_whole = route.prefill is None  # its prefill failed: the decode worker failed it whole
+    if not served_whole and causes.get(decode.id) != "connect":
+        log.warning("every decode worker failed the request before its first byte; once "
+                    "more on %s with a fresh prefill", decode.url)
+        try:
+            return await send_with_failover(service, state.proxy, state.first_byte, route,
+                                            path, raw, headers, stream, failed, refreshed,
+                                            candidates=[decode], first_attempt=tried)
+        except ApiError as exc:
+            if exc.status != 503:
+                raise
+        tried += 1
+    route.prefill = None  # whole: the decode worker is booked for its own prefill
+    _count(service.counters, "pd_served_whole")
+    whole = [w for w in ((prefill_worker,) if served_whole else (decode, prefill_worker))
+             if causes.get(w.id) != "connect"]
+    log.warning("serving the request whole on %s after its decode failed",
+                " or ".join(w.url for w in whole) or "no worker")
+    if not whole:
+        raise ApiError(503, "no worker could take the request (every one tried failed)",
+                       "service_unavailable")
+    return await send_with_failover(service, state.proxy, state.first_byte, route, path, raw,
+                                    headers, stream, failed, candidates=whole,
+                                    first_attempt=tried)
 
 
 def _transfer_params(content: bytes) -> dict[str, Any] | None:

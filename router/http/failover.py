@@ -26,7 +26,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable, Iterator, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 
 from openai_request.bodies import ApiError
@@ -64,7 +64,8 @@ async def send_with_failover(service: RouterService, proxy: Proxy, clock: FirstB
                              headers: Mapping[str, str], stream: bool | Callable[[], bool],
                              on_failure: Callable[[Target, int, str], None],
                              refreshed: Callable[[], Awaitable[bytes]] | None = None,
-                             pause: Callable[[float], Awaitable[None]] = asyncio.sleep
+                             pause: Callable[[float], Awaitable[None]] = asyncio.sleep,
+                             candidates: list[Target] | None = None, first_attempt: int = 0
                              ) -> Sent:
     """Send ``route``'s request until a worker begins to answer.
 
@@ -83,13 +84,19 @@ async def send_with_failover(service: RouterService, proxy: Proxy, clock: FirstB
         on_failure: called with the worker, the attempt and the cause of each failure.
         refreshed: gives the body for each attempt after the first (None: ``body`` again).
         pause: waits the seconds before the second round.
+        candidates: the workers to try, in order (default: the route's chosen worker, then
+            its fallbacks).
+        first_attempt: the number of the first attempt (a later try of a request some
+            worker failed already: no learned deadline, and ``refreshed`` for each body).
 
     Raises:
         ApiError: 503, no worker began to answer.
     """
-    tried = 0
+    listed: Callable[[], Iterable[Target]] = (
+        (lambda: _candidates(route)) if candidates is None else (lambda: candidates))
+    tried = first_attempt
     causes: set[str] = set()
-    for worker in _attempts(route, causes):
+    for worker in _attempts(listed, causes):
         if worker is None:
             await pause(RETRY_PAUSE_S)
             continue
@@ -120,21 +127,23 @@ async def send_with_failover(service: RouterService, proxy: Proxy, clock: FirstB
         elif answer.status >= 400:
             service.refused(route, worker)
         return Sent(worker, answer, attempt)
-    raise ApiError(503, f"no worker could take the request (tried {tried})",
+    raise ApiError(503, f"no worker could take the request (tried {tried - first_attempt})",
                    "service_unavailable")
 
 
-def _attempts(route: Route, causes: set[str]) -> Iterator[Target | None]:
-    """The workers to try, in order: the chosen one, then up to ``MAX_ATTEMPTS`` in all of
-    the fallbacks still healthy; then, when every failure was a connection's (``causes``),
-    ``None`` for the pause and a second such round of the ones healthy then."""
+def _attempts(listed: Callable[[], Iterable[Target]], causes: set[str]
+              ) -> Iterator[Target | None]:
+    """The workers to try, in order: the first ``listed`` (the chosen one), then up to
+    ``MAX_ATTEMPTS`` in all of the others still healthy; then, when every failure was a
+    connection's (``causes``), ``None`` for the pause and a second such round of the ones
+    healthy then."""
     for second in (False, True):
         if second:
             if causes != {"connect"}:
                 return
             yield None
         given = 0
-        for worker in _candidates(route):
+        for worker in listed():
             if given == MAX_ATTEMPTS:
                 break
             if (second or given) and worker.state is not WorkerState.HEALTHY:

@@ -89,9 +89,11 @@ class StateCollector:
             "Disaggregated serving: requests prefilled on a prefill worker (remote), on their "
             "decode worker because it held most of the prompt (local), or served whole on it "
             "after the prefill failed (failed); sent to another decode worker with a fresh "
-            "prefill after one failed before its first byte (retried)", labels=["outcome"])
+            "prefill after one failed before its first byte (retried); served whole after "
+            "every decode with the transferred KV failed (whole)", labels=["outcome"])
         for outcome, name in (("remote", "pd_remote_prefills"), ("local", "pd_local_prefills"),
-                              ("failed", "pd_prefill_failures"), ("retried", "pd_decode_retries")):
+                              ("failed", "pd_prefill_failures"), ("retried", "pd_decode_retries"),
+                              ("whole", "pd_served_whole")):
             prefills.add_metric([outcome], service.counters.get(name, 0))
         yield prefills
         yield per_worker(GaugeMetricFamily, "kvroute_rate_factor",

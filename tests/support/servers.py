@@ -67,6 +67,10 @@ class ScriptedWorker:
     10 s, recording when the client goes away), "paced" (a stream that sends one chunk per
     :meth:`release` and ends at :meth:`finish`).
 
+    ``kv_load_failures``: how many of the next requests that bring a remote prefill's
+    ``kv_transfer_params`` it fails with a 500 before any byte, as a vLLM decode server whose
+    NixlConnector handshake timed out does ("KV load failure"); whole requests it serves.
+
     Its control answers can be set while it runs: ``load_answer`` (the raw bytes ``/load``
     answers), ``model_info_extra`` (fields merged into ``/model_info``), ``answer_extra``
     (fields merged into whole completions answers),
@@ -85,6 +89,7 @@ class ScriptedWorker:
         self.model_info_extra: dict[str, Any] = {}
         #: Fields merged into every whole (non-streamed) completions answer.
         self.answer_extra: dict[str, Any] = {}
+        self.kv_load_failures = 0
         self.hang = False
         self.model_info_hangs = False
         self.model_info_calls = self.model_info_ended = 0
@@ -189,6 +194,10 @@ class ScriptedWorker:
         await self._wait_if_paused()
         if self.mode == "refuse":
             return web.json_response({"error": {"message": "overloaded"}}, status=503)
+        params = body.get("kv_transfer_params")
+        if self.kv_load_failures and isinstance(params, dict) and params.get("do_remote_prefill"):
+            self.kv_load_failures -= 1
+            return web.json_response({"error": {"message": "KV load failure"}}, status=500)
         if self.mode == "reject":
             return web.json_response({"error": {"message": "too long",
                                                 "code": "context_length_exceeded"}}, status=400)

@@ -1,6 +1,7 @@
 """The remote prefill step on its own: a real router service and proxy in front of a scripted
 prefill worker that answers as vLLM's NixlConnector prefill server does, and a scripted decode
-worker; :func:`prefill_remotely` builds the decode worker's body."""
+worker; :func:`prefill_remotely` builds the decode worker's body. The decode failure path with
+decode workers that fail their KV loads as a loaded vLLM pair does, or cannot be reached."""
 
 from __future__ import annotations
 
@@ -13,12 +14,15 @@ from typing import Any
 import httpx
 import pytest
 
+from openai_request.bodies import ApiError
+from router.http.app import create_app
 from router.http.disaggregated import REMOTE_DECODE, prefill_remotely, send_disaggregated
 from router.http.first_byte import FirstByteClock
 from router.http.proxy import Proxy
 from router.service import RouterService
 from router.settings import RouterSettings
-from tests.support.servers import ScriptedWorker
+from tests.support.eventually import eventually
+from tests.support.servers import ScriptedWorker, UvicornServer
 
 PROMPT = "disaggregated prefill " * 40  # 880 bytes: 27 full blocks
 BODY = {"model": "kvroute-sim", "prompt": PROMPT, "max_tokens": 16, "stream": True,
@@ -41,7 +45,8 @@ async def served(prefill: ScriptedWorker, *decode: ScriptedWorker, **settings: A
         proxy = Proxy()
         await proxy.start()
         try:
-            yield SimpleNamespace(settings=config, service=service, proxy=proxy)
+            yield SimpleNamespace(settings=config, service=service, proxy=proxy,
+                                  first_byte=FirstByteClock(2.0, 4.0, 300.0))
         finally:
             await service.registry.stop()
             await proxy.close()
@@ -149,3 +154,107 @@ async def test_a_remote_prefills_predicted_ttft_adds_its_queue_the_transfer_and_
                 # A prefill that fails serves the request whole: the decode worker's own price.
                 route.prefill = None
                 assert route.predicted_ttft_s == here.cost
+
+
+async def _send(state: SimpleNamespace, body: dict[str, Any] = BODY
+                ) -> tuple[Any, list[tuple[str, int, str]], Any]:
+    route = state.service.decide(body, "completions")
+    failures: list[tuple[str, int, str]] = []
+    sent = await send_disaggregated(
+        state, route, "/v1/completions", body, json.dumps(body).encode(), {},
+        bool(body.get("stream")),
+        lambda w, attempt, cause: failures.append((w.url, attempt, cause)))
+    await sent.answer.read()
+    return sent, failures, route
+
+
+async def test_a_lone_decode_worker_whose_kv_load_failed_gets_a_fresh_prefill_once() -> None:
+    # The first transfer fails (a handshake that timed out), the second goes through: the
+    # same decode worker serves the request with the second prefill's params.
+    async with ScriptedWorker() as prefill, ScriptedWorker() as decode:
+        prefill.answer_extra = {"kv_transfer_params": VLLM_PARAMS}
+        decode.kv_load_failures = 1
+        async with served(prefill, decode) as state:
+            sent, failures, route = await _send(state)
+            assert (sent.worker.url, sent.attempt, sent.answer.status) == (decode.url, 1, 200)
+            assert failures == [(decode.url, 0, "status")]
+            assert len(prefill.requests) == 2
+            assert [r.get("kv_transfer_params") for r in decode.requests] == [VLLM_PARAMS] * 2
+            assert state.service.counters == {"pd_remote_prefills": 2, "pd_decode_retries": 1}
+            assert state.service.core.in_flight(route.worker.id) == 1  # answering
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_lone_decode_worker_that_fails_every_transfer_serves_the_request_whole(
+        stream: bool) -> None:
+    async with ScriptedWorker() as prefill, ScriptedWorker() as decode:
+        prefill.answer_extra = {"kv_transfer_params": VLLM_PARAMS}
+        decode.kv_load_failures = 99
+        async with served(prefill, decode) as state:
+            body = {**BODY, "stream": stream}
+            sent, failures, route = await _send(state, body)
+            assert (sent.worker.url, sent.attempt, sent.answer.status) == (decode.url, 2, 200)
+            assert failures == [(decode.url, 0, "status"), (decode.url, 1, "status")]
+            # Two decodes with a prefill's params, then the original body, whole.
+            assert [r.get("kv_transfer_params") for r in decode.requests] == \
+                [VLLM_PARAMS, VLLM_PARAMS, None]
+            assert decode.requests[-1] == body
+            assert route.prefill is None  # booked for its own prefill there
+            assert state.service.counters == {"pd_remote_prefills": 2, "pd_decode_retries": 1,
+                                              "pd_served_whole": 1}
+
+
+async def test_a_decode_worker_that_cannot_be_reached_leaves_the_request_to_the_prefill_worker(
+        ) -> None:
+    # The decode worker is gone (its port closed) before the router's health poll noticed:
+    # no fresh prefill for it; the prefill worker serves the request whole.
+    async with ScriptedWorker() as prefill:
+        decode = ScriptedWorker()
+        prefill.answer_extra = {"kv_transfer_params": VLLM_PARAMS}
+        async with decode, served(prefill, decode) as state:
+            await decode.__aexit__(None, None, None)  # it dies
+            sent, failures, _ = await _send(state)
+        assert (sent.worker.url, sent.answer.status) == (prefill.url, 200)
+        assert {cause for _, _, cause in failures} == {"connect"}
+        assert {url for url, _, _ in failures} == {decode.url}
+        # Its prefills (the second for the retry a connection failure gets after a pause),
+        # then the request whole.
+        assert [r.get("kv_transfer_params") for r in prefill.requests] == \
+            [REMOTE_DECODE, REMOTE_DECODE, None]
+        assert prefill.requests[-1] == BODY
+        assert state.service.counters == {"pd_remote_prefills": 2, "pd_decode_retries": 1,
+                                          "pd_served_whole": 1}
+        assert state.service.core.in_flight(state.service.registry.find(prefill.url).id) == 1
+
+
+async def test_a_request_no_worker_can_answer_is_a_503() -> None:
+    async with ScriptedWorker() as prefill, ScriptedWorker("refuse") as decode:
+        prefill.answer_extra = {"kv_transfer_params": VLLM_PARAMS}
+        async with served(prefill, decode) as state:
+            prefill.mode = "refuse"  # after its first prefill: then nothing answers
+            route = state.service.decide(BODY, "completions")
+            with pytest.raises(ApiError) as caught:
+                await send_disaggregated(state, route, "/v1/completions", BODY,
+                                         json.dumps(BODY).encode(), {}, True,
+                                         lambda *_: None)
+            assert caught.value.status == 503
+            assert state.service.core.in_flight(route.worker.id) == 0
+
+
+async def test_through_the_router_a_lone_decode_workers_kv_failures_cost_no_request() -> None:
+    async with ScriptedWorker() as prefill, ScriptedWorker() as decode:
+        prefill.answer_extra = {"kv_transfer_params": VLLM_PARAMS}
+        decode.kv_load_failures = 99
+        config = RouterSettings(workers=(f"{prefill.url},role=prefill",
+                                         f"{decode.url},role=decode"), seed=3)
+        async with UvicornServer(create_app(config)) as router, \
+                httpx.AsyncClient(base_url=router.url, timeout=30) as client:
+            await eventually(lambda: client.get("/ready"), "the router ready",
+                             until=lambda r: r.status_code == 200 and r.json()["workers"] == 2)
+            answer = await client.post("/v1/completions", json=BODY)
+            metrics = (await client.get("/metrics")).text
+    assert answer.status_code == 200, answer.text
+    assert answer.headers["x-kvroute-worker"] == decode.url
+    assert decode.requests[-1] == BODY
+    assert 'kvroute_pd_prefills_total{outcome="whole"} 1.0' in metrics
+    assert 'kvroute_pd_prefills_total{outcome="retried"} 1.0' in metrics
