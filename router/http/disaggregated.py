@@ -108,8 +108,8 @@ async def send_disaggregated(state: RouterState, route: Route, path: str,
     """
     decode_body = await prefill_remotely(state, route, path, body, raw, headers)
     prefill_worker = route.prefill
-    causes: dict[int, str] = {}
-    tries = [0]
+    causes: dict[int, str] = {}  # each worker's last failure
+    tries = [0]  # attempts so far
 
     def failed(worker: Target, attempt: int, cause: str) -> None:
         causes[worker.id] = cause
@@ -129,48 +129,50 @@ async def send_disaggregated(state: RouterState, route: Route, path: str,
         if exc.status != 503 or prefill_worker is None:
             raise
     return await _last_resorts(state, route, path, raw, headers, stream, failed, refreshed,
-                               prefill_worker, causes, tries[0])
+                               prefill_worker, causes, tries)
 
 
 async def _last_resorts(state: RouterState, route: Route, path: str, raw: bytes,
                         headers: Mapping[str, str], stream: bool,
                         failed: Callable[[Target, int, str], None],
                         refreshed: Callable[[], Awaitable[bytes]], prefill_worker: Target,
-                        causes: Mapping[int, str], tried: int) -> Sent:
+                        causes: Mapping[int, str], tries: list[int]) -> Sent:
     """Every decode worker failed the request before its first byte: try the chosen one once
     more with a fresh prefill (a KV transfer that timed out on a loaded pair may go through
     the next time), unless it could not be reached; then serve the request whole (the
-    original body): on the chosen decode worker, which prefills it itself, then on the
-    prefill worker. ``pd_decode_retries`` counts the first, ``pd_served_whole`` the second.
+    original body): on the chosen decode worker, which prefills it itself, unless it failed
+    the request whole already, then on the prefill worker. ``pd_decode_retries`` counts the
+    first, ``pd_served_whole`` the second. ``causes`` (each worker's last failure) and
+    ``tries`` (the attempts so far) follow ``failed``.
 
     Raises:
         ApiError: 503, none of them began to answer either.
     """
     service, decode = state.service, route.worker
-    served_whole = route.prefill is None  # its prefill failed: the decode worker failed it whole
-    if not served_whole and causes.get(decode.id) != "connect":
+    if route.prefill is not None and causes.get(decode.id) != "connect":
         log.warning("every decode worker failed the request before its first byte; once "
                     "more on %s with a fresh prefill", decode.url)
         try:
             return await send_with_failover(service, state.proxy, state.first_byte, route,
                                             path, raw, headers, stream, failed, refreshed,
-                                            candidates=[decode], first_attempt=tried)
+                                            candidates=[decode], first_attempt=tries[0])
         except ApiError as exc:
             if exc.status != 503:
                 raise
-        tried += 1
+    # A decode worker whose own prefill failed was sent the request whole, and failed it.
+    failed_whole = route.prefill is None
     route.prefill = None  # whole: the decode worker is booked for its own prefill
     _count(service.counters, "pd_served_whole")
-    whole = [w for w in ((prefill_worker,) if served_whole else (decode, prefill_worker))
+    whole = [w for w in ((prefill_worker,) if failed_whole else (decode, prefill_worker))
              if causes.get(w.id) != "connect"]
-    log.warning("serving the request whole on %s after its decode failed",
-                " or ".join(w.url for w in whole) or "no worker")
     if not whole:
         raise ApiError(503, "no worker could take the request (every one tried failed)",
                        "service_unavailable")
+    log.warning("serving the request whole on %s after its decode failed",
+                " or ".join(w.url for w in whole))
     return await send_with_failover(service, state.proxy, state.first_byte, route, path, raw,
                                     headers, stream, failed, candidates=whole,
-                                    first_attempt=tried)
+                                    first_attempt=tries[0])
 
 
 def _transfer_params(content: bytes) -> dict[str, Any] | None:

@@ -13,21 +13,28 @@ from typing import Any
 import httpx
 import pytest
 
-pytest.importorskip("torch")
-
 from router.http.disaggregated import REMOTE_DECODE
 from workers.http.api import create_app
 from workers.http.kv_pull import PULL_TIMEOUT_S
 from workers.settings import WorkerSettings
 
+torch = pytest.importorskip("torch")
+
 PROMPT = "Prefill there, decode here: the same tokens."  # 44 bytes + BOS: 11 full blocks
 BLOCKS = (len(PROMPT.encode()) + 1 - 1) // 4
 
 
-def _settings(**kw: Any) -> WorkerSettings:
-    values: dict[str, Any] = {"engine": "torch", "torch_model": "tiny", "device": "cpu",
+DEVICES = [
+    "cpu",
+    pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+        not torch.cuda.is_available(), reason="no CUDA device")]),
+]
+
+
+def _settings(device: str = "cpu", **kw: Any) -> WorkerSettings:
+    values: dict[str, Any] = {"engine": "torch", "torch_model": "tiny", "device": device,
                               "block_size": 4, "kv_memory_gb": 0.01, "events_port": 0,
-                              "replay_port": 0}
+                              "replay_port": 0, "cuda_graphs": False}
     return WorkerSettings(**(values | kw))
 
 
@@ -67,15 +74,23 @@ async def _decode(client: httpx.AsyncClient, params: dict[str, Any] | None) -> d
     return dict(answer.json())
 
 
-async def test_the_decode_worker_pulls_the_prompt_and_decodes_the_same_tokens() -> None:
-    async with _worker(_settings()) as alone:
-        reference = await _decode(alone, None)
-    async with _worker(_settings()) as prefill:
+@pytest.mark.parametrize("device", DEVICES)
+async def test_the_decode_worker_pulls_the_prompt_and_decodes_the_same_tokens(
+        device: str) -> None:
+    # The reference computes the last block over its cached prefix, as the decode worker
+    # does (on the CPU, float32, that equals computing the prompt whole; bf16 on a GPU may
+    # round the two paths apart).
+    async with _worker(_settings(device)) as alone:
+        whole, reference = await _decode(alone, None), await _decode(alone, None)
+        assert reference["usage"]["prompt_tokens_details"]["cached_tokens"] == BLOCKS * 4
+        if device == "cpu":
+            assert whole["choices"][0]["text"] == reference["choices"][0]["text"]
+    async with _worker(_settings(device)) as prefill:
         params = await _prefill(prefill)
         assert len(params["remote_block_ids"]) == BLOCKS
         assert (await prefill.get("/load")).json()["kv_usage"] > 0  # held for the decode
         transport = httpx.ASGITransport(prefill.app)  # type: ignore[attr-defined]
-        async with _worker(_settings(), peers=transport) as decode:
+        async with _worker(_settings(device), peers=transport) as decode:
             answer = await _decode(decode, params)
             assert answer["choices"][0]["text"] == reference["choices"][0]["text"]
             assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == BLOCKS * 4
