@@ -258,3 +258,25 @@ async def test_through_the_router_a_lone_decode_workers_kv_failures_cost_no_requ
     assert decode.requests[-1] == BODY
     assert 'kvroute_pd_prefills_total{outcome="whole"} 1.0' in metrics
     assert 'kvroute_pd_prefills_total{outcome="retried"} 1.0' in metrics
+
+
+async def test_through_the_router_a_remote_prefills_answer_carries_its_own_prediction() -> None:
+    async with ScriptedWorker() as prefill, ScriptedWorker() as decode:
+        prefill.answer_extra = {"kv_transfer_params": VLLM_PARAMS}
+        prefill.load_answer = b'{"running": 1, "waiting": 4, "pending_prefill_tokens": 40000}'
+        config = RouterSettings(workers=(f"{prefill.url},role=prefill",
+                                         f"{decode.url},role=decode"), seed=3)
+        async with UvicornServer(create_app(config)) as router, \
+                httpx.AsyncClient(base_url=router.url, timeout=30) as client:
+            await eventually(lambda: client.post("/debug/route", json=BODY),
+                             "the prefill worker's queue seen",
+                             until=lambda r: r.status_code == 200
+                             and r.json()["prefill"] == prefill.url
+                             and r.json()["workers"][0]["wait_s"] == 0
+                             and r.json()["predicted_ttft_s"] > 2 * r.json()["workers"][0]["cost"])
+            shown = (await client.post("/debug/route", json=BODY)).json()
+            answer = await client.post("/v1/completions", json=BODY)
+    assert answer.status_code == 200, answer.text
+    predicted = float(answer.headers["x-kvroute-predicted-ttft-ms"])
+    assert predicted == pytest.approx(shown["predicted_ttft_s"] * 1e3, abs=0.05)
+    assert predicted > shown["workers"][0]["cost"] * 1e3  # more than the decode worker's own
