@@ -269,10 +269,10 @@ class Engine:
             try:
                 copy = getattr(self.executor, "copy_blocks", None)
                 if (alloc.offload or alloc.onboard) and callable(copy):
-                    await asyncio.to_thread(copy, (BlockTransfer(alloc.offload, alloc.onboard),))
+                    await _to_thread(copy, (BlockTransfer(alloc.offload, alloc.onboard),))
                 first = alloc.num_cached_tokens // bs
                 if write is not None and usable // bs > first:
-                    await asyncio.to_thread(write, first, alloc.block_ids[first:usable // bs])
+                    await _to_thread(write, first, alloc.block_ids[first:usable // bs])
             except BaseException:
                 self.cache.free(transfer)
                 self._wake.set()
@@ -438,3 +438,15 @@ class Engine:
             if rid in self.batcher:
                 self.batcher.abort(rid)
         handle._close(None)
+
+
+async def _to_thread(fn: Callable[..., object], *args: object) -> None:
+    """Run ``fn`` in a thread; when the caller is cancelled meanwhile, wait for the thread to
+    end before the cancellation goes on (the blocks it writes are freed after it)."""
+    future = asyncio.ensure_future(asyncio.to_thread(fn, *args))
+    try:
+        await asyncio.shield(future)
+    except asyncio.CancelledError:
+        with contextlib.suppress(Exception):
+            await future
+        raise

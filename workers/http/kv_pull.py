@@ -15,10 +15,12 @@ prefills the prompt itself.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
 import httpx
 from fastapi import Response
+from fastapi.responses import StreamingResponse
 
 from openai_request.bodies import ApiError
 from workers.cache.block_keys import Prompt
@@ -28,10 +30,12 @@ from workers.torch.kv_wire import TransferError, decode, header_bytes, max_messa
 if TYPE_CHECKING:
     from workers.http.kv_transfer import HeldPrefills, Transfer
 
-__all__ = ["PULL_TIMEOUT_S", "pull", "serve_blocks"]
+__all__ = ["CHUNK_BLOCKS", "PULL_TIMEOUT_S", "pull", "serve_blocks"]
 
 #: The most seconds one pull may take, connection to last byte.
 PULL_TIMEOUT_S = 30.0
+#: Blocks read and sent at a time by the prefill worker.
+CHUNK_BLOCKS = 64
 
 
 def _kv(engine: Engine) -> Any:
@@ -40,7 +44,9 @@ def _kv(engine: Engine) -> Any:
 
 
 async def serve_blocks(held: HeldPrefills, lease_id: str) -> Response:
-    """The answer to ``GET /kv_transfer/blocks/{lease_id}``: the held blocks as a message.
+    """The answer to ``GET /kv_transfer/blocks/{lease_id}``: the held blocks as a message,
+    streamed :data:`CHUNK_BLOCKS` blocks at a time (each read in a thread). A lease that ends
+    while its blocks are being sent cuts the answer short, which the reader refuses.
 
     Raises:
         ApiError: no prefill is held under ``lease_id`` (404), or this worker's engine holds
@@ -55,9 +61,19 @@ async def serve_blocks(held: HeldPrefills, lease_id: str) -> Response:
     if kv is None:
         raise ApiError(409, "this worker's engine holds no KV bytes to send (the sim engine "
                        "simulates its transfers)", code="no_kv")
-    payload = await asyncio.to_thread(kv.read_blocks, block_ids)
-    return Response(header_bytes(kv.layout(), len(block_ids)) + payload,
-                    media_type="application/octet-stream")
+    layout = kv.layout()
+    head = header_bytes(layout, len(block_ids))
+
+    async def body() -> AsyncIterator[bytes]:
+        yield head
+        for i in range(0, len(block_ids), CHUNK_BLOCKS):
+            if held.held(lease_id) is None:  # released or ended: the blocks may be reused
+                raise RuntimeError(f"the lease {lease_id} ended while its blocks were sent")
+            yield await asyncio.to_thread(kv.read_blocks, block_ids[i:i + CHUNK_BLOCKS])
+
+    size = len(head) + len(block_ids) * layout.block_bytes
+    return StreamingResponse(body(), media_type="application/octet-stream",
+                             headers={"content-length": str(size)})
 
 
 async def pull(engine: Engine, prompt: Prompt, transfer: Transfer,

@@ -14,8 +14,11 @@ import httpx
 import pytest
 
 from router.http.disaggregated import REMOTE_DECODE
+from tests.support.servers import UvicornServer, free_port
+from workers.http import kv_pull
 from workers.http.api import create_app
 from workers.http.kv_pull import PULL_TIMEOUT_S
+from workers.http.kv_transfer import HeldPrefills
 from workers.settings import WorkerSettings
 
 torch = pytest.importorskip("torch")
@@ -148,3 +151,36 @@ async def test_a_failed_transfer_is_counted_and_the_prompt_is_prefilled_locally(
             assert _metric(metrics, "kvroute_worker_transferred_tokens_total") == 0
         assert any(failure in r.getMessage() and "prefilling the prompt here" in r.getMessage()
                    for r in caplog.records)
+
+
+async def test_a_lease_that_ends_while_its_blocks_are_sent_cuts_the_answer_short(
+        monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
+    # A real server, sending one block at a time; the prefill worker's lease clock jumps past
+    # the lease after the first block is read: the rest is not sent, the decode worker
+    # refuses what came and prefills the prompt itself.
+    monkeypatch.setattr(kv_pull, "CHUNK_BLOCKS", 1)
+    async with _worker(_settings()) as alone:
+        reference = await _decode(alone, None)
+    port = free_port()
+    app = create_app(_settings(port=port))
+    state = app._state  # type: ignore[attr-defined]
+    now = [0.0]
+    state.held_prefills = HeldPrefills(30.0, clock=lambda: now[0])
+    async with UvicornServer(app, port=port) as server, \
+            httpx.AsyncClient(base_url=server.url, timeout=30) as prefill:
+        params = await _prefill(prefill)
+        kv = state.runtime.engine.executor.kv
+        read = kv.read_blocks
+
+        def read_then_end(block_ids: Any) -> bytes:
+            now[0] = 100.0  # the lease is over from now on
+            return bytes(read(block_ids))
+
+        monkeypatch.setattr(kv, "read_blocks", read_then_end)
+        async with _worker(_settings(), peers=httpx.AsyncHTTPTransport()) as decode:
+            answer = await _decode(decode, params)
+            metrics = (await decode.get("/metrics")).text
+    assert answer["choices"][0]["text"] == reference["choices"][0]["text"]
+    assert answer["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+    assert _metric(metrics, "kvroute_worker_kv_transfer_failures_total") == 1
+    assert any("could not be read" in r.getMessage() for r in caplog.records)
