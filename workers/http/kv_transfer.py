@@ -35,6 +35,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -150,7 +151,8 @@ def parse_transfer(body: dict[str, Any]) -> Transfer | None:
         if isinstance(lease, str) and isinstance(host, str) and type(port) is int:
             base = f"http://{host}:{port}/kv_transfer"
             return Transfer(remote_blocks=blocks, remote_request_id=lease,
-                            release_url=f"{base}/release", blocks_url=f"{base}/blocks/{lease}")
+                            release_url=f"{base}/release",
+                            blocks_url=f"{base}/blocks/{quote(lease, safe='')}")
     return Transfer(remote_decode=bool(decode), remote_blocks=blocks)
 
 
