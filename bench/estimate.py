@@ -99,7 +99,7 @@ def run(trace: Path, requests: int, workers: int, in_flight: int) -> dict[str, A
     """Route the trace's requests; return the estimate's errors and the changed decisions."""
     from openai_request.prompts import build_prompt
     from openai_request.segment_cache import SegmentedTokenizer
-    from openai_request.tokenizer import load_tokenizer
+    from openai_request.tokenizer import HFTokenizer, load_tokenizer
     from router.fleet.worker_table import WorkerInfo
     from router.service import RouterService
     from router.settings import RouterSettings
@@ -113,7 +113,9 @@ def run(trace: Path, requests: int, workers: int, in_flight: int) -> dict[str, A
                                           instance_id=f"i{w}", max_model_len=1 << 22))
     # The exact counts come from a tokenizer of their own, so that the router's ratio learns
     # only from what the router itself encoded.
-    exact = SegmentedTokenizer(load_tokenizer(str(folder)))
+    inner = load_tokenizer(str(folder))
+    assert isinstance(inner, HFTokenizer), "the bench's tokenizer is a Hugging Face one"
+    exact = SegmentedTokenizer(inner)
     text = TraceText()
     remainder: list[float] = []
     whole: list[float] = []
