@@ -14,7 +14,7 @@ import itertools
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -75,6 +75,13 @@ class Route:
         """The other candidates, next-best first."""
         return [self.entries[c.worker] for c in self.decision.costs
                 if c.worker != self.decision.worker]
+
+    def ranked(self) -> Iterator[Target]:
+        """The chosen worker, then :meth:`fallbacks`, which are priced only when asked for
+        (pricing every candidate walks the prompt's blocks on each: a request its first worker
+        takes never pays for it)."""
+        yield self.worker
+        yield from self.fallbacks()
 
 
 def _hashing_terms(entry: Target, settings: RouterSettings) -> HashingTerms:

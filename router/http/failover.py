@@ -134,20 +134,13 @@ def _attempts(route: Route, causes: set[str]) -> Iterator[Target | None]:
                 return
             yield None
         given = 0
-        for worker in _candidates(route):
+        for worker in route.ranked():
             if given == MAX_ATTEMPTS:
                 break
             if (second or given) and worker.state is not WorkerState.HEALTHY:
                 continue  # turned unhealthy since the decision
             given += 1
             yield worker
-
-
-def _candidates(route: Route) -> Iterator[Target]:
-    """The chosen worker, then the others next-best first: those are priced only when a
-    retry asks for them (pricing every worker was a twentieth of a request's CPU)."""
-    yield route.worker
-    yield from route.fallbacks()
 
 
 def pinned(headers: Mapping[str, str], worker: Target) -> Mapping[str, str]:
