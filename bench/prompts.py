@@ -45,7 +45,9 @@ What the measurements taught (2-core machine shared with other jobs, load averag
 - Tokenizing only as far as the match: a first-time prompt costs its first 4,096 characters
   of tokenization plus the estimate of the rest, 3-6 ms of CPU from 38 KB to 600 KB. The
   estimate (bytes over the bytes-per-token ratio of all text tokenized) was off by 2.6% on
-  this text (``estimate_error``).
+  this text (``estimate_error``). On the Mooncake trace rendered to text
+  (``python -m bench.estimate``) a whole prompt's estimate was off by 0.31% at the median and
+  1.9% at p99, and 3 of 3,993 decisions differed from those on exact tokens.
 - Before a large body could be walked on the event loop (the walk needs the index), bodies
   over 256 KB were tokenized whole in a thread: a first-time 600 KB prompt cost 196 ms of CPU
   instead of 6 ms.
