@@ -73,15 +73,15 @@ What the measurements taught (2-core machine shared with other jobs, load averag
   (``python -m bench.prompt_phases``, the cells taking turns in one process), a repeat's
   decision is 2.1 ms at 154 KB and 6.0 ms at 616 KB (14 and 10 µs a KB): parsing, the
   template, cutting, look-ups, gathering the ids, hashing and matching, booking each grow 2.3
-  to 3.4 times. The in-process part here reads 10 ms at 612 KB because each decision follows
+  to 3.4 times. The in-process part here reads 6.7-10 ms at 612 KB because each decision follows
   the same body's whole-prompt tokenization under ``full``, on cold caches. Over HTTP the
   router process spends about as much again as the decision (the body's socket reads, its
   write to the worker, a fifth of a py-spy profile's busy samples at 612 KB, and the rest of
   the request path). The 6x growth of the added latency once reported (5.0 ms at 153 KB,
   30.6 ms at 612 KB, repeat) was measured at load average 11-19; at load 4-7 the same run
-  gave 4.8 and 17.4 ms (3.6x), a next turn 4.1 and 11.8 ms (2.9x). On 2 shared cores a
-  request that needs 13-21 ms of CPU waits for the core more often than one that needs 4: the
-  figure to hold a change to is CPU per request.
+  gave 4.8 and 17.4 ms (3.6x), at load 3-5 3.3 and 7.9 ms (2.4x; a next turn 4.1 and 7.9,
+  1.9x). On 2 shared cores a request that needs 12-21 ms of CPU waits for the core more often
+  than one that needs 3-5: the figure to hold a change to is CPU per request.
 - Sending a request used to price every candidate for its fallbacks before the first worker
   was tried, a walk of the prompt's blocks per worker: now only when the first one fails
   (``bench/router.py``'s docstring has the figures).
