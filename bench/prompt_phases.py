@@ -20,8 +20,8 @@ Printed per cell: milliseconds a request and microseconds a KB of body. Each pha
 by wrapping the function that does it, which adds about a microsecond a call.
 
 What it taught (figures in ``docs/benchmarks.md``, long prompts): every phase grows with the
-body, none faster; at 600 KB a repeat's decision is about 4-6 ms of CPU, 9-10 µs a KB as at
-150 KB.
+body, none faster; at 600 KB a repeat's decision is about 5-6 ms of CPU, 9-10 µs a KB,
+against 11-14 µs a KB at 150 KB.
 """
 
 from __future__ import annotations
