@@ -72,10 +72,10 @@ What the measurements taught (2-core machine shared with other jobs, load averag
 - 150 KB against 600 KB: nothing in the router's path grows faster than the body. By phase
   (``python -m bench.prompt_phases``, the cells taking turns in one process), a repeat's
   decision is 1.7-2.1 ms at 154 KB and 5.3-6.0 ms at 616 KB (11-14 and 9-10 µs a KB, two
-  runs): parsing, the
-  template, cutting, look-ups, gathering the ids, hashing and matching, booking each grow 2.3
-  to 3.4 times. The in-process part here reads 6.7-10 ms at 612 KB because each decision follows
-  the same body's whole-prompt tokenization under ``full``, on cold caches. Over HTTP the
+  runs): parsing, the template, cutting, look-ups, gathering the ids, hashing and matching,
+  booking each grow 2.3 to 3.4 times. The in-process part here reads 6.7-10 ms at 612 KB
+  because each decision follows the same body's whole-prompt tokenization under ``full``, on
+  cold caches. Over HTTP the
   router process spends about as much again as the decision (the body's socket reads, its
   write to the worker, a fifth of a py-spy profile's busy samples at 612 KB, and the rest of
   the request path). The 6x growth of the added latency once reported (5.0 ms at 153 KB,
