@@ -44,13 +44,15 @@ EPP decides after the body's last byte, then Envoy copies the body to the worker
 streamed one decides after the first 8-16 KB (a first-time prompt's match ends in its first
 block) and the body flows on to the worker while the rest arrives, at the price of every
 chunk's round trip through the EPP. ``--upload-mbps M`` paces the client as a network link
-would; at 100 Mbit/s streamed added less than buffered on 400 KB (6.1 against 10.7 ms) and
-about the same on 100 KB, while on unpaced loopback it added more (10.7 against 7.5 ms on
-400 KB): there the chunks' gRPC trips cost more than one decision on the whole body.
-``*_in_process_cpu_ms`` is the EPP's own work without gRPC: streamed reads the JSON as it
-arrives and decides twice (on the prompt so far, to learn whether its match is settled, then
-with the rest's length), 8.5 ms on 400 KB against 2.0 ms buffered. Figures and commands:
-docs/kubernetes.md.
+would; at 100 Mbit/s streamed added less than buffered on 400 KB (3.6-5.3 against 8.8-9.9
+ms, saving 1.4-5.6 ms paired: at least the buffered EPP's gRPC side of the request, 2-2.5 ms
+of its CPU, most of it receiving the body as one message) and on 100 KB (3.9-5.5 against
+6.0-7.8 ms), while on unpaced loopback it added about as much or more (9.9 against 9.4 ms
+on 400 KB): there the chunks' gRPC trips cost about what one decision on the whole body
+does. ``*_in_process_cpu_ms`` is the EPP's own work without gRPC: streamed reads the JSON as
+it arrives and decides on the prompt so far (to learn whether its match is settled), then
+with the rest's length, 2.2-3.1 ms on 400 KB against 2.0-2.1 ms buffered. Figures and
+commands: docs/kubernetes.md.
 """
 
 from __future__ import annotations

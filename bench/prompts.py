@@ -45,7 +45,9 @@ What the measurements taught (2-core machine shared with other jobs, load averag
 - Tokenizing only as far as the match: a first-time prompt costs its first 4,096 characters
   of tokenization plus the estimate of the rest, 3-6 ms of CPU from 38 KB to 600 KB. The
   estimate (bytes over the bytes-per-token ratio of all text tokenized) was off by 2.6% on
-  this text (``estimate_error``).
+  this text (``estimate_error``). On the Mooncake trace rendered to text
+  (``python -m bench.estimate``) a whole prompt's estimate was off by 0.31% at the median and
+  1.9% at p99, and 3 of 3,993 decisions differed from those on exact tokens.
 - Before a large body could be walked on the event loop (the walk needs the index), bodies
   over 256 KB were tokenized whole in a thread: a first-time 600 KB prompt cost 196 ms of CPU
   instead of 6 ms.
@@ -67,9 +69,23 @@ What the measurements taught (2-core machine shared with other jobs, load averag
   before the body's end. Tries at every doubling with no end cost a repeated 600 KB body,
   which arrives in three or four pieces even on loopback and which no try can settle, 9-12
   ms of CPU (against 0.3-0.7 ms to read it whole): no try is made past 64 KB.
-- The router process spends about 7 ms of CPU while a 600 KB request is upstream (sending
-  it among the rest; not yet broken down), in either mode; the in-process part does not
-  count it.
+- 150 KB against 600 KB: nothing in the router's path grows faster than the body. By phase
+  (``python -m bench.prompt_phases``, the cells taking turns in one process), a repeat's
+  decision is 1.7-2.1 ms at 154 KB and 5.3-6.0 ms at 616 KB (11-14 and 9-10 µs a KB, two
+  runs): parsing, the template, cutting, look-ups, gathering the ids, hashing and matching,
+  booking each grow 2.3 to 3.4 times. The in-process part here reads 6.7-10 ms at 612 KB
+  because each decision follows the same body's whole-prompt tokenization under ``full``, on
+  cold caches. Over HTTP the
+  router process spends about as much again as the decision (the body's socket reads, its
+  write to the worker, a fifth of a py-spy profile's busy samples at 612 KB, and the rest of
+  the request path). The 6x growth of the added latency once reported (5.0 ms at 153 KB,
+  30.6 ms at 612 KB, repeat) was measured at load average 11-19; at load 4-7 the same run
+  gave 4.8 and 17.4 ms (3.6x), at load 3-5 3.3 and 7.9 ms (2.4x; a next turn 4.1 and 7.9,
+  1.9x). On 2 shared cores a request that needs 12-21 ms of CPU waits for the core more often
+  than one that needs 3-5: the figure to hold a change to is CPU per request.
+- Sending a request used to price every candidate for its fallbacks before the first worker
+  was tried, a walk of the prompt's blocks per worker: now only when the first one fails
+  (``bench/router.py``'s docstring has the figures).
 - Figures with the command that printed them are in ``docs/benchmarks.md``.
 """
 

@@ -146,6 +146,10 @@ What the measurements taught (all on this 2-core machine, other jobs running at 
   release ~10% (``RoutingCore._refresh`` regrouping the worker twice a request ~5%), the
   proxy's first-byte ``asyncio.timeout`` ~4%, the server's parse and cycle ~10%, the
   request path's own code ~6%.
+- What ranking the fallbacks for every request costs grows with the fleet: deciding,
+  booking and ranking a 1k-token prompt, in process, ranked eagerly against only when asked
+  (``Route.ranked``, which the endpoint picker now books through too), alternating (load
+  average 5-6): 130 -> 118 µs at 2 workers, 286 -> 124 µs at 64, 2,889 -> 299 µs at 1,024.
 """
 
 from __future__ import annotations

@@ -11,15 +11,19 @@ once the match ends inside what arrived the decision is settled. The tail still 
 stood in for by as many characters as the body has bytes left by its ``content-length``
 (none when it sends none), so the load booked counts the whole prompt.
 
-Only what the decision reads before the prompt counts: a body whose ``model`` comes after its
-prompt, whose prompt is a list of token ids, or whose last message's content is not a string
-is decided at its end. Members after the prompt that would have changed the choice
-(``cache_salt``, ``tools``, chat template arguments, a ``priority`` for flow control) are
-not seen by an early decision: a client that needs them to steer routing writes them before
-the prompt (or sends the priority as a header). A reader error (not
-a JSON object) also leaves the body to its end, where the buffered path's parse gives the
-client its error. A body decided early that turns out invalid past the decision (cut
-short, say) has been sent on: the worker refuses it, as it would any invalid body.
+Only what the decision reads before the prompt counts. A body whose ``model`` comes after its
+prompt (OpenAI's SDKs write ``messages`` first) is tried as if it named the router's only
+model when the router serves one model name and no adapter (``only_model``: the model then
+picks no worker, no tokenizer and no hash scope the router does not already know); elsewhere
+it is decided at its end, as is a body whose prompt is a list of token ids or whose last
+message's content is not a string. Members after the prompt that would have changed the
+choice (``cache_salt``, ``tools``, chat template arguments, a ``priority`` for flow control)
+are not seen by an early decision: a client that needs them to steer routing writes them
+before the prompt (or sends the priority as a header). A reader error (not a JSON object)
+also leaves the body to its end, where the buffered path's parse gives the client its error.
+A body decided early that turns out invalid past the decision (cut short, say, or naming a
+model the router does not serve) has been sent on: the worker refuses it, as it would any
+invalid body.
 """
 
 from __future__ import annotations
@@ -49,11 +53,15 @@ class EarlyBody:
     Args:
         kind: ``"chat"`` or ``"completions"`` (the path's), or ``None`` when unknown.
         content_length: the body's length by its header, or ``None``.
+        only_model: the router's one model name, when it serves one (module docstring): a
+            body that has not named its model by the prompt is tried with this one.
     """
 
-    def __init__(self, kind: str | None, content_length: int | None) -> None:
+    def __init__(self, kind: str | None, content_length: int | None,
+                 only_model: str | None = None) -> None:
         self._prompt_key = {"chat": "messages", "completions": "prompt"}.get(kind or "")
         self._length = content_length
+        self._only_model = only_model
         self._reader: ObjectReader | None = ObjectReader() if self._prompt_key else None
         self._next_try = FIRST_TRY_BYTES
 
@@ -70,8 +78,9 @@ class EarlyBody:
         except StreamError:
             self._reader = None
             return None
+        named = "model" in reader.members
         if (reader.fed < self._next_try or reader.open_key != key
-                or "model" not in reader.members):
+                or not (named or self._only_model is not None)):
             return None
         self._next_try = reader.fed * 2
         try:
@@ -79,6 +88,8 @@ class EarlyBody:
         except StreamError:
             self._reader = None
             return None
+        if not named:
+            partial = {**partial, "model": self._only_model}
         rest = max(0, self._length - reader.fed) if self._length is not None else 0
         padded = _padded(partial, key, rest)
         return None if padded is None else (partial, padded)

@@ -14,7 +14,7 @@ import itertools
 import os
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -88,6 +88,13 @@ class Route:
         return [self.entries[c.worker] for c in self.decision.costs
                 if c.worker != self.decision.worker]
 
+    def ranked(self) -> Iterator[Target]:
+        """The chosen worker, then :meth:`fallbacks`, which are priced only when asked for
+        (pricing every candidate walks the prompt's blocks on each: a request its first worker
+        takes never pays for it)."""
+        yield self.worker
+        yield from self.fallbacks()
+
 
 def _hashing_terms(entry: Target, settings: RouterSettings) -> HashingTerms:
     """How ``entry`` names blocks, as the router hashes a prompt for it."""
@@ -101,9 +108,13 @@ class _Fleet:
     """The candidates for one model, and what a decision reads of them."""
 
     __slots__ = ("bound", "by_id", "entries", "ids", "max_model_len", "min_model_len",
-                 "prefill", "terms")
+                 "only_model", "prefill", "terms")
 
     def __init__(self, entries: list[Target], settings: RouterSettings) -> None:
+        names = {n for e in entries if e.info for n in (e.info.model, *e.info.lora_adapters)}
+        #: The one model name every candidate serves (no adapter besides), or ``None``.
+        self.only_model = (next(iter(names)) if len(names) == 1 and all(e.info for e in entries)
+                           else None)
         # Disaggregated serving: prefill workers only prefill for the others; a fleet of
         # prefill workers alone serves whole requests on them.
         prefill = [e for e in entries if e.role == "prefill"]
@@ -239,6 +250,15 @@ class RouterService:
         ``--tokenize match``, which stops tokenizing where the match ends."""
         return self.settings.tokenize == "match" and isinstance(self.tokenizer,
                                                                  SegmentedTokenizer)
+
+    def only_model(self) -> str | None:
+        """The one model name the candidates serve, when they serve one and no adapter (else,
+        or with no candidate, ``None``): a body that has not named its model yet may be
+        decided early as if it named this one (:mod:`openai_request.early_body`)."""
+        try:
+            return self._fleet(self.registry.candidates(), None).only_model
+        except ApiError:
+            return None
 
     def settles(self, partial: Any, kind: str) -> bool:
         """Whether ``partial``, a body as far as it has arrived (its prompt cut where the

@@ -104,7 +104,7 @@ class Exchange:
                 return [messages.continue_headers()]
             length = messages.header(headers, "content-length")
             self._early = EarlyBody(self._kind, int(length) if length and length.isdigit()
-                                    else None)
+                                    else None, self._picker.service.only_model())
             return []
         if phase == "request_body":
             return self._on_body(request.request_body)

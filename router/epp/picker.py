@@ -150,8 +150,7 @@ class Picker:
         return self._book(route, held.subset)
 
     def _book(self, route: Route, subset: frozenset[str] | None) -> Pick:
-        ranked = [route.worker, *route.fallbacks()]
-        for worker in ranked:
+        for worker in route.ranked():
             endpoint = endpoint_of(worker.url)
             if subset is None or endpoint in subset:
                 pick = Pick(route, worker, endpoint)

@@ -93,7 +93,7 @@ async def send_with_failover(service: RouterService, proxy: Proxy, clock: FirstB
         ApiError: 503, no worker began to answer.
     """
     listed: Callable[[], Iterable[Target]] = (
-        (lambda: _candidates(route)) if candidates is None else (lambda: candidates))
+        route.ranked if candidates is None else (lambda: candidates))
     tried = first_attempt
     causes: set[str] = set()
     for worker in _attempts(listed, causes):
@@ -150,13 +150,6 @@ def _attempts(listed: Callable[[], Iterable[Target]], causes: set[str]
                 continue  # turned unhealthy since the decision
             given += 1
             yield worker
-
-
-def _candidates(route: Route) -> Iterator[Target]:
-    """The chosen worker, then the others next-best first: those are priced only when a
-    retry asks for them (pricing every worker was a twentieth of a request's CPU)."""
-    yield route.worker
-    yield from route.fallbacks()
 
 
 def pinned(headers: Mapping[str, str], worker: Target) -> Mapping[str, str]:

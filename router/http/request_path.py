@@ -166,7 +166,7 @@ class Forward:
         service = state.service
         chunk = await incoming.read_more()
         # Only a body still arriving is read as it comes (most arrive in one message).
-        early = (EarlyBody(kind, incoming.declared)
+        early = (EarlyBody(kind, incoming.declared, service.only_model())
                  if not incoming.complete and service.decides_early else None)
         while not incoming.complete:
             tries = early.feed(chunk) if early is not None else None

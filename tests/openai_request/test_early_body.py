@@ -45,6 +45,20 @@ def test_a_body_naming_its_model_after_the_prompt_is_never_tried() -> None:
     assert all(early.feed(raw[at:at + 4096]) is None for at in range(0, len(raw), 4096))
 
 
+def test_a_body_naming_its_model_after_the_prompt_is_tried_with_the_only_model() -> None:
+    raw = json.dumps({"messages": [{"role": "user", "content": TEXT}], "model": "m"}).encode()
+    early = EarlyBody("chat", len(raw), only_model="m")
+    tries = [t for at in range(0, len(raw), 4096) if (t := early.feed(raw[at:at + 4096]))]
+    assert tries, "an SDK-ordered body is tried before its end"
+    partial, padded = tries[0]
+    assert partial["model"] == padded["model"] == "m"
+    assert TEXT.startswith(partial["messages"][0]["content"])
+    # a body that named its model before the prompt keeps its own
+    named = json.dumps({"model": "other", "prompt": TEXT}).encode()
+    tried = EarlyBody("completions", len(named), only_model="m").feed(named[:FIRST_TRY_BYTES])
+    assert tried is not None and tried[0]["model"] == "other"
+
+
 def test_no_try_once_more_than_the_last_try_bytes_arrived() -> None:
     raw = json.dumps({"model": "m", "prompt": TEXT * 4}).encode()
     early = EarlyBody("completions", len(raw))

@@ -33,15 +33,17 @@ async def http() -> AsyncIterator[httpx.AsyncClient]:
         yield client
 
 
-def service_for(tmp_path: Path, http: httpx.AsyncClient, tokenize: str = "match"
-                ) -> RouterService:
-    """Two workers on distinct ports, nothing held, a fixed seed: built alike each call."""
+def service_for(tmp_path: Path, http: httpx.AsyncClient, tokenize: str = "match",
+                adapters: tuple[str, ...] = ()) -> RouterService:
+    """Two workers on distinct ports serving ``m`` (and ``adapters``), nothing held, a fixed
+    seed: built alike each call."""
     write_tiny_tokenizer(tmp_path)
     service = RouterService(RouterSettings(tokenizer=str(tmp_path), block_size=16, seed=1,
                                            tokenize=tokenize), http)
     for w in range(2):
         service.registry.adopt(WorkerInfo(url=f"http://127.0.0.1:{8100 + w}", model="m",
-                                          block_size=16, tokenizer=service.tokenizer.identity,
+                                          lora_adapters=adapters, block_size=16,
+                                          tokenizer=service.tokenizer.identity,
                                           instance_id=f"i{w}", max_model_len=1 << 22))
     return service
 
@@ -115,6 +117,10 @@ BODIES = [
     ("/v1/completions", "completions", {"model": "m", "prompt": PROMPT, "max_tokens": 4}),
     ("/v1/chat/completions", "chat", {"model": "m", "messages": [
         {"role": "system", "content": "be brief"}, {"role": "user", "content": PROMPT}]}),
+    # OpenAI's SDKs write the messages first: the fleet's only model stands in until then.
+    ("/v1/chat/completions", "chat", {"messages": [
+        {"role": "system", "content": "be brief"}, {"role": "user", "content": PROMPT}],
+        "model": "m"}),
 ]
 
 
@@ -159,14 +165,16 @@ async def test_a_prompt_held_to_its_end_is_decided_at_the_end(
 
 
 @pytest.mark.parametrize("raw", [
-    json.dumps({"prompt": PROMPT, "model": "m"}).encode(),  # the model after the prompt
+    # the model after the prompt, from a fleet serving two names (a model and an adapter)
+    json.dumps({"prompt": PROMPT, "model": "m"}).encode(),
     # a repeated key: the reader gives up, the buffered parse takes the body
     b'{"model": "m", "model": "m", "prompt": ' + json.dumps(PROMPT).encode() + b"}",
     json.dumps({"model": "m", "prompt": PROMPT.split()}).encode(),  # a 400 at the end
 ])
 async def test_what_cannot_be_settled_early_is_decided_at_the_end(
         tmp_path: Path, http: httpx.AsyncClient, raw: bytes) -> None:
-    exchange, answers = streamed(service_for(tmp_path, http), "/v1/completions", raw)
+    exchange, answers = streamed(service_for(tmp_path, http, adapters=("m-lora",)),
+                                 "/v1/completions", raw)
     assert all(not batch for batch in answers[:-1])  # nothing sent before the end
     assert not exchange.early
     if b"[" not in raw:
@@ -192,9 +200,10 @@ async def test_without_content_length_or_match_mode(tmp_path: Path,
 
 async def test_a_body_past_the_limit_is_refused_while_streaming(
         tmp_path: Path, http: httpx.AsyncClient) -> None:
-    service = service_for(tmp_path, http)
+    service = service_for(tmp_path, http, adapters=("m-lora",))
     service.settings = dataclasses.replace(service.settings, max_body_bytes=3 * CHUNK)
-    raw = json.dumps({"prompt": PROMPT, "model": "m"}).encode()  # never settled early
+    # never settled early: the model comes after the prompt and the fleet serves two names
+    raw = json.dumps({"prompt": PROMPT, "model": "m"}).encode()
     _, answers = streamed(service, "/v1/completions", raw)
     refusals = [a for batch in answers for a in batch if a.HasField("immediate_response")]
     assert [r.immediate_response.status.code for r in refusals] == [413]

@@ -100,6 +100,18 @@ async def test_the_worker_receives_the_clients_bytes_while_they_still_arrive(
         assert worker.headers[0]["Transfer-Encoding"] == "chunked"
 
 
+async def test_a_body_naming_its_model_after_the_prompt_is_sent_on_before_its_end(
+        tokenizer: str) -> None:
+    # OpenAI's SDKs write the prompt (or the messages) before the model: a router serving
+    # one model decides on the body's first part all the same.
+    body = json.dumps({"prompt": PROMPT, "model": "kvroute-sim", "max_tokens": 4}).encode()
+    async with scripted(tokenizer) as worker, router(tokenizer, worker) as (_, client):
+        answer = await client.post("/v1/completions", content=parts(body, 20_000, worker),
+                                   headers={"content-type": "application/json"})
+    assert answer.status_code == 200, answer.text
+    assert worker.bodies == [body]
+
+
 async def test_a_stream_asked_for_after_the_prompt_is_relayed_as_a_stream(
         tokenizer: str) -> None:
     body = body_bytes(stream=True)

@@ -109,6 +109,25 @@ async def test_a_worker_failing_before_its_first_byte_hands_the_request_on() -> 
         assert (active(service, bad), active(service, busy)) == (0, 1)
 
 
+async def test_the_fallbacks_are_priced_only_when_the_first_worker_fails(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    async with (
+        ScriptedWorker() as first,
+        ScriptedWorker() as other,
+        routed(first, other) as (service, proxy),
+    ):
+        route = await decided(service, first, other)
+        priced: list[int] = []
+        candidates = service.core.candidates
+        monkeypatch.setattr(service.core, "candidates",
+                            lambda workers, *a: priced.append(1) or candidates(workers, *a))
+        sent = await send(service, proxy, route, [])
+        assert sent.worker.url == first.url and priced == []  # taken: nobody else priced
+        await sent.answer.read()
+        assert [w.url for w in route.ranked()] == [first.url, other.url]
+        assert priced == [1]
+
+
 async def test_no_more_than_max_attempts_workers_are_tried_then_503() -> None:
     async with contextlib.AsyncExitStack() as stack:
         workers = [await stack.enter_async_context(ScriptedWorker("refuse"))
