@@ -245,13 +245,11 @@ class RoutingCore:
             self._groups.remove(worker)
 
     def _key(self, worker: int) -> LoadKey:
-        load = self._load.load(worker)
+        active, prefill, decode, prefill_s, external = self._load.figures(worker)
         r = self._rates.get(worker, self._default_rates)
         factor = self.rate_factor(worker)
-        wait = (factor * load.pending_prefill_s + r.prefill_s * load.external_prefill_blocks
-                + r.decode_s * load.decode_blocks)
-        return (wait, r.prefill_s, r.context_s, r.first_s, load.active_requests,
-                load.pending_prefill_blocks, load.decode_blocks)
+        wait = factor * prefill_s + r.prefill_s * external + r.decode_s * decode
+        return (wait, r.prefill_s, r.context_s, r.first_s, active, prefill, decode)
 
     # -- what the core knows, read ----------------------------------------------------------
 
@@ -261,7 +259,7 @@ class RoutingCore:
 
     def pending_prefill(self, worker: int) -> float:
         """Blocks of prefill queued on ``worker`` (routed, no first token yet)."""
-        return self._load.load(worker).pending_prefill_blocks
+        return self._load.figures(worker)[1]
 
     def wait(self, worker: int) -> float:
         """Seconds of work queued on ``worker`` ahead of a new request, as priced now."""

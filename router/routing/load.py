@@ -179,6 +179,20 @@ class LoadTracker:
                           max(0.0, books.decode) + books.external_decode,
                           max(0.0, books.prefill_s), books.external_prefill)
 
+    def figures(self, worker: int) -> tuple[int, float, float, float, float]:
+        """:meth:`load`'s figures as a plain tuple, in its fields' order (active requests,
+        pending prefill blocks, decode blocks, pending prefill seconds, foreign prefill
+        blocks): the routing core regroups a worker with them twice a request, and a frozen
+        dataclass costs a call per field to build."""
+        books = self._books.get(worker)
+        if books is None:
+            return 0, 0.0, 0.0, 0.0, 0.0
+        prefill, decode, prefill_s = books.prefill, books.decode, books.prefill_s
+        return (books.active + books.external_active,
+                (prefill if prefill > 0.0 else 0.0) + books.external_prefill,
+                (decode if decode > 0.0 else 0.0) + books.external_decode,
+                prefill_s if prefill_s > 0.0 else 0.0, books.external_prefill)
+
     def last_report(self, worker: int) -> ReportedLoad | None:
         """The load ``worker`` reported last (None before its first report)."""
         books = self._books.get(worker)

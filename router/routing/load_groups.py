@@ -95,8 +95,12 @@ class LoadGroups:
         old = self._key.get(worker)
         if old == key:
             return
+        # Its rates change far more rarely than its load: the sorted rates stay as they are
+        # unless they do.
+        same_rates = (old is not None and old[1] == key[1] and old[2] == key[2]
+                      and old[3] == key[3])
         if old is not None:
-            self._leave(worker, old)
+            self._leave(worker, old, same_rates)
         else:
             bisect.insort(self._ids, worker)
         self._key[worker] = key
@@ -106,9 +110,10 @@ class LoadGroups:
             bisect.insort(self._order, key)
         else:
             bisect.insort(members, worker)
-        bisect.insort(self._prefill, key[1])
-        bisect.insort(self._context, key[2])
-        bisect.insort(self._first, key[3])
+        if not same_rates:
+            bisect.insort(self._prefill, key[1])
+            bisect.insort(self._context, key[2])
+            bisect.insort(self._first, key[3])
 
     def remove(self, worker: int) -> None:
         """Stop tracking ``worker`` (a no-op for an unknown one)."""
@@ -117,12 +122,14 @@ class LoadGroups:
             self._leave(worker, old)
             del self._ids[bisect.bisect_left(self._ids, worker)]
 
-    def _leave(self, worker: int, key: LoadKey) -> None:
+    def _leave(self, worker: int, key: LoadKey, keep_rates: bool = False) -> None:
         members = self._members[key]
         del members[bisect.bisect_left(members, worker)]
         if not members:
             del self._members[key]
             del self._order[bisect.bisect_left(self._order, key)]
+        if keep_rates:
+            return
         del self._prefill[bisect.bisect_left(self._prefill, key[1])]
         del self._context[bisect.bisect_left(self._context, key[2])]
         del self._first[bisect.bisect_left(self._first, key[3])]

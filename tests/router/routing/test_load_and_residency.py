@@ -46,6 +46,33 @@ def test_reported_load_adds_what_other_routers_sent() -> None:
     assert t.load(0) == WorkerLoad(1, 4.0, 0.0, pending_prefill_s=0.5)
 
 
+def test_figures_are_the_load_as_a_tuple() -> None:
+    rng = random.Random(3)
+    t = LoadTracker()
+    for w in range(3):
+        t.add_worker(w)
+    live: list[str] = []
+    for i in range(500):
+        roll = rng.random()
+        if roll < 0.4 or not live:
+            live.append(f"r{i}")
+            t.routed(live[-1], rng.randrange(3), rng.randrange(9), rng.randrange(1, 9),
+                     rng.random())
+        elif roll < 0.6:
+            t.first_token(rng.choice(live))
+        elif roll < 0.8:
+            t.finished(live.pop(rng.randrange(len(live))))
+        else:
+            t.reported(rng.randrange(3), ReportedLoad(
+                running=rng.randrange(5), waiting=rng.randrange(3),
+                pending_prefill_blocks=rng.randrange(20), decode_blocks=rng.randrange(20)))
+        for w in range(4):  # 3: an unknown worker
+            load = t.load(w)
+            assert t.figures(w) == (load.active_requests, load.pending_prefill_blocks,
+                                    load.decode_blocks, load.pending_prefill_s,
+                                    load.external_prefill_blocks)
+
+
 def test_our_own_request_in_another_phase_is_not_foreign_load() -> None:
     t = LoadTracker()
     t.add_worker(0)

@@ -184,3 +184,30 @@ def test_the_random_fleets_cover_busy_and_idle_fleets() -> None:
     for seed in range(12):
         _random_run(seed, lambda core: seen.add(core._groups.order[0][0] > 0))
     assert seen == {True, False}
+
+
+def test_least_rates_follow_rate_changes_not_load_changes() -> None:
+    """A worker regrouped on its load alone keeps its rates in the sorted rates once; one
+    regrouped on new rates moves there, and the old rates leave with it."""
+    rng = random.Random(7)
+    groups = LoadGroups()
+    keys: dict[int, tuple[float, float, float, float, int, float, float]] = {}
+    for step in range(2000):
+        w = rng.randrange(6)
+        if w in keys and rng.random() < 0.1:
+            groups.remove(w)
+            del keys[w]
+            continue
+        old = keys.get(w)
+        if old is not None and rng.random() < 0.8:  # its load moved, its rates did not
+            key = (rng.random(), *old[1:4], rng.randrange(4), float(rng.randrange(9)), 0.0)
+        else:
+            key = (rng.random(), rng.choice([2e-6, 3e-6, 8e-6]), rng.choice([4e-10, 1e-9]),
+                   rng.choice([0.008, 0.02]), rng.randrange(4), 0.0, 0.0)
+        groups.update(w, key)
+        keys[w] = key
+        if keys:
+            assert groups.least_rates() == (min(k[1] for k in keys.values()),
+                                            min(k[2] for k in keys.values()),
+                                            min(k[3] for k in keys.values())), step
+        assert len(groups._prefill) == len(groups._first) == len(keys)
