@@ -17,7 +17,8 @@ Failure rules:
   anything). The deadline is the caller's (what it expects the worker to need, see
   :mod:`router.http.first_byte`), capped by ``ProxyTimeouts.first_byte``; and every wait is
   registered in the worker's :class:`~router.fleet.first_byte_waits.FirstByteWaits`, which the
-  health poll ends at once when the worker stops answering (a paused or wedged process).
+  health poll ends at once when the worker stops answering (a paused or wedged process). The
+  deadlines of every send in flight are kept by one timer (:mod:`router.http.deadlines`).
 - A failure after the first byte cannot be retried: a streaming answer ends with an SSE error
   event (``data: {"error": ...}``) and ``data: [DONE]``, never a silent truncation.
 - Closing the returned stream (a client that went away) closes the upstream connection, which
@@ -37,6 +38,7 @@ from dataclasses import dataclass
 from urllib.parse import urlsplit
 
 from router.fleet.first_byte_waits import FirstByteWaits
+from router.http.deadlines import Deadlines
 from router.http.incoming_body import IncomingBody
 from router.http.upstream import ConnectionPool, Exchange
 
@@ -178,18 +180,23 @@ class Proxy:
         self.timeouts = timeouts or ProxyTimeouts()
         self._max_connections = max_connections
         self._pool: ConnectionPool | None = None
+        self._deadlines: Deadlines | None = None
         #: url -> (host, port, TLS context, the request line and Host header)
         self._targets: dict[str, tuple[str, int, ssl.SSLContext | None, bytes]] = {}
 
     async def start(self) -> None:
         """Open the connection pool."""
         self._pool = ConnectionPool(self._max_connections, IDLE_KEEPALIVE_S)
+        self._deadlines = Deadlines(asyncio.get_running_loop())
 
     async def close(self) -> None:
         """Close the pool; safe to call twice."""
         if self._pool is not None:
             self._pool.close()
             self._pool = None
+        if self._deadlines is not None:
+            self._deadlines.close()
+            self._deadlines = None
 
     def _target(self, url: str) -> tuple[str, int, ssl.SSLContext | None, bytes]:
         found = self._targets.get(url)
@@ -243,8 +250,8 @@ class Proxy:
             UpstreamUnavailable: no answer began (connection failed, deadline passed or the
                 wait was given up, 5xx, or a stream that opened with an error event).
         """
-        pool = self._pool
-        if pool is None:
+        pool, deadlines = self._pool, self._deadlines
+        if pool is None or deadlines is None:
             raise RuntimeError("proxy is not started")
         host, port, tls, line = self._target(url)
         head = [line]
@@ -268,7 +275,9 @@ class Proxy:
         first = b""
         streamed = False
         try:
-            async with asyncio.timeout(limit) as timeout:
+            # Entered unarmed: the deadline is kept with every other wait's, by one timer.
+            async with asyncio.timeout(None) as timeout:
+                deadlines.add(timeout, limit)
                 if waits is not None:
                     waits.add(timeout)
                 try:
@@ -301,6 +310,7 @@ class Proxy:
                     if streamed and exchange.status == 200:
                         first = await exchange.chunk()
                 finally:
+                    deadlines.discard(timeout)
                     if waits is not None:
                         waits.discard(timeout)
         except (OSError, TimeoutError) as exc:  # ConnectionError is an OSError
