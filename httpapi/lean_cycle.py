@@ -109,7 +109,7 @@ class LeanCycle:
     async def run_asgi(self, app: App) -> None:
         """Serve the request with ``app`` (uvicorn's name: its protocol starts a pipelined
         request by calling it)."""
-        scope, rid = self._ids.named(self.scope)
+        scope, rid = self._ids.named(self.scope, in_place=True)
         scope[DEPARTURE] = self.departure
         self._request_id = rid.encode()
         self._deadline = time.monotonic() + self._body_timeout

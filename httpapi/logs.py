@@ -116,16 +116,30 @@ class RequestIds:
         self._prefix = f"{os.getpid():x}{int(time.time()) & 0xFFFF:04x}"
         self._ids = itertools.count(1)
 
-    def named(self, scope: _Scope) -> tuple[_Scope, str]:
+    def named(self, scope: _Scope, *, in_place: bool = False) -> tuple[_Scope, str]:
         """``scope`` with the request's id in its headers, and the id: the client's when
-        usable, else a new one. Every line logged from here on in this task names it."""
-        given = next((v for k, v in scope["headers"] if k == _HEADER), None)
+        usable, else a new one. Every line logged from here on in this task names it.
+        ``in_place``: the scope and its header list are the caller's own, made for this
+        request, so they are changed rather than copied."""
+        headers = scope["headers"]
+        given = None
+        for k, v in headers:
+            if k == _HEADER:
+                given = v
+                break
         if given is not None and _USABLE.fullmatch(given):
             rid = given.decode()
         else:
             rid = f"{self._prefix}-{next(self._ids)}"
-            headers = [(k, v) for k, v in scope["headers"] if k != _HEADER]
-            scope = {**scope, "headers": [*headers, (_HEADER, rid.encode())]}
+            if given is not None:
+                headers = [(k, v) for k, v in headers if k != _HEADER]
+            elif not in_place:
+                headers = list(headers)
+            headers.append((_HEADER, rid.encode()))
+            if in_place:
+                scope["headers"] = headers
+            else:
+                scope = {**scope, "headers": headers}
         _current.set(rid)
         return scope, rid
 

@@ -82,3 +82,25 @@ def test_an_unknown_format_or_level_is_refused() -> None:
         configure_logging("info", "xml")
     with pytest.raises(ValueError, match="log level 'loud'"):
         configure_logging("loud", "text")
+
+
+async def _noop(scope: Any, receive: Any, send: Any) -> None:
+    return None
+
+
+def test_naming_in_place_changes_the_callers_scope_and_naming_a_copy_does_not() -> None:
+    ids = RequestIds(_noop)
+    for in_place in (False, True):
+        given = [(b"host", b"h"), (b"x-request-id", b"client-7")]
+        scope = {"type": "http", "headers": given}
+        named, rid = ids.named(scope, in_place=in_place)
+        assert rid == "client-7" and named["headers"] == given  # usable: kept as it came
+        for headers in ([(b"host", b"h")], [(b"x-request-id", b"a b"), (b"host", b"h")]):
+            before = list(headers)
+            scope = {"type": "http", "headers": headers}
+            named, rid = ids.named(scope, in_place=in_place)
+            assert rid != "a b" and named["headers"] == [(b"host", b"h"),
+                                                         (b"x-request-id", rid.encode())]
+            assert (named is scope) is in_place
+            if not in_place:
+                assert scope["headers"] == before, "the caller's scope is left as it was"
