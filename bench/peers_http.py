@@ -19,21 +19,23 @@ The table gives the median over rounds, and the range where rounds differ by mor
 tenth. ``--kvroute DIR`` (repeatable) runs kvroute from each checkout named, as
 ``python -m kvroute.cli`` in that folder, to compare two versions in one run.
 
-On the 2-core VM (load average 7 from other jobs), ``python -m bench.peers_http --rounds 3
---seconds 5 --kvroute CHECKOUT-BEFORE --kvroute .`` printed (kvroute at commit aba5530,
-uvicorn's request cycle, and with the server's own cycle for the forwarding routes,
-:mod:`httpapi.lean_cycle`, and fallbacks ranked only on a retry):
+On the 2-core VM (load average 2-4 from other jobs), ``python -m bench.peers_http --rounds 5
+--seconds 5 --kvroute CHECKOUT-BEFORE --kvroute .`` printed (kvroute at main's c121843, and
+with one timer for every first-byte deadline, the core's regrouping from plain figures and
+the request id added in place; medians over 5 rounds):
 
 | router | added p50 (ms) | req/s, 64 connections | CPU per request (µs) |
 |---|---|---|---|
-| nginx direct | - | 43,944 (39,609-79,605) | - |
-| kvroute --policy kv, before | 0.50 (0.40-1.67) | 1,917 (862-1,933) | 323 (322-414) |
-| kvroute --policy kv | 0.32 (0.31-4.58) | 2,000 (675-2,835) | 258 (242-327) |
-| sglang-router 0.3.2 cache_aware | 0.46 (0.24-2.04) | 4,538 (1,392-4,710) | 110 (96-143) |
-| vllm-router 0.1.17 cache_aware | 0.33 (0.27-0.43) | 2,162 (1,533-2,214) | 182 (178-201) |
+| nginx direct | - | 79,018 (59,878-85,419) | - |
+| kvroute --policy kv, before | 0.47 (0.35-1.21) | 2,813 (1,745-2,960) | 248 (235-268) |
+| kvroute --policy kv | 0.39 (0.36-1.21) | 2,834 (2,087-3,542) | 243 |
+| sglang-router 0.3.2 cache_aware | 0.23 (0.21-0.43) | 6,862 (5,265-8,046) | 94 |
+| vllm-router 0.1.17 cache_aware | 0.33 (0.30-0.38) | 4,480 (3,482-5,337) | 149 |
 
-docs/routing.md keeps the earlier runs (kvroute 767 -> 424 µs at load 2.5-5, 738 -> 370 at
-load 9-10) and two more of this pair (373 -> 261 at load 7, 363 -> 287 at load 5).
+The before and after differ by less than the rounds' spread (``bench/router.py``'s docstring
+has each cut's own figure). docs/routing.md keeps the earlier runs (kvroute 767 -> 424 µs at
+load 2.5-5, 738 -> 370 at load 9-10, 323 -> 258 at load 7 with the server's own request
+cycle, and two more of that pair: 373 -> 261 at load 7, 363 -> 287 at load 5).
 On a loaded machine the figures move by a tenth or more between rounds; compare within one
 run. The added p50 is measured on one connection, so it is the router's own latency, not
 queueing at 64 connections.
