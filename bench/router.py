@@ -155,8 +155,10 @@ What the measurements taught (all on this 2-core machine, other jobs running at 
   .`` (load average 2-4; kvroute 248 µs (235-268) before, 243 (236-252) after, pairs by round
   268/238, 258/244, 235/243, 248/252, 245/236) and ``python -m bench.router --quick``
   alternated 4 times (``router_cpu_us_per_request`` 213-235 before, 210-214 after, one round
-  of each starved by other jobs left out; load 4-5). The ~10-15 µs predicted is inside the
-  rounds' spread; each piece, alone, is a few µs:
+  of each starved by other jobs left out; load 4-5). Two more runs of kvroute alone
+  (``--no-peers``, load 2-3): 235 against 248 µs over 5 rounds, 242 (235-262) against 240
+  (231-314) over 8. The ~10-15 µs predicted is inside the rounds' spread, end to end not seen;
+  each piece, alone and in process, is a few µs:
 
   * The core regrouped a worker (``RoutingCore._refresh``, twice a request: booked, then
     released) from a frozen ``WorkerLoad`` (a call per field to build) and took its three
