@@ -175,6 +175,12 @@ What the measurements taught (all on this 2-core machine, other jobs running at 
   * The server's own cycle gave each request its id on a copy of the scope and of its header
     list; the list is the request's own, so the id is appended to it (``RequestIds.named``,
     ``in_place``): about 1% of the profile.
+
+  The three together, in process (parse, decide, book and release a 1k-token completions body,
+  2 workers, 64 in flight, 3 alternated runs of 5): 53.2-57.5 -> 49.1-53.8 µs a request.
+  Tried and dropped: predicted residency's per-block loop (set, then move to the end) as two
+  loops in C (``OrderedDict.update`` over ``zip``/``repeat``, then ``move_to_end`` mapped into a
+  zero-length deque): 49.1-53.8 -> 52.2-55.7 µs, slower for a prompt's 31 blocks.
 """
 
 from __future__ import annotations
