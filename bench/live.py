@@ -30,7 +30,7 @@ import json
 import math
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import AsyncIterable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,7 +41,8 @@ from bench.figures import mean
 from bench.report import percentile, prediction_error, write_json
 from bench.workloads import WorkloadRequest
 
-__all__ = ["LATE_S", "Decorate", "LiveRecord", "replay_live", "run_live", "summarize_live"]
+__all__ = ["LATE_S", "Decorate", "LiveRecord", "read_stream", "replay_live", "run_live",
+           "summarize_live"]
 
 #: A request sent more than this many seconds after its scheduled arrival counts as late.
 LATE_S = 0.010
@@ -62,11 +63,53 @@ class LiveRecord:
     #: The router's predicted time to first token (its ``x-kvroute-predicted-ttft-ms``
     #: header; -1 when it sent none).
     predicted_ttft_s: float = -1.0
+    #: Every gap between two consecutive streamed tokens (seconds; inter-token latency).
+    token_gaps_s: list[float] = dataclasses.field(default_factory=list)
     error: str | None = None
 
 
 #: Extra body fields and headers for one request (``bench.flow``'s priorities and tenants).
 Decorate = Callable[[WorkloadRequest], tuple[dict[str, Any], dict[str, str]]]
+
+
+async def read_stream(lines: AsyncIterable[bytes], rec: LiveRecord, due: float,
+                      clock: Callable[[], float] = time.perf_counter) -> None:
+    """Read a ``/v1/completions`` event stream into ``rec``: its first token's time (from
+    ``due``, on ``clock``), each gap between two consecutive token chunks, the tokens, the
+    usage, and its end (``[DONE]``) or error. A chunk with choices is one token, as kvroute's
+    workers and vLLM stream them, so the gaps are the simulation's inter-token latencies
+    (:data:`bench.report.METRIC_KEYS`).
+
+    Raises:
+        json.JSONDecodeError: a data line that is not JSON (the caller counts it a failure).
+    """
+    last = -1.0
+    async for raw in lines:
+        line = raw.strip()
+        if not line.startswith(b"data:"):
+            continue
+        data = line[5:].strip()
+        if data == b"[DONE]":
+            rec.e2e_s = clock() - due
+            break
+        chunk = json.loads(data)
+        if "error" in chunk:
+            rec.error = str(chunk["error"].get("message", chunk["error"]))
+            break
+        if chunk.get("choices"):
+            now = clock()
+            if rec.ttft_s < 0:
+                rec.ttft_s = now - due
+            else:
+                rec.token_gaps_s.append(now - last)
+            last = now
+            rec.tokens_out += 1
+        usage = chunk.get("usage")
+        if usage:
+            # A text prompt is as long as the engine tokenized it.
+            rec.prompt_tokens = int(usage.get("prompt_tokens") or rec.prompt_tokens)
+            details = usage.get("prompt_tokens_details") or {}
+            rec.cached_tokens = int(details.get("cached_tokens") or 0)
 
 
 async def _one(session: aiohttp.ClientSession, url: str, req: WorkloadRequest,
@@ -93,28 +136,7 @@ async def _one(session: aiohttp.ClientSession, url: str, req: WorkloadRequest,
             if predicted is not None:
                 with contextlib.suppress(ValueError):
                     rec.predicted_ttft_s = float(predicted) / 1e3
-            async for raw in resp.content:
-                line = raw.strip()
-                if not line.startswith(b"data:"):
-                    continue
-                data = line[5:].strip()
-                if data == b"[DONE]":
-                    rec.e2e_s = time.perf_counter() - due
-                    break
-                chunk = json.loads(data)
-                if "error" in chunk:
-                    rec.error = str(chunk["error"].get("message", chunk["error"]))
-                    break
-                if chunk.get("choices"):
-                    if rec.ttft_s < 0:
-                        rec.ttft_s = time.perf_counter() - due
-                    rec.tokens_out += 1
-                usage = chunk.get("usage")
-                if usage:
-                    # A text prompt is as long as the engine tokenized it.
-                    rec.prompt_tokens = int(usage.get("prompt_tokens") or rec.prompt_tokens)
-                    details = usage.get("prompt_tokens_details") or {}
-                    rec.cached_tokens = int(details.get("cached_tokens") or 0)
+            await read_stream(resp.content, rec, due)
     except (TimeoutError, aiohttp.ClientError, json.JSONDecodeError) as exc:
         rec.error = f"{type(exc).__name__}: {exc}"
     if rec.error is None and rec.e2e_s < 0:
@@ -170,6 +192,7 @@ def summarize_live(records: Sequence[LiveRecord], makespan_s: float,
     prompt = sum(r.prompt_tokens for r in ok)
     ttft = [r.ttft_s for r in ok]
     e2e = [r.e2e_s for r in ok]
+    gaps = [g for r in ok for g in r.token_gaps_s]
     return {
         "policy": label,
         "hit_rate": sum(r.cached_tokens for r in ok) / prompt if prompt else math.nan,
@@ -181,6 +204,8 @@ def summarize_live(records: Sequence[LiveRecord], makespan_s: float,
         "e2e_mean_s": mean(e2e),
         "e2e_p50_s": percentile(e2e, 50),
         "e2e_p99_s": percentile(e2e, 99),
+        "itl_p50_s": percentile(gaps, 50),
+        "itl_p99_s": percentile(gaps, 99),
         "output_tok_s": sum(r.tokens_out for r in ok) / makespan_s if makespan_s else math.nan,
         "load_imbalance": math.nan,
         "decision_us_mean": math.nan,
@@ -203,7 +228,7 @@ def run_live(args: argparse.Namespace, requests: Sequence[WorkloadRequest], name
     a request failed). ``bounds`` are the hit-rate ceilings of the cluster the flags describe
     (``--workers`` x ``--capacity-tokens``, ``--block-size``): the live cluster is not asked,
     so they are only as right as those flags."""
-    from bench.report import plot, table
+    from bench.report import LIVE_COLUMNS, plot, table
 
     bar = None
     if not args.no_progress:
@@ -220,7 +245,8 @@ def run_live(args: argparse.Namespace, requests: Sequence[WorkloadRequest], name
     row = summarize_live(records, makespan)
     if bounds is not None and bounds.pooled_lru > 0:
         row["hit_vs_pooled"] = row["hit_rate"] / bounds.pooled_lru
-    print(table([row], f"{name} live against {args.live}, rate x{args.rate_scale:g}"))
+    print(table([row], f"{name} live against {args.live}, rate x{args.rate_scale:g}",
+                LIVE_COLUMNS))
     if row["errors"]:
         print(f"{row['errors']} requests failed, e.g. {row['first_errors']}", file=sys.stderr)
     if row["late_sends"]:

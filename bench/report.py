@@ -37,7 +37,7 @@ from bench.bounds import Bounds
 from bench.figures import mean, percentile
 from bench.sim import SimResult
 
-__all__ = ["METRIC_KEYS", "per_worker", "per_worker_table", "percentile", "plot",
+__all__ = ["LIVE_COLUMNS", "METRIC_KEYS", "per_worker", "per_worker_table", "percentile", "plot",
            "prediction_error", "summarize", "table", "write_json"]
 
 #: Keys of every policy's row, in table order.
@@ -177,9 +177,29 @@ _COLUMNS = (
 )
 
 
-def table(rows: Sequence[dict[str, Any]], title: str = "") -> str:
-    """Return the rows as an aligned text table (times in seconds)."""
-    return _aligned(rows, _COLUMNS, title)
+#: A live run's columns: what a client sees, inter-token latency beside TTFT.
+LIVE_COLUMNS = (
+    ("policy", "policy", "{}"),
+    ("hit_rate", "hit", "{:.1%}"),
+    ("ttft_mean_s", "TTFT mean", "{:.3f}"),
+    ("ttft_p50_s", "p50", "{:.3f}"),
+    ("ttft_p99_s", "p99", "{:.3f}"),
+    ("itl_p50_s", "ITL p50", "{:.4f}"),
+    ("itl_p99_s", "p99", "{:.4f}"),
+    ("e2e_p50_s", "E2E p50", "{:.3f}"),
+    ("e2e_p99_s", "p99", "{:.3f}"),
+    ("output_tok_s", "out tok/s", "{:.0f}"),
+    ("prediction_error", "pred err", "{:.0%}"),
+    ("errors", "errors", "{}"),
+    ("wall_s", "wall s", "{:.1f}"),
+)
+
+
+def table(rows: Sequence[dict[str, Any]], title: str = "",
+          columns: Sequence[tuple[str, str, str]] = _COLUMNS) -> str:
+    """Return the rows as an aligned text table (times in seconds), in ``columns`` (key,
+    heading, format; default the simulation's)."""
+    return _aligned(rows, columns, title)
 
 
 def _cell(value: Any, fmt: str) -> str:

@@ -6,11 +6,13 @@ import asyncio
 import itertools
 import json
 import math
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 from aiohttp import web
 
-from bench.live import LATE_S, replay_live, summarize_live
+from bench.figures import percentile
+from bench.live import LATE_S, LiveRecord, read_stream, replay_live, summarize_live
+from bench.report import LIVE_COLUMNS, table
 from bench.workloads import WorkloadRequest
 
 
@@ -130,3 +132,49 @@ async def test_the_routers_predicted_ttft_gives_the_prediction_error() -> None:
     ttft = by_id["r0"].ttft_s
     assert row["prediction_error"] == abs(0.001 - ttft) / ttft
     assert math.isnan(summarize_live(records[1:], makespan)["prediction_error"])  # none sent
+
+
+async def _lines(*items: bytes) -> AsyncIterator[bytes]:
+    for item in items:
+        yield item
+
+
+def _token(text: str = "x") -> bytes:
+    return b"data: " + json.dumps({"choices": [{"text": text}]}).encode() + b"\n"
+
+
+async def test_each_gap_between_two_tokens_is_recorded_from_the_stream() -> None:
+    clock = iter([10.5, 10.75, 11.0, 11.5, 12.0])  # three tokens, [DONE]; one spare
+    usage = b"data: " + json.dumps({"choices": [], "usage": {
+        "prompt_tokens": 40, "prompt_tokens_details": {"cached_tokens": 32}}}).encode()
+    rec = LiveRecord("r", 16)
+    await read_stream(_lines(b": comment", _token(), b"", _token(), _token(), usage,
+                             b"data: [DONE]", _token()), rec, 10.0, clock.__next__)
+    assert rec.ttft_s == 0.5 and rec.e2e_s == 1.5
+    assert rec.token_gaps_s == [0.25, 0.25] and rec.tokens_out == 3
+    assert (rec.prompt_tokens, rec.cached_tokens) == (40, 32) and rec.error is None
+
+
+async def test_the_inter_token_latency_is_over_every_gap_of_the_served_requests() -> None:
+    fast, slow, failed = LiveRecord("a", 8), LiveRecord("b", 8), LiveRecord("c", 8)
+    clocks = [iter([1.0, 1.01, 1.02, 1.03, 1.04]), iter([1.0, 1.5, 2.0]), iter([1.0, 9.0])]
+    streams = [_lines(*[_token()] * 4, b"data: [DONE]"),
+               _lines(_token(), _token(), b"data: [DONE]"),
+               _lines(_token(), _token(),
+                      b'data: {"error": {"message": "engine died"}}')]
+    for rec, clock, stream in zip((fast, slow, failed), clocks, streams, strict=True):
+        await read_stream(stream, rec, 0.9, clock.__next__)
+    assert failed.error == "engine died" and failed.token_gaps_s == [8.0]
+    row = summarize_live([fast, slow, failed], 2.0)
+    gaps = sorted(fast.token_gaps_s + slow.token_gaps_s)  # the failed request's gap is out
+    assert len(gaps) == 4 and row["itl_p50_s"] == percentile(gaps, 50)
+    assert row["itl_p99_s"] == percentile(gaps, 99) and row["itl_p99_s"] > 0.4
+    assert row["output_tok_s"] == (4 + 2) / 2.0
+
+
+def test_the_live_table_prints_the_inter_token_latency_beside_ttft() -> None:
+    rec = LiveRecord("a", 8, ttft_s=0.1, e2e_s=0.3, tokens_out=3, token_gaps_s=[0.1, 0.1])
+    text = table([summarize_live([rec], 1.0)], "live", LIVE_COLUMNS)
+    head, row = text.splitlines()[1:]
+    assert head.index("ITL p50") > head.index("TTFT mean")
+    assert "0.1000" in row
