@@ -128,14 +128,22 @@ def process_cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-def spawn(args: list[str], url: str, health: str = "/health", timeout: float = 30.0
-          ) -> subprocess.Popen[bytes]:
-    """Start ``kvroute <args>`` and wait until ``url + health`` answers 200."""
-    proc = subprocess.Popen([sys.executable, "-m", "kvroute.cli", *args,
+def spawn(args: list[str], url: str, health: str = "/health", timeout: float = 30.0,
+          niceness: int = 0) -> subprocess.Popen[bytes]:
+    """Start ``kvroute <args>`` (under ``nice -n niceness`` when not 0) and wait until
+    ``url + health`` answers 200."""
+    return wait_ready(launch(args, niceness), url + health, f"kvroute {' '.join(args)}",
+                      timeout)
+
+
+def launch(args: list[str], niceness: int = 0) -> subprocess.Popen[bytes]:
+    """Start ``kvroute <args>`` in a session of its own (under ``nice -n niceness`` when not
+    0), its output discarded; :func:`wait_ready` waits for it, :func:`stop` stops it."""
+    nice = ["nice", "-n", str(niceness)] if niceness else []
+    return subprocess.Popen([*nice, sys.executable, "-m", "kvroute.cli", *args,
                              "--log-level", "warning"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
-    return wait_ready(proc, url + health, f"kvroute {' '.join(args)}", timeout)
 
 
 def wait_ready(proc: subprocess.Popen[bytes], url: str, name: str, timeout: float

@@ -14,7 +14,9 @@ Every run with ``kvroute`` and a peer policy in it also gets the targets checked
 repeats the whole run at each seed (generators draw a new workload per seed; the trace is the
 same, the policies' and engines' randomness is not) and ends with the tally over all runs;
 ``--topologies 4,1p3d,2p2d --rate-scales 0.5,1,1.5`` compares worker topologies, disaggregated
-prefill and decode against aggregated workers, at several loads (:mod:`bench.topology`).
+prefill and decode against aggregated workers, at several loads (:mod:`bench.topology`);
+``--live-topologies 4,1p3d,2p2d`` does the same on real ``kvroute worker`` processes behind a
+``kvroute router``, started and stopped per run (:mod:`bench.topology_live`).
 ``--jobs N`` runs the simulations in N processes (each one's figures are the same as in one
 process: a simulation is seeded and in virtual time).
 
@@ -93,6 +95,26 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
            "or PpDd (P prefill, D decode workers), e.g. 4,1p3d,2p2d (bench.topology)")
     a("--rate-scales", metavar="SCALES",
       help="topology mode: the loads, comma-separated rate scales (default --rate-scale)")
+    a("--live-topologies", metavar="SPECS",
+      help="live topology mode: per topology (as --topologies) start that many kvroute "
+           "workers (sim engine, real time) and a router with their roles, replay, stop "
+           "them; TTFT, inter-token latency and throughput side by side (bench.topology_live)")
+    a("--live-local-prefill", default="0,256", metavar="TOKENS",
+      help="live topology mode: the router's --pd-local-prefill-tokens values each PpDd "
+           "topology runs with (default 0,256: every prefill remote, and selective)")
+    a("--speedup", type=positive_float, default=0.05,
+      help="live topology mode: the workers' --speedup; arrivals are sent this much faster "
+           "and times reported in engine seconds (default 0.05)")
+    a("--repeats", type=positive_int, default=1,
+      help="live topology mode: runs of every topology per load, alternated (default 1)")
+    a("--base-port", type=positive_int, default=None, metavar="PORT",
+      help="live topology mode: the router's port; workers at PORT+1.., their event streams "
+           "at PORT+101.. and PORT+201.. (default: free ports)")
+    a("--fleet-nice", type=int, default=5,
+      help="live topology mode: the fleet's processes run under nice -n this (default 5)")
+    a("--ready-timeout", type=positive_float, default=60.0,
+      help="live topology mode: seconds a process has to answer its health check "
+           "(default 60)")
     a("--kv-transfer-bandwidth", type=positive_float, default=25e9, metavar="BYTES_PER_S",
       help="disaggregated serving: the prefill-to-decode KV link (default 25e9)")
     a("--json", dest="json_path", metavar="OUT", help="write the results as JSON here")
@@ -219,6 +241,10 @@ def run_bench(args: argparse.Namespace) -> int:
     from bench.report import per_worker_table, plot, table, write_json
     from bench.targets import describe, summary_line, tally, verdict
 
+    if args.live_topologies:
+        from bench.topology_live import run_live_topologies
+
+        return run_live_topologies(args)
     if args.topologies and not args.live:
         from bench.topology import run_topologies
 
