@@ -68,9 +68,10 @@ def plan_fleet(roles: Sequence[str], args: argparse.Namespace, local_prefill: in
     if len(ports) != 1 + 3 * len(roles):
         raise ValueError(f"{len(roles)} workers need {1 + 3 * len(roles)} ports")
     speedup = args.speedup
+    kv_bytes = str(TIMING_MODELS[args.timing].kv_bytes_per_token)  # the simulation's
     workers, urls = [], []
     router = ["router", "--port", str(ports[0]), "--block-size", str(args.block_size),
-              "--pd-kv-bytes-per-token", str(TIMING_MODELS[args.timing].kv_bytes_per_token),
+              "--pd-kv-bytes-per-token", kv_bytes,
               "--pd-transfer-bandwidth", str(args.kv_transfer_bandwidth * speedup)]
     if local_prefill is not None:
         router += ["--pd-local-prefill-tokens", str(local_prefill)]
@@ -81,6 +82,7 @@ def plan_fleet(roles: Sequence[str], args: argparse.Namespace, local_prefill: in
                         "--timing", args.timing, "--block-size", str(args.block_size),
                         "--num-blocks", str(args.capacity_tokens // args.block_size),
                         "--max-num-batched-tokens", str(args.max_num_batched_tokens),
+                        "--kv-bytes-per-token", kv_bytes,
                         "--kv-transfer-bandwidth", str(args.kv_transfer_bandwidth)))
         url = f"http://127.0.0.1:{http}"
         urls.append(url)
@@ -248,7 +250,7 @@ def run_live_topologies(args: argparse.Namespace) -> int:
                                       f"{repeat + 1}"))
                 print()
     except (RuntimeError, KeyboardInterrupt) as exc:
-        print(f"error: {exc or 'interrupted'}; every process of the run was stopped",
+        print(f"error: {str(exc) or 'interrupted'}; every process of the run was stopped",
               file=sys.stderr)
         status = 1
     finally:
