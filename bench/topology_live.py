@@ -32,8 +32,9 @@ on a shared 2-core machine a run of 200 requests takes 30-50 s and the live rows
 simulation's. Aggregated workers keep the lowest TTFT and the worst ITL tail (p99 30-39 ms,
 the simulation's within 3 ms); 1p3d and 2p2d keep ITL p99 at 9-18 ms with their prefill side
 saturated from rate x20 (TTFT p50 about 1 s and 410-520 ms). A remote prefill costs 20-90
-engine ms of TTFT more than simulated (its HTTP round trip and the KV pull); the router's
-default ``--pd-local-prefill-tokens`` 256 lowered TTFT p50 against 0 in every pair of runs.
+engine ms of TTFT more than simulated, 165 in one case (its HTTP round trip and the KV
+pull); the router's default ``--pd-local-prefill-tokens`` 256 lowered TTFT p50 against 0 in
+every pair of runs.
 """
 
 from __future__ import annotations
