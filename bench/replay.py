@@ -103,7 +103,7 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
       help="live topology mode: the router's --pd-local-prefill-tokens values each PpDd "
            "topology runs with (default 0,256: every prefill remote, and selective)")
     a("--speedup", type=positive_float, default=0.1,
-      help="live topology mode: the workers' --speedup; arrivals are sent this much faster "
+      help="live topology mode: the workers' --speedup; arrivals come at this times the rate "
            "and times reported in engine seconds (default 0.1)")
     a("--repeats", type=positive_int, default=1,
       help="live topology mode: runs of every topology per load, alternated (default 1)")

@@ -14,8 +14,8 @@ replayed at its arrival times (:func:`bench.live.replay_live`: open loop, stream
 the scheduled arrival, every gap between two streamed tokens an inter-token latency).
 
 Loads and times are in the engine's seconds, as :mod:`bench.topology` (the simulation) reports
-them: ``--rate-scales`` are the simulation's, the arrivals are sent ``--speedup`` times as
-fast, and every wall time is multiplied by ``--speedup`` (output tokens a second divided by
+them: ``--rate-scales`` are the simulation's, the arrivals come at ``--speedup`` times the
+rate, and every wall time is multiplied by ``--speedup`` (output tokens a second divided by
 it). So a row reads beside the simulation's at the same rate scale, and what the live run adds
 is the real router, HTTP, event streams and transfers, whose own wall time shrinks by the same
 factor. The topologies alternate within each repeat, so a drift of the machine's load falls on
