@@ -39,7 +39,7 @@ from typing import Any
 import httpx
 import msgspec
 
-from bench.prompts import MODEL, SIZES, bodies, tokenizer_dir
+from bench.prompts import SIZES, bodies, services_by_mode, tokenizer_dir
 
 #: Phase name, the module or class holding the function, the function's name.
 _PHASES = [("render", "openai_request.prompts", "render_chat_with_images"),
@@ -75,23 +75,11 @@ def _timed(spent: collections.defaultdict[str, float]) -> None:
 
 def run(shapes: list[str], sizes: dict[str, int], n: int) -> list[dict[str, Any]]:
     """The phases' CPU per request of each (shape, size), the cells taking turns."""
-    from router.fleet.worker_table import WorkerInfo
-    from router.service import RouterService
-    from router.settings import RouterSettings
 
     spent: collections.defaultdict[str, float] = collections.defaultdict(float)
     _timed(spent)
-    folder = tokenizer_dir()
     http = httpx.AsyncClient()
-    services = {}
-    for mode in ("full", "match"):  # full: the whole prompt's hashes, for the worker to hold
-        service = RouterService(RouterSettings(tokenizer=str(folder), block_size=32, seed=1,
-                                               tokenize=mode), http)
-        for w in range(2):
-            service.registry.adopt(WorkerInfo(url=f"http://w{w}", model=MODEL, block_size=32,
-                                              tokenizer=service.tokenizer.identity,
-                                              instance_id=f"i{w}", max_model_len=1 << 20))
-        services[mode] = service
+    services = services_by_mode(tokenizer_dir(), http)
     match, full = services["match"], services["full"]
     cells = [(shape, label) for shape in shapes for label in sizes]
     raws = {(shape, label): [msgspec.json.encode(b) for b in bodies(

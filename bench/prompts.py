@@ -199,16 +199,15 @@ def bodies(shape: str, tokens: int, n: int, chars_per_token: float, seed: int
     return out
 
 
-def in_process(folder: Path, shapes: list[str], sizes: dict[str, int], n: int,
-               chars_per_token: float) -> list[dict[str, Any]]:
-    """Part 1: CPU per request of the router's own work, per mode."""
+def services_by_mode(folder: Path, http: httpx.AsyncClient) -> dict[str, Any]:
+    """A router service per ``--tokenize`` mode (``full`` first: its hashes stand for the
+    worker's events), each with two adopted workers of the bench's model and tokenizer."""
     from router.fleet.worker_table import WorkerInfo
     from router.service import RouterService
     from router.settings import RouterSettings
 
-    http = httpx.AsyncClient()
     services = {}
-    for mode in ("full", "match"):  # full first: its hashes stand for the worker's events
+    for mode in ("full", "match"):
         service = RouterService(RouterSettings(tokenizer=str(folder), block_size=32, seed=1,
                                                tokenize=mode), http)
         for w in range(2):
@@ -216,6 +215,14 @@ def in_process(folder: Path, shapes: list[str], sizes: dict[str, int], n: int,
                                               tokenizer=service.tokenizer.identity,
                                               instance_id=f"i{w}", max_model_len=1 << 20))
         services[mode] = service
+    return services
+
+
+def in_process(folder: Path, shapes: list[str], sizes: dict[str, int], n: int,
+               chars_per_token: float) -> list[dict[str, Any]]:
+    """Part 1: CPU per request of the router's own work, per mode."""
+    http = httpx.AsyncClient()
+    services = services_by_mode(folder, http)
     rows = []
     for shape in shapes:
         for label, tokens in sizes.items():
