@@ -107,6 +107,11 @@ def test_prefill_there_decode_here_equals_serving_whole(
     whole = httpx.post(f"{prefill.url}/v1/completions", json=body, timeout=ANSWER_TIMEOUT)
     assert answer.json()["choices"][0]["text"] == whole.json()["choices"][0]["text"]
     # The decode server's events of what it received reach the router's index.
-    eventually_blocking(lambda: next(w for w in router.workers() if w["url"] == decode.url)
-                        ["blocks"]["device"] > 0, "the decode server's received blocks indexed",
-                        timeout=60, tolerate=NOT_YET)
+    def entry() -> dict[str, object]:
+        return next(w for w in router.workers() if w["url"] == decode.url)
+    try:
+        eventually_blocking(lambda: entry()["blocks"]["device"] > 0,  # type: ignore[index]
+                            "the decode server's received blocks indexed", timeout=60,
+                            tolerate=NOT_YET)
+    except AssertionError as failed:  # say what the router heard from the decode server
+        raise AssertionError(f"{failed}; the router's entry: {json.dumps(entry())}") from None
