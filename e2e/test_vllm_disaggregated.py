@@ -15,6 +15,9 @@ the first transfer's handshake plus a cold forward pass on each server can pass 
 timeout and vLLM's 30 s lease on the prefill's blocks. So the router here allows 20 s a probe
 (one a second, not the harness's five: each is a ``/metrics`` page rendered by the busy
 server), the client waits up to 300 s, and the prefill server holds unclaimed blocks 300 s.
+The first transfer's handshake may still fail there (the router then prefills again or
+serves the request whole, as it should): a first request through the pair only has to be
+answered, and the checks are made on the second.
 """
 
 from __future__ import annotations
@@ -69,7 +72,7 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Router, VllmS
     prefill, decode = servers
     with running(servers) as started:
         router = Router("router", [], root, tokenizer=str(model), block_size=BLOCK_SIZE,
-                        pd_local_prefill_tokens=BLOCK_SIZE, health_timeout=20,
+                        pd_local_prefill_tokens=BLOCK_SIZE, health_timeout=20, predict_ttl=0.001,
                         health_interval=1)
         router.env["KVROUTE_WORKERS"] = (f"{prefill.worker_spec},role=prefill;"
                                          f"{decode.worker_spec},role=decode")
@@ -86,31 +89,70 @@ def _tokens_by_source(server: VllmServer, source: str) -> float:
                and f'source="{source}"' in line)
 
 
+def _pd_outcomes(metrics: str) -> dict[str, float]:
+    """``kvroute_pd_prefills_total`` by outcome, from the router's ``/metrics`` page."""
+    return {line.split('outcome="')[1].split('"')[0]: float(line.split()[-1])
+            for line in metrics.splitlines()
+            if line.startswith("kvroute_pd_prefills_total{")}
+
+
 def test_prefill_there_decode_here_equals_serving_whole(
         pd: tuple[Router, VllmServer, VllmServer]) -> None:
     router, prefill, decode = pd
-    rng = random.Random(5)
+    try:
+        _serve_through_the_pair(router, prefill, decode)
+    except BaseException:
+        for p in (router, prefill, decode):
+            print(f"---- {p.name} ----\n{p.tail(80)}")
+        raise
+
+
+def _prompt(seed: int) -> str:
+    rng = random.Random(seed)
     words = ["cache", "router", "block", "prefix", "engine", "token", "worker", "model"]
-    prompt = " ".join(rng.choice(words) for _ in range(150))
-    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": 8, "temperature": 0}
+    return " ".join(rng.choice(words) for _ in range(150))
+
+
+def _serve_through_the_pair(router: Router, prefill: VllmServer, decode: VllmServer) -> None:
+    # A first request through the pair pays the servers' cold forward passes and the first
+    # NIXL handshake, which on a loaded machine may fail (the router then retries or serves
+    # whole); it must be answered either way. The request measured is the second.
+    warm = {"model": MODEL_NAME, "prompt": _prompt(4), "max_tokens": 2, "temperature": 0}
+    answer = router.client.post("/v1/completions", json=warm, timeout=ANSWER_TIMEOUT)
+    assert answer.status_code == 200, answer.text
+    before = _pd_outcomes(router.client.get("/metrics").text)
+    sources = ("external_kv_transfer", "local_compute")
+    counted = {source: _tokens_by_source(decode, source) for source in sources}
+    body = {"model": MODEL_NAME, "prompt": _prompt(5), "max_tokens": 8, "temperature": 0}
     answer = router.client.post("/v1/completions", json=body, timeout=ANSWER_TIMEOUT)
     assert answer.status_code == 200, answer.text
     assert answer.headers["x-kvroute-worker"] == decode.url
-    metrics = router.client.get("/metrics").text
-    assert 'kvroute_pd_prefills_total{outcome="remote"} 1.0' in metrics
+    # Prefilled there: the prefill step succeeded and the decode server took the KV (a decode
+    # whose transfer failed is retried with a fresh prefill, counted as such).
+    after = _pd_outcomes(router.client.get("/metrics").text)
+    delta = {outcome: after[outcome] - before.get(outcome, 0.0) for outcome in after}
+    assert delta["remote"] >= 1 and delta["remote"] == 1 + delta["retried"], delta
+    assert delta["failed"] == delta["whole"] == delta["local"] == 0, delta
     prompt_tokens = answer.json()["usage"]["prompt_tokens"]
     # The decode server took the prompt's KV by transfer and computed (nearly) none of it.
-    transferred = _tokens_by_source(decode, "external_kv_transfer")
+    transferred, computed = (_tokens_by_source(decode, source) - counted[source]
+                             for source in sources)
     assert transferred > 0
-    assert transferred + _tokens_by_source(decode, "local_compute") <= prompt_tokens
+    assert transferred + computed <= prompt_tokens
     # Greedy output equals a whole request's on one server.
     whole = httpx.post(f"{prefill.url}/v1/completions", json=body, timeout=ANSWER_TIMEOUT)
     assert answer.json()["choices"][0]["text"] == whole.json()["choices"][0]["text"]
-    # The decode server's events of what it received reach the router's index.
+    # The decode server's events of what it received reach the router's index: it holds the
+    # measured prompt there (the router's own predictions of residency live a millisecond).
     def entry() -> dict[str, object]:
         return next(w for w in router.workers() if w["url"] == decode.url)
+
+    def held_there() -> int:
+        route = router.client.post("/debug/route", json=body).json()
+        return next(w["device_matched_blocks"] for w in route["workers"]
+                    if w["url"] == decode.url)
     try:
-        eventually_blocking(lambda: entry()["blocks"]["device"] > 0,  # type: ignore[index]
+        eventually_blocking(lambda: held_there() > 0,
                             "the decode server's received blocks indexed", timeout=60,
                             tolerate=NOT_YET)
     except AssertionError as failed:  # say what the router heard from the decode server
