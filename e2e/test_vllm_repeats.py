@@ -122,14 +122,29 @@ def test_every_repeat_reaches_the_holder_on_an_idle_pair(router: Router) -> None
         assert_repeat_hits(router, messages, holder)
 
 
+def serving(url: str) -> float:
+    """Requests running or waiting on the vLLM server at ``url``, by its own ``/metrics``."""
+    page = httpx.get(f"{url}/metrics", timeout=30).text
+    return sum(float(line.split()[-1]) for line in page.splitlines()
+               if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")))
+
+
+def idle_pair(router: Router) -> bool:
+    """Both servers idle, by their own metrics and then in the router's view: a stream the
+    client left still runs on its server until vLLM aborts it, and the router, told so by the
+    server's load report, counts it as load there until a later report says it is gone."""
+    workers = explained(router, new_chat(0))["workers"]
+    return (all(serving(w["url"]) == 0 for w in workers)
+            and all(w["active_requests"] == 0 for w in explained(router, new_chat(0))["workers"]))
+
+
 def test_every_repeat_reaches_the_holder_when_it_is_the_busier_one(router: Router) -> None:
     streams = httpx.Client(base_url=router.url, timeout=120)
     try:
         for seed in range(300, 305):
             # Each chat starts from two idle servers (the last one's long answer over).
-            eventually_blocking(lambda: all(w["active_requests"] == 0 for w in
-                                            explained(router, new_chat(0))["workers"]),
-                                "both servers idle", 120, tolerate=NOT_YET)
+            eventually_blocking(lambda: idle_pair(router), "both servers idle", 120,
+                                tolerate=NOT_YET)
             messages = new_chat(seed)
             holder = first_then_indexed(router, messages)
             # A long answer to a follow-up of the same chat: the router sends it to the holder
