@@ -17,12 +17,22 @@ held, the prefill tokens it still had to compute. It prints:
 - **holders passed over**: decisions sent to a worker holding fewer blocks than another did,
   how many of them in a busy fleet, their share of the prompt tokens, and how many of those
   holders had more than 1.2 times as much prefill booked as their engine had left.
+- **the iteration in flight**: of the decisions whose chosen worker's engine was computing an
+  iteration when the request came (it waits for that iteration to end before it is admitted),
+  the median time left of it and its median length, and the median TTFT prediction error as
+  it is and as it would be had the router known what was left of that iteration (the
+  prediction less half the iteration, what a request meets on average, plus what was left).
+  The router's books see no iteration; the gap between the two errors is what not knowing
+  the iteration's phase costs the prediction.
 
-Run on the trace's last 393 requests at 4x (``docs/routing.md``, "Where the tail's hits go").
+Run on the trace's last 393 requests at 4x (``docs/routing.md``, "Where the tail's hits go"),
+and on a generator's cell (``--generator multi_turn --workers 4 --rate-scale 8 --requests 800
+--seed 202``: ``docs/routing.md``, "The prediction's error").
 """
 
 from __future__ import annotations
 
+import statistics
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -34,6 +44,7 @@ from bench.sim import SimConfig, simulate
 from bench.workloads import WorkloadRequest
 from router.routing.scheduler import price
 from workers.cache.block_keys import Prompt, RequestBlocks
+from workers.engine.executor import SimExecutor
 
 __all__ = ["Candidate", "Decision", "Summary", "main", "record", "report", "summarize"]
 
@@ -54,6 +65,10 @@ class Candidate:
     held_blocks: int
     left_blocks: float
     alone_s: float  # the prompt's prefill alone there, in the timing model
+    #: What was left of the iteration its engine was computing (0: none in flight).
+    in_flight_s: float = 0.0
+    #: That iteration's length (0: none in flight).
+    iteration_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -66,6 +81,8 @@ class Decision:
     busy: bool
     candidates: list[Candidate]
     ttft_s: float = -1.0
+    #: The chosen worker's predicted time to first token.
+    predicted_s: float = 0.0
 
 
 @dataclass(slots=True)
@@ -83,6 +100,14 @@ class Summary:
     passed_over_tokens: float = 0.0
     passed_over_overbooked: int = 0
     prompt_tokens: int = 0
+    #: Decisions whose chosen worker had an iteration in flight, and the medians over them:
+    #: time left of it, its length, the prediction's error, and that error with the time
+    #: left known (module docstring).
+    in_flight: int = 0
+    in_flight_left_s: float = 0.0
+    in_flight_iteration_s: float = 0.0
+    prediction_error: float = 0.0
+    phase_known_error: float = 0.0
 
 
 class _Recording(KvroutePolicy):
@@ -91,6 +116,7 @@ class _Recording(KvroutePolicy):
     def __init__(self, config: SimConfig) -> None:
         super().__init__()
         self._config = config
+        self._executor = SimExecutor(config.timing, block_size=config.block_size)
         self.decisions: dict[str, Decision] = {}
 
     def route(self, request: RouteRequest, now: float) -> int:
@@ -114,14 +140,18 @@ class _Recording(KvroutePolicy):
                     break
                 held += 1
             c = costs[w]
+            plan = engines[w].plan
+            iteration = self._executor.modeled_seconds(plan) if plan is not None else 0.0
+            left = engines[w].plan_start_s + iteration - now if plan is not None else 0.0
             recorded.append(Candidate(
                 c.matched_blocks, c.wait_s, c.prefill_s, c.pending_prefill_blocks, held,
                 engines[w].batcher.pending_prefill_tokens / cfg.block_size,
-                _alone_s(cfg, len(request.token_ids), held * cfg.block_size)))
+                _alone_s(cfg, len(request.token_ids), held * cfg.block_size),
+                max(0.0, left), iteration))
         worker = super().route(request, now)
         self.decisions[request.request_id] = Decision(
             request.request_id, len(request.token_ids), worker,
-            all(c.wait_s > 0 for c in candidates), recorded)
+            all(c.wait_s > 0 for c in candidates), recorded, predicted_s=costs[worker].cost)
         return worker
 
 
@@ -160,6 +190,21 @@ def _band(wait_s: float) -> float:
 def summarize(decisions: Sequence[Decision], block_size: int = 32) -> Summary:
     """The figures the module docstring lists (``block_size``: tokens a block)."""
     s = Summary(decisions=len(decisions))
+    left, iterations, errors, known = [], [], [], []
+    for d in decisions:
+        chosen = d.candidates[d.chosen]
+        if chosen.iteration_s > 0 and d.ttft_s > 0:
+            left.append(chosen.in_flight_s)
+            iterations.append(chosen.iteration_s)
+            errors.append(abs(d.predicted_s - d.ttft_s) / d.ttft_s)
+            phased = d.predicted_s - chosen.iteration_s / 2 + chosen.in_flight_s
+            known.append(abs(phased - d.ttft_s) / d.ttft_s)
+    if left:
+        s.in_flight = len(left)
+        s.in_flight_left_s = statistics.median(left)
+        s.in_flight_iteration_s = statistics.median(iterations)
+        s.prediction_error = statistics.median(errors)
+        s.phase_known_error = statistics.median(known)
     for d in decisions:
         s.prompt_tokens += d.prompt_tokens
         for c in d.candidates:
@@ -202,6 +247,12 @@ def report(s: Summary) -> str:
     lines.append(f"holders passed over: {s.passed_over} ({s.passed_over_busy} in a busy fleet), "
                  f"{share:.1%} of the prompt tokens; booked over {OVERBOOKED:g}x what the "
                  f"holder's engine had left: {s.passed_over_overbooked}")
+    if s.in_flight:
+        left_ms, iteration_ms = s.in_flight_left_s * 1e3, s.in_flight_iteration_s * 1e3
+        lines.append(f"an iteration in flight on the chosen worker: {s.in_flight} decisions, "
+                     f"{left_ms:.1f} ms left of a {iteration_ms:.1f} ms iteration (medians); "
+                     f"TTFT prediction error {s.prediction_error:.1%}, "
+                     f"{s.phase_known_error:.1%} with what was left of it known")
     return "\n".join(lines)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import pytest
+
 from bench.decision_record import Candidate, Decision, record, report, summarize
 from bench.sim import SimConfig
 from bench.workloads import WorkloadRequest
@@ -51,3 +53,39 @@ def test_holders_passed_over_are_counted_with_how_overbooked_they_were() -> None
     assert s.waits[(False, 0.0)] == [1, 0.1, 0.3 - 0.1]  # chosen held less, wait under 0.2 s
     assert s.waits[(True, -1.0)] == [1, 0.0, 0.11 - 0.1]
     assert "1 (1 in a busy fleet), 40.0% of the prompt tokens" in report(s)
+
+
+def test_the_iteration_in_flight_when_a_request_comes_is_recorded() -> None:
+    # One worker: a 20k-token cold prompt at 0 (three chunks of 8192 tokens, each one
+    # iteration), and 5 ms later a short one, which comes while the first chunk is computed.
+    config = SimConfig(workers=1, capacity_tokens=200_000)
+    first, second = record([_request("long", 0.0, 1, 20_000),
+                            _request("short", 0.005, 900_000, 640)], config)
+    assert (first.candidates[0].in_flight_s, first.candidates[0].iteration_s) == (0.0, 0.0)
+    came = second.candidates[0]
+    chunk_s = config.timing.iteration_ms([(8192, 0)], []) / 1e3
+    assert came.iteration_s == pytest.approx(chunk_s)
+    assert came.in_flight_s == pytest.approx(chunk_s - 0.005)
+    assert second.predicted_s > 0 and second.ttft_s > came.in_flight_s
+    s = summarize([first, second], config.block_size)
+    assert s.in_flight == 1
+    assert s.in_flight_left_s == pytest.approx(chunk_s - 0.005)
+    assert "an iteration in flight on the chosen worker: 1 decisions" in report(s)
+
+
+def test_the_prediction_error_with_the_iteration_left_known() -> None:
+    # Predicted 10 ms, delivered 12 ms; the chosen worker's 6 ms iteration had 4 ms left:
+    # knowing it, the prediction is 10 - 3 + 4 = 11 ms.
+    chosen = Candidate(matched_blocks=0, wait_s=0.002, prefill_s=0.001, booked_blocks=0,
+                       held_blocks=0, left_blocks=0, alone_s=0.004, in_flight_s=0.004,
+                       iteration_s=0.006)
+    idle = Candidate(matched_blocks=0, wait_s=0.0, prefill_s=0.001, booked_blocks=0,
+                     held_blocks=0, left_blocks=0, alone_s=0.004)
+    decisions = [Decision("a", 640, chosen=0, busy=False, candidates=[chosen], ttft_s=0.012,
+                          predicted_s=0.010),
+                 Decision("b", 640, chosen=0, busy=False, candidates=[idle], ttft_s=0.005,
+                          predicted_s=0.009)]
+    s = summarize(decisions, block_size=32)
+    assert s.in_flight == 1  # the idle worker's decision is not counted
+    assert s.prediction_error == pytest.approx(0.002 / 0.012)
+    assert s.phase_known_error == pytest.approx(0.001 / 0.012)
