@@ -139,6 +139,14 @@ def idle_pair(router: Router) -> bool:
 
 
 def test_every_repeat_reaches_the_holder_when_it_is_the_busier_one(router: Router) -> None:
+    try:
+        _repeats_with_the_holder_busier(router)
+    except BaseException:
+        print(f"---- router ----\n{router.tail(120)}")
+        raise
+
+
+def _repeats_with_the_holder_busier(router: Router) -> None:
     streams = httpx.Client(base_url=router.url, timeout=120)
     try:
         for seed in range(300, 305):
@@ -157,12 +165,13 @@ def test_every_repeat_reaches_the_holder_when_it_is_the_busier_one(router: Route
                 assert long.status_code == 200
                 assert long.headers["x-kvroute-worker"] == holder
                 lines = long.iter_lines()
-                next(line for line in lines if line.startswith("data: {"))  # decoding now
+                first = next(line for line in lines if line.startswith("data: {"))  # decoding
+                assert '"error"' not in first, first
                 decision = explained(router, messages)
                 busy = {w["url"]: w for w in decision["workers"]}
                 other = next(w for u, w in busy.items() if u != holder)
                 assert busy[holder]["active_requests"] > other["active_requests"], \
-                    json.dumps(decision["workers"])
+                    f"first chunk {first}; candidates {json.dumps(decision['workers'])}"
                 assert decision["chosen"] == holder, decision
                 assert_repeat_hits(router, messages, holder)
     finally:
