@@ -16,7 +16,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -24,10 +24,33 @@ import httpx
 
 from indexer.decode import decode_batch
 from kvroute.up import free_port
+from router.fleet.engines.prometheus import parse_metrics
 from tests.support.eventually import eventually_blocking
 
 #: What a probe of a process that is still starting (or restarting) may raise: "not yet".
 NOT_YET = (httpx.HTTPError, KeyError, ValueError)
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The sum of the ``name`` samples in the Prometheus text ``text`` whose labels include
+    ``labels`` (0 when there is none)."""
+    return sum(s.value for s in parse_metrics(text).named(name)
+               if all(s.labels.get(k) == v for k, v in labels.items()))
+
+
+def ranks_served(first: int, answer: Callable[[int], httpx.Response], tries: int = 40
+                 ) -> set[int]:
+    """The data-parallel ranks (of two) that served: ``first``, then each ``answer(i)``'s
+    for i = 0, 1, ... until both have. Prompts that share nothing find both ranks idle, a tie
+    broken at random, so ``tries`` of them miss a rank with a chance of 2**-(tries - 1)."""
+    seen = {first}
+    for i in range(tries):
+        if seen == {0, 1}:
+            break
+        served = answer(i)
+        assert served.status_code == 200, served.text
+        seen.add(int(served.headers["x-kvroute-worker-rank"]))
+    return seen
 
 
 class Process:

@@ -16,16 +16,12 @@ from typing import Any
 
 import httpx
 
-from e2e.harness import NOT_YET, Process, Router, Worker
+from e2e.harness import NOT_YET, Process, Router, Worker, metric
 from tests.support.eventually import eventually_blocking
 
 SYSTEM = "Prefill here, decode there, and the answer is the same either way. " * 10
 SIM = {"speedup": 20}
 
-
-def _metric(text: str, name: str) -> float:
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith(name) and not line.startswith("#"))
 
 
 def _start(tmp_path: Path, processes: list[Process], **prefill_settings: Any
@@ -69,23 +65,23 @@ def test_prefill_there_decode_here_with_the_same_output(tmp_path: Path,
     # from its cache.
     blocks = (len(prompt.encode()) - 1) // 32
     decode_metrics = httpx.get(f"{decode.url}/metrics").text
-    assert _metric(decode_metrics, "kvroute_worker_transferred_tokens_total") == blocks * 32
+    assert metric(decode_metrics, "kvroute_worker_transferred_tokens_total") == blocks * 32
     assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == blocks * 32
     # The decode worker's events of the received blocks reach the router's index.
     eventually_blocking(lambda: len(router.indexed(decode)) >= blocks,
                         "the received blocks in the decode worker's index entries",
                         tolerate=NOT_YET)
     assert len(router.indexed(prefill)) >= blocks
-    assert _metric(router.client.get("/metrics").text,
-                   'kvroute_pd_prefills_total{outcome="remote"}') == 1
+    assert metric(router.client.get("/metrics").text,
+                  "kvroute_pd_prefills_total", outcome="remote") == 1
 
     # A follow-up the decode worker holds nearly all of is prefilled there, no transfer.
     follow = router.complete(prompt + " And then?", max_tokens=4)
     assert follow.status_code == 200 and follow.headers["x-kvroute-worker"] == decode.url
-    assert _metric(httpx.get(f"{decode.url}/metrics").text,
-                   "kvroute_worker_transferred_tokens_total") == blocks * 32
-    assert _metric(router.client.get("/metrics").text,
-                   'kvroute_pd_prefills_total{outcome="local"}') == 1
+    assert metric(httpx.get(f"{decode.url}/metrics").text,
+                  "kvroute_worker_transferred_tokens_total") == blocks * 32
+    assert metric(router.client.get("/metrics").text,
+                  "kvroute_pd_prefills_total", outcome="local") == 1
 
 
 def test_a_failed_or_dead_prefill_worker_costs_no_request(tmp_path: Path,
@@ -98,15 +94,15 @@ def test_a_failed_or_dead_prefill_worker_costs_no_request(tmp_path: Path,
     assert answer.headers["x-kvroute-worker"] == decode.url
     assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
     metrics = router.client.get("/metrics").text
-    assert _metric(metrics, 'kvroute_pd_prefills_total{outcome="failed"}') == 1
-    assert _metric(metrics, 'kvroute_pd_prefills_total{outcome="remote"}') == 0
+    assert metric(metrics, "kvroute_pd_prefills_total", outcome="failed") == 1
+    assert metric(metrics, "kvroute_pd_prefills_total", outcome="remote") == 0
     prefill.kill()
     for i in range(4):  # before and after the health poll notices
         answer = router.complete(f"{i} " + SYSTEM, max_tokens=4)
         assert answer.status_code == 200, answer.text
         assert answer.headers["x-kvroute-worker"] == decode.url
     metrics = router.client.get("/metrics").text
-    assert _metric(metrics, 'kvroute_pd_prefills_total{outcome="remote"}') == 0
+    assert metric(metrics, "kvroute_pd_prefills_total", outcome="remote") == 0
 
 
 def _kv_usage(worker: Worker) -> float:
@@ -149,10 +145,10 @@ def test_a_dead_decode_worker_hands_on_with_a_fresh_prefill(tmp_path: Path,
     assert follow.status_code == 200, follow.text
     assert follow.headers["x-kvroute-worker"] == other.url
     metrics = router.client.get("/metrics").text
-    assert _metric(metrics, 'kvroute_pd_prefills_total{outcome="retried"}') == 1
-    assert _metric(metrics, 'kvroute_pd_prefills_total{outcome="remote"}') == 3
-    assert _metric(httpx.get(f"{other.url}/metrics").text,
-                   "kvroute_worker_transferred_tokens_total") > 0
+    assert metric(metrics, "kvroute_pd_prefills_total", outcome="retried") == 1
+    assert metric(metrics, "kvroute_pd_prefills_total", outcome="remote") == 3
+    assert metric(httpx.get(f"{other.url}/metrics").text,
+                  "kvroute_worker_transferred_tokens_total") > 0
     # The prefill made for the dead worker is never taken: it stays held, until its lease ends.
     assert _kv_usage(prefill) > 0
 

@@ -15,7 +15,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from e2e.harness import NOT_YET, Process, Router, Worker
+from e2e.harness import NOT_YET, Process, Router, Worker, metric
 from tests.support.eventually import eventually_blocking
 
 pytest.importorskip("torch")
@@ -24,14 +24,10 @@ TORCH = {"engine": "torch", "torch_model": "tiny", "device": "cpu", "kv_memory_g
 SYSTEM = "Prefill there, decode here, and the tokens are the same either way. " * 10
 
 
-def _metric(text: str, name: str) -> float:
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith(name) and not line.startswith("#"))
-
 
 def _requests(worker: Worker) -> float:
-    return _metric(httpx.get(f"{worker.url}/metrics", timeout=10).text,
-                   "kvroute_worker_requests_total")
+    return metric(httpx.get(f"{worker.url}/metrics", timeout=10).text,
+                  "kvroute_worker_requests_total")
 
 
 def test_torch_prefill_and_decode_give_one_workers_tokens(tmp_path: Path,
@@ -61,8 +57,8 @@ def test_torch_prefill_and_decode_give_one_workers_tokens(tmp_path: Path,
     # Every full block but the last came by transfer; none of them was computed here.
     blocks = len(prompt.encode()) // 32  # the BOS token makes the prompt one longer
     decode_metrics = httpx.get(f"{decode.url}/metrics", timeout=10).text
-    assert _metric(decode_metrics, "kvroute_worker_transferred_tokens_total") == blocks * 32
-    assert _metric(decode_metrics, "kvroute_worker_kv_transfer_failures_total") == 0
+    assert metric(decode_metrics, "kvroute_worker_transferred_tokens_total") == blocks * 32
+    assert metric(decode_metrics, "kvroute_worker_kv_transfer_failures_total") == 0
     assert answer.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == blocks * 32
     holder = next(p for p in prefills if _requests(p) == 1)
     assert sum(_requests(p) for p in prefills) == 1
@@ -89,7 +85,7 @@ def test_torch_prefill_and_decode_give_one_workers_tokens(tmp_path: Path,
     follow_blocks = len(follow.encode()) // 32
     decode_metrics = httpx.get(f"{decode.url}/metrics", timeout=10).text
     # Only the blocks it did not hold count as transferred.
-    assert _metric(decode_metrics, "kvroute_worker_transferred_tokens_total") == \
+    assert metric(decode_metrics, "kvroute_worker_transferred_tokens_total") == \
         follow_blocks * 32
-    assert _metric(router.client.get("/metrics").text,
-                   'kvroute_pd_prefills_total{outcome="remote"}') == 2
+    assert metric(router.client.get("/metrics").text,
+                  "kvroute_pd_prefills_total", outcome="remote") == 2

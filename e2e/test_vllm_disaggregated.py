@@ -32,7 +32,7 @@ import pytest
 
 from bench.stock_vllm import BLOCK_SIZE, MODEL_NAME, VllmServer
 from bench.tiny_model import write_tiny_llama
-from e2e.harness import NOT_YET, Router, running
+from e2e.harness import NOT_YET, Router, metric, running
 from e2e.test_vllm_routing import vllm_python
 from kvroute.up import free_port
 from tests.support.eventually import eventually_blocking
@@ -83,17 +83,14 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Router, VllmS
 
 
 def _tokens_by_source(server: VllmServer, source: str) -> float:
-    text = httpx.get(f"{server.url}/metrics", timeout=30).text
-    return sum(float(line.split()[-1]) for line in text.splitlines()
-               if line.startswith("vllm:prompt_tokens_by_source_total")
-               and f'source="{source}"' in line)
+    return metric(httpx.get(f"{server.url}/metrics", timeout=30).text,
+                  "vllm:prompt_tokens_by_source_total", source=source)
 
 
 def _pd_outcomes(metrics: str) -> dict[str, float]:
     """``kvroute_pd_prefills_total`` by outcome, from the router's ``/metrics`` page."""
-    return {line.split('outcome="')[1].split('"')[0]: float(line.split()[-1])
-            for line in metrics.splitlines()
-            if line.startswith("kvroute_pd_prefills_total{")}
+    return {outcome: metric(metrics, "kvroute_pd_prefills_total", outcome=outcome)
+            for outcome in ("remote", "local", "failed", "retried", "whole")}
 
 
 def test_prefill_there_decode_here_equals_serving_whole(

@@ -22,7 +22,7 @@ import pytest
 
 from bench.stock_vllm import BLOCK_SIZE, MODEL_NAME, VllmServer
 from bench.tiny_model import write_tiny_llama
-from e2e.harness import NOT_YET, Router, running
+from e2e.harness import NOT_YET, Router, metric, running
 from e2e.test_vllm_routing import cached_tokens, text, vllm_python
 from tests.support.eventually import eventually_blocking
 
@@ -125,8 +125,7 @@ def test_every_repeat_reaches_the_holder_on_an_idle_pair(router: Router) -> None
 def serving(url: str) -> float:
     """Requests running or waiting on the vLLM server at ``url``, by its own ``/metrics``."""
     page = httpx.get(f"{url}/metrics", timeout=30).text
-    return sum(float(line.split()[-1]) for line in page.splitlines()
-               if line.startswith(("vllm:num_requests_running", "vllm:num_requests_waiting")))
+    return metric(page, "vllm:num_requests_running") + metric(page, "vllm:num_requests_waiting")
 
 
 def idle_pair(router: Router) -> bool:
