@@ -44,7 +44,6 @@ from bench.sim import SimConfig, simulate
 from bench.workloads import WorkloadRequest
 from router.routing.scheduler import price
 from workers.cache.block_keys import Prompt, RequestBlocks
-from workers.engine.executor import SimExecutor
 
 __all__ = ["Candidate", "Decision", "Summary", "main", "record", "report", "summarize"]
 
@@ -116,7 +115,6 @@ class _Recording(KvroutePolicy):
     def __init__(self, config: SimConfig) -> None:
         super().__init__()
         self._config = config
-        self._executor = SimExecutor(config.timing, block_size=config.block_size)
         self.decisions: dict[str, Decision] = {}
 
     def route(self, request: RouteRequest, now: float) -> int:
@@ -139,15 +137,14 @@ class _Recording(KvroutePolicy):
                 if pool.cached_block(key) is None and pool.host_block(key) is None:
                     break
                 held += 1
-            c = costs[w]
-            plan = engines[w].plan
-            iteration = self._executor.modeled_seconds(plan) if plan is not None else 0.0
-            left = engines[w].plan_start_s + iteration - now if plan is not None else 0.0
+            c, engine = costs[w], engines[w]
+            busy = engine.plan is not None
             recorded.append(Candidate(
                 c.matched_blocks, c.wait_s, c.prefill_s, c.pending_prefill_blocks, held,
-                engines[w].batcher.pending_prefill_tokens / cfg.block_size,
+                engine.batcher.pending_prefill_tokens / cfg.block_size,
                 _alone_s(cfg, len(request.token_ids), held * cfg.block_size),
-                max(0.0, left), iteration))
+                max(0.0, engine.plan_end_s - now) if busy else 0.0,
+                engine.plan_end_s - engine.plan_start_s if busy else 0.0))
         worker = super().route(request, now)
         self.decisions[request.request_id] = Decision(
             request.request_id, len(request.token_ids), worker,
@@ -192,20 +189,6 @@ def summarize(decisions: Sequence[Decision], block_size: int = 32) -> Summary:
     s = Summary(decisions=len(decisions))
     left, iterations, errors, known = [], [], [], []
     for d in decisions:
-        chosen = d.candidates[d.chosen]
-        if chosen.iteration_s > 0 and d.ttft_s > 0:
-            left.append(chosen.in_flight_s)
-            iterations.append(chosen.iteration_s)
-            errors.append(abs(d.predicted_s - d.ttft_s) / d.ttft_s)
-            phased = d.predicted_s - chosen.iteration_s / 2 + chosen.in_flight_s
-            known.append(abs(phased - d.ttft_s) / d.ttft_s)
-    if left:
-        s.in_flight = len(left)
-        s.in_flight_left_s = statistics.median(left)
-        s.in_flight_iteration_s = statistics.median(iterations)
-        s.prediction_error = statistics.median(errors)
-        s.phase_known_error = statistics.median(known)
-    for d in decisions:
         s.prompt_tokens += d.prompt_tokens
         for c in d.candidates:
             if c.booked_blocks > 0:
@@ -225,6 +208,18 @@ def summarize(decisions: Sequence[Decision], block_size: int = 32) -> Summary:
             s.passed_over_busy += d.busy
             s.passed_over_tokens += (top - chosen.matched_blocks) * block_size
             s.passed_over_overbooked += holder.booked_blocks > OVERBOOKED * holder.left_blocks
+        if chosen.iteration_s > 0 and d.ttft_s > 0:
+            left.append(chosen.in_flight_s)
+            iterations.append(chosen.iteration_s)
+            errors.append(abs(d.predicted_s - d.ttft_s) / d.ttft_s)
+            phased = d.predicted_s - chosen.iteration_s / 2 + chosen.in_flight_s
+            known.append(abs(phased - d.ttft_s) / d.ttft_s)
+    if left:
+        s.in_flight = len(left)
+        s.in_flight_left_s = statistics.median(left)
+        s.in_flight_iteration_s = statistics.median(iterations)
+        s.prediction_error = statistics.median(errors)
+        s.phase_known_error = statistics.median(known)
     return s
 
 

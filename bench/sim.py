@@ -229,8 +229,8 @@ class Regret:
 
 
 class _Worker:
-    __slots__ = ("batcher", "busy_s", "cache", "context_s", "plan", "plan_start_s", "sink",
-                 "wid")
+    __slots__ = ("batcher", "busy_s", "cache", "context_s", "plan", "plan_end_s",
+                 "plan_start_s", "sink", "wid")
 
     def __init__(self, wid: int, config: SimConfig, events: bool) -> None:
         self.wid = wid
@@ -239,7 +239,8 @@ class _Worker:
                                max_num_seqs=config.max_num_seqs)
         self.sink = EventSink(max_pending_stored=config.max_pending_stored) if events else None
         self.plan: IterationPlan | None = None
-        self.plan_start_s = 0.0  # when the iteration in flight (``plan``) started
+        # When the iteration in flight (``plan``) started and when it ends.
+        self.plan_start_s = self.plan_end_s = 0.0
         self.busy_s = 0.0
         self.context_s = 0.0
 
@@ -369,7 +370,7 @@ def simulate(requests: Sequence[WorkloadRequest], policy: Policy, config: SimCon
         if plan.decode:
             w.context_s += dt * sum(d.context_len for d in plan.decode)
         w.plan = plan
-        w.plan_start_s = now
+        w.plan_start_s, w.plan_end_s = now, now + dt
         iterations += 1
         heapq.heappush(heap, (now + dt, _DONE, serial, w.wid, None))
         serial += 1
