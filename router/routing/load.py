@@ -6,6 +6,14 @@ Own accounting, updated as requests move (the router sees every byte it forwards
 - first token: its prefill is done; its blocks (prompt + expected output) count as decode.
 - finished (or failed, or cancelled): everything it held is released.
 
+The head's progress: a worker prefills our requests in the order they came (chunked prefill
+gives the oldest running prompt its chunk first, then admits the waiting ones first come,
+first served), so only the oldest one still prefilling, the *head*, is under way. The device
+blocks its KV events store (:meth:`LoadTracker.stored`) are the head's progress; its booked
+seconds less the seconds of those blocks are what is left of it. A head that gives its first
+token leaves the blocks stored past its own to the next head (the iteration that finished it
+computed the next one's first chunk); the count is 0 whenever nothing is prefilling.
+
 Correction: each worker's ``GET /load`` reports what it really has (running, waiting, pending
 prefill tokens, KV blocks in use). Requests sent by other router replicas, or straight to the
 worker, appear there and not in our books; so when the worker counts more requests than we
@@ -55,6 +63,10 @@ class _Request:
     prefill_blocks: float
     decode_blocks: float
     prefill_s: float
+    #: Seconds of its prefill done once ``p`` of its blocks are stored: ``lin * p + quad *
+    #: p * p`` (at the rates it was booked at; :meth:`LoadTracker.stored`).
+    lin: float = 0.0
+    quad: float = 0.0
     prefilled: bool = False
 
 
@@ -68,6 +80,10 @@ class _Books:
     external_prefill: float = 0.0
     external_decode: float = 0.0
     requests: set[str] = field(default_factory=set)
+    #: Our requests still prefilling, in the order they were routed (the first: the head).
+    queue: dict[str, _Request] = field(default_factory=dict)
+    #: Device blocks the worker stored since the head became the head.
+    progress: int = 0
     report: ReportedLoad | None = None
 
 
@@ -102,9 +118,12 @@ class LoadTracker:
         return sorted(books.requests)
 
     def routed(self, request_id: str, worker: int, prefill_blocks: float,
-               decode_blocks: float, prefill_s: float = 0.0) -> None:
+               decode_blocks: float, prefill_s: float = 0.0, lin: float = 0.0,
+               quad: float = 0.0) -> None:
         """A request was sent to ``worker``: ``prefill_blocks`` uncached blocks to prefill
-        (``prefill_s`` seconds of work), then ``decode_blocks`` held while it decodes.
+        (``prefill_s`` seconds of work), then ``decode_blocks`` held while it decodes. ``lin``
+        and ``quad`` give the seconds of its prefill done once p blocks are stored, ``lin * p
+        + quad * p * p`` (attention makes later blocks dearer; 0: progress is not counted).
 
         Raises:
             ValueError: the request id is already in flight, or the worker is unknown.
@@ -114,8 +133,10 @@ class LoadTracker:
         books = self._books.get(worker)
         if books is None:
             raise ValueError(f"worker {worker} is not tracked")
-        self._requests[request_id] = _Request(worker, prefill_blocks, decode_blocks, prefill_s)
+        req = _Request(worker, prefill_blocks, decode_blocks, prefill_s, lin, quad)
+        self._requests[request_id] = req
         books.requests.add(request_id)
+        books.queue[request_id] = req
         books.active += 1
         books.prefill += prefill_blocks
         books.prefill_s += prefill_s
@@ -128,6 +149,7 @@ class LoadTracker:
             return None
         req.prefilled = True
         books = self._books[req.worker]
+        self._dequeue(books, request_id)
         books.prefill -= req.prefill_blocks
         books.prefill_s -= req.prefill_s
         books.decode += req.decode_blocks
@@ -147,11 +169,47 @@ class LoadTracker:
         if req.prefilled:
             books.decode -= req.decode_blocks
         else:
+            self._dequeue(books, request_id)
             books.prefill -= req.prefill_blocks
             books.prefill_s -= req.prefill_s
         if not books.active:  # nothing left: no float residue either
             books.prefill = books.decode = books.prefill_s = 0.0
         return req.worker
+
+    @staticmethod
+    def _dequeue(books: _Books, request_id: str) -> None:
+        """Take a request off ``books``' prefill queue; a head leaves the blocks stored
+        beyond its own to the next head (its first chunk, computed in the iteration that
+        finished the head, came in the same events)."""
+        queue = books.queue
+        head = next(iter(queue), None) == request_id
+        req = queue.pop(request_id, None)
+        if not queue:
+            books.progress = 0
+        elif head:
+            assert req is not None
+            left = books.progress - int(req.prefill_blocks)
+            books.progress = left if left > 0 else 0
+
+    def stored(self, worker: int, blocks: int) -> None:
+        """``worker`` stored ``blocks`` device blocks (its KV events): its head prefill's
+        progress. Chunked prefill gives the oldest prefilling request its chunk first, so
+        they are counted as the head's."""
+        books = self._books.get(worker)
+        if books is not None and books.queue:
+            books.progress += blocks
+
+    def _head_done(self, books: _Books) -> float:
+        p = books.progress
+        if not p:
+            return 0.0
+        head = next(iter(books.queue.values()))
+        if not (head.lin or head.quad):
+            return 0.0  # booked whole
+        if p >= head.prefill_blocks:
+            return head.prefill_s
+        done = p * (head.lin + head.quad * p)
+        return done if done < head.prefill_s else head.prefill_s
 
     def reported(self, worker: int, load: ReportedLoad) -> None:
         """Fold in the worker's own report of its load."""
@@ -177,7 +235,8 @@ class LoadTracker:
         return WorkerLoad(books.active + books.external_active,
                           max(0.0, books.prefill) + books.external_prefill,
                           max(0.0, books.decode) + books.external_decode,
-                          max(0.0, books.prefill_s), books.external_prefill)
+                          max(0.0, books.prefill_s - self._head_done(books)),
+                          books.external_prefill)
 
     def figures(self, worker: int) -> tuple[int, float, float, float, float]:
         """:meth:`load`'s figures as a plain tuple, in its fields' order (active requests,
@@ -187,7 +246,8 @@ class LoadTracker:
         books = self._books.get(worker)
         if books is None:
             return 0, 0.0, 0.0, 0.0, 0.0
-        prefill, decode, prefill_s = books.prefill, books.decode, books.prefill_s
+        prefill, decode = books.prefill, books.decode
+        prefill_s = books.prefill_s - self._head_done(books) if books.progress else books.prefill_s
         return (books.active + books.external_active,
                 (prefill if prefill > 0.0 else 0.0) + books.external_prefill,
                 (decode if decode > 0.0 else 0.0) + books.external_decode,

@@ -10,7 +10,9 @@ Per candidate worker w, for a request of B full blocks, with w's rates per block
     new(w)     = B - matched(w)
     prefill(w) = prefill_s * new + context_s * new * (matched + new / 2) + onboard_s * host
     wait(w)    = the seconds of prefill queued there (each routed request's own prefill,
-                 booked when it was routed) + decode_s * decode blocks held there
+                 booked when it was routed; the oldest one's less what w's KV events show
+                 it has stored, :mod:`router.routing.load`) + decode_s * decode blocks
+                 held there
     ttft(w)    = wait(w) + prefill(w) + first_s
     price(w)   = ttft(w) + prefill(w)   if every candidate has a wait (a busy fleet)
                  ttft(w)                if some candidate is idle

@@ -57,11 +57,13 @@ def test_figures_are_the_load_as_a_tuple() -> None:
         if roll < 0.4 or not live:
             live.append(f"r{i}")
             t.routed(live[-1], rng.randrange(3), rng.randrange(9), rng.randrange(1, 9),
-                     rng.random())
+                     rng.random(), lin=rng.random() / 8, quad=rng.random() / 64)
         elif roll < 0.6:
             t.first_token(rng.choice(live))
         elif roll < 0.8:
             t.finished(live.pop(rng.randrange(len(live))))
+        elif roll < 0.9:
+            t.stored(rng.randrange(4), rng.randrange(1, 12))
         else:
             t.reported(rng.randrange(3), ReportedLoad(
                 running=rng.randrange(5), waiting=rng.randrange(3),
@@ -71,6 +73,53 @@ def test_figures_are_the_load_as_a_tuple() -> None:
             assert t.figures(w) == (load.active_requests, load.pending_prefill_blocks,
                                     load.decode_blocks, load.pending_prefill_s,
                                     load.external_prefill_blocks)
+
+
+def test_the_head_prefills_as_its_blocks_are_stored() -> None:
+    t = LoadTracker()
+    t.add_worker(0)
+    # a: 100 blocks, 0.01 s each plus 0.0001 s x blocks done (attention grows), 2.0 s in all
+    t.routed("a", 0, 100, 120, prefill_s=2.0, lin=0.01, quad=0.0001)
+    t.routed("b", 0, 10, 20, prefill_s=0.5, lin=0.05)
+    assert t.load(0).pending_prefill_s == pytest.approx(2.5)
+    t.stored(0, 40)  # a's first chunks: 0.4 + 0.16 s of it done
+    assert t.load(0).pending_prefill_s == pytest.approx(2.5 - 0.56)
+    t.stored(0, 64)  # past a's blocks: a is done, b still waits whole
+    assert t.load(0).pending_prefill_s == pytest.approx(0.5)
+    t.first_token("a")  # b is the head now, with the 4 blocks stored past a's
+    assert t.load(0).pending_prefill_s == pytest.approx(0.3)
+    t.stored(0, 3)
+    assert t.load(0).pending_prefill_s == pytest.approx(0.15)
+    t.finished("b")
+    assert t.load(0).pending_prefill_s == pytest.approx(0.0)
+
+
+def test_a_head_that_ends_before_its_blocks_are_stored_leaves_nothing_over() -> None:
+    t = LoadTracker()
+    t.add_worker(0)
+    t.routed("a", 0, 100, 120, prefill_s=1.0, lin=0.01)
+    t.routed("b", 0, 10, 20, prefill_s=0.5, lin=0.05)
+    t.stored(0, 30)
+    t.first_token("a")  # its last 70 blocks' events still to come: b starts from nothing
+    assert t.load(0).pending_prefill_s == pytest.approx(0.5)
+    t.routed("c", 0, 10, 20, prefill_s=0.5, lin=0.05)
+    t.finished("c")  # not the head: b's count is untouched
+    t.stored(0, 2)
+    assert t.load(0).pending_prefill_s == pytest.approx(0.4)
+
+
+def test_blocks_stored_with_nothing_prefilling_are_not_banked() -> None:
+    t = LoadTracker()
+    t.add_worker(0)
+    t.routed("a", 0, 4, 8, prefill_s=0.4, lin=0.1)
+    t.first_token("a")
+    t.stored(0, 50)  # decode steps filling blocks, not a prefill's progress
+    t.routed("b", 0, 4, 8, prefill_s=0.4, lin=0.1)
+    assert t.load(0).pending_prefill_s == pytest.approx(0.4)
+    t.stored(3, 5)  # an unknown worker: ignored
+    t.routed("c", 0, 4, 8, prefill_s=0.4, lin=0.1)
+    t.finished("b")  # the head gone before its first token: c starts from nothing
+    assert t.load(0).pending_prefill_s == pytest.approx(0.4)
 
 
 def test_our_own_request_in_another_phase_is_not_foreign_load() -> None:

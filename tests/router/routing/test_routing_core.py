@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 
+from indexer.events import Stored
 from router.routing.core import CoreSettings, RoutingCore
 from router.routing.scheduler import WorkerCost
 
@@ -94,6 +95,51 @@ def test_requests_cached_behind_a_giant_cold_prefill_do_not_queue_behind_it() ->
     prompt = shared + list(range(200_000, 200_250))
     routed = core.decide(prompt, {holder: (1_625, 1_625)}, 9.0, rng, tokens=len(prompt) * 32)
     assert routed.decision.worker == holder
+
+
+def test_a_holder_part_way_through_a_long_prefill_is_priced_at_what_is_left() -> None:
+    # Worker 0 holds a 40k-token prefix and is prefilling a 100k-token cold prompt (3,125
+    # blocks, about 2.5 s at the default rates); worker 1 is busy with a short one. Booked
+    # whole, worker 0's wait is over the recompute elsewhere, so a question on the prefix
+    # goes to worker 1. Once worker 0's events show 2,900 of the cold prompt's blocks stored,
+    # what is left of it is a fraction of the recompute, and the question goes to the holder.
+    core = RoutingCore(CoreSettings())
+    for w in (0, 1):
+        core.worker_joined(w)
+    rng = random.Random(5)
+    cold = list(range(10_000, 13_125))
+    core.routed("cold", 0, cold, core.decide(cold, {}, 0.0, rng, workers=[0]).decision.chosen,
+                0.0, None, len(cold) * 32)
+    short = list(range(20_000, 20_010))
+    core.routed("short", 1, short,
+                core.decide(short, {}, 0.0, rng, workers=[1]).decision.chosen, 0.0, None, 321)
+    shared = list(range(1, 1_251))
+    prompt = shared + list(range(30_000, 30_020))
+
+    def question(now: float) -> int:
+        routed = core.decide(prompt, {0: (1_250, 1_250)}, now, rng, tokens=len(prompt) * 32)
+        return routed.decision.worker
+
+    assert core.wait(0) > 2.0
+    assert question(0.5) == 1
+    host = Stored(list(range(2_900)), None, [0] * 2_900 * 32, 32, medium="cpu")
+    core.events_applied(0, [host], 0.6)  # copies to the host tier are no progress
+    assert question(0.6) == 1
+    stored = Stored(list(range(2_900)), None, [0] * 2_900 * 32, 32)
+    core.events_applied(0, [stored], 2.2)
+    assert core.wait(0) < 0.4
+    assert question(2.2) == 0
+
+
+def test_dynamos_rule_queues_a_prefill_whole_until_its_first_token() -> None:
+    core = RoutingCore(CoreSettings(policy="dynamo"))
+    core.worker_joined(0)
+    cold = list(range(10_000, 13_125))
+    chosen = core.decide(cold, {}, 0.0, random.Random(0), workers=[0]).decision.chosen
+    core.routed("cold", 0, cold, chosen, 0.0, None, len(cold) * 32)
+    before = core.wait(0)
+    core.events_applied(0, [Stored(list(range(2_900)), None, [0] * 2_900 * 32, 32)], 1.0)
+    assert core.wait(0) == before > 0
 
 
 def test_a_prediction_settles_on_the_index_after_its_first_token() -> None:
