@@ -163,8 +163,12 @@ class Router(Process):
     def workers(self) -> list[dict[str, Any]]:
         return self.client.get("/workers").json()["workers"]  # type: ignore[no-any-return]
 
+    def entry(self, url: str) -> dict[str, Any]:
+        """The router's ``/workers`` entry of the worker at ``url``."""
+        return next(w for w in self.workers() if w["url"] == url)
+
     def worker_id(self, worker: Worker) -> int:
-        return next(w["id"] for w in self.workers() if w["url"] == worker.url)
+        return int(self.entry(worker.url)["id"])
 
     def indexed(self, worker: Worker) -> dict[int, int]:
         """Engine hash -> tier bits the router's index holds for ``worker``."""

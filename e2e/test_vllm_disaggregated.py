@@ -157,13 +157,9 @@ def _serve_through_the_pair(router: Router, prefill: VllmServer, decode: VllmSer
         _wait_indexed(router, decode, again)
 
 
-def _entry(router: Router, server: VllmServer) -> dict[str, Any]:
-    return next(w for w in router.workers() if w["url"] == server.url)
-
-
 def _history_lost(router: Router, server: VllmServer) -> int:
     """How often the router lost ``server``'s event history (and dropped its entries)."""
-    return int(_entry(router, server)["counters"].get("history_lost", 0))
+    return int(router.entry(server.url)["counters"].get("history_lost", 0))
 
 
 def _wait_indexed(router: Router, decode: VllmServer, body: dict[str, Any]) -> None:
@@ -178,4 +174,4 @@ def _wait_indexed(router: Router, decode: VllmServer, body: dict[str, Any]) -> N
                             tolerate=NOT_YET)
     except AssertionError as failed:  # say what the router heard from the decode server
         raise AssertionError(f"{failed}; the router's entry: "
-                             f"{json.dumps(_entry(router, decode))}") from None
+                             f"{json.dumps(router.entry(decode.url))}") from None

@@ -37,11 +37,10 @@ class Pair:
         return next(s for s in self.servers if s.url == url)
 
     def blocks(self, server: VllmServer) -> int:
-        entry = next(w for w in self.router.workers() if w["url"] == server.url)
-        return int(entry["blocks"]["device"])
+        return int(self.router.entry(server.url)["blocks"]["device"])
 
     def worker(self, server: VllmServer) -> dict[str, Any]:
-        return next(w for w in self.router.workers() if w["url"] == server.url)
+        return self.router.entry(server.url)
 
 
 def vllm_python() -> Path:

@@ -33,7 +33,7 @@ import random
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
-from indexer.events import Cleared, Event, Stored, Tier, tier_of
+from indexer.events import Cleared, Event
 from router.routing.load import LoadTracker, ReportedLoad
 from router.routing.load_groups import LoadGroups, LoadKey, choose_fast
 from router.routing.pressure import EvictionPressure
@@ -228,13 +228,10 @@ class RoutingCore:
         predictions of the prompts whose first token came before end (their blocks were
         stored by then, and the index, now current, says so and will say when they go). The
         device blocks stored are the progress of the worker's head prefill
-        (:mod:`router.routing.load`)."""
-        self._pressure.observe(worker, events, now)
-        stored = 0
-        for e in events:
-            if isinstance(e, Stored) and tier_of(e.medium) == Tier.DEVICE:
-                stored += len(e.block_hashes)
-        if stored:
+        (:mod:`router.routing.load`); Dynamo's rule queues a prefill whole until its first
+        token."""
+        stored = self._pressure.observe(worker, events, now)
+        if stored and self.settings.policy == "kv":
             self._load.stored(worker, stored)
             self._refresh(worker)
         settling = self._settling.pop(worker, None)
@@ -458,13 +455,11 @@ class RoutingCore:
         r = self.rates(worker)
         # Its prefill as its blocks are stored, at the rates it was priced at (unscaled, as
         # the booked seconds are): p blocks after ``matched`` cost prefill_s * p + context_s
-        # * p * (matched + p / 2). Dynamo's rule queues a prefill whole until its first token.
-        lin = quad = 0.0
-        if self.settings.policy == "kv":
-            lin = (r.prefill_s + r.context_s * terms.matched_blocks) / factor
-            quad = 0.5 * r.context_s / factor
+        # * p * (matched + p / 2).
         self._load.routed(request_id, worker, float(terms.prefill_blocks), max(blocks, 1),
-                          terms.prefill_s / factor, lin, quad)
+                          terms.prefill_s / factor,
+                          (r.prefill_s + r.context_s * terms.matched_blocks) / factor,
+                          0.5 * r.context_s / factor)
         first = r.first_s
         if predicted_s is None:
             booked = _Booked(now, terms.cost, (terms.cost - first) / factor, hashes)

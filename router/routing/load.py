@@ -123,7 +123,7 @@ class LoadTracker:
         """A request was sent to ``worker``: ``prefill_blocks`` uncached blocks to prefill
         (``prefill_s`` seconds of work), then ``decode_blocks`` held while it decodes. ``lin``
         and ``quad`` give the seconds of its prefill done once p blocks are stored, ``lin * p
-        + quad * p * p`` (attention makes later blocks dearer; 0: progress is not counted).
+        + quad * p * p`` (attention makes later blocks dearer).
 
         Raises:
             ValueError: the request id is already in flight, or the worker is unknown.
@@ -204,8 +204,6 @@ class LoadTracker:
         if not p:
             return 0.0
         head = next(iter(books.queue.values()))
-        if not (head.lin or head.quad):
-            return 0.0  # booked whole
         if p >= head.prefill_blocks:
             return head.prefill_s
         done = p * (head.lin + head.quad * p)

@@ -61,11 +61,14 @@ class EvictionPressure:
         #: were found full enough. Read it; it is set here.
         self.warmed = False
 
-    def observe(self, worker: int, events: Iterable[Event], now: float) -> None:
-        """Account one batch of ``worker``'s events received at ``now``, in order."""
+    def observe(self, worker: int, events: Iterable[Event], now: float) -> int:
+        """Account one batch of ``worker``'s events received at ``now``, in order. Returns
+        the device blocks the batch stored."""
+        stored = 0
         for e in events:
             if isinstance(e, Stored):
                 if tier_of(e.medium) == Tier.DEVICE:
+                    stored += len(e.block_hashes)
                     self._store(worker, len(e.block_hashes))
             elif isinstance(e, Removed):
                 if tier_of(e.medium) == Tier.DEVICE:
@@ -77,6 +80,7 @@ class EvictionPressure:
                 if self.warmed and not self._resident_total:
                     self.warmed = False  # every cache is empty again: a cold cluster
         self._prune(now)
+        return stored
 
     def record(self, worker: int, stored: int, removed: int, now: float) -> None:
         """Account ``stored`` and ``removed`` device blocks on ``worker`` at ``now``.
