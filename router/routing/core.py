@@ -251,11 +251,19 @@ class RoutingCore:
             self._groups.remove(worker)
 
     def _key(self, worker: int) -> LoadKey:
-        active, prefill, decode, prefill_s, external = self._load.figures(worker)
+        active, prefill, decode, prefill_s, external, prefilling = self._load.figures(worker)
         r = self._rates.get(worker, self._default_rates)
         factor = self.rate_factor(worker)
         wait = factor * prefill_s + r.prefill_s * external + r.decode_s * decode
-        return (wait, r.prefill_s, r.context_s, r.first_s, active, prefill, decode)
+        return (wait, r.prefill_s, r.context_s, r.first_s, active, prefill, decode, prefilling)
+
+    def passed_on(self) -> float:
+        """The later requests a busy fleet's prefill is priced as delaying on a worker with
+        a request of ours prefilling: one, plus the fleet's mean count of requests prefilling
+        per worker (:mod:`router.routing.scheduler`). Dynamo's rule keeps one."""
+        if self.settings.policy != "kv" or not self._tracked:
+            return 1.0
+        return 1.0 + self._load.prefilling() / len(self._tracked)
 
     # -- what the core knows, read ----------------------------------------------------------
 
@@ -359,7 +367,7 @@ class RoutingCore:
             workers = None
         if workers is None:
             holders = self._holders(hashes, matches, now)
-            fast = choose_fast(blocks, holders, self._groups, rng)
+            fast = choose_fast(blocks, holders, self._groups, rng, self.passed_on())
 
             def explain() -> tuple[WorkerCost, ...]:
                 candidates = self.candidates(sorted(self._tracked), hashes, matches, now)
@@ -411,7 +419,8 @@ class RoutingCore:
                          device_matched_blocks=device + extended - matched, wait_s=key[0],
                          rates=self._rates.get(worker, self._default_rates),
                          pending_prefill_blocks=key[5], decode_blocks=key[6],
-                         active_requests=key[4])
+                         active_requests=key[4],
+                         passed_on=self.passed_on() if key[7] else 1.0)
 
     def _holders(self, hashes: Sequence[int], matches: Matches, now: float
                  ) -> list[Candidate]:

@@ -55,6 +55,8 @@ class WorkerLoad:
     pending_prefill_s: float = 0.0
     #: Foreign prefill from the worker's report, in blocks (priced at the worker's rates).
     external_prefill_blocks: float = 0.0
+    #: Our requests routed there that have not given their first token.
+    prefilling: int = 0
 
 
 @dataclass(slots=True)
@@ -98,6 +100,7 @@ class LoadTracker:
     def __init__(self) -> None:
         self._books: dict[int, _Books] = {}
         self._requests: dict[str, _Request] = {}
+        self._prefilling = 0  # the books' queues' lengths, summed
 
     def add_worker(self, worker: int) -> None:
         """Start tracking ``worker`` (idempotent)."""
@@ -115,6 +118,7 @@ class LoadTracker:
             return []
         for rid in books.requests:
             self._requests.pop(rid, None)
+        self._prefilling -= len(books.queue)
         return sorted(books.requests)
 
     def routed(self, request_id: str, worker: int, prefill_blocks: float,
@@ -137,6 +141,7 @@ class LoadTracker:
         self._requests[request_id] = req
         books.requests.add(request_id)
         books.queue[request_id] = req
+        self._prefilling += 1
         books.active += 1
         books.prefill += prefill_blocks
         books.prefill_s += prefill_s
@@ -176,14 +181,15 @@ class LoadTracker:
             books.prefill = books.decode = books.prefill_s = 0.0
         return req.worker
 
-    @staticmethod
-    def _dequeue(books: _Books, request_id: str) -> None:
+    def _dequeue(self, books: _Books, request_id: str) -> None:
         """Take a request off ``books``' prefill queue; a head leaves the blocks stored
         beyond its own to the next head (its first chunk, computed in the iteration that
         finished the head, came in the same events)."""
         queue = books.queue
         head = next(iter(queue), None) == request_id
         req = queue.pop(request_id, None)
+        if req is not None:
+            self._prefilling -= 1
         if not queue:
             books.progress = 0
         elif head:
@@ -234,22 +240,27 @@ class LoadTracker:
                           max(0.0, books.prefill) + books.external_prefill,
                           max(0.0, books.decode) + books.external_decode,
                           max(0.0, books.prefill_s - self._head_done(books)),
-                          books.external_prefill)
+                          books.external_prefill, len(books.queue))
 
-    def figures(self, worker: int) -> tuple[int, float, float, float, float]:
+    def figures(self, worker: int) -> tuple[int, float, float, float, float, int]:
         """:meth:`load`'s figures as a plain tuple, in its fields' order (active requests,
         pending prefill blocks, decode blocks, pending prefill seconds, foreign prefill
-        blocks): the routing core regroups a worker with them twice a request, and a frozen
-        dataclass costs a call per field to build."""
+        blocks, requests prefilling): the routing core regroups a worker with them twice a
+        request, and a frozen dataclass costs a call per field to build."""
         books = self._books.get(worker)
         if books is None:
-            return 0, 0.0, 0.0, 0.0, 0.0
+            return 0, 0.0, 0.0, 0.0, 0.0, 0
         prefill, decode = books.prefill, books.decode
         prefill_s = books.prefill_s - self._head_done(books) if books.progress else books.prefill_s
         return (books.active + books.external_active,
                 (prefill if prefill > 0.0 else 0.0) + books.external_prefill,
                 (decode if decode > 0.0 else 0.0) + books.external_decode,
-                prefill_s if prefill_s > 0.0 else 0.0, books.external_prefill)
+                prefill_s if prefill_s > 0.0 else 0.0, books.external_prefill,
+                len(books.queue))
+
+    def prefilling(self) -> int:
+        """Our requests that have not given their first token yet, over every worker."""
+        return self._prefilling
 
     def last_report(self, worker: int) -> ReportedLoad | None:
         """The load ``worker`` reported last (None before its first report)."""

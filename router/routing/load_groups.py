@@ -31,7 +31,7 @@ __all__ = ["FastChoice", "LoadGroups", "LoadKey", "choose_fast"]
 
 #: (wait seconds, prefill_s, context_s, first_s per block, active requests, pending prefill
 #: blocks, decode blocks): everything a worker holding nothing is priced on and shown with.
-LoadKey = tuple[float, float, float, float, int, float, float]
+LoadKey = tuple[float, float, float, float, int, float, float, int]
 
 # A lower bound computed in another order of operations may exceed the cost it bounds by a
 # few ulps; the pruning keeps this much relative slack.
@@ -150,10 +150,12 @@ class FastChoice:
 
 
 def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadGroups,
-                rng: random.Random) -> FastChoice:
+                rng: random.Random, passed_on: float = 1.0) -> FastChoice:
     """:func:`router.routing.scheduler.choose` over every worker in ``groups``, pricing one by
     one only ``holders`` (the workers that match some of the request, with their matches;
-    every one of them tracked in ``groups``) and the rest once per group.
+    every one of them tracked in ``groups``) and the rest once per group. ``passed_on`` is
+    :attr:`~router.routing.scheduler.Candidate.passed_on` of a worker with a request
+    prefilling (a group whose key counts one); the others' is 1.
 
     Written for a decision on cold caches (a router decides between parsing two request
     bodies), where each Python call costs microseconds: plain loops rather than
@@ -171,8 +173,8 @@ def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadG
     for c in holders:
         held[c.worker] = c
     order = groups.order
-    # A busy fleet (no tracked worker idle) prices each prefill twice (the scheduler's
-    # docstring): the least wait is the first group's.
+    # A busy fleet (no tracked worker idle) prices each prefill again, as passed on (the
+    # scheduler's docstring): the least wait is the first group's.
     busy = order[0][0] > 0
     priced: list[WorkerCost] = []
     best = (math.inf, 0)
@@ -184,7 +186,8 @@ def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadG
             best = rank
     # The rest, a group at a time, while a group could still cost no more than the best. A
     # group's price is cost_of's for a worker matching nothing (the same operations, so the
-    # same float): (wait + prefill of B blocks) + first_s, plus the prefill again if busy.
+    # same float): (wait + prefill of B blocks) + first_s, plus the prefill passed on if busy
+    # (at least once: the floor's).
     least_p, least_c, least_first = groups.least_rates()
     least_prefill = prefill_seconds(least_p, least_c, 0.0, request_blocks, 0, 0)
     floor = (2.0 * least_prefill if busy else least_prefill) + least_first
@@ -197,7 +200,7 @@ def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadG
             continue
         prefill = prefill_seconds(key[1], key[2], 0.0, request_blocks, 0, 0)
         cost = (key[0] + prefill) + key[3]
-        rank = (cost + prefill if busy else cost, key[4])
+        rank = (cost + (passed_on if key[7] else 1.0) * prefill if busy else cost, key[4])
         if rank < best:
             best, tied_groups = rank, [(key, members, prefill)]
         elif rank == best:

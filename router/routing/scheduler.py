@@ -14,19 +14,24 @@ Per candidate worker w, for a request of B full blocks, with w's rates per block
                  it has stored, :mod:`router.routing.load`) + decode_s * decode blocks
                  held there
     ttft(w)    = wait(w) + prefill(w) + first_s
-    price(w)   = ttft(w) + prefill(w)   if every candidate has a wait (a busy fleet)
-                 ttft(w)                if some candidate is idle
+    price(w)   = ttft(w) + n(w) * prefill(w)   if every candidate has a wait (a busy fleet)
+                 ttft(w)                        if some candidate is idle
+    n(w)       = 1 + the fleet's mean count of requests prefilling per worker
+                                                if w has a request of ours prefilling
+                 1                              if not
 
-The second ``prefill(w)`` is the time the request passes on. While some worker is idle, a
+The ``n(w) * prefill(w)`` is the time the request passes on. While some worker is idle, a
 later request can be sent there, and the seconds of prefill this one adds delay nobody. When
 every worker has work queued, a later request waits behind some queue whatever the router
-does, and each second of prefill queued anywhere is a second some later request waits: the
-request's own prefill is then priced twice, once as its own wait and once as the wait it
-passes on (the first-order estimate: one later request behind it). This is what keeps one
-copy of a prefix in a busy fleet: recomputing a long prefix elsewhere is dear twice over,
-while a hit adds little work. ``WorkerCost.cost`` stays the predicted time to first token
-(what the router books and what flow control reads); ``WorkerCost.price`` is what the choice
-minimises.
+does, and each second of prefill queued anywhere is a second each request queued behind it
+waits. How many will queue behind it: about as many as a request finds ahead of it, which in
+a fleet kept level by the router is the fleet's mean queue (n - 1), and at least the one
+that comes next. A worker with no prefill queued (idle or only decoding) starts this one at
+once, and only the next request there would wait for it: n = 1. This is what keeps one
+copy of a prefix in a busy fleet: recomputing a long prefix elsewhere is dear n + 1 times
+over, while a hit adds little work. ``WorkerCost.cost`` stays the predicted time to first
+token (what the router books and what flow control reads); ``WorkerCost.price`` is what the
+choice minimises.
 
 Choice: the least ``price``; ties go to fewer active requests, then at random (``rng``, seeded
 by the caller, so tests are exact). No candidates is a caller error (the service answers 503
@@ -91,6 +96,9 @@ class Candidate:
     pending_prefill_blocks: float = 0.0
     decode_blocks: float = 0.0
     active_requests: int = 0
+    #: The later requests its prefill is priced as delaying when no candidate is idle
+    #: (``n`` in the module docstring; at least 1).
+    passed_on: float = 1.0
 
 
 @dataclass(slots=True, kw_only=True)
@@ -111,8 +119,8 @@ class WorkerCost:
     prefill_s: float
     #: The predicted time to first token, in seconds.
     cost: float
-    #: What the choice minimises: ``cost``, plus ``prefill_s`` again in a busy fleet (module
-    #: docstring).
+    #: What the choice minimises: ``cost``, plus ``prefill_s`` times the later requests it
+    #: delays in a busy fleet (module docstring).
     price: float
 
 
@@ -168,7 +176,8 @@ class Decision:
 
 def cost_of(candidate: Candidate, request_blocks: int, busy: bool = False) -> WorkerCost:
     """Return the terms of one candidate's price for a request of ``request_blocks`` blocks,
-    ``busy`` when no candidate is idle (its prefill is then priced as passed on too)."""
+    ``busy`` when no candidate is idle (its prefill is then priced as passed on to
+    ``candidate.passed_on`` later requests too)."""
     matched = min(candidate.matched_blocks, request_blocks)
     device = min(candidate.device_matched_blocks, matched)
     new = request_blocks - matched
@@ -182,7 +191,7 @@ def cost_of(candidate: Candidate, request_blocks: int, busy: bool = False) -> Wo
                       decode_blocks=candidate.decode_blocks,
                       active_requests=candidate.active_requests, wait_s=candidate.wait_s,
                       prefill_s=prefill, cost=cost,
-                      price=cost + prefill if busy else cost)
+                      price=cost + candidate.passed_on * prefill if busy else cost)
 
 
 @dataclass(slots=True)

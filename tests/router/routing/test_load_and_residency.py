@@ -14,13 +14,15 @@ def test_a_request_moves_from_prefill_to_decode_to_gone() -> None:
     t = LoadTracker()
     t.add_worker(0)
     t.routed("a", 0, prefill_blocks=6, decode_blocks=10)
-    assert t.load(0) == WorkerLoad(1, 6.0, 0.0)
+    assert t.load(0) == WorkerLoad(1, 6.0, 0.0, prefilling=1)
+    assert t.prefilling() == 1
     t.first_token("a")
     assert t.load(0) == WorkerLoad(1, 0.0, 10.0)
     t.first_token("a")  # a second first token changes nothing
     t.finished("a")
     assert t.load(0) == WorkerLoad(0, 0.0, 0.0)
     t.finished("a")  # nor does a second finish
+    assert t.prefilling() == 0
 
 
 def test_a_request_failing_before_its_first_token_releases_its_prefill() -> None:
@@ -40,10 +42,10 @@ def test_reported_load_adds_what_other_routers_sent() -> None:
     t.reported(0, ReportedLoad(running=1, waiting=2, pending_prefill_blocks=10,
                                decode_blocks=0))
     assert t.load(0) == WorkerLoad(3, 10.0, 0.0, pending_prefill_s=0.5,
-                                   external_prefill_blocks=6.0)
+                                   external_prefill_blocks=6.0, prefilling=1)
     # a report below our own books never lowers them
     t.reported(0, ReportedLoad())
-    assert t.load(0) == WorkerLoad(1, 4.0, 0.0, pending_prefill_s=0.5)
+    assert t.load(0) == WorkerLoad(1, 4.0, 0.0, pending_prefill_s=0.5, prefilling=1)
 
 
 def test_figures_are_the_load_as_a_tuple() -> None:
@@ -72,7 +74,8 @@ def test_figures_are_the_load_as_a_tuple() -> None:
             load = t.load(w)
             assert t.figures(w) == (load.active_requests, load.pending_prefill_blocks,
                                     load.decode_blocks, load.pending_prefill_s,
-                                    load.external_prefill_blocks)
+                                    load.external_prefill_blocks, load.prefilling)
+        assert t.prefilling() == sum(t.load(w).prefilling for w in range(3))
 
 
 def test_the_head_prefills_as_its_blocks_are_stored() -> None:
@@ -127,7 +130,7 @@ def test_our_own_request_in_another_phase_is_not_foreign_load() -> None:
     t.add_worker(0)
     t.routed("a", 0, 4, 8)  # non-streamed: our books keep it in prefill until it ends
     t.reported(0, ReportedLoad(running=1, pending_prefill_blocks=0, decode_blocks=8))
-    assert t.load(0) == WorkerLoad(1, 4.0, 0.0)
+    assert t.load(0) == WorkerLoad(1, 4.0, 0.0, prefilling=1)
     t.finished("a")
     assert t.load(0) == WorkerLoad(0, 0.0, 0.0), "no stale load after it ends"
 
@@ -137,9 +140,13 @@ def test_removing_a_worker_returns_its_in_flight_requests() -> None:
     t.add_worker(0)
     t.routed("b", 0, 1, 1)
     t.routed("a", 0, 1, 1)
+    t.add_worker(1)
+    t.routed("c", 1, 1, 1)
+    assert t.prefilling() == 3
     assert t.remove_worker(0) == ["a", "b"]
     t.finished("a")  # a late finish for a removed worker is harmless
     assert t.load(0) == WorkerLoad(0, 0.0, 0.0)
+    assert t.prefilling() == 1, "the removed worker's requests no longer count"
 
 
 def test_routing_twice_or_to_an_unknown_worker_is_refused() -> None:

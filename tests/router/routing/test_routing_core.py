@@ -131,6 +131,54 @@ def test_a_holder_part_way_through_a_long_prefill_is_priced_at_what_is_left() ->
     assert question(2.2) == 0
 
 
+def test_a_busy_fleets_recompute_is_priced_for_the_requests_queued_behind_it() -> None:
+    # Worker 0 holds a 40k-token prefix behind a 100k-token cold prompt (about 2.5 s);
+    # worker 1 prefills a short prompt. A question on the prefix recomputes it on worker 1
+    # while one request prefills per worker (its prefill priced as passed on to two later
+    # requests), and stays with the holder once five do (six later requests): a recompute
+    # then delays more requests than the holder's queue delays this one.
+    core = RoutingCore(CoreSettings())
+    for w in (0, 1):
+        core.worker_joined(w)
+    rng = random.Random(5)
+
+    def book(name: str, worker: int, hashes: list[int]) -> None:
+        chosen = core.decide(hashes, {}, 0.0, rng, workers=[worker]).decision.chosen
+        core.routed(name, worker, hashes, chosen, 0.0, None, len(hashes) * 32)
+
+    book("cold", 0, list(range(10_000, 13_125)))
+    book("short", 1, list(range(20_000, 20_010)))
+    prompt = list(range(1, 1_251)) + list(range(30_000, 30_020))
+
+    def question() -> tuple[int, dict[int, WorkerCost]]:
+        decision = core.decide(prompt, {0: (1_250, 1_250)}, 0.1, rng,
+                               tokens=len(prompt) * 32).decision
+        return decision.worker, {c.worker: c for c in decision.costs}
+
+    assert core.passed_on() == 2.0
+    worker, costs = question()
+    assert worker == 1
+    for c in costs.values():  # every worker has a request prefilling: n = 2
+        assert c.price == c.cost + 2.0 * c.prefill_s
+    for i in range(4):  # one-block prompts: the queues' counts grow, their waits barely
+        for w in (0, 1):
+            book(f"tiny{w}-{i}", w, [40_000 + 10 * w + i])
+    assert core.passed_on() == 6.0
+    worker, costs = question()
+    assert worker == 0
+    assert costs[0].wait_s - costs[1].wait_s > 2.0, "the holder's queue is still the longer"
+    # A worker with nothing prefilling (here: only decoding) passes its prefill to one.
+    for w in (0, 1):
+        for name in ([f"tiny{w}-{i}" for i in range(4)] + ["cold" if w == 0 else "short"]):
+            core.first_token(name, 0.2)
+    book("again", 0, list(range(50_000, 50_100)))
+    assert core.passed_on() == 1.5
+    _, costs = question()
+    assert costs[1].wait_s > 0, "worker 1 decodes: the fleet is busy"
+    assert costs[1].price == costs[1].cost + costs[1].prefill_s
+    assert costs[0].price == costs[0].cost + 1.5 * costs[0].prefill_s
+
+
 def test_dynamos_rule_queues_a_prefill_whole_until_its_first_token() -> None:
     core = RoutingCore(CoreSettings(policy="dynamo"))
     core.worker_joined(0)

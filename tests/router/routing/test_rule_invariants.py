@@ -52,7 +52,7 @@ def _both_choices(core: RoutingCore, hashes: list[int], matches: dict[int, tuple
     prices = {c.worker: c.cost for c in price(len(hashes), candidates).costs}
     spec = choose(len(hashes), candidates, random.Random(seed)).worker
     fast = choose_fast(len(hashes), core._holders(hashes, matches, 0.0), core._groups,
-                       random.Random(seed)).worker
+                       random.Random(seed), core.passed_on()).worker
     return prices, spec, fast
 
 

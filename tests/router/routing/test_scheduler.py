@@ -112,6 +112,20 @@ def test_a_busy_fleet_prices_the_prefill_passed_on() -> None:
     assert (terms[1].cost, terms[1].price) == (10.5, 20.5)
 
 
+def test_a_recompute_is_passed_on_to_as_many_requests_as_its_candidate_says() -> None:
+    # The holder queued 21 s, the other with requests prefilling: three later
+    # requests would wait for its 10 s recompute, so the holder is the lesser price.
+    holder = Candidate(0, matched_blocks=10, device_matched_blocks=10, wait_s=21.0, rates=R,
+                       passed_on=3.0)
+    other = Candidate(1, wait_s=0.5, rates=R, passed_on=3.0)
+    terms = {c.worker: c for c in choose(10, [holder, other], random.Random(0)).costs}
+    assert (terms[0].cost, terms[0].price) == (21.0, 21.0)
+    assert (terms[1].cost, terms[1].price) == (10.5, 40.5)
+    assert choose(10, [holder, other], random.Random(0)).worker == 0
+    other.passed_on = 1.0  # nothing prefilling there: one later request waits for it
+    assert choose(10, [holder, other], random.Random(0)).worker == 1
+
+
 def test_with_an_idle_candidate_nothing_is_passed_on() -> None:
     # The same holder against an idle worker: its own time decides (invariant 2).
     holder = Candidate(0, matched_blocks=10, device_matched_blocks=10, wait_s=12.0, rates=R)
