@@ -1,0 +1,106 @@
+"""How much of each policy's hit its requests waited for.
+
+A router can raise its hit rate by sending a request to the worker holding its prefix however
+long that worker's queue is: the tokens count as cached, and the request's time to first
+token pays for them. The hit rate alone does not show which. This splits it: per policy, the
+prompt tokens found cached in requests whose TTFT exceeded each threshold, as points of the
+whole run's hit, and the hit left without them: the run's hit had those requests found
+nothing cached (what recomputing them elsewhere would have kept).
+
+``python -m bench.hit_by_wait --trace FILE --workers 4 --capacity-tokens 300000 --rate-scale 4``
+takes the workload, cluster and policy flags of :mod:`bench.replay` (``--policies``, default
+``kvroute``; ``--set``), plus ``--over`` (the thresholds in seconds, default ``1,2.4,5``), and
+prints one row per policy and threshold. Run on the trace's last 393 requests at 3.6-4.8x its
+rate (``docs/routing.md``, "The hit bought by waiting").
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from bench.sim import RequestRecord
+
+__all__ = ["Split", "main", "split"]
+
+#: Seconds of TTFT the hit is split at by default.
+DEFAULT_OVER = (1.0, 2.4, 5.0)
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    """A run's hit at one TTFT threshold."""
+
+    over_s: float
+    #: Prompt tokens found cached, over all prompt tokens.
+    hit: float
+    #: Requests whose TTFT exceeded ``over_s``.
+    slow: int
+    #: Their cached tokens, over all prompt tokens (points of ``hit``).
+    slow_hit: float
+    #: ``hit - slow_hit``: the hit with the slow requests' tokens counted as uncached.
+    hit_without: float
+
+
+def split(records: Sequence[RequestRecord], over_s: float) -> Split:
+    """Split a run's hit at ``over_s`` seconds of TTFT (module docstring). A request never
+    served (shed, or no first token) is not slow."""
+    prompt = sum(r.prompt_tokens for r in records)
+    cached = sum(max(r.cached_tokens, 0) for r in records)
+    slow = [r for r in records if r.first_token_s >= 0 and r.ttft_s > over_s]
+    slow_cached = sum(max(r.cached_tokens, 0) for r in slow)
+    if not prompt:
+        return Split(over_s=over_s, hit=0.0, slow=len(slow), slow_hit=0.0, hit_without=0.0)
+    return Split(over_s=over_s, hit=cached / prompt, slow=len(slow),
+                 slow_hit=slow_cached / prompt, hit_without=(cached - slow_cached) / prompt)
+
+
+def _thresholds(text: str) -> tuple[float, ...]:
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--over takes seconds like 1,2.4,5, got {text!r}"
+                                         ) from None
+    if not values or any(v < 0 for v in values):
+        raise argparse.ArgumentTypeError(f"--over takes seconds >= 0, got {text!r}")
+    return values
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command (module docstring); returns the exit status."""
+    from bench.replay import _policies, _sim_config, _workload, build_parser
+    from bench.sim import simulate
+
+    parser = build_parser("python -m bench.hit_by_wait")
+    parser.description = __doc__.splitlines()[0] if __doc__ else None
+    parser.add_argument("--over", type=_thresholds, default=DEFAULT_OVER,
+                        help="TTFT thresholds in seconds, comma-separated (default 1,2.4,5)")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not any(a == "--policies" or a.startswith("--policies=") for a in argv):
+        argv += ["--policies", "kvroute"]
+    args: Any = parser.parse_args(argv)
+    if args.live:
+        parser.error("--live is not read here: the policies are simulated")
+    try:
+        policies = _policies(args)
+    except ValueError as e:
+        parser.error(str(e))
+    requests, name = _workload(args, args.seed)
+    print(f"{name}, {args.workers} workers x {args.capacity_tokens:,} tokens, "
+          f"rate x{args.rate_scale:g}, seed {args.seed}")
+    print(f"{'policy':<18} {'hit':>6} {'TTFT over':>9} {'requests':>8} {'their hit':>9} "
+          f"{'without':>8}")
+    for policy in policies:
+        result = simulate(requests, policy, _sim_config(args, args.event_lag_ms),
+                          seed=args.seed)
+        for s in (split(result.records, over) for over in args.over):
+            print(f"{result.policy:<18} {s.hit:6.1%} {s.over_s:8.1f}s {s.slow:8d} "
+                  f"{s.slow_hit * 100:6.2f} pt {s.hit_without:8.1%}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
