@@ -10,7 +10,8 @@ nothing cached (what recomputing them elsewhere would have kept).
 ``python -m bench.hit_by_wait --trace FILE --workers 4 --capacity-tokens 300000 --rate-scale 4``
 takes the workload, cluster and policy flags of :mod:`bench.replay` (``--policies``, default
 ``kvroute``; ``--set``), plus ``--over`` (the thresholds in seconds, default ``1,2.4,5``), and
-prints one row per policy and threshold. Run on the trace's last 393 requests at 3.6-4.8x its
+prints one row per policy and threshold. A live run of :mod:`bench.replay` (``--live``)
+prints the same rows for what its client saw. Run on the trace's last 393 requests at 3.6-4.8x its
 rate (``docs/routing.md``, "The hit bought by waiting").
 """
 
@@ -20,14 +21,26 @@ import argparse
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
-from bench.sim import RequestRecord
-
-__all__ = ["Split", "main", "split"]
+__all__ = ["Served", "Split", "lines", "main", "split"]
 
 #: Seconds of TTFT the hit is split at by default.
 DEFAULT_OVER = (1.0, 2.4, 5.0)
+
+
+class Served(Protocol):
+    """What :func:`split` reads of a request: a simulated one
+    (:class:`bench.sim.RequestRecord`) or a live one (:class:`bench.live.LiveRecord`)."""
+
+    @property
+    def prompt_tokens(self) -> int: ...
+
+    @property
+    def cached_tokens(self) -> int: ...
+
+    @property
+    def ttft_s(self) -> float: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -45,17 +58,31 @@ class Split:
     hit_without: float
 
 
-def split(records: Sequence[RequestRecord], over_s: float) -> Split:
-    """Split a run's hit at ``over_s`` seconds of TTFT (module docstring). A request never
-    served (shed, or no first token) is not slow."""
+def split(records: Sequence[Served], over_s: float) -> Split:
+    """Split a run's hit at ``over_s`` seconds of TTFT (module docstring). A request with no
+    first token (shed, failed: its TTFT negative) is not slow."""
     prompt = sum(r.prompt_tokens for r in records)
     cached = sum(max(r.cached_tokens, 0) for r in records)
-    slow = [r for r in records if r.first_token_s >= 0 and r.ttft_s > over_s]
+    slow = [r for r in records if r.ttft_s > over_s]
     slow_cached = sum(max(r.cached_tokens, 0) for r in slow)
     if not prompt:
         return Split(over_s=over_s, hit=0.0, slow=len(slow), slow_hit=0.0, hit_without=0.0)
     return Split(over_s=over_s, hit=cached / prompt, slow=len(slow),
                  slow_hit=slow_cached / prompt, hit_without=(cached - slow_cached) / prompt)
+
+
+HEADER = (f"{'policy':<18} {'hit':>6} {'TTFT over':>9} {'requests':>8} {'their hit':>9} "
+          f"{'without':>8}")
+
+
+def lines(policy: str, records: Sequence[Served],
+          over: Sequence[float] = DEFAULT_OVER) -> list[str]:
+    """One row of :data:`HEADER` per threshold in ``over``."""
+    rows = []
+    for s in (split(records, o) for o in over):
+        rows.append(f"{policy:<18} {s.hit:6.1%} {s.over_s:8.1f}s {s.slow:8d} "
+                    f"{s.slow_hit * 100:6.2f} pt {s.hit_without:8.1%}")
+    return rows
 
 
 def _thresholds(text: str) -> tuple[float, ...]:
@@ -91,14 +118,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     requests, name = _workload(args, args.seed)
     print(f"{name}, {args.workers} workers x {args.capacity_tokens:,} tokens, "
           f"rate x{args.rate_scale:g}, seed {args.seed}")
-    print(f"{'policy':<18} {'hit':>6} {'TTFT over':>9} {'requests':>8} {'their hit':>9} "
-          f"{'without':>8}")
+    print(HEADER)
     for policy in policies:
         result = simulate(requests, policy, _sim_config(args, args.event_lag_ms),
                           seed=args.seed)
-        for s in (split(result.records, over) for over in args.over):
-            print(f"{result.policy:<18} {s.hit:6.1%} {s.over_s:8.1f}s {s.slow:8d} "
-                  f"{s.slow_hit * 100:6.2f} pt {s.hit_without:8.1%}")
+        print("\n".join(lines(result.policy, result.records, args.over)))
     return 0
 
 

@@ -6,6 +6,8 @@ import json
 from pathlib import Path
 from typing import Any
 
+import pytest
+
 from bench.replay import main
 
 NUM_BLOCKS = 4096  # the e2e workers' default cache: 4,096 blocks of 32 tokens
@@ -30,6 +32,11 @@ def test_live_replay_reports_hits_bounds_and_plots(cluster: Any, tmp_path: Path)
     # worker, so 11 of 12 requests find them (round-robin's two cold starts would give 0.91)
     assert 0 < row["hit_rate"] <= doc["bounds"]["unlimited"]
     assert row["hit_vs_pooled"] == row["hit_rate"] / doc["bounds"]["pooled_lru"] > 0.95
+    # The hit split by the TTFT paid for it: at each threshold the two parts make the whole.
+    assert [s["over_s"] for s in row["hit_by_wait"]] == [1.0, 2.4, 5.0]
+    for s in row["hit_by_wait"]:
+        assert s["hit"] == row["hit_rate"]
+        assert s["slow_hit"] + s["hit_without"] == pytest.approx(s["hit"])
     for name in ("ttft_cdf.png", "hit_rate.png"):
         assert (plots / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert [Path(p).name for p in doc["runs"][0]["plots"]] == ["ttft_cdf.png", "hit_rate.png"]

@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 
-from bench.hit_by_wait import main, split
+from bench.hit_by_wait import lines, main, split
+from bench.live import LiveRecord
 from bench.policies import make_policies
 from bench.sim import RequestRecord, SimConfig, simulate
 from bench.workloads import WorkloadRequest
@@ -36,6 +37,17 @@ def test_a_request_never_served_is_not_slow() -> None:
                          shed=True)
     s = split([shed, _record("slow", 1000, 1000, 5.0)], 1.0)
     assert (s.slow, s.slow_hit, s.hit_without) == (1, 0.5, 0.0)
+
+
+def test_a_live_run_splits_as_its_client_saw_it() -> None:
+    # A live record's TTFT is the client's; one that failed has none (-1) and is not slow.
+    records = [LiveRecord("quick", 1000, ttft_s=0.3, cached_tokens=800),
+               LiveRecord("slow", 1000, ttft_s=3.0, cached_tokens=900),
+               LiveRecord("failed", 1000, error="refused")]
+    s = split(records, 2.4)
+    assert (s.slow, s.slow_hit, s.hit_without) == (1, 0.3, pytest.approx(800 / 3000))
+    (row,) = lines("live", records, (2.4,))
+    assert row.split() == ["live", "56.7%", "2.4s", "1", "30.00", "pt", "26.7%"]
 
 
 def _request(rid: str, at: float, first: int, tokens: int) -> WorkloadRequest:
