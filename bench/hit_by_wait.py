@@ -23,7 +23,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-__all__ = ["Served", "Split", "lines", "main", "split"]
+__all__ = ["HEADER", "Served", "Split", "line", "main", "split"]
 
 #: Seconds of TTFT the hit is split at by default.
 DEFAULT_OVER = (1.0, 2.4, 5.0)
@@ -75,14 +75,10 @@ HEADER = (f"{'policy':<18} {'hit':>6} {'TTFT over':>9} {'requests':>8} {'their h
           f"{'without':>8}")
 
 
-def lines(policy: str, records: Sequence[Served],
-          over: Sequence[float] = DEFAULT_OVER) -> list[str]:
-    """One row of :data:`HEADER` per threshold in ``over``."""
-    rows = []
-    for s in (split(records, o) for o in over):
-        rows.append(f"{policy:<18} {s.hit:6.1%} {s.over_s:8.1f}s {s.slow:8d} "
-                    f"{s.slow_hit * 100:6.2f} pt {s.hit_without:8.1%}")
-    return rows
+def line(policy: str, s: Split) -> str:
+    """``s`` as a row of :data:`HEADER`."""
+    return (f"{policy:<18} {s.hit:6.1%} {s.over_s:8.1f}s {s.slow:8d} "
+            f"{s.slow_hit * 100:6.2f} pt {s.hit_without:8.1%}")
 
 
 def _thresholds(text: str) -> tuple[float, ...]:
@@ -105,9 +101,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.description = __doc__.splitlines()[0] if __doc__ else None
     parser.add_argument("--over", type=_thresholds, default=DEFAULT_OVER,
                         help="TTFT thresholds in seconds, comma-separated (default 1,2.4,5)")
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not any(a == "--policies" or a.startswith("--policies=") for a in argv):
-        argv += ["--policies", "kvroute"]
+    parser.set_defaults(policies="kvroute")
     args: Any = parser.parse_args(argv)
     if args.live:
         parser.error("--live is not read here: the policies are simulated")
@@ -122,7 +116,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     for policy in policies:
         result = simulate(requests, policy, _sim_config(args, args.event_lag_ms),
                           seed=args.seed)
-        print("\n".join(lines(result.policy, result.records, args.over)))
+        for over in args.over:
+            print(line(result.policy, split(result.records, over)))
     return 0
 
 

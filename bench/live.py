@@ -228,8 +228,7 @@ def run_live(args: argparse.Namespace, requests: Sequence[WorkloadRequest], name
     a request failed). ``bounds`` are the hit-rate ceilings of the cluster the flags describe
     (``--workers`` x ``--capacity-tokens``, ``--block-size``): the live cluster is not asked,
     so they are only as right as those flags."""
-    from bench.hit_by_wait import DEFAULT_OVER, HEADER, split
-    from bench.hit_by_wait import lines as hit_lines
+    from bench.hit_by_wait import DEFAULT_OVER, HEADER, line, split
     from bench.report import LIVE_COLUMNS, plot, table
 
     bar = None
@@ -248,11 +247,12 @@ def run_live(args: argparse.Namespace, requests: Sequence[WorkloadRequest], name
     if bounds is not None and bounds.pooled_lru > 0:
         row["hit_vs_pooled"] = row["hit_rate"] / bounds.pooled_lru
     served = [r for r in records if r.error is None]
-    row["hit_by_wait"] = [dataclasses.asdict(split(served, over)) for over in DEFAULT_OVER]
+    splits = [split(served, over) for over in DEFAULT_OVER]
+    row["hit_by_wait"] = [dataclasses.asdict(s) for s in splits]
     print(table([row], f"{name} live against {args.live}, rate x{args.rate_scale:g}",
                 LIVE_COLUMNS))
     print("the hit by the TTFT paid for it (bench.hit_by_wait):")
-    print("\n".join([HEADER, *hit_lines("live", served)]))
+    print("\n".join([HEADER, *(line("live", s) for s in splits)]))
     if row["errors"]:
         print(f"{row['errors']} requests failed, e.g. {row['first_errors']}", file=sys.stderr)
     if row["late_sends"]:

@@ -366,8 +366,9 @@ class RoutingCore:
                 w in self._groups for w in workers):
             workers = None
         if workers is None:
-            holders = self._holders(hashes, matches, now)
-            fast = choose_fast(blocks, holders, self._groups, rng, self.passed_on())
+            passed_on = self.passed_on()
+            holders = self._holders(hashes, matches, now, passed_on)
+            fast = choose_fast(blocks, holders, self._groups, rng, passed_on)
 
             def explain() -> tuple[WorkerCost, ...]:
                 candidates = self.candidates(sorted(self._tracked), hashes, matches, now)
@@ -394,8 +395,8 @@ class RoutingCore:
         else:
             worker = rng.choice(ids)
         blocks = len(hashes)
-        chosen = cost_of(self._candidate(worker, hashes, matches.get(worker, (0, 0)), now),
-                         blocks)
+        chosen = cost_of(self._candidate(worker, hashes, matches.get(worker, (0, 0)), now,
+                                         1.0), blocks)  # priced idle: nothing passed on
 
         def explain() -> tuple[WorkerCost, ...]:
             return tuple(price(blocks, self.candidates(ids, hashes, matches, now)).costs)
@@ -405,10 +406,14 @@ class RoutingCore:
     def candidates(self, workers: Iterable[int], hashes: Sequence[int], matches: Matches,
                    now: float) -> list[Candidate]:
         """Every one of ``workers`` as the rule prices it."""
-        return [self._candidate(w, hashes, matches.get(w, (0, 0)), now) for w in workers]
+        passed_on = self.passed_on()
+        return [self._candidate(w, hashes, matches.get(w, (0, 0)), now, passed_on)
+                for w in workers]
 
     def _candidate(self, worker: int, hashes: Sequence[int], match: tuple[int, int],
-                   now: float) -> Candidate:
+                   now: float, passed_on: float) -> Candidate:
+        """``worker`` as the rule prices it; ``passed_on``: :meth:`passed_on`, the fleet's
+        figure, which a worker with a request of ours prefilling takes."""
         matched, device = match
         residency = self._approximate if self._tracked.get(worker) else self._predicted
         extended = residency.extend(worker, hashes, matched, now)
@@ -420,9 +425,9 @@ class RoutingCore:
                          rates=self._rates.get(worker, self._default_rates),
                          pending_prefill_blocks=key[5], decode_blocks=key[6],
                          active_requests=key[4],
-                         passed_on=self.passed_on() if key[7] else 1.0)
+                         passed_on=passed_on if key[7] else 1.0)
 
-    def _holders(self, hashes: Sequence[int], matches: Matches, now: float
+    def _holders(self, hashes: Sequence[int], matches: Matches, now: float, passed_on: float
                  ) -> list[Candidate]:
         """The tracked workers that match some of the request (index or prediction)."""
         tracked = self._tracked
@@ -441,7 +446,8 @@ class RoutingCore:
                         found.append(w)
         candidates: list[Candidate] = []
         for w in found:
-            candidates.append(self._candidate(w, hashes, matches.get(w, (0, 0)), now))
+            candidates.append(self._candidate(w, hashes, matches.get(w, (0, 0)), now,
+                                              passed_on))
         return candidates
 
     # -- facts about requests ---------------------------------------------------------------

@@ -30,7 +30,8 @@ from router.routing.scheduler import Candidate, WorkerCost, cost_of, prefill_sec
 __all__ = ["FastChoice", "LoadGroups", "LoadKey", "choose_fast"]
 
 #: (wait seconds, prefill_s, context_s, first_s per block, active requests, pending prefill
-#: blocks, decode blocks): everything a worker holding nothing is priced on and shown with.
+#: blocks, decode blocks, requests prefilling): everything a worker holding nothing is priced
+#: on and shown with.
 LoadKey = tuple[float, float, float, float, int, float, float, int]
 
 # A lower bound computed in another order of operations may exceed the cost it bounds by a

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.hit_by_wait import lines, main, split
+from bench.hit_by_wait import line, main, split
 from bench.live import LiveRecord
 from bench.policies import make_policies
 from bench.sim import RequestRecord, SimConfig, simulate
@@ -46,7 +46,7 @@ def test_a_live_run_splits_as_its_client_saw_it() -> None:
                LiveRecord("failed", 1000, error="refused")]
     s = split(records, 2.4)
     assert (s.slow, s.slow_hit, s.hit_without) == (1, 0.3, pytest.approx(800 / 3000))
-    (row,) = lines("live", records, (2.4,))
+    row = line("live", s)
     assert row.split() == ["live", "56.7%", "2.4s", "1", "30.00", "pt", "26.7%"]
 
 

@@ -37,8 +37,9 @@ def _agree(core: RoutingCore, rng: random.Random, hashes: list[int],
            matches: dict[int, tuple[int, int]], now: float) -> None:
     seed = rng.random()
     fast_rng, full_rng = random.Random(seed), random.Random(seed)
-    fast = choose_fast(len(hashes), core._holders(hashes, matches, now), core._groups, fast_rng,
-                       core.passed_on())
+    passed_on = core.passed_on()
+    fast = choose_fast(len(hashes), core._holders(hashes, matches, now, passed_on),
+                       core._groups, fast_rng, passed_on)
     full = choose(len(hashes), core.candidates(range(len(core._groups)), hashes, matches, now),
                   full_rng)
     assert fast.worker == full.worker

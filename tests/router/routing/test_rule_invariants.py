@@ -51,8 +51,9 @@ def _both_choices(core: RoutingCore, hashes: list[int], matches: dict[int, tuple
     candidates = core.candidates(workers, hashes, matches, 0.0)
     prices = {c.worker: c.cost for c in price(len(hashes), candidates).costs}
     spec = choose(len(hashes), candidates, random.Random(seed)).worker
-    fast = choose_fast(len(hashes), core._holders(hashes, matches, 0.0), core._groups,
-                       random.Random(seed), core.passed_on()).worker
+    passed_on = core.passed_on()
+    fast = choose_fast(len(hashes), core._holders(hashes, matches, 0.0, passed_on),
+                       core._groups, random.Random(seed), passed_on).worker
     return prices, spec, fast
 
 
