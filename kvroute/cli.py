@@ -291,6 +291,11 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
     a("--predict-ttl", type=float,
       help="seconds a routed prompt counts as cached on its worker before its events arrive "
       "(default %(default)s)")
+    a("--ttft-slo", type=float, metavar="SECONDS",
+      help="the time to first token clients accept: when no worker is idle, send each "
+      "request to the worker with the least prefill to do among those predicted to answer "
+      "within it (the most of the prompt cached), the soonest otherwise (default: none, "
+      "the soonest with the prefill passed on)")
     # Flow control: saturation, the queue, deadlines and fairness (docs/flow_control.md).
     a("--flow-control", choices=["on", "off"],
       help="hold requests in the router while every worker is saturated, most urgent first, "

@@ -71,6 +71,10 @@ class RouterSettings:
     learn_rates: bool = _CORE.learn
     sessions: bool = _CORE.sessions
     predict_ttl: float = _CORE.predict_ttl
+    #: The time to first token clients accept, in seconds (None: none stated): in a busy
+    #: fleet the ``kv`` rule takes, of the workers predicted within it, the one with the
+    #: least prefill to do (docs/routing.md, "A TTFT objective").
+    ttft_slo: float | None = _CORE.ttft_slo
     approximate_ttl: float = _CORE.approximate_ttl
     health_interval: float = 1.0
     unhealthy_grace: float = 5.0
@@ -154,6 +158,9 @@ class RouterSettings:
             (self.policy in POLICIES,
              f"policy {self.policy!r} is not one of {', '.join(POLICIES)}"),
             (self.predict_ttl > 0 and self.approximate_ttl > 0, "ttls must be positive"),
+            (self.ttft_slo is None or self.ttft_slo > 0, "ttft_slo must be positive"),
+            (self.ttft_slo is None or self.policy == "kv",
+             f"ttft_slo applies to the kv policy, not {self.policy!r}"),
             (self.health_interval > 0, "health_interval must be positive"),
             (self.health_misses >= 1, "health_misses must be at least 1"),
             (self.unhealthy_grace >= 0, "unhealthy_grace must be >= 0"),
@@ -301,7 +308,8 @@ class RouterSettings:
                             rates=parse_rates(self.rates) if self.rates else None,
                             learn=self.learn_rates, predict_ttl=self.predict_ttl,
                             approximate_ttl=self.approximate_ttl,
-                            sessions=self.sessions and self.policy == "kv")
+                            sessions=self.sessions and self.policy == "kv",
+                            ttft_slo=self.ttft_slo)
 
 
 def _pairs(text: str, name: str) -> list[tuple[str, float]]:

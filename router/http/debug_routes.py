@@ -62,6 +62,6 @@ def explain(state: RouterState, route: Route) -> dict[str, Any]:
                      "sessions": core.live_sessions(c.worker),
                      "wait_s": c.wait_s, "prefill_s": c.prefill_s,
                      "rate_factor": core.rate_factor(c.worker),
-                     "cost": c.cost, "price": c.price}
+                     "cost": c.cost, "price": c.price, "within_slo": c.within_slo}
                     for c in decision.costs],
     }

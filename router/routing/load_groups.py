@@ -151,12 +151,14 @@ class FastChoice:
 
 
 def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadGroups,
-                rng: random.Random, passed_on: float = 1.0) -> FastChoice:
+                rng: random.Random, passed_on: float = 1.0, slo: float | None = None
+                ) -> FastChoice:
     """:func:`router.routing.scheduler.choose` over every worker in ``groups``, pricing one by
     one only ``holders`` (the workers that match some of the request, with their matches;
     every one of them tracked in ``groups``) and the rest once per group. ``passed_on`` is
     :attr:`~router.routing.scheduler.Candidate.passed_on` of a worker with a request
-    prefilling (a group whose key counts one); the others' is 1.
+    prefilling (a group whose key counts one); the others' is 1. ``slo``: the TTFT
+    objective, as :func:`~router.routing.scheduler.choose`'s.
 
     Written for a decision on cold caches (a router decides between parsing two request
     bodies), where each Python call costs microseconds: plain loops rather than
@@ -177,38 +179,49 @@ def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadG
     # A busy fleet (no tracked worker idle) prices each prefill again, as passed on (the
     # scheduler's docstring): the least wait is the first group's.
     busy = order[0][0] > 0
+    objective = slo if busy else None
     priced: list[WorkerCost] = []
-    best = (math.inf, 0)
+    best: tuple[float, float, int] = (math.inf, 0.0, 0)
     for c in holders:
-        wc = cost_of(c, request_blocks, busy)
+        wc = cost_of(c, request_blocks, busy, objective)
         priced.append(wc)
-        rank = (wc.price, wc.active_requests)
+        rank = wc.rank
         if rank < best:
             best = rank
     # The rest, a group at a time, while a group could still cost no more than the best. A
     # group's price is cost_of's for a worker matching nothing (the same operations, so the
     # same float): (wait + prefill of B blocks) + first_s, plus the prefill passed on if busy
-    # (at least once: the floor's).
+    # (at least once: the floor's); within an objective, the prefill alone.
     least_p, least_c, least_first = groups.least_rates()
     least_prefill = prefill_seconds(least_p, least_c, 0.0, request_blocks, 0, 0)
     floor = (2.0 * least_prefill if busy else least_prefill) + least_first
     tied_groups: list[tuple[LoadKey, list[int], float]] = []  # key, members, prefill
     for key in order:
-        if key[0] + floor - best[0] > _SLACK * (abs(best[0]) + 1.0):
+        # A group within the objective is priced at least the least prefill; past the wait
+        # where even the least rates' TTFT exceeds it, every later group is beyond it too.
+        bound = key[0] + floor
+        if objective is not None and (key[0] + least_prefill) + least_first <= objective:
+            bound = least_prefill
+        if bound - best[0] > _SLACK * (abs(best[0]) + 1.0):
             break
         members = groups.members(key)
         if len(members) <= len(held) and all(w in held for w in members):
             continue
         prefill = prefill_seconds(key[1], key[2], 0.0, request_blocks, 0, 0)
         cost = (key[0] + prefill) + key[3]
-        rank = (cost + (passed_on if key[7] else 1.0) * prefill if busy else cost, key[4])
+        if objective is not None and cost <= objective:
+            rank = (prefill, cost, key[4])
+        elif busy:
+            rank = (cost + (passed_on if key[7] else 1.0) * prefill, 0.0, key[4])
+        else:
+            rank = (cost, 0.0, key[4])
         if rank < best:
             best, tied_groups = rank, [(key, members, prefill)]
         elif rank == best:
             tied_groups.append((key, members, prefill))
     tied: list[int] = []
     for wc in priced:
-        if (wc.price, wc.active_requests) == best:
+        if wc.rank == best:
             tied.append(wc.worker)
     runs: list[list[int]] = []
     skipped: list[int] = []  # the held workers inside the tied groups
@@ -234,10 +247,12 @@ def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadG
             prefill = group[2]
             break
     # The terms cost_of gives a worker of group ``key`` (it matches nothing).
+    cost = (key[0] + prefill) + key[3]
     chosen = WorkerCost(worker=worker, matched_blocks=0, device_matched_blocks=0,
                         prefill_blocks=request_blocks, pending_prefill_blocks=key[5],
                         decode_blocks=key[6], active_requests=key[4], wait_s=key[0],
-                        prefill_s=prefill, cost=(key[0] + prefill) + key[3], price=best[0])
+                        prefill_s=prefill, cost=cost, price=best[0],
+                        within_slo=objective is not None and cost <= objective)
     return FastChoice(worker, chosen)
 
 

@@ -33,8 +33,21 @@ over, while a hit adds little work. ``WorkerCost.cost`` stays the predicted time
 token (what the router books and what flow control reads); ``WorkerCost.price`` is what the
 choice minimises.
 
-Choice: the least ``price``; ties go to fewer active requests, then at random (``rng``, seeded
-by the caller, so tests are exact). No candidates is a caller error (the service answers 503
+**A TTFT objective** (``slo``, seconds; the router's ``--ttft-slo``, none by default). The
+operator states the time to first token its clients accept; in a busy fleet the rule then
+spends that time on the fleet's work. A candidate whose predicted TTFT is within the objective
+is priced by its own prefill alone (what it adds to the fleet's work; the wait, within the
+objective, costs the client nothing it has not accepted), and ties between such candidates
+go to the sooner TTFT; a candidate beyond it keeps the price above, which is more than the
+objective, so one within it always wins. With an idle candidate nothing changes: nothing is
+passed on, and the price is the TTFT (invariant 2 holds with or without an objective)::
+
+    price(w) = prefill(w)                       busy, objective set, ttft(w) <= slo
+                                                (ties: the least ttft(w))
+
+Choice: the least ``price``; ties go to the least TTFT among candidates within an objective,
+then to fewer active requests, then at random (``rng``, seeded by the caller, so tests are
+exact). No candidates is a caller error (the service answers 503
 before asking); a request with no full block (B = 0) is decided on the waits alone.
 
 Invariants (``tests/router/routing/test_rule_invariants.py`` checks them for :func:`choose` and
@@ -50,6 +63,10 @@ Invariants (``tests/router/routing/test_rule_invariants.py`` checks them for :fu
    never chosen over it: with an idle candidate the price is the ``ttft``, and the queued
    one's is at least its wait, the idle one's at most that recompute (with the same
    ``first_s``).
+3. With an objective, in a busy fleet, a candidate predicted within it is never passed over
+   for one predicted beyond it, and no candidate within it has less prefill of its own than
+   the one chosen: within it, a price is a prefill, at most the TTFT, at most the objective;
+   beyond it a price is more than the TTFT, more than the objective.
 
 :func:`choose` prices every candidate (:func:`price`) and picks: the executable specification.
 :mod:`router.routing.load_groups` reaches the same choice without pricing each worker that holds
@@ -120,8 +137,16 @@ class WorkerCost:
     #: The predicted time to first token, in seconds.
     cost: float
     #: What the choice minimises: ``cost``, plus ``prefill_s`` times the later requests it
-    #: delays in a busy fleet (module docstring).
+    #: delays in a busy fleet; ``prefill_s`` alone within a TTFT objective (module docstring).
     price: float
+    #: Priced within a TTFT objective (a busy fleet, ``cost`` at most the objective).
+    within_slo: bool = False
+
+    @property
+    def rank(self) -> tuple[float, float, int]:
+        """What the choice orders candidates by: the price, then the TTFT if within an
+        objective, then the active requests (the rest of a tie is drawn at random)."""
+        return (self.price, self.cost if self.within_slo else 0.0, self.active_requests)
 
 
 class Decision:
@@ -174,10 +199,12 @@ class Decision:
         return f"Decision(worker={self.worker})"
 
 
-def cost_of(candidate: Candidate, request_blocks: int, busy: bool = False) -> WorkerCost:
+def cost_of(candidate: Candidate, request_blocks: int, busy: bool = False,
+            slo: float | None = None) -> WorkerCost:
     """Return the terms of one candidate's price for a request of ``request_blocks`` blocks,
     ``busy`` when no candidate is idle (its prefill is then priced as passed on to
-    ``candidate.passed_on`` later requests too)."""
+    ``candidate.passed_on`` later requests too, or, with a TTFT objective ``slo`` its cost
+    is within, as the prefill alone)."""
     matched = min(candidate.matched_blocks, request_blocks)
     device = min(candidate.device_matched_blocks, matched)
     new = request_blocks - matched
@@ -185,24 +212,31 @@ def cost_of(candidate: Candidate, request_blocks: int, busy: bool = False) -> Wo
     prefill = prefill_seconds(r.prefill_s, r.context_s, r.onboard_s, new, matched,
                               matched - device)
     cost = (candidate.wait_s + prefill) + r.first_s
+    within = busy and slo is not None and cost <= slo
+    if within:
+        priced = prefill
+    elif busy:
+        priced = cost + candidate.passed_on * prefill
+    else:
+        priced = cost
     return WorkerCost(worker=candidate.worker, matched_blocks=matched,
                       device_matched_blocks=device, prefill_blocks=new,
                       pending_prefill_blocks=candidate.pending_prefill_blocks,
                       decode_blocks=candidate.decode_blocks,
                       active_requests=candidate.active_requests, wait_s=candidate.wait_s,
-                      prefill_s=prefill, cost=cost,
-                      price=cost + candidate.passed_on * prefill if busy else cost)
+                      prefill_s=prefill, cost=cost, price=priced, within_slo=within)
 
 
 @dataclass(slots=True)
 class Pricing:
     """Every candidate priced for one request (:func:`price`)."""
 
-    #: Cost terms, least price first (ties: fewer active requests, then lower worker id).
+    #: Cost terms, least :attr:`WorkerCost.rank` first (then lower worker id).
     costs: list[WorkerCost]
 
 
-def price(request_blocks: int, candidates: Sequence[Candidate]) -> Pricing:
+def price(request_blocks: int, candidates: Sequence[Candidate], slo: float | None = None
+          ) -> Pricing:
     """Price every candidate for a request of ``request_blocks`` full blocks (module
     docstring; arguments as :func:`choose`)."""
     if not candidates:
@@ -210,28 +244,28 @@ def price(request_blocks: int, candidates: Sequence[Candidate]) -> Pricing:
     if request_blocks < 0:
         raise ValueError(f"request_blocks must be >= 0, got {request_blocks}")
     busy = all(c.wait_s > 0 for c in candidates)
-    costs = [cost_of(c, request_blocks, busy) for c in candidates]
-    costs.sort(key=lambda c: (c.price, c.active_requests, c.worker))
+    costs = [cost_of(c, request_blocks, busy, slo) for c in candidates]
+    costs.sort(key=lambda c: (c.rank, c.worker))
     return Pricing(costs)
 
 
 def select(pricing: Pricing, rng: random.Random) -> int:
-    """Pick the worker from a :class:`Pricing`: the least price, ties at random."""
+    """Pick the worker from a :class:`Pricing`: the least rank, ties at random."""
     costs = pricing.costs
-    best = costs[0]
-    tied = [c.worker for c in costs
-            if c.price == best.price and c.active_requests == best.active_requests]
+    best = costs[0].rank
+    tied = [c.worker for c in costs if c.rank == best]
     return tied[0] if len(tied) == 1 else rng.choice(tied)
 
 
-def choose(request_blocks: int, candidates: Sequence[Candidate], rng: random.Random
-           ) -> Decision:
+def choose(request_blocks: int, candidates: Sequence[Candidate], rng: random.Random,
+           slo: float | None = None) -> Decision:
     """Pick the worker for a request of ``request_blocks`` full blocks.
 
     Args:
         request_blocks: the prompt's full blocks (the ones the index can match).
         candidates: the workers that may serve it, with matches, waits and rates.
         rng: breaks ties.
+        slo: the TTFT objective in seconds (None: none; module docstring).
 
     Returns:
         The decision, with every candidate's cost terms.
@@ -239,6 +273,6 @@ def choose(request_blocks: int, candidates: Sequence[Candidate], rng: random.Ran
     Raises:
         ValueError: no candidates, or a negative block count.
     """
-    pricing = price(request_blocks, candidates)
+    pricing = price(request_blocks, candidates, slo)
     worker = select(pricing, rng)
     return Decision(worker, tuple(pricing.costs))

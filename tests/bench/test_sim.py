@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.policies import POLICIES
+from bench.policies import POLICIES, make_policies
 from bench.sim import SimConfig, simulate
 from bench.workloads import GeneratorConfig, WorkloadRequest, generate
 
@@ -87,6 +87,44 @@ def test_requests_cached_behind_a_giant_cold_prefill_do_not_queue_behind_it() ->
         q = by_id[f"q{i}"]
         assert q.worker != holder, f"q{i} queued behind the giant"
         assert q.ttft_s < 1.5
+
+
+def test_a_ttft_objective_spends_the_time_it_allows_on_hits() -> None:
+    # Two workers. A 58k-token document is read (worker H holds it), then a 150k-token prompt
+    # opening with it prefills on H for about 5 s while the other worker decodes a long
+    # answer: no worker is idle. Three questions about the document follow. Without an
+    # objective, waiting on H (about 5 s) loses to recomputing elsewhere (about 1 s); the
+    # first question recomputes and the other two hit its copy. With an objective of 7 s,
+    # waiting is within it: each question waits for H and finds the document there. With
+    # 3 s it is not, and the choice is the rule's.
+    doc = tuple(range(1_000, 59_000))
+
+    def request(rid: str, at: float, *segments: tuple[int, ...], out: int = 2
+                ) -> WorkloadRequest:
+        return WorkloadRequest(rid, at, segments, sum(len(t) for t in segments), out)
+
+    reqs = [request("doc", 0.0, doc, tuple(range(900_000, 900_100))),
+            request("giant", 3.0, doc[:512], tuple(range(2_000_000, 2_150_000))),
+            request("answer", 3.05, tuple(range(5_000_000, 5_004_000)), out=3000)]
+    reqs += [request(f"q{i}", 3.3 + 0.1 * i, doc,
+                     tuple(range(3_000_000 + 10_000 * i, 3_002_000 + 10_000 * i)))
+             for i in range(3)]
+
+    def run(policy: str) -> dict[str, tuple[int, int, float]]:
+        (p,) = make_policies(policy)
+        res = simulate(reqs, p, SimConfig(workers=2, capacity_tokens=400_000), seed=3)
+        return {r.request_id: (r.worker, r.cached_tokens, r.ttft_s) for r in res.records}
+
+    plain, within, short = run("kvroute"), run("kvroute[ttft_slo=7]"), run("kvroute[ttft_slo=3]")
+    holder = plain["doc"][0]
+    assert plain["giant"][0] == holder and plain["giant"][2] > 4.0
+    assert plain["answer"][0] != holder
+    for i in range(3):
+        worker, cached, ttft = within[f"q{i}"]
+        assert worker == holder and cached >= 57_000 and 4.0 < ttft <= 7.0
+        assert plain[f"q{i}"][0] != holder and plain[f"q{i}"][2] < 1.5
+        assert short[f"q{i}"] == plain[f"q{i}"]
+    assert plain["q0"][1] == 0  # recomputed: the hit the objective buys
 
 
 

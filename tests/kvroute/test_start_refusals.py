@@ -17,6 +17,7 @@ from kvroute.up import free_port
     (["router", "--worker", "http://:8000"], "no host"),
     (["router", "--worker", ""], "workers from flag: a worker entry is empty"),
     (["router", "--predict-ttl", "inf"], "predict_ttl must be a finite number"),
+    (["router", "--ttft-slo", "-1"], "ttft_slo must be positive"),
     (["router", "--rates", "prefill=nan"], "rate prefill_s must be a finite number"),
     (["router", "--health-timeout", "inf"], "health_timeout must be a finite number"),
     (["router", "--admin-token", "   "], "admin_token is blank"),

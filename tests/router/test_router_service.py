@@ -236,10 +236,13 @@ async def test_approximate_mode_sends_a_repeated_prefix_back_to_its_worker() -> 
 async def test_debug_route_shows_each_workers_price_in_seconds(
         rates: str | None, prefill_s: float) -> None:
     # An idle worker: no wait; the prompt's prefill at its rates (the default or set by hand).
-    async with ScriptedWorker() as a, router_for(a, ready=1, rates=rates) as client:
+    # Idle, it is priced at its TTFT, a TTFT objective or not.
+    async with ScriptedWorker() as a, router_for(a, ready=1, rates=rates,
+                                                 ttft_slo=30.0) as client:
         shown = (await client.post("/debug/route", json=BODY)).json()
     (worker,) = shown["workers"]
     blocks = shown["request_blocks"]
+    assert worker["within_slo"] is False and worker["price"] == worker["cost"]
     assert worker["wait_s"] == 0.0 and worker["rate_factor"] == 1.0
     assert worker["prefill_blocks"] == blocks and worker["cost"] >= worker["prefill_s"]
     assert worker["prefill_s"] >= prefill_s * 32 * blocks

@@ -60,6 +60,16 @@ def test_json_config_files_work_too(tmp_path: Path) -> None:
     assert (s.predict_ttl, s.sessions) == (2.5, False)
 
 
+def test_a_ttft_objective_reaches_the_core_and_none_unsets_it(tmp_path: Path) -> None:
+    config = tmp_path / "router.toml"
+    config.write_text("[router]\nttft_slo = 2.4\n")
+    s = load_settings({}, env={}, config_file=str(config))
+    assert s.ttft_slo == 2.4 and s.core_settings().ttft_slo == 2.4
+    assert load_settings({}, env={"KVROUTE_TTFT_SLO": "none"}, config_file=str(config)
+                         ).core_settings().ttft_slo is None
+    assert load_settings({}, env={}).ttft_slo is None  # none stated by default
+
+
 @pytest.mark.parametrize("flags, env, fragment", [
     ({"port": 0}, {}, "port 0"),
     ({}, {"KVROUTE_PORT": "eighty"}, "port from environment"),
@@ -74,6 +84,11 @@ def test_json_config_files_work_too(tmp_path: Path) -> None:
     ({"rates": "prefill=1e-6,onboard=1e-5"}, {}, "onboard_s must not exceed prefill_s"),
     ({"learn_rates": "sometimes"}, {}, "learn_rates from flag: 'sometimes'"),
     ({"predict_ttl": "0"}, {}, "ttls must be positive"),
+    ({"ttft_slo": "0"}, {}, "ttft_slo must be positive"),
+    ({"ttft_slo": "-2.4"}, {}, "ttft_slo must be positive"),
+    ({"ttft_slo": "soon"}, {}, "ttft_slo from flag: 'soon' is not a valid float | None"),
+    ({}, {"KVROUTE_TTFT_SLO": "nan"}, "ttft_slo must be a finite number"),
+    ({"ttft_slo": "2", "policy": "dynamo"}, {}, "ttft_slo applies to the kv policy"),
 ])
 def test_bad_router_settings_are_refused_with_the_reason(flags: dict, env: dict,
                                                          fragment: str) -> None:

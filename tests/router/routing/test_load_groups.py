@@ -15,7 +15,7 @@ from router.routing.core import CoreSettings, RoutingCore
 from router.routing.load import ReportedLoad
 from router.routing.load_groups import LoadGroups, choose_fast
 from router.routing.rates import Rates
-from router.routing.scheduler import choose
+from router.routing.scheduler import Candidate, choose
 
 #: Engine kinds of different speeds (a fleet mixes them).
 KINDS = {"kvroute": Rates(prefill_s=2e-6, context_s=4e-10, decode_s=2e-8, onboard_s=6e-7,
@@ -24,8 +24,9 @@ KINDS = {"kvroute": Rates(prefill_s=2e-6, context_s=4e-10, decode_s=2e-8, onboar
                        first_s=0.02)}
 
 
-def _fleet(rng: random.Random, workers: int, learn: bool = True) -> RoutingCore:
-    core = RoutingCore(CoreSettings(learn=learn))
+def _fleet(rng: random.Random, workers: int, learn: bool = True,
+           slo: float | None = None) -> RoutingCore:
+    core = RoutingCore(CoreSettings(learn=learn, ttft_slo=slo))
     mixed = rng.random() < 0.5
     for w in range(workers):
         engine = rng.choice(["kvroute", "vllm"]) if mixed else "kvroute"
@@ -38,10 +39,11 @@ def _agree(core: RoutingCore, rng: random.Random, hashes: list[int],
     seed = rng.random()
     fast_rng, full_rng = random.Random(seed), random.Random(seed)
     passed_on = core.passed_on()
+    slo = core.settings.ttft_slo
     fast = choose_fast(len(hashes), core._holders(hashes, matches, now, passed_on),
-                       core._groups, fast_rng, passed_on)
+                       core._groups, fast_rng, passed_on, slo)
     full = choose(len(hashes), core.candidates(range(len(core._groups)), hashes, matches, now),
-                  full_rng)
+                  full_rng, slo)
     assert fast.worker == full.worker
     assert fast.chosen == full.chosen
     assert fast_rng.getstate() == full_rng.getstate()
@@ -75,12 +77,19 @@ def _step(core: RoutingCore, rng: random.Random, step: int, workers: int,
         core.cache_cleared(rng.randrange(workers), now)
 
 
-def _random_run(seed: int, before_step: Callable[[RoutingCore], None] | None = None) -> None:
+#: TTFT objectives about the random fleets' predicted TTFTs (8-20 ms): some candidates are
+#: within, some beyond.
+OBJECTIVES = (0.0082, 0.0086, 0.009, 0.01, 0.02)
+
+
+def _random_run(seed: int, before_step: Callable[[RoutingCore], None] | None = None,
+                slo: bool = False) -> None:
     """300 random requests on a random fleet of ``seed``, each decided both ways (``_step``);
-    ``before_step`` sees the core before each."""
+    ``before_step`` sees the core before each; ``slo``: under a random TTFT objective."""
     rng = random.Random(seed)
     workers = rng.choice([1, 2, 3, 8, 24])
-    core = _fleet(rng, workers, learn=seed % 3 != 0)
+    core = _fleet(rng, workers, learn=seed % 3 != 0,
+                  slo=rng.choice(OBJECTIVES) if slo else None)
     prefixes = [[rng.getrandbits(32) for _ in range(rng.randrange(1, 12))] for _ in range(5)]
     in_flight: list[str] = []
     for step in range(300):
@@ -92,6 +101,26 @@ def _random_run(seed: int, before_step: Callable[[RoutingCore], None] | None = N
 @pytest.mark.parametrize("seed", range(12))
 def test_the_fast_choice_is_the_full_scans(seed: int) -> None:
     _random_run(seed)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_under_a_ttft_objective_the_fast_choice_is_the_full_scans(seed: int) -> None:
+    _random_run(seed, slo=True)
+
+
+def test_the_objective_runs_choose_within_and_beyond_it() -> None:
+    # In a busy fleet the objective prices a candidate within it otherwise: the runs above
+    # must meet busy fleets whose least-cost worker is within it and ones where none is.
+    seen: set[bool] = set()
+
+    def look(core: RoutingCore) -> None:
+        if core._groups.order[0][0] > 0:
+            routed = core.decide([1, 2, 3], {}, 0.0, random.Random(0))
+            seen.add(routed.decision.chosen.within_slo)
+
+    for seed in range(12):
+        _random_run(seed, look, slo=True)
+    assert seen == {True, False}
 
 
 def test_hand_set_rates_agree_too() -> None:
@@ -213,3 +242,26 @@ def test_least_rates_follow_rate_changes_not_load_changes() -> None:
                                             min(k[2] for k in keys.values()),
                                             min(k[3] for k in keys.values())), step
         assert len(groups._prefill) == len(groups._first) == len(keys)
+
+
+def test_under_an_objective_a_faster_kind_further_down_the_waits_is_still_priced() -> None:
+    """Within the objective a worker is priced by its prefill, not its wait: a faster engine
+    kind queued longer than a slower one is reached and wins by its shorter prefill, as the
+    full scan has it."""
+    slow = Rates(prefill_s=4e-4, first_s=0.01)  # per block
+    fast = Rates(prefill_s=1e-4, first_s=0.01)
+    fleet = [(0, 0.05, slow), (1, 0.5, fast), (2, 3.0, fast)]
+    groups = LoadGroups()
+    for w, wait, r in fleet:
+        groups.update(w, (wait, r.prefill_s, r.context_s, r.first_s, 1, 0.0, 0.0, 1))
+    candidates = [Candidate(w, wait_s=wait, rates=r, active_requests=1) for w, wait, r in fleet]
+    for slo in (None, 0.5, 1.0):
+        fast_choice = choose_fast(1000, [], groups, random.Random(0), 1.0, slo)
+        full = choose(1000, candidates, random.Random(0), slo)
+        assert fast_choice.worker == full.worker
+        assert fast_choice.chosen == full.chosen
+    # Within 1 s both of the first two are; the fast kind's 0.1 s of prefill wins over the
+    # slow one's 0.4 s, though its TTFT (0.61 s) is later (0.46 s). Within 0.5 s only the
+    # first is.
+    assert choose_fast(1000, [], groups, random.Random(0), 1.0, 1.0).worker == 1
+    assert choose_fast(1000, [], groups, random.Random(0), 1.0, 0.5).worker == 0

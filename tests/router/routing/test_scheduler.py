@@ -137,3 +137,38 @@ def test_with_an_idle_candidate_nothing_is_passed_on() -> None:
 def test_a_busy_fleet_still_leaves_a_queue_longer_than_two_recomputes() -> None:
     holder = Candidate(0, matched_blocks=10, device_matched_blocks=10, wait_s=21.0, rates=R)
     assert choose(10, [holder, Candidate(1, wait_s=0.5, rates=R)], random.Random(0)).worker == 1
+
+
+def test_within_an_objective_a_busy_fleet_waits_for_the_hit() -> None:
+    # The holder: 12 s queued, nothing to prefill; the other: 0.5 s queued, a 10 s recompute.
+    # Without an objective the holder wins already (12 s against 10.5 + 10 passed on); with
+    # it the holder's price is its prefill, 0 s, and it wins while its TTFT is within.
+    holder = Candidate(0, matched_blocks=10, device_matched_blocks=10, wait_s=12.0, rates=R)
+    other = Candidate(1, wait_s=0.5, rates=R, passed_on=0.1)
+    assert choose(10, [holder, other], random.Random(0)).worker == 1  # 12 > 10.5 + 1
+    decision = choose(10, [holder, other], random.Random(0), slo=12.0)
+    assert decision.worker == 0
+    terms = {c.worker: c for c in decision.costs}
+    assert (terms[0].price, terms[0].within_slo) == (0.0, True)
+    assert (terms[1].price, terms[1].within_slo) == (10.0, True)  # its own prefill
+    # Past the objective the holder is priced by the rule, above any candidate within it.
+    decision = choose(10, [holder, other], random.Random(0), slo=11.0)
+    assert decision.worker == 1
+    terms = {c.worker: c for c in decision.costs}
+    assert (terms[0].price, terms[0].within_slo) == (12.0, False)
+    assert (terms[1].price, terms[1].within_slo) == (10.0, True)
+
+
+def test_within_an_objective_equal_prefill_goes_to_the_sooner_worker() -> None:
+    # Neither holds anything: the same 10 s of prefill; the shorter queue answers sooner.
+    fleet = [Candidate(0, wait_s=3.0, rates=R), Candidate(1, wait_s=0.5, rates=R),
+             Candidate(2, wait_s=1.0, rates=R)]
+    for seed in range(10):
+        assert choose(10, fleet, random.Random(seed), slo=20.0).worker == 1
+
+
+def test_an_objective_changes_nothing_while_a_worker_is_idle() -> None:
+    holder = Candidate(0, matched_blocks=10, device_matched_blocks=10, wait_s=12.0, rates=R)
+    decision = choose(10, [holder, Candidate(1, rates=R)], random.Random(0), slo=100.0)
+    assert decision.worker == 1  # the idle recompute is sooner: invariant 2
+    assert all(c.price == c.cost and not c.within_slo for c in decision.costs)
