@@ -66,7 +66,7 @@ Invariants (``tests/router/routing/test_rule_invariants.py`` checks them for :fu
 3. With an objective, in a busy fleet, a candidate predicted within it is never passed over
    for one predicted beyond it, and no candidate within it has less prefill of its own than
    the one chosen: within it, a price is a prefill, at most the TTFT, at most the objective;
-   beyond it a price is more than the TTFT, more than the objective.
+   beyond it a price is at least the TTFT, more than the objective.
 
 :func:`choose` prices every candidate (:func:`price`) and picks: the executable specification.
 :mod:`router.routing.load_groups` reaches the same choice without pricing each worker that holds
