@@ -22,6 +22,10 @@ Notes:
        context, so a publisher with CURVE needs a context no other authenticator serves.
     6. Inbound messages (subscriptions, replay requests) are tiny; ``MAXMSGSIZE`` of
        :data:`MAX_INBOUND_BYTES` makes libzmq drop a peer that sends more.
+    7. A ROUTER drops, silently, what it cannot queue for a peer: at its default send
+       high-water mark (1,000 messages), a replay longer than that to a consumer busy
+       elsewhere would lose every batch past the thousandth and its end marker. The replay
+       ROUTER's mark is one whole replay: every buffered batch and the end marker.
 """
 
 from __future__ import annotations
@@ -136,6 +140,7 @@ class EventPublisher:
         self._buffer: collections.deque[tuple[int, bytes]] = collections.deque(
             maxlen=buffer_batches
         )
+        self._replay_hwm = buffer_batches + 1  # every buffered batch and the end marker
         self._next_seq = 0
         self._drop = 0
         self._pub: zmq.asyncio.Socket | None = None
@@ -167,6 +172,7 @@ class EventPublisher:
         self._pub = pub
         if self.replay_endpoint is not None:
             router = self._context.socket(zmq.ROUTER)
+            router.setsockopt(zmq.SNDHWM, self._replay_hwm)  # a whole replay (note 7)
             self._secure(router)
             router.bind(self.replay_endpoint)
             self.replay_endpoint = router.getsockopt_string(zmq.LAST_ENDPOINT)

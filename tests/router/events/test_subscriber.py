@@ -114,10 +114,11 @@ async def test_tiny_high_water_mark_overflow_loses_nothing(notice_log: Any) -> N
     pub = EventPublisher(ANY_PORT, ANY_PORT, hwm=1, buffer_batches=5000)
     await pub.start()
     log = notice_log()
-    # A full test run once lost 1,500-1,551 here. With a replay endpoint and a 5,000-batch
-    # buffer the one path that drops batches is a replay outlasting ``replay_timeout`` (2 s by
-    # default), and this flood keeps the loop that serves both ends busy: that is the
-    # timeout's case, not the high-water mark's, so give the replay time.
+    # Full test runs lost 1,000-1,050 and 1,500-1,551 here: the catch-up replay overran the
+    # replay ROUTER's send pipe (1,000 messages) and the ROUTER dropped the rest; the pipe now
+    # holds a whole replay (tests/workers/cache/test_publisher_replay.py). The other path that
+    # drops batches is a replay outlasting ``replay_timeout`` (2 s by default), and this flood
+    # keeps the loop that serves both ends busy: give the replay time.
     sub = await subscribe(pub, log, from_seq=0, replay_timeout=30.0)
     payload_events = [BlockRemoved(block_hashes=list(range(200)), medium="GPU", group_idx=0)]
     for i in range(2000):
