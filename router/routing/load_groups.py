@@ -180,12 +180,12 @@ def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadG
     # scheduler's docstring): the least wait is the first group's.
     busy = order[0][0] > 0
     objective = slo if busy else None
-    priced: list[WorkerCost] = []
+    priced: list[tuple[tuple[float, float, int], WorkerCost]] = []  # (rank, terms)
     best: tuple[float, float, int] = (math.inf, 0.0, 0)
     for c in holders:
         wc = cost_of(c, request_blocks, busy, objective)
-        priced.append(wc)
         rank = wc.rank
+        priced.append((rank, wc))
         if rank < best:
             best = rank
     # The rest, a group at a time, while a group could still cost no more than the best. A
@@ -220,8 +220,8 @@ def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadG
         elif rank == best:
             tied_groups.append((key, members, prefill))
     tied: list[int] = []
-    for wc in priced:
-        if wc.rank == best:
+    for rank, wc in priced:
+        if rank == best:
             tied.append(wc.worker)
     runs: list[list[int]] = []
     skipped: list[int] = []  # the held workers inside the tied groups
@@ -237,7 +237,7 @@ def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadG
     tied.sort()
     worker = _draw(runs, skipped, tied, rng)
     if tied and _has(tied, worker):
-        for wc in priced:
+        for _, wc in priced:
             if wc.worker == worker:
                 return FastChoice(worker, wc)
     key = groups.key(worker)
