@@ -310,6 +310,17 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
       "%(default)s); a full queue sheds its least urgent")
     a("--flow-max-wait", type=float, metavar="SECONDS",
       help="seconds a request waits in the router at most (default %(default)s)")
+    a("--flow-seq-gate", choices=["on", "off"],
+      help="send a request to a worker only while it runs fewer sequences than its "
+      "max_num_seqs (learned from a stock engine's running/waiting counts); the rest wait "
+      "in the router, most urgent first (default on)")
+    a("--flow-urgent-share", type=float, metavar="SHARE",
+      help="share of each worker's sequences (at least one) a request less urgent than "
+      "priority 0 leaves free for more urgent ones; 0: none (default %(default)s)")
+    a("--flow-ttft-budget", type=float, metavar="SECONDS",
+      help="seconds to its first token a request that must wait may take when no deadline "
+      "is set for it; one predicted (its wait at the fleet's measured pace, plus its TTFT) "
+      "past it is refused at once with 429 and Retry-After; 0: none (default %(default)s)")
     a("--flow-deadlines", metavar="PRIORITY=SECONDS,...",
       help="a TTFT deadline per priority (the x-kvroute-ttft-deadline-ms header overrides)")
     a("--tenant-weights", metavar="TENANT=WEIGHT,...",

@@ -34,6 +34,7 @@ from router.fleet.unavailable import unavailable_reason
 from router.fleet.worker_table import WorkerInfo
 from router.routing.core import Prediction, RoutingCore
 from router.routing.disaggregation import prefills_locally, remote_prefill_ttft, transfer_seconds
+from router.routing.dispatch_gate import CapacityListener, Deaf, QueueStay
 from router.routing.load import ReportedLoad
 from router.routing.prompt_path import HashingTerms, PrefixReach, request_hashes
 from router.routing.scheduler import Decision
@@ -69,6 +70,8 @@ class Route:
     #: The decision's ``cost`` is a predicted time to first token in seconds (the rule in
     #: seconds, ``--policy kv``); the other policies' costs are not times.
     predicts_ttft: bool = False
+    #: Its stay in flow control's queue (None: it did not wait).
+    queued: QueueStay | None = None
 
     @property
     def worker(self) -> Target:
@@ -140,9 +143,11 @@ class _CoreFacts(FleetFacts):
     """The fleet's facts, stamped with the clock and passed down to the routing core (and
     a change of model info to the service's cache of candidates)."""
 
-    def __init__(self, core: RoutingCore, described: Callable[[], None]) -> None:
+    def __init__(self, core: RoutingCore, described: Callable[[], None],
+                 capacity: Callable[[], CapacityListener]) -> None:
         self._core = core
         self._described = described
+        self._capacity = capacity
 
     def joined(self, worker: int, engine: str, info: WorkerInfo | None) -> None:
         self._core.worker_joined(worker, engine=engine, approximate=_approximate(info),
@@ -156,16 +161,20 @@ class _CoreFacts(FleetFacts):
     def left(self, worker: int) -> None:
         self._described()
         self._core.worker_left(worker)
+        self._capacity().forget(worker)
 
     def cleared(self, worker: int) -> None:
         self._described()  # a restart may bring other model info
         self._core.cache_cleared(worker, time.monotonic())
+        self._capacity().forget(worker)
 
     def reported(self, worker: int, load: ReportedLoad) -> None:
         self._core.load_reported(worker, load)
+        self._capacity().reported(worker, load.running, load.waiting)
 
     def events_applied(self, worker: int, events: list[Event]) -> None:
         self._core.events_applied(worker, events, time.monotonic())
+        self._capacity().wake()
 
 
 def _approximate(info: WorkerInfo | None) -> bool:
@@ -196,8 +205,11 @@ class RouterService:
         #: facts through the verbs below.
         self.core = RoutingCore(settings.core_settings())
         self.rng = random.Random(settings.seed)
+        #: Told of what frees capacity (flow control sets itself here).
+        self.capacity: CapacityListener = Deaf()
         self.registry = Registry(settings.fleet_settings(), self.index,
-                                 _CoreFacts(self.core, self._candidates_changed),
+                                 _CoreFacts(self.core, self._candidates_changed,
+                                            lambda: self.capacity),
                                  self.tokenizer.identity, http)
         self.counters: dict[str, float] = {}
         # Request ids: unique per process without a syscall per request (uuid4 reads urandom).
@@ -446,7 +458,8 @@ class RouterService:
     def undispatched(self, route: Route, worker: Target | None = None) -> None:
         """The send failed before the worker took the request: release its load and, given
         the ``worker``, the blocks predicted there for it."""
-        self.core.finished(route.request_id)
+        if self.core.finished(route.request_id) is not None:
+            self.capacity.ended()
         if worker is not None:
             self.refused(route, worker)
 
@@ -457,11 +470,14 @@ class RouterService:
     def first_token(self, route: Route) -> Prediction | None:
         """The worker began answering ``route``: its prefill is done; returns the predicted
         and the delivered time to it (None: told before)."""
-        return self.core.first_token(route.request_id, time.monotonic())
+        prediction = self.core.first_token(route.request_id, time.monotonic())
+        self.capacity.wake()
+        return prediction
 
     def finished(self, route: Route) -> None:
         """``route`` ended (answered, failed or abandoned): release its load. Idempotent."""
-        self.core.finished(route.request_id)
+        if self.core.finished(route.request_id) is not None:
+            self.capacity.ended()
 
     def queued_prefill(self, worker: Target) -> float:
         """Blocks of prefill queued on ``worker`` (routed there, no first token yet)."""

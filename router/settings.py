@@ -131,6 +131,9 @@ class RouterSettings:
     flow_kv_threshold: float = _FLOW.kv_threshold
     flow_max_queue: int = _FLOW.max_queue
     flow_max_wait: float = _FLOW.max_wait_s
+    flow_seq_gate: bool = _FLOW.seq_gate
+    flow_urgent_share: float = _FLOW.urgent_share
+    flow_ttft_budget: float = _FLOW.ttft_budget_s
     #: ``PRIORITY=SECONDS,...``: a TTFT deadline per priority.
     flow_deadlines: str = ""
     #: ``TENANT=WEIGHT,...``: each tenant's share inside its priority (1 when not named).
@@ -240,6 +243,9 @@ class RouterSettings:
             return FlowSettings(enabled=self.flow_control, ttft_bound_s=self.flow_ttft_bound,
                                 kv_threshold=self.flow_kv_threshold,
                                 max_queue=self.flow_max_queue, max_wait_s=self.flow_max_wait,
+                                seq_gate=self.flow_seq_gate,
+                                urgent_share=self.flow_urgent_share,
+                                ttft_budget_s=self.flow_ttft_budget,
                                 deadlines=deadlines,
                                 weights=dict(_pairs(self.tenant_weights, "tenant_weights")))
         except ValueError as exc:

@@ -91,6 +91,7 @@ class Picker:
         self.service = service
         self.metrics = metrics if metrics is not None else RouterMetrics(service)
         self.flow = FlowControl(service.settings.flow_settings())
+        service.capacity = self.flow
         self._objectives = service.settings.objectives()
         register_flow_metrics(self.metrics.registry, self.flow, self.metrics.worker_label)
 

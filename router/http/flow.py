@@ -44,6 +44,13 @@ from router.routing.admission import (
     has_room,
     worker_saturated,
 )
+from router.routing.dispatch_gate import (
+    CompletionRate,
+    QueueStay,
+    SeqLimits,
+    reserved,
+    starts_soon,
+)
 from router.routing.scheduler import Decision, WorkerCost
 from router.service import Route
 
@@ -153,6 +160,12 @@ def _loads(route: Route) -> list[tuple[WorkerCost, float, float]]:
     return [(c, _queued(c), _usage(route, c)) for c in route.decision.costs]
 
 
+def _yields(priority: int) -> bool:
+    """Whether a request of ``priority`` leaves the urgent's share of sequences free: one less
+    urgent than the default priority, 0 (:mod:`router.routing.dispatch_gate`)."""
+    return priority > 0
+
+
 def _rebound(route: Route, worker: int) -> Route:
     """``route`` sent to ``worker`` instead: the chosen one is saturated, a dearer one not."""
     return dataclasses.replace(route, decision=Decision(worker, route.decision.costs))
@@ -161,18 +174,32 @@ def _rebound(route: Route, worker: int) -> Route:
 class FlowControl:
     """The queue and its dispatcher (module docstring).
 
+    The dispatcher wakes when capacity may have freed: a request ended or gave its first
+    token (:meth:`ended`, :meth:`wake`), a worker reported its load (:meth:`reported`), an
+    arrival joined the queue; and otherwise every ``tick_s``, a safety net for a change
+    nothing announces.
+
     Args:
         settings: the bounds.
         clock: monotonic seconds.
-        tick_s: seconds between looks at a saturated fleet while requests wait.
+        tick_s: seconds between looks at a saturated fleet while requests wait and nothing
+            wakes the dispatcher.
     """
 
     def __init__(self, settings: FlowSettings, *, clock: Callable[[], float] = time.monotonic,
-                 tick_s: float = 0.005) -> None:
+                 tick_s: float = 0.1) -> None:
         self.settings = settings
         self.queue = FlowQueue(settings)
         self._clock = clock
         self._tick = tick_s
+        #: Each worker's limit of sequences (:mod:`router.routing.dispatch_gate`).
+        self.limits = SeqLimits()
+        #: Requests ended per second over the fleet: the pace the queue drains at.
+        self.rate = CompletionRate()
+        #: Requests that left the queue for a worker.
+        self.dispatched = 0
+        #: Each waiting request's place when it joined: (requests ahead, queue length).
+        self._joined: dict[str, tuple[int, int]] = {}
         self._waiting: dict[str, tuple[asyncio.Future[Route], Callable[[], Route]]] = {}
         self._task: asyncio.Task[None] | None = None
         #: Set by an arrival that joins the queue: it may be the new head.
@@ -185,18 +212,57 @@ class FlowControl:
         #: Whether each worker was saturated when a decision last looked at it.
         self.saturated: dict[int, bool] = {}
 
-    def _unsaturated(self, route: Route) -> int | None:
-        """The cheapest candidate that is not saturated (None: the fleet is). The chosen one
-        is checked first; the others only when it is saturated."""
+    def wake(self) -> None:
+        """Capacity may have freed (a first token, a worker's events): look at the queue."""
+        if self.queue:
+            self._wake.set()
+
+    def ended(self) -> None:
+        """A request ended (answered, failed or abandoned): its sequence is free."""
+        self.rate.ended(self._clock())
+        self.wake()
+
+    def reported(self, worker: int, running: int, waiting: int) -> None:
+        """``worker`` reported its running and waiting requests."""
+        self.limits.reported(worker, running, waiting)
+        self.wake()
+
+    def forget(self, worker: int) -> None:
+        """``worker`` left the fleet, or restarted."""
+        self.limits.forget(worker)
+
+    def _starts_soon(self, route: Route, c: WorkerCost, keep_room: bool) -> bool:
+        """Whether candidate ``c`` starts one more request at its next iteration, keeping the
+        urgent's share of its sequences free when ``keep_room``
+        (:mod:`router.routing.dispatch_gate`)."""
+        if not self.settings.seq_gate:
+            return True
+        entry = route.entries.get(c.worker)
+        said = entry.info.max_num_seqs if entry is not None and entry.info else 0
+        limit = self.limits.limit(c.worker, said)
+        keep = reserved(limit, self.settings.urgent_share) if keep_room else 0
+        if starts_soon(c.active_requests, limit, keep):
+            return True
+        if not starts_soon(c.active_requests, limit, 0):
+            self.limits.held(c.worker)
+        return False
+
+    def _full(self, route: Route, c: WorkerCost, keep_room: bool) -> bool:
+        return (worker_saturated(_queued(c), _usage(route, c), self.settings)
+                or not self._starts_soon(route, c, keep_room))
+
+    def _unsaturated(self, route: Route, keep_room: bool = False) -> int | None:
+        """The cheapest candidate that is neither saturated nor at its limit of sequences
+        (None: the fleet is full). The chosen one is checked first; the others only when it
+        is full."""
         chosen = route.decision.chosen
-        if not worker_saturated(_queued(chosen), _usage(route, chosen), self.settings):
+        if not self._full(route, chosen, keep_room):
             if self.saturated.get(chosen.worker) is not False:
                 if len(self.saturated) >= _MAX_SHOWN:  # workers come and go: stay bounded
                     self.saturated.clear()
                 self.saturated[chosen.worker] = False
             return chosen.worker
-        self.saturated = {c.worker: worker_saturated(_queued(c), _usage(route, c),
-                                                     self.settings)
+        self.saturated = {c.worker: self._full(route, c, keep_room)
                           for c in route.decision.costs}
         return next((w for w, full in self.saturated.items() if not full), None)
 
@@ -204,11 +270,13 @@ class FlowControl:
         """The cheapest candidate the queue's ``head`` may leave for, leaving room for the
         urgent (:func:`~router.routing.admission.has_room`); None: none has room."""
         keep = self.queue.least_urgent(head)
+        keep_seqs = keep and _yields(head.priority)
 
         def room(c: WorkerCost) -> bool:
             first = c.cost - c.wait_s - c.prefill_s
-            return has_room(_queued(c), c.prefill_s, first, c.pending_prefill_blocks > 0,
-                            _usage(route, c), self.settings, keep_room=keep)
+            return (has_room(_queued(c), c.prefill_s, first, c.pending_prefill_blocks > 0,
+                             _usage(route, c), self.settings, keep_room=keep)
+                    and self._starts_soon(route, c, keep_seqs))
 
         chosen = route.decision.chosen
         if room(chosen):
@@ -230,7 +298,7 @@ class FlowControl:
         """
         if not self.settings.enabled:
             return route
-        free = None if self.queue else self._unsaturated(route)
+        free = None if self.queue else self._unsaturated(route, _yields(ask.priority))
         if free is None:
             return None
         now = self._clock()
@@ -256,16 +324,18 @@ class FlowControl:
         if now_route is not None:
             return now_route
         now = self._clock()
-        deadline = self.settings.deadline(ask.priority, now, ask.deadline_s)
+        deadline = self.settings.waiting_deadline(ask.priority, now, ask.deadline_s)
         ttft = route.decision.chosen.cost
         item = Waiting(route.request_id, ask.priority, tenant(), len(route.prompt.token_ids),
                        now, deadline)
-        offer = self.queue.offer(item, now, ttft, self._drain(route))
+        offer = self.queue.offer(item, now, ttft, self._drain(route), self._pace(now))
         for shed in offer.displaced:
             self._fail(shed.key, self._refuse(shed))
         if offer.refused is not None:
             raise self._refuse(offer.refused)
         future: asyncio.Future[Route] = asyncio.get_running_loop().create_future()
+        self._joined[item.key] = (self.queue.requests_ahead(item.priority, item.finish),
+                                  len(self.queue) - 1)
         self._waiting[item.key] = (future, decide_again)
         self._wake.set()
         if self._task is None or self._task.done():
@@ -276,6 +346,17 @@ class FlowControl:
             self.queue.remove(item.key)
             self._waiting.pop(item.key, None)
             raise
+        finally:
+            self._joined.pop(item.key, None)
+
+    def _pace(self, now: float) -> float | None:
+        """Seconds between requests leaving the queue while the gate holds them: one per
+        request ended, at the fleet's measured rate (None: not measured yet, or the gate is
+        off)."""
+        if not self.settings.seq_gate:
+            return None
+        rate = self.rate.per_second(now)
+        return None if rate is None else 1.0 / rate
 
     def _drain(self, route: Route) -> float:
         """Seconds the fleet takes to clear one queued prompt token: the chosen worker's
@@ -310,14 +391,17 @@ class FlowControl:
             worker = self._leaving(route, head)
             if worker is None:
                 self._wake.clear()
-                with contextlib.suppress(TimeoutError):  # a tick, or an arrival, first
+                with contextlib.suppress(TimeoutError):  # a freed sequence, or a tick
                     await asyncio.wait_for(self._wake.wait(), self._tick)
                 continue
             if worker != route.decision.worker:
                 route = _rebound(route, worker)
             self.queue.pop()
+            self.dispatched += 1
             self._waiting.pop(head.key, None)
             if not future.done():
+                ahead, length = self._joined.get(head.key, (0, 0))
+                route.queued = QueueStay(now - head.arrived, ahead, length)
                 future.set_result(route)
                 if self.on_wait is not None:
                     self.on_wait(head.priority, head.tenant, now - head.arrived)

@@ -53,6 +53,7 @@ from router.http.incoming_body import IncomingBody
 from router.http.metrics import RequestTimer
 from router.http.proxy import UpstreamUnavailable
 from router.http.state import RouterState
+from router.routing.dispatch_gate import QueueStay
 from router.service import Route
 
 __all__ = ["Forward", "decide", "route_of"]
@@ -226,6 +227,14 @@ async def route_of(state: RouterState, body: dict[str, Any], kind: str, size: in
     return service.decide(body, kind, prompt)
 
 
+def _queue_headers(stay: QueueStay) -> list[tuple[bytes, bytes]]:
+    """The ``x-kvroute-queue-*`` headers of a request that waited in flow control's queue:
+    the milliseconds it waited, the requests waiting ahead of it and in all when it joined."""
+    return [(b"x-kvroute-queued-ms", f"{stay.waited_s * 1e3:.1f}".encode()),
+            (b"x-kvroute-queue-ahead", str(stay.ahead).encode()),
+            (b"x-kvroute-queue-length", str(stay.length).encode())]
+
+
 def _start(sent: Sent, route: Route, default_type: bytes, length: int | None = None
            ) -> Message:
     """The ``http.response.start`` message: the worker's headers, its content type (or
@@ -243,6 +252,8 @@ def _start(sent: Sent, route: Route, default_type: bytes, length: int | None = N
     if route.predicts_ttft and worker is route.worker:
         ms = route.predicted_ttft_s * 1e3
         headers.append((b"x-kvroute-predicted-ttft-ms", f"{ms:.1f}".encode()))
+    if route.queued is not None:
+        headers += _queue_headers(route.queued)
     if length is not None:
         headers.append((b"content-length", str(length).encode()))
     return {"type": "http.response.start", "status": answer.status, "headers": headers}

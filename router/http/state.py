@@ -64,6 +64,7 @@ class RouterState:
                                          settings.first_byte_timeout)
         self.disconnects = disconnect_counter(self.metrics.registry)
         self.flow = FlowControl(settings.flow_settings())
+        self.service.capacity = self.flow
         register_flow_metrics(self.metrics.registry, self.flow, self.metrics.worker_label)
         await self.service.registry.start()
         try:

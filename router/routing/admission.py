@@ -90,6 +90,16 @@ class FlowSettings:
     deadlines: Mapping[int, float] = field(default_factory=dict)
     #: Each tenant's weight inside its priority (1 when not named).
     weights: Mapping[str, float] = field(default_factory=dict)
+    #: Send a request to a worker only while it runs fewer sequences than it can
+    #: (:mod:`router.routing.dispatch_gate`); the rest wait in the router's queue.
+    seq_gate: bool = True
+    #: The share of each worker's sequences a request less urgent than the default keeps
+    #: free for more urgent ones (at least one; 0: none).
+    urgent_share: float = 0.0625
+    #: Seconds a request that must wait may take to its first token, when neither a header
+    #: nor its priority sets a deadline (0: none): one predicted to wait in the router past
+    #: it is refused at once.
+    ttft_budget_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not (self.kv_threshold >= 0 and math.isfinite(self.kv_threshold)):
@@ -100,6 +110,14 @@ class FlowSettings:
             if not (value > 0 and math.isfinite(value)):
                 raise ValueError(f"flow control's {name} must be a finite number > 0, "
                                  f"got {value}")
+        for name in ("ttft_budget_s", "urgent_share"):
+            value = getattr(self, name)
+            if not (value >= 0 and math.isfinite(value)):
+                raise ValueError(f"flow control's {name} must be a finite number >= 0, "
+                                 f"got {value}")
+        if self.urgent_share >= 1:
+            raise ValueError("flow control's urgent_share must be below 1, got "
+                             f"{self.urgent_share}")
         if self.max_queue < 0:
             raise ValueError(f"flow control's max_queue must be >= 0, got {self.max_queue}")
         for what, table in (("deadline", self.deadlines), ("weight", self.weights)):
@@ -122,6 +140,15 @@ class FlowSettings:
         """The absolute deadline of a request: its header's seconds, else its priority's."""
         seconds = header_s if header_s is not None else self.deadlines.get(priority)
         return None if seconds is None else arrived + seconds
+
+    def waiting_deadline(self, priority: int, arrived: float, header_s: float | None
+                         ) -> float | None:
+        """The absolute deadline of a request that must wait: :meth:`deadline`, else the
+        TTFT budget's (None: neither)."""
+        deadline = self.deadline(priority, arrived, header_s)
+        if deadline is None and self.ttft_budget_s > 0:
+            return arrived + self.ttft_budget_s
+        return deadline
 
 
 def worker_saturated(queued_s: float, kv_usage: float, settings: FlowSettings) -> bool:
@@ -270,6 +297,18 @@ class FlowQueue:
                           sum(w.tokens for w in band.items.values() if w.finish < finish))
         return total
 
+    def requests_ahead(self, priority: int, finish: float = math.inf) -> int:
+        """Requests that leave before a request of ``priority`` whose finish tag is
+        ``finish`` (as :meth:`tokens_ahead` counts tokens)."""
+        total = 0
+        for p, band in self._bands.items():
+            if p < priority:
+                total += len(band.items)
+            elif p == priority:
+                total += (len(band.items) if finish == math.inf else
+                          sum(1 for w in band.items.values() if w.finish < finish))
+        return total
+
     def _tags(self, item: Waiting) -> tuple[float, float]:
         band = self._bands.get(item.priority)
         virtual = band.virtual if band else 0.0
@@ -277,8 +316,8 @@ class FlowQueue:
         start = max(virtual, last)
         return start, start + max(item.tokens, 1) / self.settings.weight(item.tenant)
 
-    def offer(self, item: Waiting, now: float, ttft_s: float, drain_s_per_token: float
-              ) -> Offer:
+    def offer(self, item: Waiting, now: float, ttft_s: float, drain_s_per_token: float,
+              drain_s_per_request: float | None = None) -> Offer:
         """Queue ``item`` unless it cannot meet its deadline or the queue is full of more
         urgent requests.
 
@@ -287,6 +326,9 @@ class FlowQueue:
             now: monotonic seconds.
             ttft_s: the least predicted TTFT in the fleet now.
             drain_s_per_token: seconds the fleet takes to clear one queued token.
+            drain_s_per_request: seconds between requests leaving the queue, as measured
+                (:class:`~router.routing.dispatch_gate.CompletionRate`); when given, the wait
+                is the requests leaving before it, and itself, at that pace, not its tokens.
 
         Raises:
             ValueError: ``item.key`` is already queued.
@@ -294,8 +336,11 @@ class FlowQueue:
         if item.key in self._where:
             raise ValueError(f"request {item.key!r} is already queued")
         start, finish = self._tags(item)
-        ahead = self.tokens_ahead(item.priority, finish)
-        expected = ttft_s + ahead * drain_s_per_token
+        if drain_s_per_request is None:
+            expected = ttft_s + self.tokens_ahead(item.priority, finish) * drain_s_per_token
+        else:
+            ahead = self.requests_ahead(item.priority, finish) + 1
+            expected = ttft_s + ahead * drain_s_per_request
         if item.deadline is not None and now + expected > item.deadline:
             return Offer(Shed(item.key, "deadline", retry_after(expected),
                               f"the first token is predicted in {expected:.3g} s, past the "

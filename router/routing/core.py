@@ -540,12 +540,14 @@ class RoutingCore:
                 self._rates[w] = rates
                 self._refresh(w)
 
-    def finished(self, request_id: str) -> None:
-        """The request ended (answered, failed or cancelled): release its load. Idempotent."""
+    def finished(self, request_id: str) -> int | None:
+        """The request ended (answered, failed or cancelled): release its load. Idempotent.
+        Returns its worker (None: it was not in flight)."""
         self._booked.pop(request_id, None)
         worker = self._load.finished(request_id)
         if worker is not None:
             self._refresh(worker)
+        return worker
 
     def withdrawn(self, worker: int, hashes: Sequence[int]) -> None:
         """``worker`` refused a request of ``hashes``: the blocks predicted there for it will
