@@ -231,21 +231,27 @@ class FlowControl:
         """``worker`` left the fleet, or restarted."""
         self.limits.forget(worker)
 
-    def _starts_soon(self, route: Route, c: WorkerCost, keep_room: bool) -> bool:
+    def _starts_soon(self, route: Route, c: WorkerCost, keep_room: bool, *,
+                     asked: bool = True) -> bool:
         """Whether candidate ``c`` starts one more request at its next iteration, keeping the
         urgent's share of its sequences free when ``keep_room``
-        (:mod:`router.routing.dispatch_gate`)."""
+        (:mod:`router.routing.dispatch_gate`); ``asked``: for a request (a worker found at
+        its limit is told to :attr:`limits`), not for ``/debug/route``."""
         if not self.settings.seq_gate:
             return True
-        entry = route.entries.get(c.worker)
-        said = entry.info.max_num_seqs if entry is not None and entry.info else 0
-        limit = self.limits.limit(c.worker, said)
+        limit = self._limit(route, c.worker)
         keep = reserved(limit, self.settings.urgent_share) if keep_room else 0
         if starts_soon(c.active_requests, limit, keep):
             return True
-        if not starts_soon(c.active_requests, limit, 0):
+        if asked and not starts_soon(c.active_requests, limit, 0):
             self.limits.held(c.worker)
         return False
+
+    def _limit(self, route: Route, worker: int) -> int:
+        """``worker``'s limit of sequences (0: unknown)."""
+        entry = route.entries.get(worker)
+        said = entry.info.max_num_seqs if entry is not None and entry.info else 0
+        return self.limits.limit(worker, said)
 
     def _full(self, route: Route, c: WorkerCost, keep_room: bool) -> bool:
         return (worker_saturated(_queued(c), _usage(route, c), self.settings)
@@ -424,28 +430,40 @@ class FlowControl:
         if not self.settings.enabled:
             return {"enabled": False}
         now = self._clock()
-        free = self._unsaturated(route)
-        deadline = self.settings.deadline(ask.priority, now, ask.deadline_s)
+        yields = _yields(ask.priority)
+        free = self._unsaturated(route, yields)
         ttft = route.decision.chosen.cost
         if free is not None and not self.queue:
+            deadline = self.settings.deadline(ask.priority, now, ask.deadline_s)
             would = ("shed: deadline" if deadline is not None and now + ttft > deadline
                      else "dispatch")
         else:
-            ahead = self.queue.tokens_ahead(ask.priority)
-            expected = ttft + ahead * self._drain(route)
+            deadline = self.settings.waiting_deadline(ask.priority, now, ask.deadline_s)
+            pace = self._pace(now)
+            if pace is None:
+                expected = ttft + self.queue.tokens_ahead(ask.priority) * self._drain(route)
+            else:
+                expected = ttft + (self.queue.requests_ahead(ask.priority) + 1) * pace
             if deadline is not None and now + expected > deadline:
                 would = "shed: deadline"
             elif len(self.queue) >= self.settings.max_queue:
                 would = "shed: queue_full (unless it displaces a less urgent request)"
             else:
                 would = "wait"
+        rate = self.rate.per_second(now)
         return {"enabled": True, "would": would, "priority": ask.priority,
                 "tenant": tenant, "weight": self.settings.weight(tenant),
                 "fleet_saturated": free is None,
                 "ttft_bound_s": self.settings.ttft_bound_s,
                 "kv_threshold": self.settings.kv_threshold,
+                "seq_gate": self.settings.seq_gate,
+                "ttft_budget_s": self.settings.ttft_budget_s,
+                "ends_per_s": None if rate is None else round(rate, 3),
                 "queued": self.queue.lengths(),
                 "workers": [{"id": c.worker, "predicted_ttft_s": c.cost, "queued_s": q,
                              "kv_usage": round(k, 4),
+                             "in_flight": c.active_requests,
+                             "seq_limit": self._limit(route, c.worker),
+                             "starts_soon": self._starts_soon(route, c, yields, asked=False),
                              "saturated": worker_saturated(q, k, self.settings)}
                             for c, q, k in _loads(route)]}
