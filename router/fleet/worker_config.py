@@ -38,6 +38,10 @@ Keys:
 ``bootstrap_port``
     An SGLang prefill server's ``--disaggregation-bootstrap-port`` (8998 when left out): the
     port its decode servers fetch the KV through (:mod:`router.http.bootstrap`).
+``max_num_seqs``
+    The requests a stock engine runs at once (``vllm serve --max-num-seqs``), which its
+    metrics do not say: flow control sends it no more (``docs/flow_control.md``). Left out:
+    learned from its running and waiting counts. A kvroute worker says its own.
 """
 
 from __future__ import annotations
@@ -53,7 +57,8 @@ __all__ = ["ENGINES", "MAX_DP_SIZE", "ROLES", "WorkerConfig", "format_worker", "
 #: Engines a worker may name; ``kvroute`` is the bundled worker.
 ENGINES = ("kvroute", "vllm", "sglang", "trtllm")
 
-_KEYS = ("url", "engine", "events", "replay", "block_size", "dp_size", "role", "bootstrap_port")
+_KEYS = ("url", "engine", "events", "replay", "block_size", "dp_size", "role", "bootstrap_port",
+         "max_num_seqs")
 #: What a worker does with a request (module docstring).
 ROLES = ("both", "prefill", "decode")
 #: The most data-parallel ranks one worker may declare.
@@ -73,6 +78,7 @@ class WorkerConfig:
     dp_size: int | None = None
     role: str = "both"
     bootstrap_port: int | None = None
+    max_num_seqs: int | None = None
 
     def __post_init__(self) -> None:
         if not self.url.startswith(("http://", "https://")):
@@ -99,6 +105,12 @@ class WorkerConfig:
         if self.bootstrap_port is not None and not 0 < self.bootstrap_port < 65536:
             raise ValueError(f"worker {self.url}: bootstrap_port {self.bootstrap_port} is not "
                              "in 1..65535")
+        if self.max_num_seqs is not None and self.max_num_seqs <= 0:
+            raise ValueError(f"worker {self.url}: max_num_seqs {self.max_num_seqs} is not "
+                             "positive")
+        if self.engine == "kvroute" and self.max_num_seqs is not None:
+            raise ValueError(f"worker {self.url}: a kvroute worker says its max_num_seqs at "
+                             "/model_info; give it to the worker instead")
         if self.engine == "kvroute" and (self.events or self.replay or self.block_size):
             raise ValueError(f"worker {self.url}: a kvroute worker describes its own events "
                              "and block size at /model_info; give them to the worker instead")
@@ -139,6 +151,8 @@ def parse_worker(value: Any) -> WorkerConfig:
         fields["dp_size"] = _integer(value["dp_size"], "dp_size", url)
     if value.get("bootstrap_port") is not None:
         fields["bootstrap_port"] = _integer(value["bootstrap_port"], "bootstrap_port", url)
+    if value.get("max_num_seqs") is not None:
+        fields["max_num_seqs"] = _integer(value["max_num_seqs"], "max_num_seqs", url)
     return WorkerConfig(**fields)
 
 

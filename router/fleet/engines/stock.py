@@ -162,7 +162,8 @@ class StockEngine:
             tokenizer="", instance_id=f"{self.name}:{worker.url}",
             events_endpoint=worker.events, replay_endpoint=worker.replay,
             max_model_len=max_model_len,
-            num_blocks=capacity, lora_adapters=adapters)
+            num_blocks=capacity, lora_adapters=adapters,
+            max_num_seqs=worker.max_num_seqs or 0)
 
     async def poll(self, http: httpx.AsyncClient, worker: WorkerConfig,
                    info: WorkerInfo | None, timeout: float = 2.0) -> ReportedLoad:

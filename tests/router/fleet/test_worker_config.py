@@ -26,6 +26,8 @@ def test_flat_text_starts_a_worker_at_each_url_and_gives_it_the_options_after() 
 
 def test_the_flat_form_round_trips() -> None:
     assert parse_worker(format_worker(VLLM)) == VLLM
+    capped = WorkerConfig("http://v:1", engine="vllm", max_num_seqs=8)
+    assert parse_worker(format_worker(capped)) == capped
     assert format_worker(WorkerConfig("http://k:1")) == "http://k:1"
 
 
@@ -61,6 +63,8 @@ def test_toml_tables_json_lists_flags_and_environment_agree(tmp_path: Path) -> N
     ("ftp://a:1", "is not an http\\(s\\) URL nor key=value"),
     ("http://a:1,dp_size=0", "dp_size 0 is not in 1..1024"),
     ("http://a:1,dp_size=two", "dp_size 'two' is not an integer"),
+    ("http://a:1,engine=vllm,max_num_seqs=0", "max_num_seqs 0 is not positive"),
+    ("http://a:1,max_num_seqs=8", "a kvroute worker says its max_num_seqs"),
 ])
 def test_each_bad_worker_is_refused_with_its_reason(value: str, reason: str) -> None:
     with pytest.raises(ValueError, match=reason):
