@@ -4,12 +4,16 @@ and the event loop).
 
 :meth:`FlowControl.admit` takes a decided :class:`~router.service.Route`. On an unsaturated
 fleet with nobody waiting it returns the route as it is (one comparison on the chosen worker's
-queued work). Otherwise the request joins the queue and its handler waits;
-one dispatcher task, alive only while the queue is not empty, decides the queue's head again
-every ``tick_s`` and at each arrival that joins the queue (late binding: the worker is chosen
-with the index and loads of the moment it leaves) and lets it go as soon as some candidate has
+queued work, and its count of requests against its limit of sequences:
+:mod:`router.routing.dispatch_gate`). Otherwise the request joins the queue and its handler
+waits; one dispatcher task, alive only while the queue is not empty, decides the queue's head
+again whenever capacity may have freed (a request's end or first token, a worker's report or
+KV events, an arrival that joins the queue; the service tells it, :meth:`FlowControl.ended`
+and the rest) and every ``tick_s`` as a safety net (late binding: the worker is chosen with
+the index and loads of the moment it leaves), and lets it go as soon as some candidate has
 room for it (:func:`~router.routing.admission.has_room`: the least urgent band waiting leaves
-the bound's room for a more urgent arrival). Refusals are
+the bound's room for a more urgent arrival; below its limit of sequences, less the share kept
+for the urgent). Refusals are
 :class:`~openai_request.bodies.ApiError` 429s carrying ``Retry-After``; no healthy worker is
 the decision's own 503.
 

@@ -72,7 +72,8 @@ class _FlowCollector:
         yield shed
         saturated = GaugeMetricFamily(
             "kvroute_flow_saturated",
-            "1 when the worker was saturated as the last decision that looked at it saw it",
+            "1 when the worker was saturated, or at its limit of sequences, as the last "
+            "decision that looked at it saw it",
             labels=["worker"])
         by_label: dict[str, bool] = {}
         for worker, full in sorted(flow.saturated.items()):

@@ -28,12 +28,15 @@ weight``; the waiting request with the least ``finish`` leaves first and ``V`` b
 many requests the others send, and a long prompt counts for its length, not as one request.
 
 **Deadlines and shedding.** A request may carry a deadline for its first token (monotonic
-seconds). On arrival it is refused at once (429, with a ``Retry-After``) when it cannot meet
-it: the best predicted TTFT now, plus the seconds the fleet needs to drain the tokens queued
-ahead of it, ends past the deadline. A full queue sheds its least urgent request (the one of
-the lowest priority that would leave last) to admit a more urgent arrival, or refuses the
-arrival when nothing queued is less urgent. A waiting request is shed when its deadline can
-no longer be met or it has waited ``max_wait_s``.
+seconds); one that must wait and has none gets the TTFT budget's (``ttft_budget_s``). On
+arrival it is refused at once (429, with a ``Retry-After``) when it cannot meet it: the best
+predicted TTFT now, plus its wait, ends past the deadline. The wait is the requests leaving
+before it, and itself, at the pace the fleet's requests end (measured by the caller:
+:class:`~router.routing.dispatch_gate.CompletionRate`), or, before that is measured, the
+seconds the fleet needs to drain the tokens queued ahead of it. A full queue sheds its least
+urgent request (the one of the lowest priority that would leave last) to admit a more urgent
+arrival, or refuses the arrival when nothing queued is less urgent. A waiting request is shed
+when its deadline can no longer be met or it has waited ``max_wait_s``.
 
 Pure: the caller passes ``now`` (monotonic seconds), the predicted TTFT and the drain rate.
 """
