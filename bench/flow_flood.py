@@ -12,7 +12,8 @@ cluster before the flood (prompts differ between the phases, so nothing is cache
 them), to give their TTFT without load.
 
 It prints, per run: the high-priority TTFT p50/p99 alone and under the flood (and their
-ratio), and how each request of the flood ended: served (200, whole stream), refused by
+ratios), the served low-priority chats' TTFT p50/p99, how long a refused request waited for
+its refusal (p50 and the longest), and how each request of the flood ended: served (200, whole stream), refused by
 status (429 with or without ``Retry-After``, 503, other), timed out at the client, lost
 (the connection broke or the stream ended early). ``--code PATH`` runs the router and
 workers from another checkout (``PYTHONPATH=PATH``), so a tree's behaviour can be compared
@@ -54,6 +55,8 @@ class Outcome:
     status: int = 0
     retry_after: str | None = None
     ttft_s: float = -1.0
+    #: Seconds from sending to the answer's status line.
+    answered_s: float = -1.0
 
 
 def _text(rng: random.Random, chars: int) -> str:
@@ -76,6 +79,7 @@ async def _chat(session: aiohttp.ClientSession, url: str, prompt: str, max_token
         async with asyncio.timeout(timeout_s):
             async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
                 out.status = resp.status
+                out.answered_s = time.monotonic() - start
                 if resp.status != 200:
                     out.end = "refused"
                     out.retry_after = resp.headers.get("retry-after")
@@ -195,10 +199,16 @@ def summarize(alone: Sequence[Outcome], flood: Sequence[Outcome]) -> dict[str, A
         else:
             ends[o.end] += 1
     high = [o for o in flood if o.priority == 0]
+    low = [o.ttft_s for o in flood if o.priority != 0 and o.end == "served" and o.ttft_s >= 0]
+    refused = [o.answered_s for o in flood if o.end == "refused"]
     return {"alone_p50_ms": _pct(a, 0.5) * 1e3, "alone_p99_ms": _pct(a, 0.99) * 1e3,
             "flood_p50_ms": _pct(f, 0.5) * 1e3, "flood_p99_ms": _pct(f, 0.99) * 1e3,
             "ratio_p50": _pct(f, 0.5) / _pct(a, 0.5) if a and f else float("nan"),
+            "ratio_p99": _pct(f, 0.99) / _pct(a, 0.99) if a and f else float("nan"),
             "high_served": sum(o.end == "served" for o in high), "high": len(high),
+            "low_ttft_p50_s": _pct(low, 0.5), "low_ttft_p99_s": _pct(low, 0.99),
+            "refused_answer_p50_s": _pct(refused, 0.5),
+            "refused_answer_max_s": max(refused, default=float("nan")),
             "requests": len(flood), **dict(sorted(ends.items()))}
 
 

@@ -459,7 +459,7 @@ class RouterService:
         """The send failed before the worker took the request: release its load and, given
         the ``worker``, the blocks predicted there for it."""
         if self.core.finished(route.request_id) is not None:
-            self.capacity.ended()
+            self.capacity.ended(route.request_id)
         if worker is not None:
             self.refused(route, worker)
 
@@ -477,7 +477,7 @@ class RouterService:
     def finished(self, route: Route) -> None:
         """``route`` ended (answered, failed or abandoned): release its load. Idempotent."""
         if self.core.finished(route.request_id) is not None:
-            self.capacity.ended()
+            self.capacity.ended(route.request_id)
 
     def queued_prefill(self, worker: Target) -> float:
         """Blocks of prefill queued on ``worker`` (routed there, no first token yet)."""

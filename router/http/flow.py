@@ -221,9 +221,9 @@ class FlowControl:
         if self.queue:
             self._wake.set()
 
-    def ended(self) -> None:
-        """A request ended (answered, failed or abandoned): its sequence is free."""
-        self.rate.ended(self._clock())
+    def ended(self, key: str = "") -> None:
+        """Request ``key`` ended (answered, failed or abandoned): its sequence is free."""
+        self.rate.ended(self._clock(), key or None)
         self.wake()
 
     def reported(self, worker: int, running: int, waiting: int) -> None:
@@ -318,6 +318,7 @@ class FlowControl:
             raise self._refuse(Shed(route.request_id, "deadline", 1,
                                     f"the first token is predicted in {ttft:.3g} s, past "
                                     "the request's deadline", ask.priority, tenant()))
+        self.rate.started(route.request_id, now)
         return route if free == route.decision.worker else _rebound(route, free)
 
     async def admit(self, route: Route, ask: Ask, decide_again: Callable[[], Route],
@@ -338,7 +339,7 @@ class FlowControl:
         ttft = route.decision.chosen.cost
         item = Waiting(route.request_id, ask.priority, tenant(), len(route.prompt.token_ids),
                        now, deadline)
-        offer = self.queue.offer(item, now, ttft, self._drain(route), self._pace(now))
+        offer = self.queue.offer(item, now, ttft, self._drain(route), self._pace(route, now))
         for shed in offer.displaced:
             self._fail(shed.key, self._refuse(shed))
         if offer.refused is not None:
@@ -359,13 +360,22 @@ class FlowControl:
         finally:
             self._joined.pop(item.key, None)
 
-    def _pace(self, now: float) -> float | None:
+    def _pace(self, route: Route, now: float) -> float | None:
         """Seconds between requests leaving the queue while the gate holds them: one per
         request ended, at the fleet's measured rate (None: not measured yet, or the gate is
-        off)."""
+        off). When every candidate's sequences are taken (less the share kept for the
+        urgent), the rate may also be read from them (:class:`CompletionRate`)."""
         if not self.settings.seq_gate:
             return None
-        rate = self.rate.per_second(now)
+        taken = 0
+        for c in route.decision.costs:
+            limit = self._limit(route, c.worker)
+            if limit <= 0 or starts_soon(c.active_requests, limit,
+                                         reserved(limit, self.settings.urgent_share)):
+                taken = 0  # one has room: the gate does not hold the fleet
+                break
+            taken += c.active_requests
+        rate = self.rate.per_second(now, taken)
         return None if rate is None else 1.0 / rate
 
     def _drain(self, route: Route) -> float:
@@ -412,6 +422,7 @@ class FlowControl:
             if not future.done():
                 ahead, length = self._joined.get(head.key, (0, 0))
                 route.queued = QueueStay(now - head.arrived, ahead, length)
+                self.rate.started(head.key, now)
                 future.set_result(route)
                 if self.on_wait is not None:
                     self.on_wait(head.priority, head.tenant, now - head.arrived)
@@ -443,7 +454,7 @@ class FlowControl:
                      else "dispatch")
         else:
             deadline = self.settings.waiting_deadline(ask.priority, now, ask.deadline_s)
-            pace = self._pace(now)
+            pace = self._pace(route, now)
             if pace is None:
                 expected = ttft + self.queue.tokens_ahead(ask.priority) * self._drain(route)
             else:
@@ -454,7 +465,7 @@ class FlowControl:
                 would = "shed: queue_full (unless it displaces a less urgent request)"
             else:
                 would = "wait"
-        rate = self.rate.per_second(now)
+        rate = self.rate.per_second(now)  # the ends alone
         return {"enabled": True, "would": would, "priority": ask.priority,
                 "tenant": tenant, "weight": self.settings.weight(tenant),
                 "fleet_saturated": free is None,

@@ -23,8 +23,10 @@ sequences free (``urgent_share``, at least one), so an urgent arrival starts at 
 iteration instead of waiting for a flood's sequence to end.
 
 **The rate the queue drains** (:class:`CompletionRate`): requests ended per second over the
-fleet, over the last :data:`RATE_WINDOW` ends. While the gate holds requests, each end frees a
-sequence, so a request with ``n`` requests leaving before it waits about ``n / rate`` seconds;
+fleet, over the last :data:`RATE_WINDOW` ends, or, while every sequence is taken, the
+sequences over the mean time a request holds one, when that is more. While the gate holds
+requests, each end frees a sequence, so a request with ``n`` requests leaving before it waits
+about ``n / rate`` seconds;
 with its predicted TTFT added, that is what flow control compares with what the client can be
 served within (:mod:`router.routing.admission`).
 
@@ -44,6 +46,8 @@ __all__ = ["RATE_WINDOW", "CapacityListener", "CompletionRate", "Deaf", "QueueSt
 RATE_WINDOW = 64
 #: Ends needed before a rate is given.
 _MIN_ENDS = 4
+#: Requests running the pace keeps the start of at most (one never said to end is dropped).
+_MAX_RUNNING = 65536
 
 
 class QueueStay(NamedTuple):
@@ -61,8 +65,8 @@ class QueueStay(NamedTuple):
 class CapacityListener(Protocol):
     """Told of what may free capacity on the fleet (flow control listens)."""
 
-    def ended(self) -> None:
-        """A request ended: its sequence is free."""
+    def ended(self, key: str) -> None:
+        """Request ``key`` ended: its sequence is free."""
 
     def wake(self) -> None:
         """A worker's load changed (a first token, its KV events)."""
@@ -77,7 +81,7 @@ class CapacityListener(Protocol):
 class Deaf:
     """A :class:`CapacityListener` that ignores everything (nothing listens yet)."""
 
-    def ended(self) -> None:
+    def ended(self, key: str) -> None:
         """Ignored."""
 
     def wake(self) -> None:
@@ -144,21 +148,65 @@ class SeqLimits:
 
 
 class CompletionRate:
-    """Requests ended per second over the fleet, over the last :data:`RATE_WINDOW` ends."""
+    """The pace requests end at over the fleet (module docstring): ends per second over the
+    last :data:`RATE_WINDOW` ends, and, while every sequence is taken, the sequences over
+    the mean time a request holds one (Little's law).
+
+    The second is what a flood's onset needs: the ends seen then are those of the load before
+    it, far fewer than a full fleet gives, while the requests it started have not ended yet.
+    So a request's time holding a sequence is the mean of the window's ended ones, or, when
+    larger, the mean age of those still running (each has held its sequence that long at
+    least).
+
+    Invariant: ``_start_sum`` is the sum of ``_running``'s start times.
+    """
 
     def __init__(self, window: int = RATE_WINDOW) -> None:
         if window < 2:
             raise ValueError(f"the window must hold at least 2 ends, got {window}")
         self._ends: deque[float] = deque(maxlen=window)
+        self._held: deque[float] = deque(maxlen=window)
+        self._held_sum = 0.0
+        self._running: dict[str, float] = {}
+        self._start_sum = 0.0
 
-    def ended(self, now: float) -> None:
-        """A request ended at ``now``."""
+    def started(self, key: str, now: float) -> None:
+        """Request ``key`` went to a worker at ``now``."""
+        if key in self._running:
+            return
+        if len(self._running) >= _MAX_RUNNING:  # one never told to have ended: forget it
+            oldest = next(iter(self._running))
+            self._start_sum -= self._running.pop(oldest)
+        self._running[key] = now
+        self._start_sum += now
+
+    def ended(self, now: float, key: str | None = None) -> None:
+        """A request (``key``, when known) ended at ``now``."""
         self._ends.append(now)
+        start = self._running.pop(key, None) if key is not None else None
+        if start is None:
+            return
+        self._start_sum -= start
+        if not self._running:
+            self._start_sum = 0.0  # no float residue
+        if len(self._held) == self._held.maxlen:
+            self._held_sum -= self._held[0]
+        self._held.append(now - start)
+        self._held_sum += now - start
 
-    def per_second(self, now: float) -> float | None:
-        """Ends per second from the window's oldest to ``now`` (so a fleet that stops
-        answering drains ever slower); None before :data:`_MIN_ENDS` ends."""
+    def per_second(self, now: float, sequences: int = 0) -> float | None:
+        """Requests a second the fleet ends: the greater of the window's ends per second
+        (from its oldest to ``now``, so a fleet that stops answering drains ever slower) and,
+        given the ``sequences`` that are all taken, those over the mean time a request holds
+        one. None before :data:`_MIN_ENDS` ends."""
         if len(self._ends) < _MIN_ENDS:
             return None
         span = now - self._ends[0]
-        return len(self._ends) / span if span > 0 else None
+        rate = len(self._ends) / span if span > 0 else None
+        if sequences > 0 and len(self._held) >= _MIN_ENDS:
+            held = self._held_sum / len(self._held)
+            if self._running:
+                held = max(held, now - self._start_sum / len(self._running))
+            if held > 0:
+                rate = max(rate or 0.0, sequences / held)
+        return rate
