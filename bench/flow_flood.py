@@ -13,11 +13,11 @@ them), to give their TTFT without load.
 
 It prints, per run: the high-priority TTFT p50/p99 alone and under the flood (and their
 ratios), the served low-priority chats' TTFT p50/p99, how long a refused request waited for
-its refusal (p50 and the longest), and how each request of the flood ended: served (200, whole stream), refused by
-status (429 with or without ``Retry-After``, 503, other), timed out at the client, lost
-(the connection broke or the stream ended early). ``--code PATH`` runs the router and
-workers from another checkout (``PYTHONPATH=PATH``), so a tree's behaviour can be compared
-with another's in one sitting: ``--code /work/main`` then the default.
+its refusal (p50 and the longest), and how each request of the flood ended: served (200,
+whole stream), refused by status (429 with or without ``Retry-After``, 503, other), timed out
+at the client, lost (the connection broke or the stream ended early). ``--code PATH`` runs
+the router and workers from another checkout (``PYTHONPATH=PATH``; repeat it, ``.`` for this
+tree), so two commits' behaviour is measured in one sitting, alternating.
 """
 
 from __future__ import annotations
