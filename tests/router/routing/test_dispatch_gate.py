@@ -111,3 +111,22 @@ def test_the_budget_is_a_deadline_only_where_none_is_set() -> None:
 def test_bad_gate_settings_are_refused(bad: dict[str, float]) -> None:
     with pytest.raises(ValueError):
         FlowSettings(**bad)  # type: ignore[arg-type]
+
+
+def test_a_full_fleets_pace_is_its_sequences_over_the_time_each_is_held() -> None:
+    rate = CompletionRate(window=8)
+    for key in "abcd":
+        rate.started(key, 0.0)
+    for key in "abcd":
+        rate.ended(1.0, key)  # each held its sequence 1 s
+    # 4 ends in the second since the first: 4 a second; 16 sequences taken, each held 1 s:
+    # 16 a second, which the ends seen alone cannot show at a flood's onset.
+    assert rate.per_second(2.0) == pytest.approx(4.0)
+    assert rate.per_second(2.0, sequences=16) == pytest.approx(16.0)
+    for key in "efgh":
+        rate.started(key, 1.0)
+    # At 5 s those four have held theirs 4 s and not ended: a sequence is held 4 s at least.
+    assert rate.per_second(5.0, sequences=16) == pytest.approx(16 / 4.0)
+    assert rate.per_second(5.0) == pytest.approx(4 / 4.0)
+    rate.ended(6.0, "unknown")  # an end not started here counts as an end, holds nothing
+    assert rate.per_second(6.0, sequences=16) == pytest.approx(16 / 5.0)
