@@ -66,6 +66,9 @@ __all__ = ["FAIRNESS_HEADER", "OBJECTIVE_HEADER", "Ask", "FlowControl", "Refused
 OBJECTIVE_HEADER = "x-gateway-inference-objective"
 FAIRNESS_HEADER = "x-gateway-inference-fairness-id"
 
+#: Seconds between checks of every waiting request's wait at the measured pace (a sort of
+#: the queue each).
+_RECHECK_S = 0.1
 #: Workers whose last seen saturation is kept at most (for ``/metrics``).
 _MAX_SHOWN = 4096
 #: What the shed answer's ``code`` says, per reason.
@@ -204,6 +207,8 @@ class FlowControl:
         self.dispatched = 0
         #: Each waiting request's place when it joined: (requests ahead, queue length).
         self._joined: dict[str, tuple[int, int]] = {}
+        #: When the waiting requests' waits are next checked at the pace of that moment.
+        self._next_recheck = -math.inf
         self._waiting: dict[str, tuple[asyncio.Future[Route], Callable[[], Route]]] = {}
         self._task: asyncio.Task[None] | None = None
         #: Set by an arrival that joins the queue: it may be the new head.
@@ -363,18 +368,18 @@ class FlowControl:
     def _pace(self, route: Route, now: float) -> float | None:
         """Seconds between requests leaving the queue while the gate holds them: one per
         request ended, at the fleet's measured rate (None: not measured yet, or the gate is
-        off). When every candidate's sequences are taken (less the share kept for the
-        urgent), the rate may also be read from them (:class:`CompletionRate`)."""
+        off). Asked only while requests wait, so every sequence the gate lets the least
+        urgent take is taken (a moment after an end aside): when every candidate's limit is
+        known, the rate may also be read from them (:class:`CompletionRate`)."""
         if not self.settings.seq_gate:
             return None
         taken = 0
         for c in route.decision.costs:
             limit = self._limit(route, c.worker)
-            if limit <= 0 or starts_soon(c.active_requests, limit,
-                                         reserved(limit, self.settings.urgent_share)):
-                taken = 0  # one has room: the gate does not hold the fleet
+            if limit <= 0:
+                taken = 0
                 break
-            taken += c.active_requests
+            taken += limit - reserved(limit, self.settings.urgent_share)
         rate = self.rate.per_second(now, taken)
         return None if rate is None else 1.0 / rate
 
@@ -404,7 +409,11 @@ class FlowControl:
                     self._fail(key, exc)
                 return
             now = self._clock()
-            for shed in self.queue.expire(now, route.decision.chosen.cost):
+            pace = None
+            if now >= self._next_recheck:  # the waits at the pace now, a few times a second
+                self._next_recheck = now + _RECHECK_S
+                pace = self._pace(route, now)
+            for shed in self.queue.expire(now, route.decision.chosen.cost, pace):
                 self._fail(shed.key, self._refuse(shed))
             if head.key not in self.queue:
                 continue

@@ -406,9 +406,12 @@ class FlowQueue:
             del self._bands[priority]
         return item
 
-    def expire(self, now: float, ttft_s: float) -> list[Shed]:
+    def expire(self, now: float, ttft_s: float, pace_s: float | None = None) -> list[Shed]:
         """Shed every request that has waited ``max_wait_s``, or whose deadline a first token
-        ``ttft_s`` from now would miss."""
+        ``ttft_s`` from now would miss; given ``pace_s``, the seconds between requests
+        leaving, also every one whose deadline a first token after its wait at that pace
+        would miss (the requests leaving before it that stay, and itself): a prediction that
+        grew past its deadline is told now, not at the deadline."""
         shed: list[Shed] = []
         limit = self.settings.max_wait_s
         for band in list(self._bands.values()):
@@ -421,6 +424,22 @@ class FlowQueue:
                     shed.append(Shed(item.key, "deadline", retry_after(ttft_s),
                                      "the request's deadline can no longer be met",
                                      item.priority, item.tenant))
+        if pace_s is not None:
+            gone = {s.key for s in shed}
+            kept = 0
+            for p in sorted(self._bands):
+                for item in sorted(self._bands[p].items.values(),
+                                   key=lambda w: (w.finish, w.seq)):
+                    if item.key in gone:
+                        continue
+                    expected = ttft_s + (kept + 1) * pace_s
+                    if item.deadline is not None and now + expected > item.deadline:
+                        shed.append(Shed(item.key, "deadline", retry_after(expected),
+                                         f"the first token is now predicted in "
+                                         f"{expected:.3g} s, past the request's deadline",
+                                         item.priority, item.tenant))
+                    else:
+                        kept += 1
         for s in shed:
             self.remove(s.key)
         return shed

@@ -130,3 +130,22 @@ def test_a_full_fleets_pace_is_its_sequences_over_the_time_each_is_held() -> Non
     assert rate.per_second(5.0) == pytest.approx(4 / 4.0)
     rate.ended(6.0, "unknown")  # an end not started here counts as an end, holds nothing
     assert rate.per_second(6.0, sequences=16) == pytest.approx(16 / 5.0)
+
+
+def test_a_waiting_request_whose_wait_grew_past_its_deadline_is_shed_before_it() -> None:
+    q = FlowQueue(FlowSettings())
+    for i in range(5):  # admitted at 1 s apart: the fifth expects 5 s + 1 s, within 10
+        assert q.offer(_low(f"w{i}", deadline=10.0), 0.0, 1.0, 1e-6, 1.0).refused is None
+    assert q.offer(_low("urgent", priority=0, deadline=10.0), 0.0, 1.0, 1e-6, 1.0
+                   ).refused is None
+    # At 2 s the pace has slowed to one leaving every 2 s: the urgent one leaves first, its
+    # first token at 2 + 2 + 1 = 5 s; the lows' at 7, 9, 11, 13, 15 s, and a shed one frees
+    # its place: w2 at 11 s is past 10 s, so w3 and w4 take its place, still past: all three
+    # are told now, not at 10 s.
+    shed = q.expire(2.0, 1.0, 2.0)
+    assert sorted(s.key for s in shed) == ["w2", "w3", "w4"]
+    assert all(s.reason == "deadline" and s.retry_after_s >= 1 for s in shed)
+    assert [q.pop().key for _ in range(3)] == ["urgent", "w0", "w1"]  # type: ignore[union-attr]
+    # Without a pace only the deadline itself sheds.
+    assert q.offer(_low("x", deadline=10.0), 2.0, 1.0, 1e-6).refused is None
+    assert q.expire(2.0, 1.0) == [] and q.expire(9.5, 1.0)[0].key == "x"
