@@ -114,8 +114,8 @@ class RouterSettings:
     discover: tuple[str, ...] = ()
     discover_interval: float = 5.0
     #: Disaggregated serving: a decode worker that would have at most this many prompt tokens
-    #: left to compute prefills them itself, no remote prefill (docs/routing.md, with the
-    #: benchmark that chose 256).
+    #: left to compute prefills them itself, no remote prefill (docs/routing.md; the
+    #: benchmark that chose 256 is in docs/benchmarks.md).
     pd_local_prefill_tokens: int = 256
     #: Seconds a remote prefill may take before the request is served whole on its decode
     #: worker instead.
