@@ -19,14 +19,25 @@ them cached. The torch engine writes the bytes of the :mod:`workers.torch.kv_wir
 the sim engine, told only how many blocks the holder has, waits the modelled transfer time
 ``blocks * block_size * kv_bytes_per_token / kv_transfer_bandwidth / speedup`` instead.
 
-Every failure costs only time: the request computes what was not fetched. A fetch that
-cannot start (untrusted or malformed instruction), the holder unreachable, answering an
-error, answering a message that does not decode or holds no block, the fetch outliving
-``kv_fetch_timeout`` (waiting for one of ``kv_fetch_concurrency`` slots included), or too
-few free blocks to take the KV: each is a :class:`FetchResult` with a short reason, counted,
-and logged once per reason. The answer carries ``x-kvroute-fetch-result``
-(:meth:`FetchResult.header`): ``blocks=<n>;bytes=<b>;seconds=<s>`` (n is 0 when every named
-block was here already: skipped) or ``failed;reason=<reason>``.
+Every failure costs only time: the request computes what was not fetched. Each is a
+:class:`FetchResult` with a short reason, counted, and logged once per reason:
+
+==================  ==========================================================================
+``untrusted``       the instruction is not authenticated (:mod:`workers.http.transfer_auth`)
+``bad_instruction`` malformed instruction headers
+``unreachable``     the holder cannot be reached, or its answer was cut off
+``status_<code>``   the holder answered an HTTP error (401: another secret; 503: read slots)
+``bad_message``     an answer that does not decode (another block layout, cut short, too long)
+``missing``         the holder holds none of the named blocks
+``timeout``         the fetch outlived ``kv_fetch_timeout`` (waiting for one of
+                    ``kv_fetch_concurrency`` slots included)
+``no_free_blocks``  too few free blocks here to take the KV
+``evicted``         blocks this worker held when it asked were evicted before the answer
+==================  ==========================================================================
+
+The answer carries ``x-kvroute-fetch-result`` (:meth:`FetchResult.header`):
+``blocks=<n>;bytes=<b>;seconds=<s>`` (n is 0 when every named block was here already:
+skipped) or ``failed;reason=<reason>``.
 """
 
 from __future__ import annotations
