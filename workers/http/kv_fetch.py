@@ -33,6 +33,7 @@ Every failure costs only time: the request computes what was not fetched. Each i
                     ``kv_fetch_concurrency`` slots included)
 ``no_free_blocks``  too few free blocks here to take the KV
 ``evicted``         blocks this worker held when it asked were evicted before the answer
+``error``           anything else (a bug: logged with its traceback)
 ==================  ==========================================================================
 
 The answer carries ``x-kvroute-fetch-result`` (:meth:`FetchResult.header`):
@@ -83,11 +84,11 @@ class FetchInstruction:
 
 @dataclass(frozen=True, slots=True)
 class FetchResult:
-    """What one fetch did: ``blocks`` received (``bytes`` moved in ``seconds``), or why it
+    """What one fetch did: ``blocks`` received (``moved_bytes`` in ``seconds``), or why it
     failed (``failure``, a short token; the request computed the blocks itself)."""
 
     blocks: int = 0
-    bytes: int = 0
+    moved_bytes: int = 0
     seconds: float = 0.0
     failure: str | None = None
 
@@ -102,7 +103,7 @@ class FetchResult:
         """The ``x-kvroute-fetch-result`` value (module docstring)."""
         if self.failure is not None:
             return f"failed;reason={self.failure}"
-        return f"blocks={self.blocks};bytes={self.bytes};seconds={self.seconds:.6f}"
+        return f"blocks={self.blocks};bytes={self.moved_bytes};seconds={self.seconds:.6f}"
 
 
 def parse_instruction(headers: Mapping[str, str]) -> FetchInstruction | None:
@@ -154,6 +155,9 @@ class PeerFetcher:
         self._clock = clock
         self._slots = asyncio.Semaphore(settings.kv_fetch_concurrency)
         self._logged: set[str] = set()
+        #: Fetches waiting for a slot, and holding one, now.
+        self.waiting = 0
+        self.running = 0
 
     @property
     def http(self) -> httpx.AsyncClient:
@@ -188,14 +192,26 @@ class PeerFetcher:
             return FetchResult()
         try:
             async with asyncio.timeout(self._settings.kv_fetch_timeout):
-                async with self._slots:
+                self.waiting += 1
+                try:
+                    await self._slots.acquire()
+                finally:
+                    self.waiting -= 1
+                self.running += 1
+                try:
                     received, moved = await self._take(engine, prompt, keys, held,
                                                        instruction.source, headers)
+                finally:
+                    self.running -= 1
+                    self._slots.release()
         except TimeoutError:
             return self.failed("timeout", f"{instruction.source} took longer than "
                                f"{self._settings.kv_fetch_timeout:g} s")
         except _Failed as exc:
             return self.failed(exc.reason, str(exc))
+        except Exception as exc:  # a fetch never fails its request: it computes instead
+            log.exception("a peer KV fetch from %s failed unexpectedly", instruction.source)
+            return self.failed("error", repr(exc))
         return FetchResult(received // bs, moved, self._clock() - started)
 
     async def _take(self, engine: Engine, prompt: Prompt, keys: list[BlockKey], held: int,

@@ -27,6 +27,7 @@ from tests.workers.http.test_kv_read import (
     state,
     worker,
 )
+from tests.support.eventually import eventually
 from workers.cache.block_keys import Prompt
 from workers.http.kv_fetch import FetchInstruction, parse_instruction
 from workers.settings import WorkerSettings
@@ -268,3 +269,37 @@ def test_an_instruction_names_a_base_url_and_a_count() -> None:
     assert parse_instruction({}) is None
     assert parse_instruction(instruction(blocks=7, source="http://127.0.0.1:8102/")) == \
         FetchInstruction("http://127.0.0.1:8102", 7)
+
+
+async def test_fetches_past_the_cap_wait_for_a_slot_without_contacting_the_source() -> None:
+    release = asyncio.Event()
+
+    async def slow(request: httpx.Request) -> httpx.Response:
+        await release.wait()
+        return httpx.Response(200, json={"blocks": 0})
+
+    peer = Recorder(slow)
+    async with receiver(sim_settings(kv_fetch_concurrency=1), peer) as d:
+        fetcher = state(d).fetcher
+        first = asyncio.create_task(complete(d, PROMPT, headers=instruction()))
+        await eventually(lambda: fetcher.running == 1, "the first fetch to hold the slot")
+        second = asyncio.create_task(complete(d, f"2{PROMPT}", headers=instruction()))
+        await eventually(lambda: fetcher.waiting == 1, "the second fetch to wait")
+        assert len(peer.requests) == 1  # the second has not contacted the source
+        release.set()
+        answers = await asyncio.gather(first, second)
+        assert len(peer.requests) == 2
+        assert [a.headers["x-kvroute-fetch-result"] for a in answers] == [
+            "failed;reason=missing"] * 2
+        assert (fetcher.running, fetcher.waiting) == (0, 0)
+
+
+async def test_an_unexpected_error_in_a_fetch_is_logged_and_the_request_served(
+        caplog: pytest.LogCaptureFixture) -> None:
+    def broken(request: httpx.Request) -> httpx.Response:
+        raise RuntimeError("a bug")
+
+    async with receiver(sim_settings(), Recorder(broken)) as d:
+        served = await complete(d, PROMPT, headers=instruction())
+        assert served.headers["x-kvroute-fetch-result"] == "failed;reason=error"
+    assert any("failed unexpectedly" in r.getMessage() and r.exc_info for r in caplog.records)
