@@ -16,6 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
+from tests.support.eventually import eventually
 from tests.workers.http.test_kv_read import (
     PROMPT,
     SECRET,
@@ -27,7 +28,6 @@ from tests.workers.http.test_kv_read import (
     state,
     worker,
 )
-from tests.support.eventually import eventually
 from workers.cache.block_keys import Prompt
 from workers.http.kv_fetch import FetchInstruction, parse_instruction
 from workers.settings import WorkerSettings
