@@ -7,6 +7,10 @@ within its byte limit and checked against the OpenAI schema
 (:func:`openai_request.bodies.validate_request`) first; a completions prompt whose length alone
 proves it too long for the model is refused before it is encoded, and a large body is encoded
 in a thread rather than on the event loop.
+
+Before a request is queued, its KV may come from elsewhere: a decode request's
+``kv_transfer_params`` (:mod:`workers.http.kv_transfer`), then a trusted peer fetch
+instruction (:mod:`workers.http.kv_fetch`, answered with ``x-kvroute-fetch-result``).
 """
 
 from __future__ import annotations
