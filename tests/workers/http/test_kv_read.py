@@ -156,7 +156,8 @@ async def test_with_a_secret_a_read_needs_the_bearer_from_any_address() -> None:
                         "transfer": "http"}
 
 
-async def test_without_a_secret_only_loopback_peers_of_a_loopback_bind_read() -> None:
+async def test_without_a_secret_only_loopback_peers_of_a_loopback_bind_read(
+        caplog: pytest.LogCaptureFixture) -> None:
     async with worker(sim_settings(), client_host="10.9.9.9") as holder:
         answer = await holder.post("/kv_transfer/read", json={"block_keys": []})
         assert answer.status_code == 403 and "loopback peers only" in answer.text
@@ -173,6 +174,8 @@ async def test_without_a_secret_only_loopback_peers_of_a_loopback_bind_read() ->
                 ).status_code == 403
         info = (await holder.get("/model_info")).json()["kv_fetch"]
         assert info["serve"] is False and info["receive"] is False
+    assert any("peer KV fetch is off" in r.getMessage() and "0.0.0.0" in r.getMessage()
+               for r in caplog.records)
 
 
 async def test_a_read_past_the_read_slots_is_answered_503_at_once() -> None:
@@ -188,3 +191,15 @@ async def test_a_read_past_the_read_slots_is_answered_503_at_once() -> None:
         assert state(holder).runtime.cache.num_pins == 0
         assert (await holder.post("/kv_transfer/read", json={"block_keys": named})
                 ).json() == {"blocks": 6}
+
+
+async def test_a_read_is_served_by_the_rank_that_holds_the_blocks() -> None:
+    async with worker(sim_settings(data_parallel_size=2)) as holder:
+        await complete(holder, PROMPT, headers={"x-data-parallel-rank": "1"})
+        named = keys(holder, PROMPT)
+        assert (await holder.post("/kv_transfer/read", json={"block_keys": named})
+                ).json() == {"blocks": 6}
+        engines = state(holder).runtime.engines
+        raw = [bytes.fromhex(k) for k in named]
+        assert [e.cache.cached_run(raw) for e in engines] == [0, 6]  # rank 1 alone holds them
+        assert [e.cache.num_pins for e in engines] == [0, 0]
