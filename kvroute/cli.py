@@ -135,6 +135,18 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     a("--kv-lease-seconds", type=float,
       help="disaggregated serving: seconds a prefill's blocks are held for a decode worker "
       "that has not taken them (default %(default)s, vLLM's)")
+    a("--kv-transfer-secret-file", metavar="PATH",
+      help="peer KV transfer: read the secret shared by the router and every worker from "
+      "this file (at least 16 bytes; env KVROUTE_KV_TRANSFER_SECRET_FILE). Without one, KV "
+      "is served to and fetch instructions taken from loopback peers of a loopback bind only")
+    a("--kv-fetch-timeout", type=float,
+      help="peer KV fetch: seconds one fetch may take before the request computes its "
+      "prompt itself (default %(default)s)")
+    a("--kv-fetch-concurrency", type=int,
+      help="peer KV fetch: fetches this worker runs at once (default %(default)s)")
+    a("--kv-read-concurrency", type=int,
+      help="peer KV fetch: block reads this worker serves at once; one past them is "
+      "answered 503 (default %(default)s)")
     a = engine.add_argument
     a("--engine", choices=["sim", "torch"], help="sim (no GPU) or torch (default %(default)s)")
     a("--model", help="served model name (default %(default)s); with --engine torch also the "
