@@ -19,6 +19,7 @@ from prometheus_client import Counter
 from httpapi.app import Admin
 from httpapi.responses import disconnect_counter
 from openai_request.bodies import ApiError
+from router.http.client_quotas import ClientAccess
 from router.http.first_byte import FirstByteClock
 from router.http.flow import FlowControl
 from router.http.flow_metrics import register_flow_metrics
@@ -45,6 +46,8 @@ class RouterState:
     first_byte: FirstByteClock
     flow: FlowControl
     disconnects: Counter
+    #: Client API keys and their quotas; None: ``/v1/*`` is open.
+    access: ClientAccess | None = None
 
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
@@ -65,6 +68,10 @@ class RouterState:
         self.disconnects = disconnect_counter(self.metrics.registry)
         self.flow = FlowControl(settings.flow_settings())
         register_flow_metrics(self.metrics.registry, self.flow, self.metrics.worker_label)
+        ring = settings.client_key_ring()
+        if ring is not None:
+            self.access = ClientAccess(ring, settings.api_key_tokens_per_minute,
+                                       self.metrics.registry)
         await self.service.registry.start()
         try:
             yield
