@@ -1,6 +1,7 @@
 """The router's OpenAI surface: ``POST /v1/completions`` and ``POST /v1/chat/completions``
-(forwarded, :mod:`router.http.request_path`), ``GET /v1/models``, and vLLM's ``POST /tokenize``
-with the router's tokenizer.
+(forwarded, :mod:`router.http.request_path`), ``POST /v1/responses`` and Anthropic's
+``POST /v1/messages`` (routed as chat, :mod:`router.http.translated_routes`), ``GET /v1/models``,
+and vLLM's ``POST /tokenize`` with the router's tokenizer.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from openai_request.bodies import ApiError, parse_body
 from router.http.client_quotas import ClientAccess, KeyCheck
 from router.http.request_path import Forward
 from router.http.state import RouterState
+from router.http.translated_routes import translated_routes
 
 __all__ = ["add_openai_routes", "forwarding_routes"]
 
@@ -28,7 +30,8 @@ def forwarding_routes(state: RouterState) -> dict[str, ASGIApp]:
     for a body forwarded as bytes."""
     routes: dict[str, ASGIApp] = {
         "/v1/completions": Forward(state, "completions", "/v1/completions"),
-        "/v1/chat/completions": Forward(state, "chat", "/v1/chat/completions")}
+        "/v1/chat/completions": Forward(state, "chat", "/v1/chat/completions"),
+        **translated_routes(state)}  # /v1/responses, /v1/messages
     if state.settings.api_keys is not None:  # client keys (router.http.client_quotas)
         routes = {path: KeyCheck(route, lambda: _access(state))
                   for path, route in routes.items()}

@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, disable_created_metric
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
+    from workers.http.dialects import MessagesReply, ResponsesReply
     from workers.http.openai_format import Completion
     from workers.runtime import WorkerRuntime
 
@@ -51,7 +52,8 @@ class WorkerMetrics:
             registry=self.registry)
         self.registry.register(_EngineCollector(runtime))
 
-    def finished(self, reply: Completion, generated: int) -> None:
+    def finished(self, reply: Completion | ResponsesReply | MessagesReply, generated: int
+                 ) -> None:
         """Count a request served to its end."""
         self.prompt_tokens.inc(reply.prompt_tokens)
         self.cached_tokens.inc(reply.cached_tokens)

@@ -1,0 +1,136 @@
+"""``/v1/responses`` and Anthropic's ``/v1/messages`` through a real router to bundled workers
+on 127.0.0.1 (their events over ZeroMQ): routed as the chat request they render as, so a
+conversation's blocks are found whichever of the three APIs sent it, and answered in each
+API's own shape, streamed or whole, as the worker sent it."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from router.http.app import create_app as create_router
+from router.settings import RouterSettings
+from tests.router.test_router_service import wait_ready
+from tests.support.eventually import eventually
+from tests.support.servers import UvicornServer
+from workers.http.api import create_app as create_worker
+from workers.settings import WorkerSettings
+
+BLOCK = 16
+SYSTEM = " ".join(f"rule {i}: answer in the house style" for i in range(60))
+QUESTION = "What does rule 7 say?"
+
+
+@pytest.fixture
+async def client() -> AsyncIterator[httpx.AsyncClient]:
+    workers = [create_worker(WorkerSettings(events_port=0, replay_port=0, speedup=1e6,
+                                            block_size=BLOCK)) for _ in range(2)]
+    async with UvicornServer(workers[0]) as one, UvicornServer(workers[1]) as two:
+        router = create_router(RouterSettings(workers=(one.url, two.url), block_size=BLOCK,
+                                              health_interval=0.1, seed=3))
+        async with UvicornServer(router) as r, \
+                httpx.AsyncClient(base_url=r.url, timeout=30) as c:
+            await wait_ready(c, 2)
+            yield c
+
+
+async def indexed(client: httpx.AsyncClient, blocks: int) -> None:
+    async def enough() -> bool:
+        metrics = (await client.get("/metrics")).text
+        line = next(x for x in metrics.splitlines() if x.startswith("kvroute_index_blocks "))
+        return float(line.split()[1]) >= blocks
+    await eventually(enough, "the worker's events at the router")
+
+
+def events(raw: str) -> list[tuple[str, dict[str, Any]]]:
+    """An SSE body's ``(event, data)`` pairs."""
+    out = []
+    for block in raw.strip().split("\n\n"):
+        lines = dict(line.split(": ", 1) for line in block.splitlines())
+        out.append((lines["event"], json.loads(lines["data"])))
+    return out
+
+
+async def test_a_conversation_is_found_whichever_api_sends_it(client: httpx.AsyncClient
+                                                              ) -> None:
+    chat = await client.post("/v1/chat/completions", json={
+        "model": "kvroute-sim", "max_tokens": 2,
+        "messages": [{"role": "system", "content": SYSTEM},
+                     {"role": "user", "content": QUESTION}]})
+    assert chat.status_code == 200, chat.text
+    holder = chat.headers["x-kvroute-worker"]
+    prompt = chat.json()["usage"]["prompt_tokens"]
+    await indexed(client, prompt // BLOCK)
+
+    responses = await client.post("/v1/responses", json={
+        "model": "kvroute-sim", "max_output_tokens": 2, "instructions": SYSTEM,
+        "input": [{"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}]})
+    assert responses.status_code == 200, responses.text
+    answer = responses.json()
+    assert answer["object"] == "response" and answer["output"][0]["type"] == "message"
+    assert responses.headers["x-kvroute-worker"] == holder
+    matched = int(responses.headers["x-kvroute-matched-blocks"])
+    assert matched == prompt // BLOCK  # the same prompt: every full block
+    assert answer["usage"]["input_tokens"] == prompt
+    # The worker reuses every full block but one holding the prompt's last token, which it
+    # computes again.
+    cached = answer["usage"]["input_tokens_details"]["cached_tokens"]
+    assert (matched - 1) * BLOCK <= cached <= matched * BLOCK
+
+    messages = await client.post("/v1/messages", json={
+        "model": "kvroute-sim", "max_tokens": 2,
+        "system": [{"type": "text", "text": SYSTEM}],
+        "messages": [{"role": "user", "content": [{"type": "text", "text": QUESTION}]}]})
+    assert messages.status_code == 200, messages.text
+    answer = messages.json()
+    assert answer["type"] == "message" and answer["content"][0]["type"] == "text"
+    assert messages.headers["x-kvroute-worker"] == holder
+    assert int(messages.headers["x-kvroute-matched-blocks"]) == matched
+    assert answer["usage"]["cache_read_input_tokens"] == cached
+    assert answer["stop_reason"] == "max_tokens"
+
+    metrics = (await client.get("/metrics")).text
+    for path in ("/v1/responses", "/v1/messages"):
+        assert f'kvroute_requests_total{{endpoint="{path}",status="200"}} 1.0' in metrics
+
+
+async def test_streams_pass_through_in_each_apis_own_events(client: httpx.AsyncClient) -> None:
+    r = await client.post("/v1/responses", json={"model": "kvroute-sim", "input": QUESTION,
+                                                 "max_output_tokens": 3, "stream": True})
+    assert r.status_code == 200 and r.headers["content-type"].startswith("text/event-stream")
+    seen = events(r.text)
+    kinds = [k for k, _ in seen]
+    assert kinds[:3] == ["response.created", "response.output_item.added",
+                         "response.content_part.added"]
+    assert kinds[3:6] == ["response.output_text.delta"] * 3
+    assert kinds[6:] == ["response.output_text.done", "response.content_part.done",
+                         "response.output_item.done", "response.completed"]
+    assert [d["sequence_number"] for _, d in seen] == list(range(len(seen)))
+    deltas = "".join(d["delta"] for k, d in seen if k == "response.output_text.delta")
+    completed = seen[-1][1]["response"]
+    assert completed["output"][0]["content"][0]["text"] == deltas
+    assert completed["usage"]["output_tokens"] == 3
+
+    r = await client.post("/v1/messages", json={
+        "model": "kvroute-sim", "max_tokens": 2, "stream": True,
+        "messages": [{"role": "user", "content": QUESTION}]})
+    assert r.status_code == 200
+    assert [k for k, _ in events(r.text)] == [
+        "message_start", "content_block_start", "content_block_delta", "content_block_delta",
+        "content_block_stop", "message_delta", "message_stop"]
+    assert events(r.text)[-2][1]["delta"]["stop_reason"] == "max_tokens"
+
+
+async def test_a_body_neither_api_can_read_is_a_400_before_any_worker(
+        client: httpx.AsyncClient) -> None:
+    r = await client.post("/v1/responses", json={"model": "kvroute-sim", "input": 7})
+    assert r.status_code == 400 and "input must be" in r.json()["error"]["message"]
+    r = await client.post("/v1/messages", json={"model": "kvroute-sim", "messages": "hi"})
+    assert r.status_code == 400 and "messages must be a list" in r.json()["error"]["message"]
+    r = await client.post("/v1/messages", json={"model": "nope", "max_tokens": 1,
+                                                "messages": [{"role": "user", "content": "x"}]})
+    assert r.status_code == 404
