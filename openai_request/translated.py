@@ -12,7 +12,11 @@ engine costs a shorter match, never a wrong answer.
 
 The conversion follows vLLM's for what routing reads:
 
-- Responses: ``instructions`` is a system message; ``input`` is a user message when a string,
+- Responses: tokenized with ``add_special_tokens`` on, as vLLM (0.32) tokenizes its rendered
+  prompt (its Responses requests set no such field, and its tokenizer's default adds them):
+  with a template that writes the BOS token itself, the prompt starts with two, and shares
+  no block with the same conversation sent as a chat completion. ``instructions`` is a
+  system message; ``input`` is a user message when a string,
   else its items in order: a message item (``role`` and ``content``, a string or
   ``input_text``/``output_text``/``input_image`` parts; ``developer`` is routed as
   ``system``), a ``function_call`` (an assistant tool call, merged into the assistant message
@@ -88,7 +92,7 @@ def chat_of_responses(body: dict[str, Any]) -> dict[str, Any]:
             _add_response_item(messages, item, f"input[{i}]")
     else:
         raise ValueError("input must be a string or a list of items")
-    return {**_kept(body), "messages": messages}
+    return {**_kept(body), "messages": messages, "add_special_tokens": True}
 
 
 def _add_response_item(messages: list[dict[str, Any]], item: Any, where: str) -> None:

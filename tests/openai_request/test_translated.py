@@ -13,7 +13,7 @@ from openai_request.translated import chat_of_messages, chat_of_responses
 def test_a_string_input_is_a_user_message_after_the_instructions() -> None:
     assert chat_of_responses({"model": "m", "instructions": "Be brief.", "input": "hi",
                               "max_output_tokens": 4, "cache_salt": "s"}) == {
-        "model": "m", "cache_salt": "s",
+        "model": "m", "cache_salt": "s", "add_special_tokens": True,
         "messages": [{"role": "system", "content": "Be brief."},
                      {"role": "user", "content": "hi"}]}
 

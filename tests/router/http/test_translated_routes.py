@@ -1,7 +1,8 @@
 """``/v1/responses`` and Anthropic's ``/v1/messages`` through a real router to bundled workers
-on 127.0.0.1 (their events over ZeroMQ): routed as the chat request they render as, so a
-conversation's blocks are found whichever of the three APIs sent it, and answered in each
-API's own shape, streamed or whole, as the worker sent it."""
+on 127.0.0.1 (their events over ZeroMQ): routed as the chat request they render as (a
+Messages request meets the blocks a chat completion of its conversation left; a Responses
+request, tokenized with special tokens as vLLM does, its own earlier turns), and answered in
+each API's own shape, streamed or whole, as the worker sent it."""
 
 from __future__ import annotations
 
@@ -55,8 +56,8 @@ def events(raw: str) -> list[tuple[str, dict[str, Any]]]:
     return out
 
 
-async def test_a_conversation_is_found_whichever_api_sends_it(client: httpx.AsyncClient
-                                                              ) -> None:
+async def test_a_chat_conversation_is_found_when_messages_sends_it(client: httpx.AsyncClient
+                                                                  ) -> None:
     chat = await client.post("/v1/chat/completions", json={
         "model": "kvroute-sim", "max_tokens": 2,
         "messages": [{"role": "system", "content": SYSTEM},
@@ -66,21 +67,6 @@ async def test_a_conversation_is_found_whichever_api_sends_it(client: httpx.Asyn
     prompt = chat.json()["usage"]["prompt_tokens"]
     await indexed(client, prompt // BLOCK)
 
-    responses = await client.post("/v1/responses", json={
-        "model": "kvroute-sim", "max_output_tokens": 2, "instructions": SYSTEM,
-        "input": [{"role": "user", "content": [{"type": "input_text", "text": QUESTION}]}]})
-    assert responses.status_code == 200, responses.text
-    answer = responses.json()
-    assert answer["object"] == "response" and answer["output"][0]["type"] == "message"
-    assert responses.headers["x-kvroute-worker"] == holder
-    matched = int(responses.headers["x-kvroute-matched-blocks"])
-    assert matched == prompt // BLOCK  # the same prompt: every full block
-    assert answer["usage"]["input_tokens"] == prompt
-    # The worker reuses every full block but one holding the prompt's last token, which it
-    # computes again.
-    cached = answer["usage"]["input_tokens_details"]["cached_tokens"]
-    assert (matched - 1) * BLOCK <= cached <= matched * BLOCK
-
     messages = await client.post("/v1/messages", json={
         "model": "kvroute-sim", "max_tokens": 2,
         "system": [{"type": "text", "text": SYSTEM}],
@@ -89,13 +75,36 @@ async def test_a_conversation_is_found_whichever_api_sends_it(client: httpx.Asyn
     answer = messages.json()
     assert answer["type"] == "message" and answer["content"][0]["type"] == "text"
     assert messages.headers["x-kvroute-worker"] == holder
-    assert int(messages.headers["x-kvroute-matched-blocks"]) == matched
-    assert answer["usage"]["cache_read_input_tokens"] == cached
+    matched = int(messages.headers["x-kvroute-matched-blocks"])
+    assert matched == prompt // BLOCK  # the same prompt: every full block
+    usage = answer["usage"]
+    assert usage["input_tokens"] + usage["cache_read_input_tokens"] == prompt
+    # The worker reuses every full block but one holding the prompt's last token, which it
+    # computes again.
+    assert (matched - 1) * BLOCK <= usage["cache_read_input_tokens"] <= matched * BLOCK
     assert answer["stop_reason"] == "max_tokens"
 
+
+async def test_a_responses_conversation_is_found_when_it_comes_again(
+        client: httpx.AsyncClient) -> None:
+    body = {"model": "kvroute-sim", "max_output_tokens": 2, "instructions": SYSTEM,
+            "input": [{"role": "user",
+                       "content": [{"type": "input_text", "text": QUESTION}]}]}
+    first = await client.post("/v1/responses", json=body)
+    assert first.status_code == 200, first.text
+    answer = first.json()
+    assert answer["object"] == "response" and answer["output"][0]["type"] == "message"
+    prompt = answer["usage"]["input_tokens"]
+    await indexed(client, prompt // BLOCK)
+    again = await client.post("/v1/responses", json=body)
+    assert again.status_code == 200, again.text
+    assert again.headers["x-kvroute-worker"] == first.headers["x-kvroute-worker"]
+    matched = int(again.headers["x-kvroute-matched-blocks"])
+    assert matched == prompt // BLOCK
+    cached = again.json()["usage"]["input_tokens_details"]["cached_tokens"]
+    assert (matched - 1) * BLOCK <= cached <= matched * BLOCK
     metrics = (await client.get("/metrics")).text
-    for path in ("/v1/responses", "/v1/messages"):
-        assert f'kvroute_requests_total{{endpoint="{path}",status="200"}} 1.0' in metrics
+    assert 'kvroute_requests_total{endpoint="/v1/responses",status="200"} 2.0' in metrics
 
 
 async def test_streams_pass_through_in_each_apis_own_events(client: httpx.AsyncClient) -> None:
