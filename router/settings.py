@@ -349,6 +349,15 @@ class RouterSettings:
             raise SettingsError("api_key_tokens_per_minute must be >= 0")
         if not self.demand_window > 0:
             raise SettingsError("demand_window must be positive")
+        if self.tracing:
+            try:
+                import opentelemetry.exporter.otlp.proto.http.trace_exporter
+                import opentelemetry.sdk.trace  # noqa: F401
+            except ImportError:
+                raise SettingsError(
+                    "tracing is on (--tracing, or OTEL_EXPORTER_OTLP_ENDPOINT is set) but the "
+                    "OpenTelemetry SDK is not installed: pip install 'kvroute[otel]', or "
+                    "--tracing off") from None
 
     def client_key_ring(self) -> KeyRing | None:
         """The client API keys (None: ``/v1/*`` is open).
@@ -474,4 +483,7 @@ def load_settings(flags: Mapping[str, Any], env: Mapping[str, str] | None = None
                 merged[setting] = read_secret_file(merged[file_setting], file_setting)
             except ValueError as exc:
                 raise SettingsError(str(exc)) from None
+    if "tracing" not in merged and (env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+                                    or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")):
+        merged["tracing"] = True  # the OpenTelemetry convention: an endpoint turns it on
     return RouterSettings(**merged)

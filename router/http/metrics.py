@@ -26,6 +26,7 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from router.http.demand_metrics import DemandCollector
 from router.http.state_metrics import StateCollector
 from router.http.tallies import Count, CountFamily, Tally, TallyFamily
+from router.http.tracing import annotate
 from router.http.worker_labels import WorkerLabels
 
 if TYPE_CHECKING:
@@ -158,6 +159,7 @@ class RouterMetrics:
         block = self._service.settings.block_size
         self.predicted.inc(route.decision.chosen.matched_blocks * block)
         self.demand.routed(route)
+        annotate(route)  # the request's span, when traced (router.http.tracing)
 
     def reported_cached(self, route: Route, cached_tokens: int) -> None:
         """Record what the worker said was cached, against the prediction."""

@@ -19,6 +19,7 @@ from openai_request.bodies import ApiError, parse_body
 from router.http.client_quotas import ClientAccess, KeyCheck
 from router.http.request_path import Forward
 from router.http.state import RouterState
+from router.http.tracing import Traced
 from router.http.translated_routes import translated_routes
 
 __all__ = ["add_openai_routes", "forwarding_routes"]
@@ -34,6 +35,9 @@ def forwarding_routes(state: RouterState) -> dict[str, ASGIApp]:
         **translated_routes(state)}  # /v1/responses, /v1/messages
     if state.settings.api_keys is not None:  # client keys (router.http.client_quotas)
         routes = {path: KeyCheck(route, lambda: _access(state))
+                  for path, route in routes.items()}
+    if state.settings.tracing:  # a span per request (router.http.tracing)
+        routes = {path: Traced(route, path, lambda: state.tracing)
                   for path, route in routes.items()}
     return routes
 
