@@ -11,7 +11,10 @@ Two checks, at two points of a request's path:
    the router's default; 0: no limit). A bucket short of them answers 429 with ``Retry-After``
    (whole seconds until it holds them, rounded up) and an OpenAI-style body; a prompt larger
    than a minute's quota answers 429 without one: waiting cannot help. Tokens taken stay
-   taken whatever the answer: a quota counts what was asked of the fleet.
+   taken whatever the answer: a quota counts what was asked of the fleet. A request is
+   charged once: a body decided early whose decision was refused is decided again at its
+   end (:mod:`router.http.request_path`), and a charge that passed the first time is not
+   taken again (:class:`KeyCheck` keeps, per request, what it charged).
 
 Metrics are labelled by the key's name in the keys file, ``other`` for a key without one:
 bounded by the file, and never the key.
@@ -19,6 +22,7 @@ bounded by the file, and never the key.
 
 from __future__ import annotations
 
+import contextvars
 import math
 import time
 from collections.abc import Callable, Mapping
@@ -31,7 +35,12 @@ from openai_request.bodies import ApiError
 from router.http.tallies import CountFamily
 from router.routing.token_bucket import TokenBucket
 
-__all__ = ["ClientAccess", "KeyCheck", "RateLimited"]
+__all__ = ["ClientAccess", "KeyCheck", "RateLimited", "Unauthorized"]
+
+
+#: The key charged for the request being handled (set empty by :class:`KeyCheck`).
+_CHARGED: contextvars.ContextVar[list[ApiKey] | None] = contextvars.ContextVar(
+    "kvroute_charged", default=None)
 
 
 class RateLimited(ApiError):
@@ -42,10 +51,12 @@ class RateLimited(ApiError):
         self.headers = headers
 
 
-def _unauthorized(message: str) -> ApiError:
-    error = ApiError(401, message, "invalid_request_error", None, "invalid_api_key")
-    error.headers = {"www-authenticate": "Bearer"}  # type: ignore[attr-defined]
-    return error
+class Unauthorized(ApiError):
+    """A 401 for a request without a known key, asking for a bearer token."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(401, message, "invalid_request_error", None, "invalid_api_key")
+        self.headers = {"www-authenticate": "Bearer"}
 
 
 class ClientAccess:
@@ -83,16 +94,16 @@ class ClientAccess:
         """The key ``headers`` present (names in lower case).
 
         Raises:
-            ApiError: 401, no key or an unknown one.
+            Unauthorized: 401, no key or an unknown one.
         """
         key = presented_key(headers)
         if key is None:
             self.unauthorized.labels("missing").inc()
-            raise _unauthorized("no API key: send 'Authorization: Bearer KEY'")
+            raise Unauthorized("no API key: send 'Authorization: Bearer KEY'")
         entry = self.ring.identify(key)
         if entry is None:
             self.unauthorized.labels("unknown").inc()
-            raise _unauthorized("the API key is not valid")
+            raise Unauthorized("the API key is not valid")
         return entry
 
     def tokens_per_minute(self, entry: ApiKey) -> int:
@@ -103,9 +114,12 @@ class ClientAccess:
         """Take ``tokens`` from the quota of the key ``headers`` present.
 
         Raises:
-            ApiError: 401, no key or an unknown one.
+            Unauthorized: 401, no key or an unknown one.
             RateLimited: 429, the key's bucket does not hold ``tokens`` now.
         """
+        charged = _CHARGED.get()
+        if charged:  # this request's tokens were taken already
+            return charged[0]
         entry = self.identify(headers)
         label = entry.label
         limit = self.tokens_per_minute(entry)
@@ -134,6 +148,8 @@ class ClientAccess:
                      "x-ratelimit-reset-tokens": f"{seconds}s"})
         self.requests.labels(label, "admitted").inc()
         self.tokens.labels(label).inc(tokens)
+        if charged is not None:
+            charged.append(entry)
         return entry
 
 
@@ -150,4 +166,8 @@ class KeyCheck:
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]
                    if k in (b"authorization", b"x-api-key")}
         self.access().identify(headers)
-        await self.app(scope, receive, send)
+        token = _CHARGED.set([])
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            _CHARGED.reset(token)

@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from httpapi.api_keys import KeyRing, hash_line, parse_keys
 from openai_request.bodies import ApiError
 from router.http.app import create_app
-from router.http.client_quotas import ClientAccess, RateLimited
+from router.http.client_quotas import ClientAccess, KeyCheck, RateLimited
 from router.settings import RouterSettings, SettingsError, load_settings
 from tests.support.eventually import eventually
 from tests.support.servers import ScriptedWorker, UvicornServer
@@ -74,6 +74,26 @@ def test_a_prompt_larger_than_a_minute_of_quota_gets_no_retry_after() -> None:
     assert "retry-after" not in caught.value.headers
     assert "Request too large" in caught.value.message
     gate.charge(bearer("sk-alice"), 600)  # nothing was taken
+
+
+async def test_a_request_decided_twice_is_charged_once() -> None:
+    # A body decided early and refused there is decided again at its end: one charge.
+    gate = access()
+    taken = []
+
+    async def app(scope: Any, receive: Any, send: Any) -> None:
+        for _ in range(2):
+            taken.append(gate.charge(bearer("sk-alice"), 400).name)
+
+    check = KeyCheck(app, lambda: gate)
+    await check({"type": "http", "headers": [(b"authorization", b"Bearer sk-alice")]},
+                None, None)  # type: ignore[arg-type]
+    assert taken == ["alice", "alice"]
+    assert gate.tokens.labels("alice").value == 400
+    # The next request is charged afresh: 200 of 600 are left.
+    with pytest.raises(RateLimited):
+        await check({"type": "http", "headers": [(b"authorization", b"Bearer sk-alice")]},
+                    None, None)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize(("headers", "reason"), [({}, "missing"),
