@@ -12,7 +12,8 @@ from httpapi.api_keys import OTHER, KeyRing, generate_key, hash_line, parse_keys
 def test_a_hashed_line_parses_back_to_an_entry_that_matches_only_its_key() -> None:
     line = hash_line("sk-alice", "alice", 1200, salt=bytes(range(16)))
     digest = hashlib.sha256(bytes(range(16)) + b"sk-alice").hexdigest()
-    assert line == f"sha256${bytes(range(16)).hex()}${digest} name=alice tpm=1200"
+    key_id = hashlib.sha256(b"sk-alice").hexdigest()[:12]
+    assert line == f"sha256${bytes(range(16)).hex()}${digest} id={key_id} name=alice tpm=1200"
     assert "sk-alice" not in line
     [entry] = parse_keys(line)
     assert (entry.name, entry.tokens_per_minute, entry.label) == ("alice", 1200, "alice")
@@ -34,6 +35,19 @@ def test_a_key_ring_names_the_entry_a_key_matches_and_remembers_it() -> None:
     assert ring.identify("k4") is None and ring.identify("") is None
 
 
+def test_a_key_is_looked_for_under_its_id_and_lines_without_one_by_every_salt() -> None:
+    with_id = hash_line("k1", "one")
+    salt_and_digest = with_id.split()[0]
+    wrong_id = f"{salt_and_digest} id=000000000000 name=two"  # k1's hash under another id
+    no_id = hash_line("k3").split(" id=")[0] + " name=three"  # a line written by hand
+    ring = KeyRing(parse_keys("\n".join([with_id, no_id])))
+    assert [k.key_id is None for k in ring.keys] == [False, True]
+    assert ring.identify("k1") is ring.keys[0]
+    assert ring.identify("k3") is ring.keys[1]  # no id: found by trying its salt
+    # An entry is found only under its id: under another one, its own key misses it.
+    assert KeyRing(parse_keys(wrong_id)).identify("k1") is None
+
+
 def test_lines_from_the_environment_are_separated_by_semicolons() -> None:
     ring = KeyRing(parse_keys(f"{hash_line('a', 'a')};{hash_line('b', 'b')}"))
     assert [k.name for k in ring.keys] == ["a", "b"]
@@ -41,8 +55,9 @@ def test_lines_from_the_environment_are_separated_by_semicolons() -> None:
 
 @pytest.mark.parametrize(("text", "says"), [
     ("sk-plain-key", "line 1: not sha256$SALT$DIGEST"),
-    (f"{hash_line('a')} owner=me", "'owner=me' is not name=NAME"),
-    (f"{hash_line('a')} tpm=-3", "'tpm=-3' is not name=NAME or tpm"),
+    (f"{hash_line('a')} owner=me", "'owner=me' is not id=ID, name=NAME"),
+    (f"{hash_line('a')} tpm=-3", "'tpm=-3' is not id=ID, name=NAME or tpm"),
+    (f"{hash_line('a')} id=xyz", "'id=xyz' is not id=ID"),
     (f"{hash_line('a', 'x')}\n{hash_line('b', 'x')}", "line 2: the name 'x' is taken"),
     ("# nothing\n\n", "holds no key"),
 ])
