@@ -143,3 +143,34 @@ async def test_a_body_neither_api_can_read_is_a_400_before_any_worker(
     r = await client.post("/v1/messages", json={"model": "nope", "max_tokens": 1,
                                                 "messages": [{"role": "user", "content": "x"}]})
     assert r.status_code == 404
+
+
+async def test_a_request_continuing_a_stored_response_goes_where_it_was_made(
+        client: httpx.AsyncClient) -> None:
+    first = await client.post("/v1/responses", json={
+        "model": "kvroute-sim", "input": "remember this", "max_output_tokens": 1})
+    assert first.status_code == 200
+    made_on, made = first.headers["x-kvroute-worker"], first.json()["id"]
+    # A long prompt cached on the other worker pulls a request there...
+    for seed in range(20):
+        document = f"<{seed}> " + SYSTEM
+        placed = await client.post("/v1/responses", json={
+            "model": "kvroute-sim", "input": document, "max_output_tokens": 1})
+        if placed.headers["x-kvroute-worker"] != made_on:
+            break
+    else:
+        raise AssertionError("every prompt went to the first worker")
+    prompt = placed.json()["usage"]["input_tokens"]
+    await indexed(client, prompt // BLOCK)
+    follow = {"model": "kvroute-sim", "input": document + " and more",
+              "max_output_tokens": 1}
+    elsewhere = await client.post("/v1/responses", json=follow)
+    assert elsewhere.headers["x-kvroute-worker"] == placed.headers["x-kvroute-worker"]
+    # ...unless it continues a response the first worker made: that worker holds it.
+    home = await client.post("/v1/responses", json={**follow, "previous_response_id": made})
+    assert home.status_code == 200, home.text
+    assert home.headers["x-kvroute-worker"] == made_on
+    # An id the router never saw is routed by its prompt.
+    unknown = await client.post("/v1/responses",
+                                json={**follow, "previous_response_id": "resp_unseen"})
+    assert unknown.headers["x-kvroute-worker"] == placed.headers["x-kvroute-worker"]
