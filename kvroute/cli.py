@@ -387,6 +387,24 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
     a("--log-level", help="debug, info, warning (default %(default)s)")
     a("--log-format", choices=["text", "json"],
       help="text: one readable line; json: one JSON object a line (default %(default)s)")
+    _add_extension_flags(p)
+
+
+def _add_extension_flags(p: argparse.ArgumentParser) -> None:
+    """Client API keys, the autoscaling signal and tracing (docs/operations.md)."""
+    a = p.add_argument_group("API keys, autoscaling, tracing").add_argument
+    a("--api-keys-file", metavar="FILE",
+      help="require an API key on /v1/*: one salted hash a line, as 'kvroute keys hash' "
+      "prints them (or the lines in KVROUTE_API_KEYS, ';' between them; default: open)")
+    a("--api-key-tokens-per-minute", type=non_negative_int, metavar="TOKENS",
+      help="prompt tokens a minute for a key whose line sets no tpm=; 0: no limit "
+      "(default %(default)s)")
+    a("--demand-window", type=float, metavar="SECONDS",
+      help="seconds the uncached prompt tokens routed are averaged over for "
+      "kvroute_prefill_demand_ratio (default %(default)s)")
+    a("--tracing", choices=["on", "off"],
+      help="export a span per request over OTLP/HTTP to OTEL_EXPORTER_OTLP_ENDPOINT "
+      "(default: on when that variable is set; needs the otel extra)")
 
 
 def _add_up(sub: argparse._SubParsersAction) -> None:

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from httpapi.api_keys import KeyRing, parse_keys
 from httpapi.auth import check_bind, check_token, read_secret_file
 from httpapi.logs import LOG_FORMATS
 from httpapi.server import DEFAULT_LIMITS, ConnectionLimits
@@ -139,6 +140,20 @@ class RouterSettings:
     #: ``InferenceObjective`` a request names in ``x-gateway-inference-objective``, as the
     #: objective's ``spec.priority`` reads (higher is more urgent).
     objective_priorities: str = ""
+    # -- Client API keys, the autoscaling signal, tracing (router.http.client_quotas,
+    # router.http.demand_metrics, router.http.tracing); each off unless configured. --
+    #: The keys file's lines (``;`` between them; httpapi.api_keys): salted hashes, never keys.
+    api_keys: str | None = field(default=None, repr=False)
+    #: A keys file, read once at start-up into ``api_keys``.
+    api_keys_file: str | None = None
+    #: Prompt tokens per minute of a key whose line sets none; 0: no limit.
+    api_key_tokens_per_minute: int = 0
+    #: Seconds over which the uncached prompt tokens routed are averaged for
+    #: ``kvroute_prefill_demand_ratio`` (an exponentially decaying rate).
+    demand_window: float = 60.0
+    #: Export a span per request over OTLP/HTTP (also on when the environment sets
+    #: ``OTEL_EXPORTER_OTLP_ENDPOINT``); needs the ``otel`` extra.
+    tracing: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):  # inf or nan: a weight that swamps every other, a wait forever
@@ -222,6 +237,7 @@ class RouterSettings:
                 raise SettingsError(f"discover: {exc}") from None
         self.flow_settings()
         self.objectives()
+        self._check_extensions()
 
     def flow_settings(self) -> FlowSettings:
         """Flow control's bounds, deadlines per priority and tenant weights.
@@ -310,6 +326,52 @@ class RouterSettings:
                             approximate_ttl=self.approximate_ttl,
                             sessions=self.sessions and self.policy == "kv",
                             ttft_slo=self.ttft_slo)
+
+
+    def _check_extensions(self) -> None:
+        """Read the keys file into ``api_keys`` and check the block's values.
+
+        Raises:
+            SettingsError: both or an unreadable keys file, a malformed key line, a negative
+                quota, a window that is not positive.
+        """
+        if self.api_keys_file is not None:
+            if self.api_keys is not None:
+                raise SettingsError("give api_keys or api_keys_file, not both")
+            try:
+                text = Path(self.api_keys_file).read_text()
+            except OSError as exc:
+                raise SettingsError(f"api_keys_file {self.api_keys_file}: {exc.strerror}"
+                                    ) from None
+            object.__setattr__(self, "api_keys", text)
+        self.client_key_ring()
+        if self.api_key_tokens_per_minute < 0:
+            raise SettingsError("api_key_tokens_per_minute must be >= 0")
+        if not self.demand_window > 0:
+            raise SettingsError("demand_window must be positive")
+        if self.tracing:
+            try:
+                import opentelemetry.exporter.otlp.proto.http.trace_exporter
+                import opentelemetry.sdk.trace  # noqa: F401
+            except ImportError:
+                raise SettingsError(
+                    "tracing is on (--tracing, or OTEL_EXPORTER_OTLP_ENDPOINT is set) but the "
+                    "OpenTelemetry SDK is not installed: pip install 'kvroute[otel]', or "
+                    "--tracing off") from None
+
+    def client_key_ring(self) -> KeyRing | None:
+        """The client API keys (None: ``/v1/*`` is open).
+
+        Raises:
+            SettingsError: a malformed key line.
+        """
+        if self.api_keys is None:
+            return None
+        origin = self.api_keys_file or "api_keys"
+        try:
+            return KeyRing(parse_keys(self.api_keys, origin))
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
 
 
 def _pairs(text: str, name: str) -> list[tuple[str, float]]:
@@ -421,4 +483,7 @@ def load_settings(flags: Mapping[str, Any], env: Mapping[str, str] | None = None
                 merged[setting] = read_secret_file(merged[file_setting], file_setting)
             except ValueError as exc:
                 raise SettingsError(str(exc)) from None
+    if "tracing" not in merged and (env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+                                    or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")):
+        merged["tracing"] = True  # the OpenTelemetry convention: an endpoint turns it on
     return RouterSettings(**merged)

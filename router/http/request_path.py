@@ -199,6 +199,8 @@ async def decide(state: RouterState, body: dict[str, Any], kind: str, size: int,
     """
     ask = ask_of(body, headers)
     route = await route_of(state, body, kind, size)
+    if state.access is not None:  # the key's quota (router.http.client_quotas): 429
+        state.access.charge(headers, route.prompt.total_tokens)
     return await state.flow.admit(route, ask,
                                   lambda: state.service.decide(body, kind, route.prompt),
                                   lambda: tenant_of(body, headers))

@@ -9,6 +9,7 @@ app costs nothing and a bad tokenizer path fails at start-up, where the server r
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
@@ -19,11 +20,13 @@ from prometheus_client import Counter
 from httpapi.app import Admin
 from httpapi.responses import disconnect_counter
 from openai_request.bodies import ApiError
+from router.http.client_quotas import ClientAccess
 from router.http.first_byte import FirstByteClock
 from router.http.flow import FlowControl
 from router.http.flow_metrics import register_flow_metrics
 from router.http.metrics import RouterMetrics
 from router.http.proxy import Proxy, ProxyTimeouts
+from router.http.tracing import Tracing
 from router.service import RouterService
 from router.settings import RouterSettings
 
@@ -45,6 +48,10 @@ class RouterState:
     first_byte: FirstByteClock
     flow: FlowControl
     disconnects: Counter
+    #: Client API keys and their quotas; None: ``/v1/*`` is open.
+    access: ClientAccess | None = None
+    #: The span exporter, when tracing is on (router.http.tracing).
+    tracing: Tracing | None = None
 
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
@@ -65,10 +72,18 @@ class RouterState:
         self.disconnects = disconnect_counter(self.metrics.registry)
         self.flow = FlowControl(settings.flow_settings())
         register_flow_metrics(self.metrics.registry, self.flow, self.metrics.worker_label)
+        ring = settings.client_key_ring()
+        if ring is not None:
+            self.access = ClientAccess(ring, settings.api_key_tokens_per_minute,
+                                       self.metrics.registry)
+        if settings.tracing:
+            self.tracing = Tracing()
         await self.service.registry.start()
         try:
             yield
         finally:
+            if self.tracing is not None:  # its last export may wait on the collector
+                await asyncio.to_thread(self.tracing.shutdown)
             await self.flow.close()
             await self.service.registry.stop()
             await self.proxy.close()

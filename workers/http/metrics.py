@@ -10,6 +10,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram, disable_cre
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
+    from workers.http.dialects import MessagesReply, ResponsesReply
     from workers.http.openai_format import Completion
     from workers.runtime import WorkerRuntime
 
@@ -73,7 +74,8 @@ class WorkerMetrics:
             self.kv_reads.labels(outcome)
         self.registry.register(_EngineCollector(runtime))
 
-    def finished(self, reply: Completion, generated: int) -> None:
+    def finished(self, reply: Completion | ResponsesReply | MessagesReply, generated: int
+                 ) -> None:
         """Count a request served to its end."""
         self.prompt_tokens.inc(reply.prompt_tokens)
         self.cached_tokens.inc(reply.cached_tokens)

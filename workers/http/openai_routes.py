@@ -1,5 +1,6 @@
 """The worker's OpenAI surface: ``POST /v1/completions``, ``POST /v1/chat/completions``
-(streaming or not) and ``GET /v1/models``.
+(streaming or not), ``POST /v1/responses`` and Anthropic's ``POST /v1/messages`` (run as chat,
+answered in their own shapes: :mod:`workers.http.dialects`) and ``GET /v1/models``.
 
 Every malformed request gets an OpenAI-style JSON error with a 4xx status and the reason, and
 is refused before the engine sees it: nothing half-applied stays in the cache. A body is read
@@ -37,6 +38,7 @@ from openai_request.bodies import (
 from openai_request.prompts import build_prompt
 from workers.cache.block_keys import Prompt, Scope
 from workers.engine.loop import Engine, RequestFailed, RequestHandle
+from workers.http.dialects import DIALECTS, Dialect, MessagesReply, ResponsesReply
 from workers.http.image_fetch import ImageLimit, fetch_remote_images
 from workers.http.kv_fetch import RESULT_HEADER, FetchResult, parse_instruction
 from workers.http.kv_transfer import answer_params, parse_transfer, receive
@@ -46,6 +48,8 @@ from workers.http.state import WorkerState
 __all__ = ["DEFAULT_MAX_TOKENS", "add_openai_routes"]
 
 DEFAULT_MAX_TOKENS = 16
+#: An answer's shape: OpenAI's, or another API's (workers.http.dialects).
+Reply = Completion | ResponsesReply | MessagesReply
 
 
 def add_openai_routes(app: FastAPI, state: WorkerState) -> None:
@@ -59,6 +63,9 @@ def add_openai_routes(app: FastAPI, state: WorkerState) -> None:
     async def chat_completions(request: Request) -> Response:
         return await generate(state, request, chat=True)
 
+    for path, dialect in DIALECTS.items():
+        app.add_api_route(path, functools.partial(_dialect, state, dialect), methods=["POST"])
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         settings = state.settings
@@ -69,12 +76,23 @@ def add_openai_routes(app: FastAPI, state: WorkerState) -> None:
                                            for m in names]}
 
 
-async def generate(state: WorkerState, request: Request, chat: bool) -> Response:
-    """Check, encode and run one completions (or, with ``chat``, chat) request."""
+async def _dialect(state: WorkerState, dialect: Dialect, request: Request) -> Response:
+    return await generate(state, request, chat=True, dialect=dialect)
+
+
+async def generate(state: WorkerState, request: Request, chat: bool,
+                   dialect: Dialect | None = None) -> Response:
+    """Check, encode and run one completions (or, with ``chat``, chat) request; with
+    ``dialect``, a body of another API run as chat and answered in its shape."""
     settings, runtime = state.settings, state.runtime
     raw = await read_body(request, settings.max_body_bytes)
     started = time.perf_counter()
     body = parse_body(raw, settings.max_body_bytes)
+    if dialect is not None:
+        try:
+            body = dialect.chat_body(body)
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
     checked = validate_request(body, "chat" if chat else "completions")
     if checked.n not in (None, 1):
         raise ApiError(400, f"only n=1 is supported, got {checked.n}", param="n")
@@ -129,8 +147,10 @@ async def generate(state: WorkerState, request: Request, chat: bool) -> Response
         handle = runtime.submit(f"req-{uuid.uuid4().hex}", prompt, max_tokens, engine)
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None
-    reply = Completion(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model, chat,
-                       int(time.time()), len(tokens.token_ids))
+    kind, prefix = (Completion, "chatcmpl" if chat else "cmpl") if dialect is None else (
+        dialect.reply, dialect.prefix)
+    reply = kind(f"{prefix}-{uuid.uuid4().hex}", model, chat, int(time.time()),
+                 len(tokens.token_ids))
     state.metrics.requests.labels("chat" if chat else "completions").inc()
     if checked.stream:
         headers.update(_timing(started))
@@ -179,7 +199,7 @@ def _timing(started: float) -> dict[str, str]:
 
 
 async def _whole(state: WorkerState, request: Request, handle: RequestHandle,
-                 reply: Completion, started: float,
+                 reply: Reply, started: float,
                  extra: Callable[[], dict[str, Any]] | None = None,
                  headers: dict[str, str] | None = None) -> JSONResponse:
     collect = asyncio.ensure_future(_collect(handle))
@@ -204,7 +224,7 @@ async def _whole(state: WorkerState, request: Request, handle: RequestHandle,
                         headers={**(headers or {}), **_timing(started)})
 
 
-async def _stream(state: WorkerState, handle: RequestHandle, reply: Completion, usage: bool
+async def _stream(state: WorkerState, handle: RequestHandle, reply: Reply, usage: bool
                   ) -> AsyncIterator[bytes]:
     decode = state.runtime.tokenizer.decode
     count, first = 0, True
@@ -222,9 +242,7 @@ async def _stream(state: WorkerState, handle: RequestHandle, reply: Completion, 
             return
         reply.cached_tokens = handle.num_cached_tokens or 0
         state.metrics.finished(reply, count)
-        if usage:
-            yield reply.usage_chunk(count)
-        yield sse("[DONE]")
+        yield reply.closing(count, usage)
     finally:
         handle.cancel()
 
