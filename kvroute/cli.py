@@ -365,6 +365,10 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
     a("--pd-transfer-bandwidth", type=float,
       help="disaggregated serving: the prefill-to-decode link in bytes a second, for the "
       "predicted transfer time (default %(default)s)")
+    a("--allow-client-transfer-fields", action="store_const", const=True,
+      help="take kv_transfer_params, SGLang's bootstrap fields and the X-data-parallel-rank "
+      "header from clients (refused with 400, the header dropped, otherwise: the router "
+      "sets them itself)")
     a("--first-byte-timeout", type=float,
       help="longest wait for any answer's first byte (default %(default)s)")
     a("--unhealthy-grace", type=float,

@@ -125,6 +125,10 @@ class RouterSettings:
     #: (the defaults: the default rates' model, 32 KiB a token, over 25 GB/s).
     pd_kv_bytes_per_token: int = 32768
     pd_transfer_bandwidth: float = 25e9
+    #: Take ``kv_transfer_params``, SGLang's ``bootstrap_*`` fields and the
+    #: ``X-data-parallel-rank`` header from clients (router.http.client_fields): off, a body
+    #: setting one is refused (400) and the header dropped.
+    allow_client_transfer_fields: bool = False
     # Flow control (router.routing.admission): saturation bounds, the queue, deadlines, weights.
     flow_control: bool = _FLOW.enabled
     flow_ttft_bound: float = _FLOW.ttft_bound_s

@@ -46,6 +46,11 @@ from httpapi.responses import CLIENT_GONE_STATUS
 from openai_request.bodies import ApiError, fewest_prompt_tokens, parse_body, validate_request
 from openai_request.early_body import EarlyBody
 from openai_request.prompts import PromptTokens
+from router.http.client_fields import (
+    refuse_transfer_fields,
+    whole_body_check,
+    without_rank_header,
+)
 from router.http.disaggregated import send_disaggregated
 from router.http.failover import Sent, send_with_failover
 from router.http.flow import ask_of, tenant_of
@@ -78,6 +83,8 @@ class Forward:
         timer = metrics.timer(time.perf_counter())
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         max_bytes = state.settings.max_body_bytes
+        if not state.settings.allow_client_transfer_fields:
+            headers = without_rank_header(headers)
         try:
             incoming = IncomingBody(receive, headers.get("content-length"), max_bytes)
             route, body, pump = await self._decided(incoming, headers)
@@ -171,6 +178,9 @@ class Forward:
         while not incoming.complete:
             tries = early.feed(chunk) if early is not None else None
             if tries is not None and service.settles(tries[0], kind):
+                # Checked again once whole, before its end goes upstream (client_fields).
+                incoming.check = whole_body_check(state.settings.max_body_bytes,
+                                                  state.settings.allow_client_transfer_fields)
                 pump = asyncio.get_running_loop().create_task(incoming.pump())
                 try:
                     route = await decide(state, tries[1], kind,
@@ -213,6 +223,8 @@ async def route_of(state: RouterState, body: dict[str, Any], kind: str, size: in
     """
     service = state.service
     request = validate_request(body, kind)  # type: ignore[arg-type]
+    if not state.settings.allow_client_transfer_fields:
+        refuse_transfer_fields(body)
     fewest = fewest_prompt_tokens(request, service.tokenizer.max_bytes_per_token)
     # Refused here only when longer than every worker's model (a worker of unknown
     # length takes anything); the service routes it to a worker it fits.
