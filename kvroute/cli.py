@@ -314,6 +314,10 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
       help="a TTFT deadline per priority (the x-kvroute-ttft-deadline-ms header overrides)")
     a("--tenant-weights", metavar="TENANT=WEIGHT,...",
       help="each tenant's share of tokens inside its priority (one when not named)")
+    a("--trusted-clients", metavar="CIDR,...",
+      help="peers whose tenant, priority and deadline headers (and body priority) flow "
+      "control believes: addresses or CIDR blocks, 'any' or 'none'; from others they are "
+      "ignored (default %(default)s)")
     a("--objective-priorities", metavar="NAME=PRIORITY,...",
       help="the priority of each InferenceObjective a request names in the "
       "x-gateway-inference-objective header, as its spec.priority reads (higher first)")

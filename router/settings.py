@@ -20,6 +20,7 @@ from typing import Any
 from httpapi.auth import check_bind, check_token, read_secret_file
 from httpapi.logs import LOG_FORMATS
 from httpapi.server import DEFAULT_LIMITS, ConnectionLimits
+from httpapi.trusted_peers import LOOPBACK, TrustedPeers
 from openai_request.bodies import MAX_BODY_BYTES
 from openai_request.tokenizer_source import resolve_tokenizer
 from router.events.transport import (
@@ -143,6 +144,9 @@ class RouterSettings:
     #: ``InferenceObjective`` a request names in ``x-gateway-inference-objective``, as the
     #: objective's ``spec.priority`` reads (higher is more urgent).
     objective_priorities: str = ""
+    #: The peers (addresses, CIDR blocks, ``any`` or ``none``) whose flow-control headers
+    #: and body ``priority`` are believed (router.http.client_trust); loopback by default.
+    trusted_clients: str = LOOPBACK
 
     def __post_init__(self) -> None:
         for f in fields(self):  # inf or nan: a weight that swamps every other, a wait forever
@@ -226,6 +230,10 @@ class RouterSettings:
                 raise SettingsError(f"discover: {exc}") from None
         self.flow_settings()
         self.objectives()
+        try:
+            TrustedPeers.parse(self.trusted_clients)
+        except ValueError as exc:
+            raise SettingsError(f"trusted_clients: {exc}") from None
 
     def flow_settings(self) -> FlowSettings:
         """Flow control's bounds, deadlines per priority and tenant weights.
