@@ -369,7 +369,11 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
             if isinstance(value, bool) or text in _TRUE | _FALSE:
                 return value if isinstance(value, bool) else text in _TRUE
             raise ValueError
+        if isinstance(value, (bool, list, dict)):
+            raise ValueError  # a file's true is no number, a list or table no text
         if kind in ("int", "int | None"):
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError  # 1.9 is not taken as 1
             return int(value)
         if kind == "float | None" and str(value).strip().lower() in ("auto", "none", ""):
             return None
