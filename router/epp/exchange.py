@@ -103,8 +103,14 @@ class Exchange:
             if not self._duplex:
                 return [messages.continue_headers()]
             length = messages.header(headers, "content-length")
-            self._early = EarlyBody(self._kind, int(length) if length and length.isdigit()
-                                    else None, self._picker.service.only_model())
+            declared = int(length) if length and length.isascii() and length.isdigit() else None
+            limit = self._picker.service.settings.max_body_bytes
+            if declared is not None and declared > limit:  # refused before any byte is held
+                self._refused = True
+                self._picker.metrics.request(ENDPOINT, 413)
+                return [messages.immediate_error(
+                    ApiError(413, f"the request body is over {limit} bytes"))]
+            self._early = EarlyBody(self._kind, declared, self._picker.service.only_model())
             return []
         if phase == "request_body":
             return self._on_body(request.request_body)

@@ -204,7 +204,12 @@ async def test_a_body_past_the_limit_is_refused_while_streaming(
     service.settings = dataclasses.replace(service.settings, max_body_bytes=3 * CHUNK)
     # never settled early: the model comes after the prompt and the fleet serves two names
     raw = json.dumps({"prompt": PROMPT, "model": "m"}).encode()
-    _, answers = streamed(service, "/v1/completions", raw)
+    _, answers = streamed(service, "/v1/completions", raw, length=False)
     refusals = [a for batch in answers for a in batch if a.HasField("immediate_response")]
     assert [r.immediate_response.status.code for r in refusals] == [413]
     assert answers[4] == refusals and not any(answers[5:])  # the rest is dropped
+    # a declared length past the limit is refused at the headers, before any byte is held
+    _, answers = streamed(service, "/v1/completions", raw)
+    refusals = [a for batch in answers for a in batch if a.HasField("immediate_response")]
+    assert [r.immediate_response.status.code for r in refusals] == [413]
+    assert answers[0] == refusals and not any(answers[1:])
