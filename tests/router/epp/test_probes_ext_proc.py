@@ -97,3 +97,23 @@ def test_ext_proc_probe(tmp_path: Path, http: httpx.AsyncClient,
                 assert answer.immediate_response.status.code >= 400
         assert exchange._held_bytes <= LIMIT + 4096
     exchange.close()
+
+
+@pytest.mark.parametrize("tail", [b', "model": "other"}', b', "kv_transfer_params": {"x": 1}}'],
+                         ids=["a repeated model", "a transfer field"])
+def test_a_body_decided_early_is_refused_at_its_end_when_whole_it_would_be(
+        tmp_path: Path, http: httpx.AsyncClient, tail: bytes) -> None:
+    # Decided on its first part, then its end repeats the model (or sets a field the router
+    # sets): the last chunk is not sent on; the request ends in a 400 instead.
+    from tests.router.epp.test_streamed_exchange import streamed
+    raw = BODY[:-1] + tail
+    exchange, answers = streamed(service_for(tmp_path, http), "/v1/completions", raw)
+    assert exchange.early
+    last = answers[-1]
+    assert [a.WhichOneof("response") for a in last] == ["immediate_response"]
+    assert last[0].immediate_response.status.code == 400
+    sent_end = [a for batch in answers for a in batch
+                if a.WhichOneof("response") == "request_body"
+                and a.request_body.response.body_mutation.streamed_response.end_of_stream]
+    assert sent_end == []
+    exchange.close()
