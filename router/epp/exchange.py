@@ -82,6 +82,7 @@ class Exchange:
         self._early: EarlyBody | None = None
         self._headers: dict[str, str] = {}
         self._held_body: tuple[bytes, bool] = (b"", False)
+        self._strip_rank = not picker.service.settings.allow_client_transfer_fields
         #: A body decided early: its chunks so far, for the check at its end.
         self._seen: list[bytes] = []
         self.pick: Pick | None = None
@@ -106,7 +107,8 @@ class Exchange:
                     endpoint = self._picker.pick_any(self._subset)
                 except ApiError as exc:
                     return [messages.immediate_error(exc)]
-                return [messages.routed(endpoint, "request_headers")]
+                return [messages.routed(endpoint, "request_headers",
+                                        strip_rank=self._strip_rank)]
             if not self._duplex:
                 return [messages.continue_headers()]
             length = messages.header(headers, "content-length")
@@ -190,7 +192,8 @@ class Exchange:
         raw = b"".join(self._held)
         self._drop()
         self._seen = [raw]  # kept for the check of the whole body at its end
-        return [messages.routed(pick.endpoint, "request_headers", pick.prefiller),
+        return [messages.routed(pick.endpoint, "request_headers", pick.prefiller,
+                                self._strip_rank),
                 _streamed(raw, False)]
 
     def _after_early(self, body: ep.HttpBody) -> list[ep.ProcessingResponse]:
@@ -259,8 +262,9 @@ class Exchange:
         endpoint, prefiller = self.pick.endpoint, self.pick.prefiller
         self._held_body = (b"", False)
         if not self._duplex:
-            return [messages.routed(endpoint, "request_body", prefiller)]
-        return [messages.routed(endpoint, "request_headers", prefiller), _streamed(raw, last)]
+            return [messages.routed(endpoint, "request_body", prefiller, self._strip_rank)]
+        return [messages.routed(endpoint, "request_headers", prefiller, self._strip_rank),
+                _streamed(raw, last)]
 
 
 def _streamed(raw: bytes, last: bool) -> ep.ProcessingResponse:

@@ -89,3 +89,12 @@ async def test_the_endpoint_picker_refuses_a_transfer_field_too() -> None:
             {**BODY, "kv_transfer_params": FIELDS["kv_transfer_params"]}).encode()))
     status, error = epp.immediate(answers[-1])
     assert (status, error["error"]["param"]) == (400, "kv_transfer_params")
+
+
+@pytest.mark.parametrize("allowed", [False, True])
+async def test_the_endpoint_picker_has_envoy_drop_a_clients_rank_header(allowed: bool) -> None:
+    async with ScriptedWorker() as worker, epp.picker_for(
+            worker, allow_client_transfer_fields=allowed) as (stub, _, _):
+        answers = await epp.exchange(stub, epp.headers(), epp.body(json.dumps(BODY).encode()))
+    removed = list(answers[-1].request_body.response.header_mutation.remove_headers)
+    assert ("x-data-parallel-rank" in removed) is not allowed
