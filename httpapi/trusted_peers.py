@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 __all__ = ["LOOPBACK", "TrustedPeers"]
 
@@ -20,6 +20,8 @@ __all__ = ["LOOPBACK", "TrustedPeers"]
 LOOPBACK = "127.0.0.0/8,::1"
 
 _Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+#: Peer addresses whose answer is kept.
+_MAX_SEEN = 4096
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +30,8 @@ class TrustedPeers:
 
     networks: tuple[_Network, ...] = ()
     everyone: bool = False
+    #: Each peer address seen, and whether it is trusted (at most ``_MAX_SEEN`` kept).
+    _seen: dict[str, bool] = field(default_factory=dict, compare=False, repr=False)
 
     @classmethod
     def parse(cls, spec: str) -> TrustedPeers:
@@ -57,8 +61,18 @@ class TrustedPeers:
             return True
         if not peer or not self.networks:
             return False
+        host = str(peer[0])
+        known = self._seen.get(host)
+        if known is None:
+            # Parsing an address costs microseconds a request; a router sees few peers.
+            if len(self._seen) >= _MAX_SEEN:
+                self._seen.clear()
+            known = self._seen[host] = self._contains(host)
+        return known
+
+    def _contains(self, host: str) -> bool:
         try:
-            address = ipaddress.ip_address(str(peer[0]))
+            address = ipaddress.ip_address(host)
         except ValueError:
             return False
         if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
