@@ -159,3 +159,15 @@ async def test_headers_are_forwarded_one_per_line_as_received() -> None:
     (sent,) = upstream.completions
     assert sent.header(b"x-note") == [b'a, b;c="d"']
     assert upstream.protocol_errors == []
+
+
+async def test_headers_the_connection_header_names_are_not_forwarded() -> None:
+    # RFC 9110 7.6.1: the fields Connection names are for this hop only.
+    raw = head(f"Content-Length: {N}", "Connection: keep-alive, X-Hop, x-kvroute-note",
+               "X-Hop: 1", "X-Kvroute-Note: 2", "X-Kept: 3") + BODY
+    async with router() as (port, upstream):
+        answer = await exchange(port, raw)
+    assert statuses(answer) == [200]
+    (sent,) = upstream.completions
+    assert sent.header(b"x-hop") == [] and sent.header(b"x-kvroute-note") == []
+    assert sent.header(b"x-kept") == [b"3"]
