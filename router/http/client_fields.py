@@ -65,15 +65,17 @@ def without_rank_header(headers: dict[str, str]) -> dict[str, str]:
 
 
 def whole_body_check(max_bytes: int, allow_transfer_fields: bool
-                     ) -> Callable[[bytes], None]:
+                     ) -> Callable[[bytes], dict[str, Any]]:
     """The check a body decided before its end passes once whole: it parses
     (:func:`~openai_request.bodies.parse_body`) and sets no transfer field unless allowed.
 
     Returns:
-        A function of the whole body that raises :class:`ApiError` (400, 413) to refuse it.
+        A function of the whole body that returns it parsed, or raises :class:`ApiError`
+        (400, 413) to refuse it.
     """
-    def check(raw: bytes) -> None:
+    def check(raw: bytes) -> dict[str, Any]:
         body = parse_body(raw, max_bytes)
         if not allow_transfer_fields:
             refuse_transfer_fields(body)
+        return body
     return check

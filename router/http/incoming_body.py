@@ -55,7 +55,8 @@ class IncomingBody:
         failure: what ended the body early (:class:`ClientGone`, a 413 or a 408, or what
             :attr:`check` raised), or ``None``.
         check: called with the whole body before its last piece is kept (rule 4); it raises
-            to refuse the body. ``None``: no check.
+            to refuse the body, else returns what it read of it. ``None``: no check.
+        checked: what :attr:`check` returned (the parsed body), or ``None``.
     """
 
     def __init__(self, receive: Receive, declared: str | None, max_bytes: int) -> None:
@@ -68,7 +69,8 @@ class IncomingBody:
         self.complete = False
         self.completed_at: float | None = None
         self.failure: Exception | None = None
-        self.check: Callable[[bytes], None] | None = None
+        self.check: Callable[[bytes], Any] | None = None
+        self.checked: Any = None
 
     async def read_more(self) -> bytes:
         """Read the next piece of the body and return it (``b""`` once complete).
@@ -89,7 +91,7 @@ class IncomingBody:
             if self.size > self._max_bytes:
                 raise BodyTooLarge(self._max_bytes)
             if self.check is not None and not message.get("more_body", False):
-                self.check(b"".join((*self._chunks, chunk)))
+                self.checked = self.check(b"".join((*self._chunks, chunk)))
         except Exception as exc:
             self.failure = exc
             self._wake()

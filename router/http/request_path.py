@@ -300,6 +300,8 @@ def _asks_stream(incoming: IncomingBody, max_bytes: int) -> bool:
     was wrong with it)."""
     if not incoming.complete:
         return False
+    if isinstance(incoming.checked, dict):  # parsed by its check at its end
+        return bool(incoming.checked.get("stream"))
     try:
         return bool(parse_body(incoming.whole(), max_bytes).get("stream"))
     except ApiError:
