@@ -326,6 +326,10 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
       help="a TTFT deadline per priority (the x-kvroute-ttft-deadline-ms header overrides)")
     a("--tenant-weights", metavar="TENANT=WEIGHT,...",
       help="each tenant's share of tokens inside its priority (one when not named)")
+    a("--trusted-clients", metavar="CIDR,...",
+      help="peers whose tenant, priority and deadline headers (and body priority) flow "
+      "control believes: addresses or CIDR blocks, 'any' or 'none'; from others they are "
+      "ignored (default %(default)s)")
     a("--objective-priorities", metavar="NAME=PRIORITY,...",
       help="the priority of each InferenceObjective a request names in the "
       "x-gateway-inference-objective header, as its spec.priority reads (higher first)")
@@ -377,6 +381,10 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
     a("--pd-transfer-bandwidth", type=float,
       help="disaggregated serving: the prefill-to-decode link in bytes a second, for the "
       "predicted transfer time (default %(default)s)")
+    a("--allow-client-transfer-fields", action="store_const", const=True,
+      help="take kv_transfer_params, SGLang's bootstrap fields and the X-data-parallel-rank "
+      "header from clients (refused with 400, the header dropped, otherwise: the router "
+      "sets them itself)")
     a("--first-byte-timeout", type=float,
       help="longest wait for any answer's first byte (default %(default)s)")
     a("--unhealthy-grace", type=float,

@@ -21,6 +21,7 @@ from httpapi.api_keys import KeyRing, parse_keys
 from httpapi.auth import check_bind, check_token, read_secret_file
 from httpapi.logs import LOG_FORMATS
 from httpapi.server import DEFAULT_LIMITS, ConnectionLimits
+from httpapi.trusted_peers import LOOPBACK, TrustedPeers
 from openai_request.bodies import MAX_BODY_BYTES
 from openai_request.tokenizer_source import resolve_tokenizer
 from router.events.transport import (
@@ -126,6 +127,10 @@ class RouterSettings:
     #: (the defaults: the default rates' model, 32 KiB a token, over 25 GB/s).
     pd_kv_bytes_per_token: int = 32768
     pd_transfer_bandwidth: float = 25e9
+    #: Take ``kv_transfer_params``, SGLang's ``bootstrap_*`` fields and the
+    #: ``X-data-parallel-rank`` header from clients (router.http.client_fields): off, a body
+    #: setting one is refused (400) and the header dropped.
+    allow_client_transfer_fields: bool = False
     # Flow control (router.routing.admission): saturation bounds, the queue, deadlines, weights.
     flow_control: bool = _FLOW.enabled
     flow_ttft_bound: float = _FLOW.ttft_bound_s
@@ -140,6 +145,9 @@ class RouterSettings:
     #: ``InferenceObjective`` a request names in ``x-gateway-inference-objective``, as the
     #: objective's ``spec.priority`` reads (higher is more urgent).
     objective_priorities: str = ""
+    #: The peers (addresses, CIDR blocks, ``any`` or ``none``) whose flow-control headers
+    #: and body ``priority`` are believed (router.http.client_trust); loopback by default.
+    trusted_clients: str = LOOPBACK
     # -- Client API keys, the autoscaling signal, tracing (router.http.client_quotas,
     # router.http.demand_metrics, router.http.tracing); each off unless configured. --
     #: The keys file's lines (``;`` between them; httpapi.api_keys): salted hashes, never keys.
@@ -237,6 +245,10 @@ class RouterSettings:
                 raise SettingsError(f"discover: {exc}") from None
         self.flow_settings()
         self.objectives()
+        try:
+            TrustedPeers.parse(self.trusted_clients)
+        except ValueError as exc:
+            raise SettingsError(f"trusted_clients: {exc}") from None
         self._check_extensions()
 
     def flow_settings(self) -> FlowSettings:
@@ -419,7 +431,11 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
             if isinstance(value, bool) or text in _TRUE | _FALSE:
                 return value if isinstance(value, bool) else text in _TRUE
             raise ValueError
+        if isinstance(value, (bool, list, dict)):
+            raise ValueError  # a file's true is no number, a list or table no text
         if kind in ("int", "int | None"):
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError  # 1.9 is not taken as 1
             return int(value)
         if kind == "float | None" and str(value).strip().lower() in ("auto", "none", ""):
             return None

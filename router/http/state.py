@@ -19,6 +19,7 @@ from prometheus_client import Counter
 
 from httpapi.app import Admin
 from httpapi.responses import disconnect_counter
+from httpapi.trusted_peers import TrustedPeers
 from openai_request.bodies import ApiError
 from router.http.client_quotas import ClientAccess
 from router.http.first_byte import FirstByteClock
@@ -37,9 +38,9 @@ class RouterState:
     """The router's parts, for its handlers (:class:`httpapi.app.AppState`).
 
     Invariants:
-        1. ``settings`` and ``admin`` exist from construction; the other attributes exist
-           once :meth:`lifespan` has started and stay until the object is dropped (a stream
-           still relaying while the server stops may read them).
+        1. ``settings``, ``admin`` and ``trusted_clients`` exist from construction; the
+           other attributes exist once :meth:`lifespan` has started and stay until the
+           object is dropped (a stream still relaying while the server stops may read them).
     """
 
     service: RouterService
@@ -56,6 +57,8 @@ class RouterState:
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
         self.admin = Admin(settings.admin_token)
+        #: The peers whose flow-control headers are believed (router.http.client_trust).
+        self.trusted_clients = TrustedPeers.parse(settings.trusted_clients)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
