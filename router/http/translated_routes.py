@@ -22,6 +22,7 @@ from starlette.types import Message, Receive, Scope, Send
 
 from openai_request.bodies import ApiError, parse_body
 from openai_request.translated import chat_of_messages, chat_of_responses
+from router.http.client_fields import refuse_transfer_fields
 from router.http.incoming_body import IncomingBody
 from router.http.request_path import Forward, decide
 from router.http.response_homes import SNIFFED_BYTES, ResponseHomes, response_id
@@ -73,10 +74,12 @@ class TranslatedForward(Forward):
 
         await super().__call__(scope, receive, reading)
 
-    async def _decided(self, incoming: IncomingBody, headers: Mapping[str, str]
+    async def _decided(self, incoming: IncomingBody, headers: Mapping[str, str], trusted: bool
                        ) -> tuple[Route, dict[str, Any] | None, asyncio.Future[None] | None]:
         """Read the whole body, route its chat conversion; the body returned is the
-        client's (its ``stream`` says how the answer comes back).
+        client's (its ``stream`` says how the answer comes back), forwarded as sent, so the
+        router's own transfer fields are refused in it as in a chat body
+        (:mod:`router.http.client_fields`).
 
         Raises:
             ApiError: the body's refusals; 400 for one the conversion cannot read;
@@ -86,11 +89,13 @@ class TranslatedForward(Forward):
             await incoming.read_more()
         raw = incoming.whole()
         body = parse_body(raw, self.state.settings.max_body_bytes)
+        if not self.state.settings.allow_client_transfer_fields:
+            refuse_transfer_fields(body)
         try:
             chat = self.translate(body)
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
-        route = await decide(self.state, chat, "chat", len(raw), headers)
+        route = await decide(self.state, chat, "chat", len(raw), headers, trusted)
         previous = body.get("previous_response_id")
         if self.homes is not None and isinstance(previous, str):
             home = self.homes.home(previous)

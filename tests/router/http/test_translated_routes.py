@@ -174,3 +174,17 @@ async def test_a_request_continuing_a_stored_response_goes_where_it_was_made(
     unknown = await client.post("/v1/responses",
                                 json={**follow, "previous_response_id": "resp_unseen"})
     assert unknown.headers["x-kvroute-worker"] == placed.headers["x-kvroute-worker"]
+
+
+async def test_the_routers_transfer_fields_are_refused_in_either_api(client: httpx.AsyncClient
+                                                                    ) -> None:
+    """The body goes upstream as sent, so a client's ``kv_transfer_params`` in it would reach
+    the engine: refused as in a chat body, before any worker."""
+    for path, body in (("/v1/responses", {"input": QUESTION}),
+                       ("/v1/messages", {"max_tokens": 4,
+                                         "messages": [{"role": "user", "content": QUESTION}]})):
+        answer = await client.post(path, json={**body, "kv_transfer_params": {
+            "do_remote_prefill": True, "remote_host": "10.0.0.9", "remote_port": 1}})
+        assert answer.status_code == 400, (path, answer.text)
+        assert "kv_transfer_params" in answer.text
+        assert "x-kvroute-worker" not in answer.headers
