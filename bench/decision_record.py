@@ -25,7 +25,7 @@ held, the prefill tokens it still had to compute. It prints:
   The router's books see no iteration; the gap between the two errors is what not knowing
   the iteration's phase costs the prediction.
 
-Run on the trace's last 393 requests at 4x (``docs/routing.md``, "Where the tail's hits go"),
+Run on the trace's last 393 requests at 4x (``docs/experiments.md``, "Where the tail's hits go"),
 and on a generator's cell (``--generator multi_turn --workers 4 --rate-scale 8 --requests 800
 --seed 202``: ``docs/routing.md``, "The prediction's error").
 """

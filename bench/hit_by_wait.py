@@ -12,7 +12,7 @@ takes the workload, cluster and policy flags of :mod:`bench.replay` (``--policie
 ``kvroute``; ``--set``), plus ``--over`` (the thresholds in seconds, default ``1,2.4,5``), and
 prints one row per policy and threshold. A live run of :mod:`bench.replay` (``--live``)
 prints the same rows for what its client saw. Run on the trace's last 393 requests at 3.6-4.8x its
-rate (``docs/routing.md``, "The hit bought by waiting").
+rate (``docs/experiments.md``, "The hit bought by waiting").
 """
 
 from __future__ import annotations

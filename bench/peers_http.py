@@ -33,7 +33,7 @@ the request id added in place; medians over 5 rounds):
 | vllm-router 0.1.17 cache_aware | 0.33 (0.30-0.38) | 4,480 (3,482-5,337) | 149 |
 
 The before and after differ by less than the rounds' spread (``bench/router.py``'s docstring
-has each cut's own figure). docs/routing.md keeps the earlier runs (kvroute 767 -> 424 µs at
+has each cut's own figure). docs/experiments.md keeps the earlier runs (kvroute 767 -> 424 µs at
 load 2.5-5, 738 -> 370 at load 9-10, 323 -> 258 at load 7 with the server's own request
 cycle, and two more of that pair: 373 -> 261 at load 7, 363 -> 287 at load 5).
 On a loaded machine the figures move by a tenth or more between rounds; compare within one

@@ -76,7 +76,7 @@ What the measurements taught (all on this 2-core machine, other jobs running at 
   two to five times its warm cost. Fewer Python calls (plain loops for comprehensions, figures
   read where they are kept, per-fleet objects kept) took about a quarter off, alternated in one
   sitting; compiling the core's modules with Cython unchanged made it slower (more code, so
-  colder). ``docs/routing.md`` has the current figures and the time per step.
+  colder). ``docs/routing.md`` has the current figures.
 - Where a forwarded request's CPU goes (router pinned nowhere, 16 connections, a 1,000-byte
   completions prompt, an nginx backend answering a fixed completion, so the backend costs
   nothing): uvicorn answering a fixed body alone costs ~35 µs a request; uvicorn forwarding

@@ -19,6 +19,14 @@ It prints, at the end:
 - the router's event-loop lag, as the time a ``GET /health`` takes (sent every 100 ms): p50,
   p99 and max.
 
+With ``--flood``, an overload runs beside the mix (:func:`_flood`): low-priority long chats
+(body ``priority`` 10) sent every ``--flood-interval`` seconds, each with a 60 s client
+timeout, and a trickle of high-priority short chats (``priority`` 0) every second; the router
+must answer each one, served or refused at once (429 with Retry-After, or 503). It prints each
+class's answers, the high-priority TTFT p50/p99, and the requests **lost before their first
+byte**: no answer at all (a client timeout or a dropped connection before the status line)
+or an answer that is neither 200 nor such a refusal.
+
 With ``--hostile``, hostile clients and peers run beside the traffic
 (:mod:`bench.soak_hostile`): slow bodies, 2 MB headers, 16-image fan-out, and a stock-engine
 stand-in whose metrics grow and whose event port is a rogue publisher; what each got back is
@@ -58,6 +66,31 @@ OVERSIZE = "x" * 70_000
 #: Within that limit, but not with 8,000 tokens of output on top.
 LONG = "y" * 60_000
 REQUEST_TIMEOUT_S = 30.0
+#: The flood's client timeout: a request not answered within it is lost.
+FLOOD_TIMEOUT_S = 60.0
+#: The most flood requests in flight at once (the client's bound, not the router's).
+FLOOD_IN_FLIGHT = 2000
+
+
+@dataclass
+class Flood:
+    """What the flood's clients saw: answers per class, the high class's TTFTs, and the
+    requests lost before their first byte (module docstring)."""
+
+    answers: Counter[tuple[str, str]] = field(default_factory=Counter)
+    high_ttft_s: list[float] = field(default_factory=list)
+    lost: Counter[str] = field(default_factory=Counter)
+
+    def report(self) -> list[str]:
+        h = self.high_ttft_s
+        lines = ["flood (class, answer, count):"]
+        lines += [f"  {cls:<5} {answer:<28} {n}" for (cls, answer), n in
+                  sorted(self.answers.items())]
+        lines.append(f"flood high-priority TTFT ({len(h)} served): p50 "
+                     f"{_percentile(h, 0.5) * 1e3:.0f} ms, p99 {_percentile(h, 0.99) * 1e3:.0f} ms")
+        lines.append(f"flood lost before first byte: {sum(self.lost.values())}")
+        lines += [f"  {cause}: {n}" for cause, n in self.lost.most_common()]
+        return lines
 
 
 @dataclass
@@ -71,6 +104,7 @@ class Tally:
     rss: list[tuple[float, int, dict[str, int], int]] = field(default_factory=list)
     faults: list[tuple[float, str]] = field(default_factory=list)
     hostile: soak_hostile.Hostile | None = None
+    flood: Flood | None = None
 
     @property
     def requests(self) -> int:
@@ -216,6 +250,65 @@ async def _faults(workers: list[Worker], started: float, seconds: float, tally: 
             worker.signal(getattr(signal, action))
 
 
+def _flood_body(rng: random.Random, high: bool) -> bytes:
+    if high:
+        messages = [{"role": "user", "content": f"Quick question {rng.randrange(10**6)}?"}]
+        return json.dumps({"model": MODEL, "messages": messages, "max_tokens": 8,
+                           "priority": 0, "stream": True}).encode()
+    doc = f"Batch document {rng.randrange(10**9)}: " + "lorem ipsum dolor sit amet " * 300
+    messages = [{"role": "user", "content": doc + "\nSummarise it."}]
+    return json.dumps({"model": MODEL, "messages": messages, "max_tokens": 64,
+                       "priority": 10, "stream": True}).encode()
+
+
+async def _flood_one(session: aiohttp.ClientSession, base: str, body: bytes, cls: str,
+                     flood: Flood) -> None:
+    sent = time.perf_counter()
+    try:
+        async with session.post(base + "/v1/chat/completions", data=body,
+                                headers={"Content-Type": "application/json"}) as r:
+            status = r.status
+            retry = r.headers.get("Retry-After")
+            first = None
+            async for _chunk in r.content.iter_any():
+                if first is None:
+                    first = time.perf_counter() - sent
+            if status == 200 and cls == "high" and first is not None:
+                flood.high_ttft_s.append(first)
+    except (aiohttp.ClientError, TimeoutError) as exc:
+        flood.answers[(cls, "no answer")] += 1
+        flood.lost[f"{cls}: {type(exc).__name__}"] += 1
+        return
+    refusal = status == 503 or (status == 429 and retry is not None)
+    flood.answers[(cls, str(status) if status != 429 or retry else "429 no Retry-After")] += 1
+    if status != 200 and not refusal:
+        flood.lost[f"{cls}: status {status}"] += 1
+
+
+async def _flood(base: str, deadline: float, interval: float, seed: int, flood: Flood) -> None:
+    """Low-priority long chats every ``interval`` s and a high-priority short chat every
+    second until ``deadline``; waits for every answer (each bounded by its timeout)."""
+    rng = random.Random(seed + 7)
+    timeout = aiohttp.ClientTimeout(total=FLOOD_TIMEOUT_S)
+    connector = aiohttp.TCPConnector(limit=FLOOD_IN_FLIGHT)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        tasks: set[asyncio.Task[None]] = set()
+        next_high = time.monotonic()
+        while time.monotonic() < deadline:
+            now = time.monotonic()
+            high = now >= next_high
+            if high:
+                next_high = now + 1.0
+            if len(tasks) < FLOOD_IN_FLIGHT:
+                task = asyncio.create_task(_flood_one(session, base, _flood_body(rng, high),
+                                                      "high" if high else "low", flood))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            await asyncio.sleep(interval)
+        if tasks:
+            await asyncio.gather(*tasks)
+
+
 def _percentile(values: list[float], q: float) -> float:
     if not values:
         return float("nan")
@@ -248,15 +341,21 @@ def report(tally: Tally, seconds: float) -> str:
     lines += ["", f"event-loop lag (GET /health, {len(h)} probes, {tally.health_failed} failed): "
               f"p50 {_percentile(h, 0.5) * 1e3:.1f} ms, p99 {_percentile(h, 0.99) * 1e3:.1f} ms, "
               f"max {max(h, default=float('nan')) * 1e3:.1f} ms"]
+    if tally.flood is not None:
+        lines += ["", *tally.flood.report()]
     if tally.hostile is not None:
         lines += ["", *tally.hostile.report()]
     return "\n".join(lines)
 
 
 async def soak(seconds: float, concurrency: int, faults: bool, seed: int,
-               worker_args: list[str], router_args: list[str], hostile: bool = False) -> Tally:
-    """Run the soak for ``seconds`` and return what was seen (children stopped on return)."""
+               worker_args: list[str], router_args: list[str], hostile: bool = False,
+               flood_interval: float | None = None) -> Tally:
+    """Run the soak for ``seconds`` and return what was seen (children stopped on return);
+    ``flood_interval`` adds the flood (module docstring)."""
     tally = Tally()
+    if flood_interval is not None:
+        tally.flood = Flood()
     peers: soak_hostile.HostilePeers | None = None
     if hostile:
         tally.hostile = soak_hostile.Hostile()
@@ -282,6 +381,8 @@ async def soak(seconds: float, concurrency: int, faults: bool, seed: int,
                  _watch(router, workers, started, deadline, max(seconds / 12, 0.5), tally)]
         if faults:
             tasks.append(_faults(workers, started, seconds, tally))
+        if tally.flood is not None and flood_interval is not None:
+            tasks.append(_flood(base, deadline, flood_interval, seed, tally.flood))
         if peers is not None and tally.hostile is not None:
             tasks += [soak_hostile.slow_bodies(port, deadline, tally.hostile),
                       soak_hostile.big_headers(port, deadline, tally.hostile),
@@ -312,16 +413,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=0, help="the traffic mix's seed")
     p.add_argument("--hostile", action="store_true",
                    help="also run hostile clients and peers (bench.soak_hostile)")
+    p.add_argument("--flood", action="store_true",
+                   help="also run the overload flood (module docstring)")
+    p.add_argument("--flood-interval", type=float, default=0.01, metavar="S",
+                   help="seconds between the flood's low-priority chats (default 0.01)")
     p.add_argument("--worker-arg", action="append", default=[], metavar="FLAG",
                    help="an extra flag for every worker (repeatable)")
     p.add_argument("--router-arg", action="append", default=[], metavar="FLAG",
                    help="an extra flag for the router (repeatable)")
     args = p.parse_args(argv)
     seconds = args.seconds if args.seconds is not None else args.minutes * 60
-    if not seconds > 0 or args.concurrency < 1:
-        p.error("the run length and --concurrency must be positive")
+    if not seconds > 0 or args.concurrency < 1 or not args.flood_interval > 0:
+        p.error("the run length, --concurrency and --flood-interval must be positive")
     tally = asyncio.run(soak(seconds, args.concurrency, args.faults, args.seed,
-                             args.worker_arg, args.router_arg, args.hostile))
+                             args.worker_arg, args.router_arg, args.hostile,
+                             args.flood_interval if args.flood else None))
     print(report(tally, seconds))
     return 0
 

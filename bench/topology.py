@@ -17,8 +17,9 @@ disaggregation removes, and what its inter-token latency shows. A remote prefill
 ``tokens * kv_bytes_per_token / --kv-transfer-bandwidth`` seconds, overlapping the decode
 worker's passes.
 
-What it found (``docs/routing.md``, "Roles and ranks", has the tables and commands), on the
-``system_prompt`` workload, 2,000 requests, where 4 aggregated workers saturate near rate x20:
+What it found (``docs/benchmarks.md``, "Disaggregated against aggregated workers", has the
+tables and commands), on the ``system_prompt`` workload, 2,000 requests, where 4 aggregated
+workers saturate near rate x20:
 disaggregation buys inter-token latency with prefill capacity. At half that load 1 prefill + 3
 decode cut ITL p99 from 34 ms to 11 ms but its one prefill worker saturated (TTFT p50 1.5 s
 against 17 ms); 2 + 2 kept TTFT p50 near the aggregated (35 ms) with ITL p99 16-18 ms. From x20

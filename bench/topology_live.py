@@ -27,7 +27,7 @@ is stopped when its run ends, fails or is interrupted (Ctrl-C or SIGTERM). Ports
 unless ``--base-port P`` is given: the router at P, worker i at P+1+i, its event streams at
 P+101+i and P+201+i.
 
-What it found (``docs/routing.md``, "Live, on real processes", has the table): at speedup 0.1
+What it found (``docs/benchmarks.md``, "Live, on real processes", has the table): at speedup 0.1
 on a shared 2-core machine a run of 200 requests takes 30-50 s and the live rows track the
 simulation's. Aggregated workers keep the lowest TTFT and the worst ITL tail (p99 30-39 ms,
 the simulation's within 3 ms); 1p3d and 2p2d keep ITL p99 at 9-18 ms with their prefill side

@@ -22,7 +22,7 @@ Rules:
        see every request wraps the app given to the server (as :mod:`httpapi.server` does
        with the body deadline). The router serves its two forwarding endpoints this way: FastAPI's
        middleware stack cost more CPU per request than the routing decision
-       (``docs/routing.md`` has the figures). The server (:mod:`httpapi.server` rule 7)
+       (``docs/benchmarks.md`` has the figures). The server (:mod:`httpapi.server` rule 7)
        serves a raw route itself, with neither the app nor the middleware around it
        (:meth:`raw_routes`, :mod:`httpapi.lean_cycle`): what a raw route sees is the same.
     6. Every HTTP request, raw routes included, gets a request id (:class:`httpapi.logs.RequestIds`)

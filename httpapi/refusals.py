@@ -18,8 +18,9 @@ from prometheus_client.core import CounterMetricFamily, Metric
 __all__ = ["REASONS", "count_refusal", "refusals", "register_refusals"]
 
 #: Why a request was refused: its headers passed ``max_header_bytes`` (431), its body did not
-#: arrive within ``body_timeout`` or paused longer than ``body_idle_timeout`` (408).
-REASONS = ("headers_too_large", "body_timeout", "body_idle_timeout")
+#: arrive within ``body_timeout`` or paused longer than ``body_idle_timeout`` (408), its
+#: ``Transfer-Encoding`` was not ``chunked`` alone (400).
+REASONS = ("headers_too_large", "body_timeout", "body_idle_timeout", "bad_framing")
 
 _TALLY: Counter[str] = Counter()
 

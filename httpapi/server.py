@@ -30,7 +30,17 @@ Rules:
        this way (one with a query string or an escape goes through the app, to the same
        route). ``KVROUTE_LEAN_HTTP=0`` in the environment turns it off, for comparison.
 
-Refusals under rules 5 and 6 are counted in ``kvroute_http_refusals_total``
+    8. A request's framing is read one way only: a ``Transfer-Encoding`` other than exactly
+       ``chunked`` (``gzip, chunked``, say, which httptools takes as chunked and so would
+       pass on a body still coded) is answered 400 with ``Connection: close`` as the head
+       completes, then closed as in rule 4, so no byte of it reaches the app or a worker
+       (httptools itself refuses a ``Content-Length`` beside ``Transfer-Encoding``, two
+       lengths, and a length or chunk size that is not a plain number). A chunked body's
+       trailer fields are dropped: httptools reports them as headers, which uvicorn would
+       add to the request's headers after the app has begun, where a client could put any
+       header past a proxy in front that checked the head.
+
+Refusals under rules 5, 6 and 8 are counted in ``kvroute_http_refusals_total``
 (:mod:`httpapi.refusals`).
 """
 
@@ -91,6 +101,12 @@ LINGER_BYTES = 8 * 1024 * 1024
 _HEAD_TOO_LARGE = (b'{"error": {"message": "the request headers are over %d bytes", '
                    b'"type": "invalid_request_error", "param": null, '
                    b'"code": "request_header_fields_too_large"}}')
+_FRAMING_BODY = (b'{"error": {"message": "Transfer-Encoding must be chunked, alone", '
+                 b'"type": "invalid_request_error", "param": null, "code": "bad_framing"}}')
+#: Rule 8's answer.
+_BAD_FRAMING = (b"HTTP/1.1 400 Bad Request\r\ncontent-type: application/json\r\n"
+                b"connection: close\r\ncontent-length: %d\r\n\r\n%s"
+                % (len(_FRAMING_BODY), _FRAMING_BODY))
 
 
 class _LingeringTransport:
@@ -133,6 +149,8 @@ class _GuardedProtocol(HttpToolsProtocol):
     _refused = False
     #: The 431 waits for the answers to the requests pipelined before the refused one.
     _refusal_pending = False
+    #: Rule 8's answer, when that is the refusal (else rule 5's 431).
+    _refusal_answer: bytes | None = None
     #: Whether a request began in the read being parsed (rule 5 counts no bytes of that read
     #: while its head is open: some of them may belong to the request before).
     _began_in_read = False
@@ -190,6 +208,10 @@ class _GuardedProtocol(HttpToolsProtocol):
         if self._header_timer is None:
             self._arm_header_timer()
 
+    def on_header(self, name: bytes, value: bytes) -> None:
+        if not self._head_done:  # a trailer field once the head is done (rule 8): dropped
+            super().on_header(name, value)
+
     def on_headers_complete(self) -> None:
         if self._refused:
             return
@@ -198,6 +220,10 @@ class _GuardedProtocol(HttpToolsProtocol):
         head = len(self.url) + sum(len(k) + len(v) + 4 for k, v in self.headers)
         if head > self.limits.max_header_bytes:
             self._refuse_head()
+            return
+        codings = [v for k, v in self.headers if k == b"transfer-encoding"]
+        if codings and b",".join(codings).strip(b" \t").lower() != b"chunked":
+            self._refuse_head(_BAD_FRAMING, "bad_framing")
             return
         if not self._lean_start():
             super().on_headers_complete()
@@ -252,11 +278,15 @@ class _GuardedProtocol(HttpToolsProtocol):
             self._refusal_pending = False
             self._answer_431()
 
-    def _refuse_head(self) -> None:
-        """Rule 5: answer 431 and close; what the client goes on sending is dropped."""
+    def _refuse_head(self, answer: bytes | None = None, reason: str = "headers_too_large"
+                     ) -> None:
+        """Rule 5 (or 8, with its ``answer``): answer 431 (or ``answer``) and close; what
+        the client goes on sending is dropped."""
         self._disarm_header_timer()
         self._refused = True
-        count_refusal("headers_too_large")
+        if answer is not None:
+            self._refusal_answer = answer
+        count_refusal(reason)
         if self.pipeline or (self.cycle is not None and not self.cycle.response_complete):
             # Requests pipelined before this one are still being answered: a 431 written now
             # would land inside their answers.
@@ -267,10 +297,13 @@ class _GuardedProtocol(HttpToolsProtocol):
     def _answer_431(self) -> None:
         if self.transport.is_closing():
             return
-        body = _HEAD_TOO_LARGE % self.limits.max_header_bytes
-        self.transport.write(b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
-                             b"content-type: application/json\r\nconnection: close\r\n"
-                             b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        answer = self._refusal_answer
+        if answer is None:
+            body = _HEAD_TOO_LARGE % self.limits.max_header_bytes
+            answer = (b"HTTP/1.1 431 Request Header Fields Too Large\r\n"
+                      b"content-type: application/json\r\nconnection: close\r\n"
+                      b"content-length: %d\r\n\r\n%s" % (len(body), body))
+        self.transport.write(answer)
         if self.transport.can_write_eof():
             self.linger(self.transport)  # type: ignore[arg-type]
         else:

@@ -3,7 +3,8 @@
 The rule (``docs/wire.md``): decode the envelope strictly and each event leniently.
 
 - Envelope: a msgpack array ``[ts, events]`` or ``[ts, events, rank]``. Anything else (not
-  msgpack, truncated, a map, wrong types) raises :class:`MalformedBatch`, the one error type.
+  msgpack, truncated, nested past the decoder's depth, a map, wrong types) raises
+  :class:`MalformedBatch`, the one error type.
 - Events: map-shaped (``{"type": ..., ...}``) or array-shaped (``["BlockStored", ...]``), mixed
   freely in a batch. An unknown event type, an unknown key, or an event whose fields have the
   wrong types is skipped and counted in :class:`DecodeStats`; the rest of the batch applies.
@@ -246,6 +247,8 @@ def decode_batch(payload: bytes, stats: DecodeStats | None = None) -> Batch:
         raw = _decoder.decode(payload)
     except (msgspec.DecodeError, TypeError) as exc:
         raise MalformedBatch(f"payload is not msgpack: {exc}") from None
+    except RecursionError:
+        raise MalformedBatch("payload is nested too deeply") from None
     if type(raw) is not list or len(raw) not in (2, 3):
         raise MalformedBatch("a batch is a msgpack array [ts, events, rank]")
     ts, events = raw[0], raw[1]

@@ -135,6 +135,18 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     a("--kv-lease-seconds", type=float,
       help="disaggregated serving: seconds a prefill's blocks are held for a decode worker "
       "that has not taken them (default %(default)s, vLLM's)")
+    a("--kv-transfer-secret-file", metavar="PATH",
+      help="peer KV transfer: read the secret shared by the router and every worker from "
+      "this file (at least 16 bytes; env KVROUTE_KV_TRANSFER_SECRET_FILE). Without one, KV "
+      "is served to and fetch instructions taken from loopback peers of a loopback bind only")
+    a("--kv-fetch-timeout", type=float,
+      help="peer KV fetch: seconds one fetch may take before the request computes its "
+      "prompt itself (default %(default)s)")
+    a("--kv-fetch-concurrency", type=int,
+      help="peer KV fetch: fetches this worker runs at once (default %(default)s)")
+    a("--kv-read-concurrency", type=int,
+      help="peer KV fetch: block reads this worker serves at once; one past them is "
+      "answered 503 (default %(default)s)")
     a = engine.add_argument
     a("--engine", choices=["sim", "torch"], help="sim (no GPU) or torch (default %(default)s)")
     a("--model", help="served model name (default %(default)s); with --engine torch also the "
@@ -325,6 +337,10 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
       help="a TTFT deadline per priority (the x-kvroute-ttft-deadline-ms header overrides)")
     a("--tenant-weights", metavar="TENANT=WEIGHT,...",
       help="each tenant's share of tokens inside its priority (one when not named)")
+    a("--trusted-clients", metavar="CIDR,...",
+      help="peers whose tenant, priority and deadline headers (and body priority) flow "
+      "control believes: addresses or CIDR blocks, 'any' or 'none'; from others they are "
+      "ignored (default %(default)s)")
     a("--objective-priorities", metavar="NAME=PRIORITY,...",
       help="the priority of each InferenceObjective a request names in the "
       "x-gateway-inference-objective header, as its spec.priority reads (higher first)")
@@ -376,6 +392,10 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
     a("--pd-transfer-bandwidth", type=float,
       help="disaggregated serving: the prefill-to-decode link in bytes a second, for the "
       "predicted transfer time (default %(default)s)")
+    a("--allow-client-transfer-fields", action="store_const", const=True,
+      help="take kv_transfer_params, SGLang's bootstrap fields and the X-data-parallel-rank "
+      "header from clients (refused with 400, the header dropped, otherwise: the router "
+      "sets them itself)")
     a("--first-byte-timeout", type=float,
       help="longest wait for any answer's first byte (default %(default)s)")
     a("--unhealthy-grace", type=float,
@@ -386,6 +406,24 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
     a("--log-level", help="debug, info, warning (default %(default)s)")
     a("--log-format", choices=["text", "json"],
       help="text: one readable line; json: one JSON object a line (default %(default)s)")
+    _add_extension_flags(p)
+
+
+def _add_extension_flags(p: argparse.ArgumentParser) -> None:
+    """Client API keys, the autoscaling signal and tracing (docs/operations.md)."""
+    a = p.add_argument_group("API keys, autoscaling, tracing").add_argument
+    a("--api-keys-file", metavar="FILE",
+      help="require an API key on /v1/*: one salted hash a line, as 'kvroute keys hash' "
+      "prints them (or the lines in KVROUTE_API_KEYS, ';' between them; default: open)")
+    a("--api-key-tokens-per-minute", type=non_negative_int, metavar="TOKENS",
+      help="prompt tokens a minute for a key whose line sets no tpm=; 0: no limit "
+      "(default %(default)s)")
+    a("--demand-window", type=float, metavar="SECONDS",
+      help="seconds the uncached prompt tokens routed are averaged over for "
+      "kvroute_prefill_demand_ratio (default %(default)s)")
+    a("--tracing", choices=["on", "off"],
+      help="export a span per request over OTLP/HTTP to OTEL_EXPORTER_OTLP_ENDPOINT "
+      "(default: on when that variable is set; needs the otel extra)")
 
 
 def _add_up(sub: argparse._SubParsersAction) -> None:

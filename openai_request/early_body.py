@@ -30,6 +30,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from openai_request.bodies import MAX_BODY_BYTES
 from openai_request.stream_json import ObjectReader, StreamError
 
 __all__ = ["FIRST_TRY_BYTES", "LAST_TRY_BYTES", "EarlyBody"]
@@ -90,7 +91,9 @@ class EarlyBody:
             return None
         if not named:
             partial = {**partial, "model": self._only_model}
-        rest = max(0, self._length - reader.fed) if self._length is not None else 0
+        # A declared length is the client's word: the stand-in never passes the body limit.
+        rest = (min(max(0, self._length - reader.fed), MAX_BODY_BYTES)
+                if self._length is not None else 0)
         padded = _padded(partial, key, rest)
         return None if padded is None else (partial, padded)
 

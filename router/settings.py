@@ -17,9 +17,11 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from httpapi.api_keys import KeyRing, parse_keys
 from httpapi.auth import check_bind, check_token, read_secret_file
 from httpapi.logs import LOG_FORMATS
 from httpapi.server import DEFAULT_LIMITS, ConnectionLimits
+from httpapi.trusted_peers import LOOPBACK, TrustedPeers
 from openai_request.bodies import MAX_BODY_BYTES
 from openai_request.tokenizer_source import resolve_tokenizer
 from router.events.transport import (
@@ -114,8 +116,8 @@ class RouterSettings:
     discover: tuple[str, ...] = ()
     discover_interval: float = 5.0
     #: Disaggregated serving: a decode worker that would have at most this many prompt tokens
-    #: left to compute prefills them itself, no remote prefill (docs/routing.md, with the
-    #: benchmark that chose 256).
+    #: left to compute prefills them itself, no remote prefill (docs/routing.md; the
+    #: benchmark that chose 256 is in docs/benchmarks.md).
     pd_local_prefill_tokens: int = 256
     #: Seconds a remote prefill may take before the request is served whole on its decode
     #: worker instead.
@@ -125,6 +127,10 @@ class RouterSettings:
     #: (the defaults: the default rates' model, 32 KiB a token, over 25 GB/s).
     pd_kv_bytes_per_token: int = 32768
     pd_transfer_bandwidth: float = 25e9
+    #: Take ``kv_transfer_params``, SGLang's ``bootstrap_*`` fields and the
+    #: ``X-data-parallel-rank`` header from clients (router.http.client_fields): off, a body
+    #: setting one is refused (400) and the header dropped.
+    allow_client_transfer_fields: bool = False
     # Flow control (router.routing.admission): saturation bounds, the queue, deadlines, weights.
     flow_control: bool = _FLOW.enabled
     flow_ttft_bound: float = _FLOW.ttft_bound_s
@@ -142,6 +148,23 @@ class RouterSettings:
     #: ``InferenceObjective`` a request names in ``x-gateway-inference-objective``, as the
     #: objective's ``spec.priority`` reads (higher is more urgent).
     objective_priorities: str = ""
+    #: The peers (addresses, CIDR blocks, ``any`` or ``none``) whose flow-control headers
+    #: and body ``priority`` are believed (router.http.client_trust); loopback by default.
+    trusted_clients: str = LOOPBACK
+    # -- Client API keys, the autoscaling signal, tracing (router.http.client_quotas,
+    # router.http.demand_metrics, router.http.tracing); each off unless configured. --
+    #: The keys file's lines (``;`` between them; httpapi.api_keys): salted hashes, never keys.
+    api_keys: str | None = field(default=None, repr=False)
+    #: A keys file, read once at start-up into ``api_keys``.
+    api_keys_file: str | None = None
+    #: Prompt tokens per minute of a key whose line sets none; 0: no limit.
+    api_key_tokens_per_minute: int = 0
+    #: Seconds over which the uncached prompt tokens routed are averaged for
+    #: ``kvroute_prefill_demand_ratio`` (an exponentially decaying rate).
+    demand_window: float = 60.0
+    #: Export a span per request over OTLP/HTTP (also on when the environment sets
+    #: ``OTEL_EXPORTER_OTLP_ENDPOINT``); needs the ``otel`` extra.
+    tracing: bool = False
 
     def __post_init__(self) -> None:
         for f in fields(self):  # inf or nan: a weight that swamps every other, a wait forever
@@ -225,6 +248,11 @@ class RouterSettings:
                 raise SettingsError(f"discover: {exc}") from None
         self.flow_settings()
         self.objectives()
+        try:
+            TrustedPeers.parse(self.trusted_clients)
+        except ValueError as exc:
+            raise SettingsError(f"trusted_clients: {exc}") from None
+        self._check_extensions()
 
     def flow_settings(self) -> FlowSettings:
         """Flow control's bounds, deadlines per priority and tenant weights.
@@ -318,6 +346,52 @@ class RouterSettings:
                             ttft_slo=self.ttft_slo)
 
 
+    def _check_extensions(self) -> None:
+        """Read the keys file into ``api_keys`` and check the block's values.
+
+        Raises:
+            SettingsError: both or an unreadable keys file, a malformed key line, a negative
+                quota, a window that is not positive.
+        """
+        if self.api_keys_file is not None:
+            if self.api_keys is not None:
+                raise SettingsError("give api_keys or api_keys_file, not both")
+            try:
+                text = Path(self.api_keys_file).read_text()
+            except OSError as exc:
+                raise SettingsError(f"api_keys_file {self.api_keys_file}: {exc.strerror}"
+                                    ) from None
+            object.__setattr__(self, "api_keys", text)
+        self.client_key_ring()
+        if self.api_key_tokens_per_minute < 0:
+            raise SettingsError("api_key_tokens_per_minute must be >= 0")
+        if not self.demand_window > 0:
+            raise SettingsError("demand_window must be positive")
+        if self.tracing:
+            try:
+                import opentelemetry.exporter.otlp.proto.http.trace_exporter
+                import opentelemetry.sdk.trace  # noqa: F401
+            except ImportError:
+                raise SettingsError(
+                    "tracing is on (--tracing, or OTEL_EXPORTER_OTLP_ENDPOINT is set) but the "
+                    "OpenTelemetry SDK is not installed: pip install 'kvroute[otel]', or "
+                    "--tracing off") from None
+
+    def client_key_ring(self) -> KeyRing | None:
+        """The client API keys (None: ``/v1/*`` is open).
+
+        Raises:
+            SettingsError: a malformed key line.
+        """
+        if self.api_keys is None:
+            return None
+        origin = self.api_keys_file or "api_keys"
+        try:
+            return KeyRing(parse_keys(self.api_keys, origin))
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
+
+
 def _pairs(text: str, name: str) -> list[tuple[str, float]]:
     """``KEY=NUMBER,...`` as pairs.
 
@@ -363,7 +437,11 @@ def _coerce(name: str, value: Any, origin: str) -> Any:
             if isinstance(value, bool) or text in _TRUE | _FALSE:
                 return value if isinstance(value, bool) else text in _TRUE
             raise ValueError
+        if isinstance(value, (bool, list, dict)):
+            raise ValueError  # a file's true is no number, a list or table no text
         if kind in ("int", "int | None"):
+            if isinstance(value, float) and not value.is_integer():
+                raise ValueError  # 1.9 is not taken as 1
             return int(value)
         if kind == "float | None" and str(value).strip().lower() in ("auto", "none", ""):
             return None
@@ -427,4 +505,7 @@ def load_settings(flags: Mapping[str, Any], env: Mapping[str, str] | None = None
                 merged[setting] = read_secret_file(merged[file_setting], file_setting)
             except ValueError as exc:
                 raise SettingsError(str(exc)) from None
+    if "tracing" not in merged and (env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
+                                    or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")):
+        merged["tracing"] = True  # the OpenTelemetry convention: an endpoint turns it on
     return RouterSettings(**merged)

@@ -24,6 +24,10 @@ from workers.http.image_policy import ImageHostPolicy
 __all__ = ["WorkerSettings", "WorkerSettingsError", "load_worker_settings"]
 
 ENV_PREFIX = "KVROUTE_WORKER_"
+#: The transfer secret's file, named alike for the router and the workers.
+SHARED_SECRET_ENV = "KVROUTE_KV_TRANSFER_SECRET_FILE"
+#: The shortest KV transfer secret accepted.
+MIN_TRANSFER_SECRET_BYTES = 16
 
 
 class WorkerSettingsError(ValueError):
@@ -52,6 +56,17 @@ class WorkerSettings:
     #: Seconds a prefill worker holds a prefill's blocks for a decode worker that has not
     #: taken them (vLLM's lease; divided by ``speedup``).
     kv_lease_seconds: float = 30.0
+    #: Peer KV transfer (docs/kv_transfer.md): the secret shared by the router and every
+    #: worker, read from ``kv_transfer_secret_file`` (or ``KVROUTE_KV_TRANSFER_SECRET_FILE``).
+    #: Without one, KV is served to and fetch instructions taken from loopback only.
+    kv_transfer_secret: str | None = field(default=None, repr=False)
+    kv_transfer_secret_file: str | None = None
+    #: Seconds one peer fetch may take, waiting for a fetch slot to the last byte.
+    kv_fetch_timeout: float = 10.0
+    #: Peer fetches this worker runs at once (a request past them waits for a slot).
+    kv_fetch_concurrency: int = 4
+    #: Block reads this worker serves at once (a read past them is answered 503).
+    kv_read_concurrency: int = 2
     engine: str = "sim"
     model: str = "kvroute-sim"
     tokenizer: str | None = None
@@ -111,7 +126,8 @@ class WorkerSettings:
                     "max_num_seqs", "max_model_len", "mm_tokens_per_image",
                     "image_hint_capacity", "max_image_bytes", "max_images_per_request",
                     "max_image_request_bytes", "max_image_fetch_bytes", "replay_buffer",
-                    "max_pending_stored", "max_body_bytes")
+                    "max_pending_stored", "max_body_bytes", "kv_fetch_concurrency",
+                    "kv_read_concurrency")
         for name in positive:
             if getattr(self, name) <= 0:
                 raise WorkerSettingsError(f"{name} must be positive, got {getattr(self, name)}")
@@ -140,9 +156,10 @@ class WorkerSettings:
             raise WorkerSettingsError(
                 f"gpu_memory_utilization must be in (0, 1], got {self.gpu_memory_utilization}")
         if self.kv_bytes_per_token <= 0 or self.kv_transfer_bandwidth <= 0 \
-                or self.kv_lease_seconds <= 0:
-            raise WorkerSettingsError("kv_bytes_per_token, kv_transfer_bandwidth and "
-                                      "kv_lease_seconds must be positive")
+                or self.kv_lease_seconds <= 0 or self.kv_fetch_timeout <= 0:
+            raise WorkerSettingsError("kv_bytes_per_token, kv_transfer_bandwidth, "
+                                      "kv_lease_seconds and kv_fetch_timeout must be positive")
+        self._read_transfer_secret()
         if self.speedup <= 0:
             raise WorkerSettingsError(f"speedup must be positive, got {self.speedup}")
         if self.timing not in TIMING_MODELS:
@@ -189,6 +206,28 @@ class WorkerSettings:
             check_bind(self.host, self.admin_token, self.insecure_no_auth, "worker")
         except ValueError as exc:
             raise WorkerSettingsError(str(exc)) from None
+
+    def _read_transfer_secret(self) -> None:
+        if self.kv_transfer_secret_file is not None:  # read once; the file wins
+            try:
+                secret = read_secret_file(self.kv_transfer_secret_file,
+                                          "kv_transfer_secret_file")
+            except ValueError as exc:
+                raise WorkerSettingsError(str(exc)) from None
+            object.__setattr__(self, "kv_transfer_secret", secret)
+        secret = self.kv_transfer_secret
+        if secret is not None and len(secret.strip().encode()) < MIN_TRANSFER_SECRET_BYTES:
+            raise WorkerSettingsError(
+                f"the KV transfer secret must be at least {MIN_TRANSFER_SECRET_BYTES} bytes "
+                f"(surrounding white space not counted), got {len(secret.strip().encode())}")
+        if secret is not None and secret != secret.strip():
+            object.__setattr__(self, "kv_transfer_secret", secret.strip())
+
+    @property
+    def kv_transfer_open(self) -> bool:
+        """Whether this worker serves KV and takes fetch instructions at all: with a secret,
+        or bound to loopback (then from loopback peers only)."""
+        return self.kv_transfer_secret is not None or is_loopback(self.host)
 
     def _check_ports(self) -> None:
         if not 0 < self.port < 65536:
@@ -280,6 +319,8 @@ def load_worker_settings(flags: Mapping[str, Any], env: Mapping[str, str] | None
     """
     env = os.environ if env is None else env
     merged: dict[str, Any] = {}
+    if env.get(SHARED_SECRET_ENV):  # below KVROUTE_WORKER_* and flags
+        merged["kv_transfer_secret_file"] = env[SHARED_SECRET_ENV]
     for key, value in env.items():
         name = key[len(ENV_PREFIX):].lower() if key.startswith(ENV_PREFIX) else None
         if name in _FIELDS:

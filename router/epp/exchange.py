@@ -11,9 +11,13 @@ Envoy opens one ``Process`` stream per HTTP request and sends its phases in orde
    ``FULL_DUPLEX_STREAMED`` chunks, held until the decision: read as they arrive
    (:class:`~openai_request.early_body.EarlyBody`), decided as soon as the prompt's match is settled
    (:meth:`Picker.pick_early`), else at ``end_of_stream`` (or the request trailers); after
-   the decision each chunk is sent back as it came;
-   once what is held passes the router's ``max_body_bytes`` the request is refused at once
-   with a 413 and the chunks dropped (a body that never ends holds at most the limit here).
+   the decision each chunk is sent back as it came, and a body decided early is kept until
+   its end, where it must pass the check a buffered body passes (a repeated key, a field
+   the router sets: 400; past the limit: 413) before its last chunk is sent on;
+   a declared ``content-length`` past the router's ``max_body_bytes`` is refused (413) at
+   the headers, and once what is held passes the router's ``max_body_bytes`` the request
+   is refused at once with a 413 and the chunks dropped (a body that never ends holds at
+   most the limit here).
    Then the body is parsed, :meth:`Picker.pick` decides and books, and the answer names the
    endpoint (header, ``envoy.lb`` metadata, route cache cleared; for disaggregated serving
    the decode worker, with the prefill worker in ``x-prefiller-host-port``). Under
@@ -40,6 +44,7 @@ from openai_request.bodies import ApiError, parse_body
 from openai_request.early_body import EarlyBody
 from router.epp import messages
 from router.epp.picker import ENDPOINT, Held, Pick, Picker
+from router.http.client_fields import whole_body_check
 
 __all__ = ["Exchange", "kind_for_path"]
 
@@ -77,6 +82,9 @@ class Exchange:
         self._early: EarlyBody | None = None
         self._headers: dict[str, str] = {}
         self._held_body: tuple[bytes, bool] = (b"", False)
+        self._strip_rank = not picker.service.settings.allow_client_transfer_fields
+        #: A body decided early: its chunks so far, for the check at its end.
+        self._seen: list[bytes] = []
         self.pick: Pick | None = None
         #: A request flow control holds: :meth:`admitted` answers it.
         self.held: Held | None = None
@@ -99,12 +107,19 @@ class Exchange:
                     endpoint = self._picker.pick_any(self._subset)
                 except ApiError as exc:
                     return [messages.immediate_error(exc)]
-                return [messages.routed(endpoint, "request_headers")]
+                return [messages.routed(endpoint, "request_headers",
+                                        strip_rank=self._strip_rank)]
             if not self._duplex:
                 return [messages.continue_headers()]
             length = messages.header(headers, "content-length")
-            self._early = EarlyBody(self._kind, int(length) if length and length.isdigit()
-                                    else None, self._picker.service.only_model())
+            declared = int(length) if length and length.isascii() and length.isdigit() else None
+            limit = self._picker.service.settings.max_body_bytes
+            if declared is not None and declared > limit:  # refused before any byte is held
+                self._refused = True
+                self._picker.metrics.request(ENDPOINT, 413)
+                return [messages.immediate_error(
+                    ApiError(413, f"the request body is over {limit} bytes"))]
+            self._early = EarlyBody(self._kind, declared, self._picker.service.only_model())
             return []
         if phase == "request_body":
             return self._on_body(request.request_body)
@@ -141,6 +156,8 @@ class Exchange:
         if self.pick is not None:  # a body chunk after the decision
             if not self._duplex:
                 return [messages.continue_body()]
+            if self.early:
+                return self._after_early(body)
             return [_streamed(body.body, body.end_of_stream)]
         if self._refused:  # chunks Envoy had sent before it read the refusal
             return []
@@ -174,8 +191,36 @@ class Exchange:
         self.pick, self.early = pick, True
         raw = b"".join(self._held)
         self._drop()
-        return [messages.routed(pick.endpoint, "request_headers", pick.prefiller),
+        self._seen = [raw]  # kept for the check of the whole body at its end
+        return [messages.routed(pick.endpoint, "request_headers", pick.prefiller,
+                                self._strip_rank),
                 _streamed(raw, False)]
+
+    def _after_early(self, body: ep.HttpBody) -> list[ep.ProcessingResponse]:
+        """A chunk of a body decided before its end: sent on, but its last chunk only once
+        the whole body passes the check a buffered body passes (repeated keys, fields the
+        router sets: :func:`router.http.client_fields.whole_body_check`), so a body the
+        router would have refused whole never reaches its worker complete."""
+        if self._refused:
+            return []
+        self._seen.append(body.body)
+        self._held_bytes += len(body.body)
+        settings = self._picker.service.settings
+        try:
+            if self._held_bytes > settings.max_body_bytes:
+                raise ApiError(413, f"the request body is over {settings.max_body_bytes} "
+                               "bytes")
+            if body.end_of_stream:
+                whole_body_check(settings.max_body_bytes,
+                                 settings.allow_client_transfer_fields)(b"".join(self._seen))
+        except ApiError as exc:
+            self._refused = True
+            self._seen = []
+            self._picker.metrics.request(ENDPOINT, exc.status)
+            return [messages.immediate_error(exc)]
+        if body.end_of_stream:
+            self._seen = []
+        return [_streamed(body.body, body.end_of_stream)]
 
     def _drop(self) -> None:
         self._held.clear()
@@ -217,8 +262,9 @@ class Exchange:
         endpoint, prefiller = self.pick.endpoint, self.pick.prefiller
         self._held_body = (b"", False)
         if not self._duplex:
-            return [messages.routed(endpoint, "request_body", prefiller)]
-        return [messages.routed(endpoint, "request_headers", prefiller), _streamed(raw, last)]
+            return [messages.routed(endpoint, "request_body", prefiller, self._strip_rank)]
+        return [messages.routed(endpoint, "request_headers", prefiller, self._strip_rank),
+                _streamed(raw, last)]
 
 
 def _streamed(raw: bytes, last: bool) -> ep.ProcessingResponse:

@@ -24,6 +24,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
 from openai_request.bodies import ApiError, error_body
+from router.fleet.ranks import RANK_HEADER
 
 __all__ = [
     "DESTINATION_HEADER",
@@ -85,11 +86,12 @@ def _set(key: str, value: str) -> base_pb2.HeaderValueOption:
         append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD)
 
 
-def _destination(endpoint: str, prefiller: str | None) -> ep.CommonResponse:
+def _destination(endpoint: str, prefiller: str | None, strip_rank: bool) -> ep.CommonResponse:
     options = [_set(DESTINATION_HEADER, endpoint)]
     # A client's own prefiller header must not pick the prefill worker: the router's choice
-    # replaces it, and with no remote prefill it is removed.
-    removed = []
+    # replaces it, and with no remote prefill it is removed. Nor may its data-parallel rank
+    # header pick a rank (router.http.client_fields).
+    removed = [RANK_HEADER] if strip_rank else []
     if prefiller is not None:
         options.append(_set(PREFILLER_HEADER, prefiller))
     else:
@@ -105,7 +107,8 @@ def _lb_metadata(endpoint: str) -> struct_pb2.Struct:
 
 
 @functools.lru_cache(maxsize=4096)
-def routed(endpoint: str, phase: str, prefiller: str | None = None) -> ep.ProcessingResponse:
+def routed(endpoint: str, phase: str, prefiller: str | None = None, strip_rank: bool = True
+           ) -> ep.ProcessingResponse:
     """The answer that sends the request to ``endpoint`` (one shared message per endpoint
     and phase: building it costs more than deciding; callers must not modify it).
 
@@ -115,8 +118,9 @@ def routed(endpoint: str, phase: str, prefiller: str | None = None) -> ep.Proces
             (the full-duplex headers answer, or a request without a body).
         prefiller: ``host:port`` of the prefill worker that prefills for ``endpoint`` (the
             ``x-prefiller-host-port`` header); ``None``: no remote prefill.
+        strip_rank: have Envoy remove a client's ``X-data-parallel-rank``.
     """
-    common = _destination(endpoint, prefiller)
+    common = _destination(endpoint, prefiller, strip_rank)
     metadata = _lb_metadata(endpoint)
     if phase == "request_body":
         return ep.ProcessingResponse(request_body=ep.BodyResponse(response=common),

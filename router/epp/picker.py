@@ -23,6 +23,7 @@ from urllib.parse import urlsplit
 from openai_request.bodies import ApiError
 from router.fleet.entry import Target
 from router.fleet.unavailable import unavailable_reason
+from router.http.client_fields import refuse_transfer_fields
 from router.http.flow import Ask, FlowControl, ask_of, tenant_of
 from router.http.flow_metrics import register_flow_metrics
 from router.http.metrics import RouterMetrics
@@ -117,11 +118,14 @@ class Picker:
             :meth:`admit` (nothing booked, nothing queued yet).
 
         Raises:
-            ApiError: the body is invalid (400), names an unknown model (404), cannot meet
+            ApiError: the body is invalid or sets a field the router sets
+                (:mod:`router.http.client_fields`) (400), names an unknown model (404), cannot meet
                 its deadline (429), or no (allowed) worker can take it (503).
         """
         headers = headers or {}
         try:
+            if not self.service.settings.allow_client_transfer_fields:
+                refuse_transfer_fields(body)
             ask = ask_of(body, headers, self._objectives)
             route = self.service.decide(body, kind)
             now = self.flow.admit_now(route, ask, lambda: tenant_of(body, headers))

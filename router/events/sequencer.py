@@ -26,7 +26,8 @@ Notes:
        A probe that goes unanswered is counted, not reported: nothing is known lost, and a
        ``HistoryLost`` would have the router drop that worker's index at every quiet spell.
        A live batch that continues the stream ends a probe at once, since it proves nothing
-       was lost before it.
+       was lost before it. After the last seq the wire allows (``SEQ_LIMIT - 1``) nothing
+       is probed: no batch can follow it but a restart's.
     2. A replay that ends without the batches a gap needs and without delivering anything
        (a replay buffer that answers only its end marker) is asked again after a delay that
        doubles from ``retry_delay`` up to ``max_retry_delay``, at most ``max_replay_attempts``
@@ -283,9 +284,10 @@ class StreamSequencer:
             deadline = self.deadline
             if deadline is not None and now >= deadline:
                 assert self._last is not None, "probe deadline without a position"
-                self.stats.probes += 1
                 self._quiet_since = now
-                self._ask(self._last + 1, now, probe=True)
+                if self._last + 1 < SEQ_LIMIT:  # past the last seq only a restart can come
+                    self.stats.probes += 1
+                    self._ask(self._last + 1, now, probe=True)
         return self._take()
 
     # -- rules ------------------------------------------------------------------------------

@@ -12,15 +12,24 @@ make the router allocate without bound; libzmq drops the connection carrying an 
 message and the subscriber reconnects, counts it, and recovers the batches lost with it by
 replay. ``receive_hwm`` bounds queued messages per socket; a batch dropped at the mark is a gap,
 recovered the same way.
+
+Keys are checked when the settings are read, so a bad one stops the start with its reason
+rather than failing the first connect: each must be a 40-character Z85 key (32 bytes), and the
+secret certificate must give other users no access (``kvroute keys generate`` writes it 0600;
+a Kubernetes Secret volume wants ``defaultMode: 0440`` or tighter, its group being the pod's
+``fsGroup``), as SSH wants of a private key. Without both files the router does not start: it
+never falls back to plaintext.
 """
 
 from __future__ import annotations
 
+import struct
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import zmq
 import zmq.auth
+from zmq.utils import z85
 
 __all__ = ["DEFAULT_MAX_MESSAGE_BYTES", "DEFAULT_RECEIVE_HWM", "CurveClientKeys",
            "EventTransport"]
@@ -47,11 +56,28 @@ class CurveClientKeys:
         try:
             public, secret = zmq.auth.load_certificate(secret_file)
             server_public, _ = zmq.auth.load_certificate(server_key_file)
+            mode = Path(secret_file).stat().st_mode
         except (OSError, ValueError) as exc:
             raise ValueError(f"CURVE key file: {exc}") from None
         if secret is None:
             raise ValueError(f"{secret_file} holds no secret key (use the .key_secret file)")
+        if mode & 0o007:
+            raise ValueError(f"CURVE secret key file {secret_file} is readable by other users "
+                             f"(mode {mode & 0o777:o}): chmod 600 it")
+        _check_key(public, "public key", secret_file)
+        _check_key(secret, "secret key", secret_file)
+        _check_key(server_public, "public key", server_key_file)
         return cls(public, secret, server_public)
+
+
+def _check_key(key: bytes | None, what: str, path: str | Path) -> None:
+    """Raise ``ValueError`` unless ``key`` is a Z85 CURVE key (40 characters, 32 bytes)."""
+    try:
+        ok = key is not None and len(key) == 40 and len(z85.decode(key)) == 32
+    except (ValueError, KeyError, TypeError, struct.error):
+        ok = False
+    if not ok:
+        raise ValueError(f"{path}: the {what} is not a 40-character Z85 CURVE key")
 
 
 @dataclass(frozen=True, slots=True)

@@ -12,6 +12,7 @@ from fastapi import FastAPI, Request
 
 from httpapi.body import read_body
 from openai_request.bodies import parse_body
+from router.http.client_trust import flow_view
 from router.http.flow import ask_of, tenant_of
 from router.http.request_path import route_of
 from router.http.state import RouterState
@@ -32,8 +33,9 @@ def add_debug_routes(app: FastAPI, state: RouterState) -> None:
         headers = {k.lower(): v for k, v in request.headers.items()}
         route = await route_of(state, body, kind, len(raw))
         answer = explain(state, route)
-        answer["flow"] = state.flow.explain(route, ask_of(body, headers),
-                                            tenant_of(body, headers))
+        client = (request.client.host, request.client.port) if request.client else None
+        asked, seen = flow_view(body, headers, state.trusted_clients.trusts(client))
+        answer["flow"] = state.flow.explain(route, ask_of(asked, seen), tenant_of(asked, seen))
         return answer
 
 

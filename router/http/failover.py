@@ -36,6 +36,7 @@ from router.fleet.worker_table import WorkerState
 from router.http.first_byte import FirstByteClock
 from router.http.incoming_body import IncomingBody
 from router.http.proxy import Proxy, UpstreamAnswer, UpstreamUnavailable
+from router.http.tracing import traced_headers
 from router.service import Route, RouterService
 
 __all__ = ["MAX_ATTEMPTS", "RETRY_PAUSE_S", "Sent", "pinned", "send_with_failover"]
@@ -108,7 +109,9 @@ async def send_with_failover(service: RouterService, proxy: Proxy, clock: FirstB
         deadline = clock.deadline(worker.id, ahead) if stream is True and attempt == 0 else None
         started = time.monotonic()
         try:
-            answer = await proxy.send(f"{worker.url}{path}", body, pinned(headers, worker),
+            answer = await proxy.send(f"{worker.url}{path}", body,
+                                      traced_headers(pinned(headers, worker), worker, attempt,
+                                                     path),
                                       stream=stream,
                                       first_byte=deadline, waits=worker.waits)
         except UpstreamUnavailable as exc:

@@ -46,6 +46,7 @@ from router.routing.admission import (
     Shed,
     Waiting,
     has_room,
+    priority_label,
     worker_saturated,
 )
 from router.routing.dispatch_gate import (
@@ -213,8 +214,9 @@ class FlowControl:
         self._task: asyncio.Task[None] | None = None
         #: Set by an arrival that joins the queue: it may be the new head.
         self._wake = asyncio.Event()
-        #: Requests refused, by reason, priority and tenant.
-        self.shed: Counter[tuple[str, int, str]] = Counter()
+        #: Requests refused, by reason and the metrics labels of their priority and tenant
+        #: (a bounded key set whatever priorities and tenants clients name).
+        self.shed: Counter[tuple[str, str, str]] = Counter()
         #: Called with each request's priority, tenant and seconds waited as it leaves the
         #: queue.
         self.on_wait: Callable[[int, str, float], None] | None = None
@@ -299,7 +301,8 @@ class FlowControl:
         return next((c.worker for c in route.decision.costs if room(c)), None)
 
     def _refuse(self, shed: Shed) -> Refused:
-        self.shed[shed.reason, shed.priority, shed.tenant] += 1
+        self.shed[shed.reason, priority_label(shed.priority),
+                  self.settings.tenant_label(shed.tenant)] += 1
         return Refused(shed)
 
     def admit_now(self, route: Route, ask: Ask, tenant: Callable[[], str] = str

@@ -64,10 +64,7 @@ class _FlowCollector:
             "kvroute_flow_shed",
             f"Requests flow control refused (429), by reason ({', '.join(SHED_REASONS)}), "
             "priority and tenant", labels=["reason", "priority", "tenant"])
-        refused: Counter[tuple[str, str, str]] = Counter()
-        for (reason, priority, tenant), n in flow.shed.items():
-            refused[reason, priority_label(priority), tenant_label(tenant)] += n
-        for key, count in sorted(refused.items()):
+        for key, count in sorted(flow.shed.items()):  # kept by its labels
             shed.add_metric(list(key), count)
         yield shed
         saturated = GaugeMetricFamily(

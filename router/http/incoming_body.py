@@ -16,7 +16,10 @@ reader of the body on the ASGI channel, before and after that decision:
 3. once sending has begun, :meth:`IncomingBody.pump` reads the rest in a task of its own and
    then waits for the client to leave, as the buffered path's watcher does. A failure of the
    body after that point never ends the upstream body as if complete: :meth:`chunks` stops
-   there and waits, and the handler, cancelled by the pump's end, answers the failure.
+   there and waits, and the handler, cancelled by the pump's end, answers the failure;
+4. a body decided before its end is given :attr:`IncomingBody.check`, which the whole body
+   must pass before its last piece is kept: a refusal there (a 400) is such a failure, so
+   the worker never receives a complete body the router would have refused whole.
 """
 
 from __future__ import annotations
@@ -49,7 +52,11 @@ class IncomingBody:
         size: bytes read so far.
         complete: the last byte arrived.
         completed_at: when it did (``time.monotonic``), or ``None``.
-        failure: what ended the body early (:class:`ClientGone`, a 413 or a 408), or ``None``.
+        failure: what ended the body early (:class:`ClientGone`, a 413 or a 408, or what
+            :attr:`check` raised), or ``None``.
+        check: called with the whole body before its last piece is kept (rule 4); it raises
+            to refuse the body, else returns what it read of it. ``None``: no check.
+        checked: what :attr:`check` returned (the parsed body), or ``None``.
     """
 
     def __init__(self, receive: Receive, declared: str | None, max_bytes: int) -> None:
@@ -62,12 +69,15 @@ class IncomingBody:
         self.complete = False
         self.completed_at: float | None = None
         self.failure: Exception | None = None
+        self.check: Callable[[bytes], Any] | None = None
+        self.checked: Any = None
 
     async def read_more(self) -> bytes:
         """Read the next piece of the body and return it (``b""`` once complete).
 
         Raises:
-            ApiError: 413, the body passed the limit; the channel's 408.
+            ApiError: 413, the body passed the limit; the channel's 408; what :attr:`check`
+                raised.
             ClientGone: the client left.
         """
         if self.complete:
@@ -80,6 +90,8 @@ class IncomingBody:
             self.size += len(chunk)
             if self.size > self._max_bytes:
                 raise BodyTooLarge(self._max_bytes)
+            if self.check is not None and not message.get("more_body", False):
+                self.checked = self.check(b"".join((*self._chunks, chunk)))
         except Exception as exc:
             self.failure = exc
             self._wake()

@@ -23,8 +23,10 @@ from typing import TYPE_CHECKING, NamedTuple
 from prometheus_client import CollectorRegistry, disable_created_metrics, generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
+from router.http.demand_metrics import DemandCollector
 from router.http.state_metrics import StateCollector
 from router.http.tallies import Count, CountFamily, Tally, TallyFamily
+from router.http.tracing import annotate
 from router.http.worker_labels import WorkerLabels
 
 if TYPE_CHECKING:
@@ -110,6 +112,9 @@ class RouterMetrics:
         #: The requests counter's children by endpoint and status (a few dozen at most).
         self._answered: dict[tuple[str, int], Count] = {}
         self.registry.register(StateCollector(service, self._workers.label))
+        #: The autoscaling signal (router.http.demand_metrics).
+        self.demand = DemandCollector(service)
+        self.registry.register(self.demand)
 
     def _children(self, worker: str) -> _PerWorker:
         return _PerWorker(worker, self.ttft.labels(worker), self.itl.labels(worker),
@@ -153,6 +158,8 @@ class RouterMetrics:
         self.decision.observe(route.decision_seconds)
         block = self._service.settings.block_size
         self.predicted.inc(route.decision.chosen.matched_blocks * block)
+        self.demand.routed(route)
+        annotate(route)  # the request's span, when traced (router.http.tracing)
 
     def reported_cached(self, route: Route, cached_tokens: int) -> None:
         """Record what the worker said was cached, against the prediction."""

@@ -255,8 +255,13 @@ class Proxy:
             raise RuntimeError("proxy is not started")
         host, port, tls, line = self._target(url)
         head = [line]
+        hop = headers.get("connection")
+        # The fields a Connection header names are for the client's hop only (RFC 9110
+        # 7.6.1), like the hop-by-hop ones always dropped.
+        drop = (_DROP_HEADERS if hop is None else _DROP_HEADERS | {
+            t.strip().lower() for t in hop.split(",")})
         for k, v in headers.items():
-            if k.lower() not in _DROP_HEADERS:
+            if k.lower() not in drop:
                 head.append(f"{k}: {v}\r\n".encode("latin-1"))
         incoming = body if isinstance(body, IncomingBody) else None
         if incoming is not None:

@@ -46,6 +46,12 @@ from httpapi.responses import CLIENT_GONE_STATUS
 from openai_request.bodies import ApiError, fewest_prompt_tokens, parse_body, validate_request
 from openai_request.early_body import EarlyBody
 from openai_request.prompts import PromptTokens
+from router.http.client_fields import (
+    refuse_transfer_fields,
+    whole_body_check,
+    without_rank_header,
+)
+from router.http.client_trust import flow_view
 from router.http.disaggregated import send_disaggregated
 from router.http.failover import Sent, send_with_failover
 from router.http.flow import ask_of, tenant_of
@@ -79,9 +85,14 @@ class Forward:
         timer = metrics.timer(time.perf_counter())
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
         max_bytes = state.settings.max_body_bytes
+        if not state.settings.allow_client_transfer_fields:
+            headers = without_rank_header(headers)
+        trusted = state.trusted_clients.trusts(scope.get("client"))
+        if not trusted:  # its flow-control headers are not believed, nor sent upstream
+            headers = dict(flow_view({}, headers, trusted=False)[1])
         try:
             incoming = IncomingBody(receive, headers.get("content-length"), max_bytes)
-            route, body, pump = await self._decided(incoming, headers)
+            route, body, pump = await self._decided(incoming, headers, trusted)
         except ApiError as exc:
             metrics.request(path, exc.status)
             raise
@@ -152,7 +163,7 @@ class Forward:
         finally:
             watcher.cancel()
 
-    async def _decided(self, incoming: IncomingBody, headers: Mapping[str, str]
+    async def _decided(self, incoming: IncomingBody, headers: Mapping[str, str], trusted: bool
                        ) -> tuple[Route, dict[str, Any] | None, asyncio.Future[None] | None]:
         """Read ``incoming`` until the request is decided: at the body's end (the route, the
         parsed body, no pump), or before it, once what arrived settles the match (the route,
@@ -172,10 +183,13 @@ class Forward:
         while not incoming.complete:
             tries = early.feed(chunk) if early is not None else None
             if tries is not None and service.settles(tries[0], kind):
+                # Checked again once whole, before its end goes upstream (client_fields).
+                incoming.check = whole_body_check(state.settings.max_body_bytes,
+                                                  state.settings.allow_client_transfer_fields)
                 pump = asyncio.get_running_loop().create_task(incoming.pump())
                 try:
                     route = await decide(state, tries[1], kind,
-                                         incoming.declared or incoming.size, headers)
+                                         incoming.declared or incoming.size, headers, trusted)
                 except ApiError:  # refused as it stands: answered as buffered, at its end
                     await _stopped(pump)
                     early = None
@@ -187,22 +201,26 @@ class Forward:
             chunk = await incoming.read_more()
         raw = incoming.whole()
         body = parse_body(raw, state.settings.max_body_bytes)
-        return await decide(state, body, kind, len(raw), headers), body, None
+        return await decide(state, body, kind, len(raw), headers, trusted), body, None
 
 async def decide(state: RouterState, body: dict[str, Any], kind: str, size: int,
-                 headers: Mapping[str, str]) -> Route:
+                 headers: Mapping[str, str], trusted: bool = True) -> Route:
     """Route ``body`` (:func:`route_of`) through flow control (:mod:`router.http.flow`: it
-    may wait while the fleet is saturated).
+    may wait while the fleet is saturated), which reads the tenant, priority and deadline
+    a ``trusted`` client gives (:mod:`router.http.client_trust`).
 
     Raises:
         ApiError: :func:`route_of`'s; flow control's 429s; 400 for a malformed priority or
             deadline.
     """
-    ask = ask_of(body, headers)
+    asked, seen = flow_view(body, headers, trusted)
+    ask = ask_of(asked, seen)
     route = await route_of(state, body, kind, size)
+    if state.access is not None:  # the key's quota (router.http.client_quotas): 429
+        state.access.charge(headers, route.prompt.total_tokens)
     return await state.flow.admit(route, ask,
                                   lambda: state.service.decide(body, kind, route.prompt),
-                                  lambda: tenant_of(body, headers))
+                                  lambda: tenant_of(asked, seen))
 
 
 async def route_of(state: RouterState, body: dict[str, Any], kind: str, size: int) -> Route:
@@ -214,6 +232,8 @@ async def route_of(state: RouterState, body: dict[str, Any], kind: str, size: in
     """
     service = state.service
     request = validate_request(body, kind)  # type: ignore[arg-type]
+    if not state.settings.allow_client_transfer_fields:
+        refuse_transfer_fields(body)
     fewest = fewest_prompt_tokens(request, service.tokenizer.max_bytes_per_token)
     # Refused here only when longer than every worker's model (a worker of unknown
     # length takes anything); the service routes it to a worker it fits.
@@ -293,6 +313,8 @@ def _asks_stream(incoming: IncomingBody, max_bytes: int) -> bool:
     was wrong with it)."""
     if not incoming.complete:
         return False
+    if isinstance(incoming.checked, dict):  # parsed by its check at its end
+        return bool(incoming.checked.get("stream"))
     try:
         return bool(parse_body(incoming.whole(), max_bytes).get("stream"))
     except ApiError:

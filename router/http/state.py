@@ -9,6 +9,7 @@ app costs nothing and a bad tokenizer path fails at start-up, where the server r
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import AsyncIterator
 
@@ -18,12 +19,15 @@ from prometheus_client import Counter
 
 from httpapi.app import Admin
 from httpapi.responses import disconnect_counter
+from httpapi.trusted_peers import TrustedPeers
 from openai_request.bodies import ApiError
+from router.http.client_quotas import ClientAccess
 from router.http.first_byte import FirstByteClock
 from router.http.flow import FlowControl
 from router.http.flow_metrics import register_flow_metrics
 from router.http.metrics import RouterMetrics
 from router.http.proxy import Proxy, ProxyTimeouts
+from router.http.tracing import Tracing
 from router.service import RouterService
 from router.settings import RouterSettings
 
@@ -34,9 +38,9 @@ class RouterState:
     """The router's parts, for its handlers (:class:`httpapi.app.AppState`).
 
     Invariants:
-        1. ``settings`` and ``admin`` exist from construction; the other attributes exist
-           once :meth:`lifespan` has started and stay until the object is dropped (a stream
-           still relaying while the server stops may read them).
+        1. ``settings``, ``admin`` and ``trusted_clients`` exist from construction; the
+           other attributes exist once :meth:`lifespan` has started and stay until the
+           object is dropped (a stream still relaying while the server stops may read them).
     """
 
     service: RouterService
@@ -45,10 +49,16 @@ class RouterState:
     first_byte: FirstByteClock
     flow: FlowControl
     disconnects: Counter
+    #: Client API keys and their quotas; None: ``/v1/*`` is open.
+    access: ClientAccess | None = None
+    #: The span exporter, when tracing is on (router.http.tracing).
+    tracing: Tracing | None = None
 
     def __init__(self, settings: RouterSettings) -> None:
         self.settings = settings
         self.admin = Admin(settings.admin_token)
+        #: The peers whose flow-control headers are believed (router.http.client_trust).
+        self.trusted_clients = TrustedPeers.parse(settings.trusted_clients)
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
@@ -66,10 +76,18 @@ class RouterState:
         self.flow = FlowControl(settings.flow_settings())
         self.service.capacity = self.flow
         register_flow_metrics(self.metrics.registry, self.flow, self.metrics.worker_label)
+        ring = settings.client_key_ring()
+        if ring is not None:
+            self.access = ClientAccess(ring, settings.api_key_tokens_per_minute,
+                                       self.metrics.registry)
+        if settings.tracing:
+            self.tracing = Tracing()
         await self.service.registry.start()
         try:
             yield
         finally:
+            if self.tracing is not None:  # its last export may wait on the collector
+                await asyncio.to_thread(self.tracing.shutdown)
             await self.flow.close()
             await self.service.registry.stop()
             await self.proxy.close()

@@ -7,7 +7,7 @@ history it cached), the part left to compute is short: computing it there costs 
 steps little, while a remote prefill adds a round trip, a transfer and a prefill worker's
 queue. The router then skips the remote prefill (llm-d does the same). The threshold is the
 router's ``--pd-local-prefill-tokens``; the benchmark that set its default is in
-``docs/routing.md`` ("Roles and ranks").
+``docs/benchmarks.md`` ("Disaggregated against aggregated workers").
 
 A request prefilled remotely has its first token after three things in a row
 (:func:`remote_prefill_ttft`): the prefill worker's queue and prefill, the transfer, and the

@@ -8,7 +8,9 @@ from pathlib import Path
 
 import httpx
 
+from httpapi.api_keys import KeyRing, hash_line, parse_keys
 from httpapi.responses import disconnect_counter
+from router.http.client_quotas import ClientAccess
 from router.http.metrics import RouterMetrics
 from router.service import RouterService
 from router.settings import RouterSettings
@@ -36,6 +38,8 @@ def router_exposition() -> str:
     assert service.core.follows_sessions  # the session families show when on
     metrics = RouterMetrics(service)
     disconnect_counter(metrics.registry)  # the app registers it beside the metrics
+    # With client API keys on, their families (router.http.client_quotas).
+    ClientAccess(KeyRing(parse_keys(hash_line("k"))), 0, metrics.registry)
     ExternalProcessor(Picker(service, metrics))  # the picker registers flow control's
     return metrics.render()[0].decode()
 

@@ -20,11 +20,11 @@ last block (which stays a private duplicate; see :meth:`BlockPool.commit`).
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 from indexer.wire import MEDIUM_CPU, MEDIUM_GPU
-from workers.cache.block_keys import KeyedBlock, Prompt, RequestBlocks
+from workers.cache.block_keys import BlockKey, KeyedBlock, Prompt, RequestBlocks
 from workers.cache.block_pool import BlockCopy, BlockPool, CacheEvent
 
 __all__ = ["Allocation", "CacheManager", "CacheStats", "Growth"]
@@ -114,6 +114,9 @@ class CacheManager:
            committed only when full and computed, so a partial block is never shared.
         3. Every method either succeeds completely or changes nothing (refusals return
            ``None``; caller mistakes raise ``ValueError`` before any change).
+        4. A pin (:meth:`pin_cached_keys`, a peer's read of blocks by key) references only
+           blocks that are committed on the device already: it takes, evicts and copies
+           nothing, and it never leaves fewer free blocks than its caller keeps for requests.
     """
 
     def __init__(self, num_blocks: int, block_size: int = 32, host_blocks: int = 0) -> None:
@@ -122,6 +125,7 @@ class CacheManager:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks, host_blocks)
         self._requests: dict[str, _Request] = {}
+        self._pins: dict[str, tuple[int, ...]] = {}
         self._hits = 0
         self._misses = 0
         self._query_tokens = 0
@@ -226,6 +230,68 @@ class CacheManager:
         self.pool.touch(held)
         self._requests[hold_id] = _Request(blocks, held, len(held))
         return tuple(held)
+
+    def cached_run(self, keys: Sequence[BlockKey]) -> int:
+        """How many of ``keys``, from the first, are cached on either tier (an allocation
+        of a prompt with these keys would hit them); reads only."""
+        pool = self.pool
+        for i, key in enumerate(keys):
+            if pool.cached_block(key) is None and pool.host_block(key) is None:
+                return i
+        return len(keys)
+
+    def pin_cached_keys(self, pin_id: str, keys: Sequence[BlockKey], keep_free: int = 0
+                        ) -> tuple[int, ...]:
+        """Reference the leading run of ``keys`` committed on the device (it stops at the
+        first key that is not), until :meth:`unpin` (``pin_id``): blocks a peer reads by
+        key, which must not be evicted or reused while their bytes are read (note 4).
+
+        Args:
+            pin_id: a new pin's name.
+            keys: engine block keys, in chain order.
+            keep_free: the run also stops before a block whose pin would leave fewer than
+                this many blocks free or evictable (pinning an evictable block takes it
+                from what a request can get).
+
+        Returns:
+            The pinned device blocks, in key order; empty when the first key is not cached
+            (nothing is recorded then).
+
+        Raises:
+            ValueError: ``pin_id`` is pinned already.
+        """
+        if pin_id in self._pins:
+            raise ValueError(f"pin {pin_id!r} is held already")
+        pool = self.pool
+        free = pool.num_free_blocks
+        pinned: list[int] = []
+        for key in keys:
+            b = pool.cached_block(key)
+            if b is None:
+                break
+            if pool.is_evictable(b):
+                if free - 1 < keep_free:
+                    break
+                free -= 1
+            pinned.append(b)
+        if pinned:
+            pool.touch(pinned)
+            self._pins[pin_id] = tuple(pinned)
+        return tuple(pinned)
+
+    def unpin(self, pin_id: str) -> bool:
+        """Let go of a pin's blocks (they stay cached); False, changing nothing, for an
+        unknown pin."""
+        pinned = self._pins.pop(pin_id, None)
+        if pinned is None:
+            return False
+        self.pool.free(reversed(pinned))
+        return True
+
+    @property
+    def num_pins(self) -> int:
+        """Pins held now."""
+        return len(self._pins)
 
     def commit_computed(self, request_id: str, num_computed_tokens: int) -> None:
         """Record that KV is written for the first ``num_computed_tokens`` positions.

@@ -27,10 +27,10 @@ import contextlib
 import dataclasses
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from indexer.wire import KVEventBatch, WireEvent
-from workers.cache.block_keys import Prompt
+from workers.cache.block_keys import BlockKey, Prompt
 from workers.cache.cache_manager import CacheManager
 from workers.cache.event_sink import EventSink
 from workers.cache.publisher import EventPublisher
@@ -308,6 +308,23 @@ class Engine:
         """Let go of what :meth:`hold_blocks` held: the blocks stay cached, now evictable."""
         if hold_id in self.cache:
             self.cache.free(hold_id)
+            self._wake.set()  # freed blocks may admit a waiting request
+
+    def pin_blocks(self, pin_id: str, keys: Sequence[BlockKey], keep_free: int = 0
+                   ) -> tuple[int, ...]:
+        """Keep the leading run of ``keys`` cached on the device referenced until
+        :meth:`unpin_blocks` (a peer's read, :mod:`workers.http.kv_read`); nothing is taken,
+        evicted or copied, and at least ``keep_free`` blocks stay free for requests
+        (:meth:`~workers.cache.cache_manager.CacheManager.pin_cached_keys`).
+
+        Returns:
+            The pinned device block ids, in key order (empty: nothing pinned).
+        """
+        return self.cache.pin_cached_keys(pin_id, keys, keep_free)
+
+    def unpin_blocks(self, pin_id: str) -> None:
+        """Let go of what :meth:`pin_blocks` pinned; safe to call twice."""
+        if self.cache.unpin(pin_id):
             self._wake.set()  # freed blocks may admit a waiting request
 
     def drop_next_batches(self, n: int) -> None:

@@ -4,8 +4,9 @@ module:
 
 - :mod:`workers.http.openai_routes`: ``/v1/completions``, ``/v1/chat/completions`` (streaming or
   not), ``/v1/models``;
-- :mod:`workers.http.control_routes`: ``/model_info``, ``/load``, and behind the admin token
-  ``/reset_prefix_cache``, ``/kv/snapshot``, ``/debug/drop_events``;
+- :mod:`workers.http.control_routes`: ``/model_info``, ``/load``, behind the KV transfer
+  secret (or loopback) the ``/kv_transfer/*`` endpoints peers read KV from, and behind the
+  admin token ``/reset_prefix_cache``, ``/kv/snapshot``, ``/debug/drop_events``;
 - :mod:`workers.http.vllm_compat`: ``/tokenize`` and the other endpoints peer routers read;
 - :mod:`httpapi.app`: ``/health``, ``/metrics``, and how refusals are answered and counted.
 """

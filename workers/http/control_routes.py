@@ -1,8 +1,11 @@
 """The worker's control surface, for the router and for operators: ``GET /model_info`` and
-``GET /load`` (open: the router's control calls), ``POST /kv_transfer/release`` (open: a
-decode worker saying it took a prefill's KV, :mod:`workers.http.kv_transfer`),
-``GET /kv_transfer/blocks/{remote_request_id}`` (open: the torch engine's held KV, for the
-decode worker that pulls it, :mod:`workers.http.kv_pull`), and, behind
+``GET /load`` (open: the router's control calls); the KV transfer endpoints, each behind
+:mod:`workers.http.transfer_auth` (the shared secret, or loopback only):
+``POST /kv_transfer/release`` (a decode worker saying it took a prefill's KV,
+:mod:`workers.http.kv_transfer`), ``GET /kv_transfer/blocks/{remote_request_id}`` (the torch
+engine's held KV, for the decode worker that pulls it, :mod:`workers.http.kv_pull`) and
+``POST /kv_transfer/read`` (blocks by engine key, for a peer told to fetch them,
+:mod:`workers.http.kv_read`); and, behind
 the admin token when one is set, ``POST /reset_prefix_cache``, ``GET /kv/snapshot`` (every
 resident block, as one encoded event batch, for a router that lost the stream) and
 ``POST /debug/drop_events`` (fault injection: withhold the next N event batches from the live
@@ -20,7 +23,8 @@ from httpapi.app import ADMIN_BODY_BYTES
 from httpapi.body import read_json
 from indexer.wire import encode_batch
 from openai_request.bodies import ApiError
-from workers.http.kv_pull import serve_blocks
+from workers.http.kv_pull import engine_kv, serve_blocks
+from workers.http.kv_read import READ_BODY_BYTES, parse_keys
 from workers.http.state import WorkerState
 
 __all__ = ["add_control_routes"]
@@ -30,17 +34,38 @@ def add_control_routes(app: FastAPI, state: WorkerState) -> None:
     """Add the module docstring's endpoints to ``app``, serving from ``state``."""
     runtime, admin = state.runtime, state.admin
 
+    auth = state.transfer_auth
+    kv = engine_kv(runtime.engine)
+    kv_fetch = {"serve": auth.enabled, "receive": auth.enabled,
+                "kv_bytes_per_token": (state.settings.kv_bytes_per_token if kv is None
+                                       else kv.layout().block_bytes // kv.layout().block_size),
+                "transfer": "http"}
+
     @app.get("/model_info")
     async def model_info() -> dict[str, Any]:
-        return runtime.model_info()
+        return {**runtime.model_info(), "kv_fetch": kv_fetch}
 
     @app.get("/load")
     async def load() -> dict[str, Any]:
-        state.held_prefills.expire()  # polled by routers: leases end even with no traffic
+        state.held_prefills.expire()  # polled by routers: leases and pins end with no traffic
+        state.block_reads.expire()
         return runtime.load()
+
+    @app.post("/kv_transfer/read")
+    async def read(request: Request) -> Response:
+        try:
+            auth.check_peer(request)
+            keys = parse_keys(await read_json(request, READ_BODY_BYTES))
+            answer, blocks = await state.block_reads.answer(keys)
+        except ApiError:
+            state.metrics.kv_reads.labels("refused").inc()
+            raise
+        state.metrics.kv_reads.labels("served" if blocks else "missing").inc()
+        return answer
 
     @app.post("/kv_transfer/release")
     async def release(request: Request) -> dict[str, Any]:
+        auth.check_peer(request)
         body = await read_json(request, ADMIN_BODY_BYTES)
         lease = body.get("remote_request_id")
         if not isinstance(lease, str):
@@ -49,7 +74,8 @@ def add_control_routes(app: FastAPI, state: WorkerState) -> None:
         return {"released": state.held_prefills.release(lease)}
 
     @app.get("/kv_transfer/blocks/{lease_id}")
-    async def blocks(lease_id: str) -> Response:
+    async def blocks(request: Request, lease_id: str) -> Response:
+        auth.check_peer(request)
         return await serve_blocks(state.held_prefills, lease_id)
 
     @app.post("/reset_prefix_cache")

@@ -170,13 +170,14 @@ def answer_params(settings: WorkerSettings, instance_id: str, prompt_tokens: int
 
 
 async def receive(settings: WorkerSettings, engine: Engine, prompt: Prompt,
-                  transfer: Transfer, http: httpx.AsyncClient | None = None
-                  ) -> tuple[int, str | None]:
+                  transfer: Transfer, http: httpx.AsyncClient | None = None,
+                  headers: dict[str, str] | None = None) -> tuple[int, str | None]:
     """Take ``transfer``'s blocks of ``prompt``'s KV from the prefill worker (the sim engine
     simulates it, the module docstring; the torch engine pulls the bytes,
     :func:`workers.http.kv_pull.pull`), then tell the prefill worker they were taken (with
     ``http``, when the params name a lease; a failure to tell is logged, and the lease ends
-    the hold).
+    the hold). ``headers`` go with the pull and the release (the KV transfer secret, when
+    the request that named the prefill worker was authenticated).
 
     Returns:
         The tokens received, and why none were when a pull failed (None otherwise): the
@@ -190,15 +191,19 @@ async def receive(settings: WorkerSettings, engine: Engine, prompt: Prompt,
         received = await engine.receive_blocks(prompt, tokens)
     else:
         try:
-            received = await pull(engine, prompt, transfer, http)
+            received = await pull(engine, prompt, transfer, http, headers)
         except TransferError as exc:
             received, failure = 0, str(exc)
             log.warning("the KV transfer from %s failed (%s); prefilling the prompt here",
                         transfer.blocks_url, exc)
     if http is not None and transfer.release_url is not None:
         try:
-            await http.post(transfer.release_url,
-                            json={"remote_request_id": transfer.remote_request_id})
+            answer = await http.post(transfer.release_url, headers=headers,
+                                     json={"remote_request_id": transfer.remote_request_id})
+            if answer.status_code != 200:
+                log.warning("the prefill worker at %s refused the release (%d: %s); its lease "
+                            "will end the hold", transfer.release_url, answer.status_code,
+                            answer.text[:200])
         except httpx.HTTPError as exc:
             log.warning("could not release the prefill at %s (%s); its lease will",
                         transfer.release_url, exc)

@@ -6,10 +6,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from prometheus_client import CollectorRegistry, Counter, disable_created_metrics
+from prometheus_client import CollectorRegistry, Counter, Histogram, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily, Metric
 
 if TYPE_CHECKING:
+    from workers.http.dialects import MessagesReply, ResponsesReply
     from workers.http.openai_format import Completion
     from workers.runtime import WorkerRuntime
 
@@ -49,9 +50,32 @@ class WorkerMetrics:
             "kvroute_worker_kv_transfer_failures",
             "KV transfers from a prefill worker that failed (the prompt was prefilled here)",
             registry=self.registry)
+        # Peer KV fetch (docs/kv_transfer.md): this worker as receiver, then as holder.
+        self.kv_fetch = Counter(
+            "kvroute_worker_kv_fetch",
+            "Fetch instructions by outcome: fetched, skipped (every named block was here), "
+            "failed (the prompt was computed here)", ["outcome"], registry=self.registry)
+        self.kv_fetch_blocks = Counter("kvroute_worker_kv_fetch_blocks",
+                                       "Blocks taken from peers by fetches",
+                                       registry=self.registry)
+        self.kv_fetch_seconds = Histogram(
+            "kvroute_worker_kv_fetch_seconds", "Seconds from a fetch's start to its blocks "
+            "being in the cache, fetches that took blocks",
+            buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                     10.0), registry=self.registry)
+        self.kv_reads = Counter(
+            "kvroute_worker_kv_reads",
+            "Block reads by peers, by outcome: served (some blocks sent), missing (none "
+            "held), refused (auth, a bad body, or every read slot busy)", ["outcome"],
+            registry=self.registry)
+        for outcome in ("fetched", "skipped", "failed"):
+            self.kv_fetch.labels(outcome)
+        for outcome in ("served", "missing", "refused"):
+            self.kv_reads.labels(outcome)
         self.registry.register(_EngineCollector(runtime))
 
-    def finished(self, reply: Completion, generated: int) -> None:
+    def finished(self, reply: Completion | ResponsesReply | MessagesReply, generated: int
+                 ) -> None:
         """Count a request served to its end."""
         self.prompt_tokens.inc(reply.prompt_tokens)
         self.cached_tokens.inc(reply.cached_tokens)

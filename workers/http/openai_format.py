@@ -63,6 +63,10 @@ class Completion:
         return sse({**self._head(stream=True), "choices": [],
                     "usage": self.usage(completion_tokens)})
 
+    def closing(self, completion_tokens: int, usage: bool) -> bytes:
+        """A stream's end: the usage chunk when asked for, then ``[DONE]``."""
+        return (self.usage_chunk(completion_tokens) if usage else b"") + sse("[DONE]")
+
     def _head(self, *, stream: bool = False) -> dict[str, Any]:
         if self.chat:
             kind = "chat.completion.chunk" if stream else "chat.completion"

@@ -1,5 +1,6 @@
 """The worker's OpenAI surface: ``POST /v1/completions``, ``POST /v1/chat/completions``
-(streaming or not) and ``GET /v1/models``.
+(streaming or not), ``POST /v1/responses`` and Anthropic's ``POST /v1/messages`` (run as chat,
+answered in their own shapes: :mod:`workers.http.dialects`) and ``GET /v1/models``.
 
 Every malformed request gets an OpenAI-style JSON error with a 4xx status and the reason, and
 is refused before the engine sees it: nothing half-applied stays in the cache. A body is read
@@ -7,6 +8,10 @@ within its byte limit and checked against the OpenAI schema
 (:func:`openai_request.bodies.validate_request`) first; a completions prompt whose length alone
 proves it too long for the model is refused before it is encoded, and a large body is encoded
 in a thread rather than on the event loop.
+
+Before a request is queued, its KV may come from elsewhere: a decode request's
+``kv_transfer_params`` (:mod:`workers.http.kv_transfer`), then a trusted peer fetch
+instruction (:mod:`workers.http.kv_fetch`, answered with ``x-kvroute-fetch-result``).
 """
 
 from __future__ import annotations
@@ -32,8 +37,10 @@ from openai_request.bodies import (
 )
 from openai_request.prompts import build_prompt
 from workers.cache.block_keys import Prompt, Scope
-from workers.engine.loop import RequestFailed, RequestHandle
+from workers.engine.loop import Engine, RequestFailed, RequestHandle
+from workers.http.dialects import DIALECTS, Dialect, MessagesReply, ResponsesReply
 from workers.http.image_fetch import ImageLimit, fetch_remote_images
+from workers.http.kv_fetch import RESULT_HEADER, FetchResult, parse_instruction
 from workers.http.kv_transfer import answer_params, parse_transfer, receive
 from workers.http.openai_format import Completion, sse
 from workers.http.state import WorkerState
@@ -41,6 +48,8 @@ from workers.http.state import WorkerState
 __all__ = ["DEFAULT_MAX_TOKENS", "add_openai_routes"]
 
 DEFAULT_MAX_TOKENS = 16
+#: An answer's shape: OpenAI's, or another API's (workers.http.dialects).
+Reply = Completion | ResponsesReply | MessagesReply
 
 
 def add_openai_routes(app: FastAPI, state: WorkerState) -> None:
@@ -54,6 +63,9 @@ def add_openai_routes(app: FastAPI, state: WorkerState) -> None:
     async def chat_completions(request: Request) -> Response:
         return await generate(state, request, chat=True)
 
+    for path, dialect in DIALECTS.items():
+        app.add_api_route(path, functools.partial(_dialect, state, dialect), methods=["POST"])
+
     @app.get("/v1/models")
     async def models() -> dict[str, Any]:
         settings = state.settings
@@ -64,12 +76,23 @@ def add_openai_routes(app: FastAPI, state: WorkerState) -> None:
                                            for m in names]}
 
 
-async def generate(state: WorkerState, request: Request, chat: bool) -> Response:
-    """Check, encode and run one completions (or, with ``chat``, chat) request."""
+async def _dialect(state: WorkerState, dialect: Dialect, request: Request) -> Response:
+    return await generate(state, request, chat=True, dialect=dialect)
+
+
+async def generate(state: WorkerState, request: Request, chat: bool,
+                   dialect: Dialect | None = None) -> Response:
+    """Check, encode and run one completions (or, with ``chat``, chat) request; with
+    ``dialect``, a body of another API run as chat and answered in its shape."""
     settings, runtime = state.settings, state.runtime
     raw = await read_body(request, settings.max_body_bytes)
     started = time.perf_counter()
     body = parse_body(raw, settings.max_body_bytes)
+    if dialect is not None:
+        try:
+            body = dialect.chat_body(body)
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
     checked = validate_request(body, "chat" if chat else "completions")
     if checked.n not in (None, 1):
         raise ApiError(400, f"only n=1 is supported, got {checked.n}", param="n")
@@ -106,29 +129,67 @@ async def generate(state: WorkerState, request: Request, chat: bool) -> Response
     transfer = parse_transfer(body)
     state.held_prefills.expire()
     engine = runtime.rank_engine(_pinned_rank(request, len(runtime.engines)))
+    headers = _timing(started)
     try:
         prompt = Prompt(tokens.token_ids, tuple(tokens.images), scope)
         if transfer is not None and transfer.remote_blocks:
-            received, failure = await receive(settings, engine, prompt, transfer, state.peers)
+            # Rule 4 of workers.http.transfer_auth: the secret goes to the prefill worker the
+            # params name only when the router's token came with them.
+            auth = state.transfer_auth.outgoing(state.transfer_auth.router_token_valid(request))
+            received, failure = await receive(settings, engine, prompt, transfer, state.peers,
+                                              auth)
             state.metrics.transferred_tokens.inc(received)
             if failure is not None:
                 state.metrics.transfer_failures.inc()
+        fetched = await _fetch(state, request, engine, prompt)
+        if fetched is not None:
+            headers[RESULT_HEADER] = fetched.header()
         handle = runtime.submit(f"req-{uuid.uuid4().hex}", prompt, max_tokens, engine)
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None
-    reply = Completion(f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", model, chat,
-                       int(time.time()), len(tokens.token_ids))
+    kind, prefix = (Completion, "chatcmpl" if chat else "cmpl") if dialect is None else (
+        dialect.reply, dialect.prefix)
+    reply = kind(f"{prefix}-{uuid.uuid4().hex}", model, chat, int(time.time()),
+                 len(tokens.token_ids))
     state.metrics.requests.labels("chat" if chat else "completions").inc()
     if checked.stream:
+        headers.update(_timing(started))
         return StreamingResponse(_stream(state, handle, reply, checked.include_usage),
-                                 media_type="text/event-stream", headers=_timing(started))
+                                 media_type="text/event-stream", headers=headers)
     extra = None
     if transfer is not None and transfer.remote_decode:  # prefill for a decode worker
         def extra() -> dict[str, Any]:  # once it ended: its blocks held, under a lease
             lease = state.held_prefills.hold(engine, prompt)
             return {"kv_transfer_params": answer_params(settings, runtime.instance_id,
                                                         len(tokens.token_ids), lease)}
-    return await _whole(state, request, handle, reply, started, extra)
+    return await _whole(state, request, handle, reply, started, extra, headers)
+
+
+async def _fetch(state: WorkerState, request: Request, engine: Engine, prompt: Prompt
+                 ) -> FetchResult | None:
+    """Follow the request's peer fetch instruction (:mod:`workers.http.kv_fetch`), if it has
+    one; None when it has none. A failed, untrusted or malformed one is counted, and the
+    request computes the prompt itself."""
+    fetcher, auth = state.fetcher, state.transfer_auth
+    try:
+        instruction = parse_instruction(request.headers)
+    except ValueError as exc:
+        result = fetcher.failed("bad_instruction", str(exc))
+    else:
+        if instruction is None:
+            return None
+        if auth.trusts_instruction(request, instruction.source):
+            result = await fetcher.fetch(engine, prompt, instruction, auth.outgoing(True))
+        else:
+            result = fetcher.failed("untrusted", f"the instruction to fetch from "
+                                    f"{instruction.source} is not authenticated "
+                                    "(workers.http.transfer_auth)")
+    metrics = state.metrics
+    metrics.kv_fetch.labels(result.outcome).inc()
+    if result.outcome == "fetched":
+        metrics.kv_fetch_blocks.inc(result.blocks)
+        metrics.kv_fetch_seconds.observe(result.seconds)
+    return result
 
 
 def _timing(started: float) -> dict[str, str]:
@@ -138,9 +199,9 @@ def _timing(started: float) -> dict[str, str]:
 
 
 async def _whole(state: WorkerState, request: Request, handle: RequestHandle,
-                 reply: Completion, started: float,
-                 extra: Callable[[], dict[str, Any]] | None = None
-                 ) -> JSONResponse:
+                 reply: Reply, started: float,
+                 extra: Callable[[], dict[str, Any]] | None = None,
+                 headers: dict[str, str] | None = None) -> JSONResponse:
     collect = asyncio.ensure_future(_collect(handle))
     gone = asyncio.ensure_future(wait_for_disconnect(request.receive))
     try:
@@ -159,10 +220,11 @@ async def _whole(state: WorkerState, request: Request, handle: RequestHandle,
     reply.cached_tokens = handle.num_cached_tokens or 0
     state.metrics.finished(reply, len(ids))
     answer = reply.whole(state.runtime.tokenizer.decode(ids), reason, len(ids))
-    return JSONResponse({**answer, **extra()} if extra else answer, headers=_timing(started))
+    return JSONResponse({**answer, **extra()} if extra else answer,
+                        headers={**(headers or {}), **_timing(started)})
 
 
-async def _stream(state: WorkerState, handle: RequestHandle, reply: Completion, usage: bool
+async def _stream(state: WorkerState, handle: RequestHandle, reply: Reply, usage: bool
                   ) -> AsyncIterator[bytes]:
     decode = state.runtime.tokenizer.decode
     count, first = 0, True
@@ -180,9 +242,7 @@ async def _stream(state: WorkerState, handle: RequestHandle, reply: Completion, 
             return
         reply.cached_tokens = handle.num_cached_tokens or 0
         state.metrics.finished(reply, count)
-        if usage:
-            yield reply.usage_chunk(count)
-        yield sse("[DONE]")
+        yield reply.closing(count, usage)
     finally:
         handle.cancel()
 

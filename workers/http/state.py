@@ -7,6 +7,7 @@ before the server starts; the lifespan starts it and stops it.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import AsyncIterator
 
 import httpx
@@ -17,12 +18,17 @@ from httpapi.app import Admin
 from httpapi.responses import disconnect_counter
 from openai_request.bodies import ApiError
 from workers.http.image_fetch import ImageBudget
+from workers.http.kv_fetch import PeerFetcher
+from workers.http.kv_read import BlockReads
 from workers.http.kv_transfer import HeldPrefills
 from workers.http.metrics import WorkerMetrics
+from workers.http.transfer_auth import TransferAuth
 from workers.runtime import WorkerRuntime
 from workers.settings import WorkerSettings
 
 __all__ = ["WorkerState"]
+
+log = logging.getLogger(__name__)
 
 
 class WorkerState:
@@ -40,14 +46,22 @@ class WorkerState:
         #: that tells a prefill worker its KV was taken.
         self.held_prefills = HeldPrefills(settings.kv_lease_seconds / settings.speedup)
         self.peers = httpx.AsyncClient(timeout=5.0)
+        #: Peer KV fetch: who may read this worker's KV and instruct it, the reads it
+        #: serves, and the fetches it runs (docs/kv_transfer.md).
+        self.transfer_auth = TransferAuth(settings.kv_transfer_secret, settings.host)
+        self.block_reads = BlockReads(self.runtime.engines, settings.kv_read_concurrency)
+        self.fetcher = PeerFetcher(settings, httpx.AsyncClient(timeout=settings.kv_fetch_timeout))
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
         """Start the engine and the event publisher; stop them at the end."""
         await self.runtime.start()
+        if not self.transfer_auth.enabled:
+            log.warning("peer KV fetch is off: %s", self.transfer_auth.off_reason)
         try:
             yield
         finally:
+            await self.fetcher.http.aclose()
             await self.peers.aclose()
             await self.runtime.stop()
 

@@ -33,6 +33,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -78,20 +79,41 @@ class MetricNames:
     capacity_blocks: Callable[[Samples, int], int]
 
 
-def _label_int(samples: Samples, name: str, label: str) -> int | None:
+#: The largest block size believed from an engine's metrics (tokens): engines use 16 to a few
+#: hundred; a larger figure is a broken exposition, not a cache the index could follow.
+MAX_REPORTED_BLOCK_SIZE = 1 << 20
+
+
+def _whole(name: str, value: float, least: int, most: int | None = None) -> int:
+    """``value`` as a whole number in ``[least, most]``.
+
+    Raises:
+        MetricsError: it is fractional, not finite or out of range.
+    """
+    if not math.isfinite(value) or not float(value).is_integer() or value < least or (
+            most is not None and value > most):
+        bound = f"{least}..{most}" if most is not None else f"at least {least}"
+        raise MetricsError(f"{name} is {value}, not a whole number {bound}")
+    return int(value)
+
+
+def _label_int(samples: Samples, name: str, label: str, least: int = 0,
+               most: int | None = None) -> int | None:
     value = samples.label(name, label)
     if value is None:
         return None
     try:
-        return int(value)
+        number = int(value)
     except ValueError:
         raise MetricsError(f"{name} label {label}={value!r} is not an integer") from None
+    return _whole(f"{name} label {label}", number, least, most)
 
 
-def _gauge_int(samples: Samples, name: str) -> int | None:
+def _gauge_int(samples: Samples, name: str, least: int = 0, most: int | None = None
+               ) -> int | None:
     found = samples.named(name)
     value = samples.total(name, required=False)
-    return None if value is None else int(value / len(found))
+    return None if value is None else _whole(name, value / len(found), least, most)
 
 
 #: vLLM (``vllm/v1/metrics/loggers.py``): the cache config is an info gauge whose labels are
@@ -101,7 +123,8 @@ VLLM = MetricNames(
     running="vllm:num_requests_running",
     waiting="vllm:num_requests_waiting",
     usage="vllm:kv_cache_usage_perc",
-    block_size=lambda s: _label_int(s, "vllm:cache_config_info", "block_size"),
+    block_size=lambda s: _label_int(s, "vllm:cache_config_info", "block_size", 1,
+                                    MAX_REPORTED_BLOCK_SIZE),
     capacity_blocks=lambda s, _: _label_int(s, "vllm:cache_config_info", "num_gpu_blocks") or 0,
 )
 
@@ -112,7 +135,7 @@ SGLANG = MetricNames(
     running="sglang:num_running_reqs",
     waiting="sglang:num_queue_reqs",
     usage="sglang:token_usage",
-    block_size=lambda s: _gauge_int(s, "sglang:page_size"),
+    block_size=lambda s: _gauge_int(s, "sglang:page_size", 1, MAX_REPORTED_BLOCK_SIZE),
     capacity_blocks=lambda s, bs: (_gauge_int(s, "sglang:max_total_num_tokens") or 0) // bs,
 )
 
@@ -122,7 +145,8 @@ TRTLLM = MetricNames(
     running="trtllm_num_requests_running",
     waiting="trtllm_num_requests_waiting",
     usage="trtllm_kv_cache_utilization",
-    block_size=lambda s: _gauge_int(s, "trtllm_kv_cache_tokens_per_block"),
+    block_size=lambda s: _gauge_int(s, "trtllm_kv_cache_tokens_per_block", 1,
+                                    MAX_REPORTED_BLOCK_SIZE),
     capacity_blocks=lambda s, _: _gauge_int(s, "trtllm_kv_cache_max_blocks") or 0,
 )
 

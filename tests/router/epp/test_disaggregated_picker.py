@@ -15,6 +15,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ep_grpc
 
 from kvroute.up import free_port
 from router.epp import DESTINATION_HEADER, PREFILLER_HEADER, epp_server
+from router.fleet.ranks import RANK_HEADER
 from router.service import RouterService
 from router.settings import RouterSettings
 from tests.router.epp.test_epp_server import FULL_DUPLEX, body, exchange, headers
@@ -52,7 +53,7 @@ async def test_the_decode_worker_is_the_destination_and_the_prefill_worker_the_h
         set_headers, removed = mutation(routed.request_body.response)
         assert set_headers == {DESTINATION_HEADER: f"127.0.0.1:{decode.port}",
                                PREFILLER_HEADER: f"127.0.0.1:{prefill.port}"}
-        assert removed == []
+        assert removed == [RANK_HEADER]  # a client's rank header never picks a rank
         lb = routed.dynamic_metadata.fields["envoy.lb"].struct_value
         assert lb.fields[DESTINATION_HEADER].string_value == f"127.0.0.1:{decode.port}"
         assert service.counters.get("pd_remote_prefills") == 1
@@ -112,6 +113,6 @@ async def test_a_short_prompt_is_prefilled_on_the_decode_worker_and_a_clients_he
         set_headers, removed = mutation(answers[-1].request_body.response)
         assert set_headers == {DESTINATION_HEADER: f"127.0.0.1:{decode.port}"}
         # A header the client sent cannot send the sidecar's prefill anywhere.
-        assert removed == [PREFILLER_HEADER]
+        assert removed == [RANK_HEADER, PREFILLER_HEADER]
         assert service.counters.get("pd_local_prefills") == 1
         assert "pd_remote_prefills" not in service.counters

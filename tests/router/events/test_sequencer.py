@@ -239,13 +239,16 @@ def test_a_live_seq_out_of_range_is_malformed_and_moves_nothing() -> None:
     assert s.stats.malformed == 2 and s.stats.restarts == 0 and s.stats.gaps == 0
 
 
-def test_the_largest_seq_still_asks_for_a_replay_that_packs() -> None:
+def test_the_largest_seq_asks_for_no_replay_past_it() -> None:
+    # Nothing but a restart's batch can follow the wire's last seq: a probe would ask for a
+    # seq the wire does not allow.
     s = StreamSequencer(replay=True, replay_timeout=0.5, probe_interval=1.0)
     s.begin(0.0)
     top = 2**63 - 1
     assert summary(s.live([b"", pack_seq(top), payload(0)], 0.0)) == [("delivered", top, False)]
-    (probe,) = s.tick(1.0)
-    assert probe == ReplayRequest(top + 1) and len(pack_seq(probe.start)) == 8
+    assert s.tick(1.0) == [] and s.tick(5.0) == []
+    assert summary(s.live([b"", pack_seq(0), payload(0)], 6.0)) == [
+        Restarted(top, 0), ("delivered", 0, False)]
 
 
 def test_a_replayed_seq_out_of_range_is_malformed() -> None:

@@ -1,0 +1,80 @@
+"""The soak's flood classifies each answer as the router's contract says: served, refused at
+once (429 with Retry-After, or 503), or lost before its first byte (no answer, a 429 without
+Retry-After, any other status)."""
+
+from __future__ import annotations
+
+import random
+
+import aiohttp
+from aiohttp import web
+
+from bench.soak import Flood, _flood_body, _flood_one
+from kvroute.up import free_port
+
+
+async def _serve(status: int, headers: dict[str, str] | None = None, close: bool = False
+                 ) -> tuple[web.AppRunner, str]:
+    async def chat(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        if close:  # drop the connection before any status line
+            assert request.transport is not None
+            request.transport.close()
+            return web.Response()
+        return web.Response(status=status, headers=headers or {}, body=b"data: {}\n\n")
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", chat)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    return runner, f"http://127.0.0.1:{port}"
+
+
+async def _one(status: int, cls: str, headers: dict[str, str] | None = None,
+               close: bool = False) -> Flood:
+    runner, base = await _serve(status, headers, close)
+    flood = Flood()
+    try:
+        async with aiohttp.ClientSession() as session:
+            await _flood_one(session, base, _flood_body(random.Random(0), cls == "high"), cls,
+                             flood)
+    finally:
+        await runner.cleanup()
+    return flood
+
+
+async def test_served_high_priority_counts_its_ttft() -> None:
+    flood = await _one(200, "high")
+    assert flood.answers == {("high", "200"): 1}
+    assert len(flood.high_ttft_s) == 1 and not flood.lost
+
+
+async def test_refusals_at_once_are_not_lost() -> None:
+    for status, headers in ((429, {"Retry-After": "2"}), (503, None)):
+        flood = await _one(status, "low", headers)
+        assert flood.answers == {("low", str(status)): 1}
+        assert not flood.lost and not flood.high_ttft_s
+
+
+async def test_a_429_without_retry_after_or_a_502_is_lost() -> None:
+    flood = await _one(429, "low")
+    assert flood.answers == {("low", "429 no Retry-After"): 1}
+    assert flood.lost == {"low: status 429": 1}
+    flood = await _one(502, "high")
+    assert flood.lost == {"high: status 502": 1} and not flood.high_ttft_s
+
+
+async def test_a_dropped_connection_is_lost() -> None:
+    flood = await _one(200, "low", close=True)
+    assert flood.answers == {("low", "no answer"): 1}
+    assert sum(flood.lost.values()) == 1
+
+
+def test_flood_bodies_carry_their_priority() -> None:
+    import json
+    rng = random.Random(1)
+    high, low = json.loads(_flood_body(rng, True)), json.loads(_flood_body(rng, False))
+    assert (high["priority"], low["priority"]) == (0, 10)
+    assert len(low["messages"][0]["content"]) > 10 * len(high["messages"][0]["content"])

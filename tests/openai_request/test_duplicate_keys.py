@@ -1,0 +1,50 @@
+"""A JSON object that repeats a key is refused (400 naming the key), at the top level and in
+every object below it: the router reads a body with one decoder and each engine with its
+own, and two readers of a repeated key may take different values (vLLM's, like the router's
+msgspec, the last; others the first; the router's early reader, which decides before the
+body ends, the first it sees), so the router would route or refuse on one value while the
+engine serves another."""
+
+from __future__ import annotations
+
+import pytest
+
+from openai_request.bodies import ApiError, parse_body
+
+REPEATS = {
+    "model": b'{"model": "a", "prompt": "hi", "model": "b"}',
+    "prompt": b'{"prompt": "hi", "model": "a", "prompt": "there"}',
+    "cache_salt": b'{"prompt": "hi", "cache_salt": "x", "cache_salt": "y"}',
+    "priority": b'{"prompt": "hi", "priority": 0, "priority": -5}',
+    "messages": b'{"messages": [], "model": "a", "messages": [{"role": "user"}]}',
+    "content": b'{"messages": [{"role": "user", "content": "a", "content": "b"}]}',
+    "role": b'{"messages": [{"role": "user", "content": "a", "role": "system"}]}',
+    "text": b'{"messages": [{"role": "user", "content": [{"type": "text", "text": "a",'
+            b' "text": "b"}]}]}',
+    "escaped model": b'{"model": "a", "prompt": "hi", "mod\\u0065l": "b"}',
+    "kv_transfer_params": b'{"prompt": "hi", "kv_transfer_params": null,'
+                          b' "kv_transfer_params": {"do_remote_prefill": true}}',
+}
+
+
+@pytest.mark.parametrize("raw", REPEATS.values(), ids=REPEATS.keys())
+def test_a_repeated_key_is_refused(raw: bytes) -> None:
+    with pytest.raises(ApiError) as refused:
+        parse_body(raw)
+    assert refused.value.status == 400
+    assert "repeat" in refused.value.message
+
+
+def test_the_refusal_names_the_key() -> None:
+    with pytest.raises(ApiError) as refused:
+        parse_body(REPEATS["escaped model"])
+    assert "'model'" in refused.value.message
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"prompt": "a", "model": "m", "extra": {"model": "n"}}',  # the same key, two objects
+    b'{"messages": [{"role": "user", "content": "a"}, {"role": "user", "content": "b"}]}',
+    b'{"prompt": "\\"model\\": 1, \\"model\\": 2"}',  # keys inside a string are text
+])
+def test_the_same_key_in_different_objects_is_fine(raw: bytes) -> None:
+    assert parse_body(raw)

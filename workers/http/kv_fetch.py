@@ -1,0 +1,269 @@
+"""Peer KV fetch, the receiver's side: take a prompt's leading blocks from the worker that
+holds them, before the request runs.
+
+A router that sends a request here rather than to the worker holding its prefix may say
+where the prefix is (request headers)::
+
+    x-kvroute-fetch-source: http://127.0.0.1:8102     the holder's base URL
+    x-kvroute-fetch-blocks: 12                        leading full blocks it holds
+    x-kvroute-transfer-token: <secret>                when a secret is configured
+
+When :mod:`workers.http.transfer_auth` trusts the instruction, :meth:`PeerFetcher.fetch`
+keys the prompt (:mod:`workers.cache.block_keys`), skips the leading blocks this worker holds
+already (either tier), and posts the keys of the rest, at most as many as the instruction
+names and never the block holding the prompt's last token, to the holder's
+``POST /kv_transfer/read`` (:mod:`workers.http.kv_read`). The answer's blocks enter this
+worker's cache through :meth:`~workers.engine.loop.Engine.receive_blocks`, which publishes
+them as stored (a router learns of them from this worker's events); the request then finds
+them cached. The torch engine writes the bytes of the :mod:`workers.torch.kv_wire` message;
+the sim engine, told only how many blocks the holder has, waits the modelled transfer time
+``blocks * block_size * kv_bytes_per_token / kv_transfer_bandwidth / speedup`` instead.
+
+Every failure costs only time: the request computes what was not fetched. Each is a
+:class:`FetchResult` with a short reason, counted, and logged once per reason:
+
+==================  ==========================================================================
+``untrusted``       the instruction is not authenticated (:mod:`workers.http.transfer_auth`)
+``bad_instruction`` malformed instruction headers
+``unreachable``     the holder cannot be reached, or its answer was cut off
+``status_<code>``   the holder answered an HTTP error (401: another secret; 503: read slots)
+``bad_message``     an answer that does not decode (another block layout, cut short, too long)
+``missing``         the holder holds none of the named blocks
+``timeout``         the fetch outlived ``kv_fetch_timeout`` (waiting for one of
+                    ``kv_fetch_concurrency`` slots included)
+``no_free_blocks``  too few free blocks here to take the KV
+``evicted``         blocks this worker held when it asked were evicted before the answer
+``error``           anything else (a bug: logged with its traceback)
+==================  ==========================================================================
+
+The answer carries ``x-kvroute-fetch-result`` (:meth:`FetchResult.header`):
+``blocks=<n>;bytes=<b>;seconds=<s>`` (n is 0 when every named block was here already:
+skipped) or ``failed;reason=<reason>``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from urllib.parse import urlsplit
+
+import httpx
+
+from workers.cache.block_keys import BlockKey, Prompt, RequestBlocks
+from workers.engine.loop import Engine
+from workers.http import kv_pull
+from workers.http.kv_pull import PeerRefused, PeerUnreachable, fetch_body, message_writer
+from workers.http.kv_read import MAX_READ_BLOCKS
+from workers.settings import WorkerSettings
+from workers.torch.kv_wire import TransferError, decode, max_message_bytes
+
+__all__ = ["BLOCKS_HEADER", "RESULT_HEADER", "SOURCE_HEADER", "FetchInstruction",
+           "FetchResult", "PeerFetcher", "parse_instruction"]
+
+log = logging.getLogger(__name__)
+
+SOURCE_HEADER = "x-kvroute-fetch-source"
+BLOCKS_HEADER = "x-kvroute-fetch-blocks"
+RESULT_HEADER = "x-kvroute-fetch-result"
+
+#: The answer of a sim engine's read is ``{"blocks": n}``: a few bytes.
+_SIM_ANSWER_BYTES = 1024
+
+
+@dataclass(frozen=True, slots=True)
+class FetchInstruction:
+    """Where a request's leading blocks are: the holder's base URL and how many it holds."""
+
+    source: str
+    blocks: int
+
+
+@dataclass(frozen=True, slots=True)
+class FetchResult:
+    """What one fetch did: ``blocks`` received (``moved_bytes`` in ``seconds``), or why it
+    failed (``failure``, a short token; the request computed the blocks itself)."""
+
+    blocks: int = 0
+    moved_bytes: int = 0
+    seconds: float = 0.0
+    failure: str | None = None
+
+    @property
+    def outcome(self) -> str:
+        """``fetched``, ``skipped`` (nothing to fetch) or ``failed``."""
+        if self.failure is not None:
+            return "failed"
+        return "fetched" if self.blocks else "skipped"
+
+    def header(self) -> str:
+        """The ``x-kvroute-fetch-result`` value (module docstring)."""
+        if self.failure is not None:
+            return f"failed;reason={self.failure}"
+        return f"blocks={self.blocks};bytes={self.moved_bytes};seconds={self.seconds:.6f}"
+
+
+def parse_instruction(headers: Mapping[str, str]) -> FetchInstruction | None:
+    """The fetch instruction in ``headers``, or None when they carry none.
+
+    Raises:
+        ValueError: a malformed instruction (the message says which header and why).
+    """
+    source, blocks = headers.get(SOURCE_HEADER), headers.get(BLOCKS_HEADER)
+    if source is None and blocks is None:
+        return None
+    if source is None or blocks is None:
+        raise ValueError(f"a fetch instruction needs both {SOURCE_HEADER} and {BLOCKS_HEADER}")
+    try:
+        parts = urlsplit(source.strip())
+        parts.port  # noqa: B018 - a port that is not a number raises here
+    except ValueError:
+        raise ValueError(f"{SOURCE_HEADER} {source!r} is not a URL") from None
+    if parts.scheme not in ("http", "https") or not parts.hostname \
+            or parts.path not in ("", "/") or parts.query or parts.fragment or parts.username:
+        raise ValueError(f"{SOURCE_HEADER} must be a worker's base URL (http://host:port), "
+                         f"got {source!r}")
+    if not blocks.strip().isdigit() or not 0 < int(blocks) <= MAX_READ_BLOCKS:
+        raise ValueError(f"{BLOCKS_HEADER} must be a count in 1..{MAX_READ_BLOCKS}, got "
+                         f"{blocks!r}")
+    return FetchInstruction(f"{parts.scheme}://{parts.netloc}", int(blocks))
+
+
+class _Failed(Exception):
+    def __init__(self, reason: str, detail: str) -> None:
+        super().__init__(detail)
+        self.reason = reason
+
+
+class PeerFetcher:
+    """Runs fetches (module docstring) for one worker.
+
+    Args:
+        settings: the worker's settings (engine, block size, timeout, concurrency, the
+            sim engine's transfer model).
+        http: the client that reaches peers.
+        clock: monotonic seconds, for the fetch's duration.
+    """
+
+    def __init__(self, settings: WorkerSettings, http: httpx.AsyncClient,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self._settings = settings
+        self._http = http
+        self._clock = clock
+        self._slots = asyncio.Semaphore(settings.kv_fetch_concurrency)
+        self._logged: set[str] = set()
+        #: Fetches waiting for a slot, and holding one, now.
+        self.waiting = 0
+        self.running = 0
+
+    @property
+    def http(self) -> httpx.AsyncClient:
+        """The client that reaches peers."""
+        return self._http
+
+    @http.setter
+    def http(self, client: httpx.AsyncClient) -> None:
+        self._http = client
+
+    def failed(self, reason: str, detail: str) -> FetchResult:
+        """A fetch that failed for ``reason``: logged the first time a reason is seen."""
+        if reason not in self._logged:
+            self._logged.add(reason)
+            log.warning("a peer KV fetch failed (%s: %s); the request computes its prompt "
+                        "here (further failures for this reason are counted, not logged)",
+                        reason, detail)
+        return FetchResult(failure=reason)
+
+    async def fetch(self, engine: Engine, prompt: Prompt, instruction: FetchInstruction,
+                    headers: dict[str, str]) -> FetchResult:
+        """Take ``prompt``'s leading blocks from ``instruction.source`` into ``engine``'s
+        cache (module docstring); ``headers`` authenticate to the source. Never raises for
+        a failed fetch: the result says why."""
+        started = self._clock()
+        bs = engine.cache.block_size
+        want = min(instruction.blocks, (len(prompt.token_ids) - 1) // bs)
+        blocks = RequestBlocks(prompt, bs)
+        keys = [blocks.block(i).key for i in range(want)]
+        held = engine.cache.cached_run(keys)
+        if held >= want:
+            return FetchResult()
+        try:
+            async with asyncio.timeout(self._settings.kv_fetch_timeout):
+                self.waiting += 1
+                try:
+                    await self._slots.acquire()
+                finally:
+                    self.waiting -= 1
+                self.running += 1
+                try:
+                    received, moved = await self._take(engine, prompt, keys, held,
+                                                       instruction.source, headers)
+                finally:
+                    self.running -= 1
+                    self._slots.release()
+        except TimeoutError:
+            return self.failed("timeout", f"{instruction.source} took longer than "
+                               f"{self._settings.kv_fetch_timeout:g} s")
+        except _Failed as exc:
+            return self.failed(exc.reason, str(exc))
+        except Exception as exc:  # a fetch never fails its request: it computes instead
+            log.exception("a peer KV fetch from %s failed unexpectedly", instruction.source)
+            return self.failed("error", repr(exc))
+        return FetchResult(received // bs, moved, self._clock() - started)
+
+    async def _take(self, engine: Engine, prompt: Prompt, keys: list[BlockKey], held: int,
+                    source: str, headers: dict[str, str]) -> tuple[int, int]:
+        """The tokens received and the bytes moved.
+
+        Raises:
+            _Failed: the fetch failed; nothing was written.
+        """
+        s, bs = self._settings, engine.cache.block_size
+        asked = keys[held:]
+        url = f"{source}/kv_transfer/read"
+        body = {"block_keys": [k.hex() for k in asked]}
+        kv = kv_pull.engine_kv(engine)
+        limit = _SIM_ANSWER_BYTES if kv is None else max_message_bytes(kv.layout(), len(asked))
+        try:
+            data = await fetch_body(self._http, "POST", url, limit, headers=headers, json=body)
+        except PeerRefused as exc:
+            raise _Failed(f"status_{exc.status}", str(exc)) from None
+        except PeerUnreachable as exc:
+            raise _Failed("unreachable", str(exc)) from None
+        except TransferError as exc:
+            raise _Failed("bad_message", str(exc)) from None
+        write = None
+        if kv is None:
+            n = _sim_blocks(data, len(asked))
+            moved = n * bs * s.kv_bytes_per_token
+            await asyncio.sleep(moved / s.kv_transfer_bandwidth / s.speedup)
+        else:
+            try:
+                message = decode(data, kv.layout(), len(asked))
+            except TransferError as exc:
+                raise _Failed("bad_message", str(exc)) from None
+            n, moved = message.blocks, len(data)
+            write = message_writer(kv, message, offset=held)
+        if n == 0:
+            raise _Failed("missing", f"{source} holds none of the blocks")
+        try:
+            received = await engine.receive_blocks(prompt, (held + n) * bs, write)
+        except TransferError as exc:  # this cache lost blocks it held when it asked
+            raise _Failed("evicted", str(exc)) from None
+        if received == 0 and engine.cache.cached_run(keys) < held + n:
+            raise _Failed("no_free_blocks", "too few free blocks to take the KV")
+        return received, moved
+
+
+def _sim_blocks(data: bytes, asked: int) -> int:
+    try:
+        n = json.loads(data).get("blocks")
+    except (ValueError, AttributeError):
+        n = None
+    if type(n) is not int or not 0 <= n <= asked:
+        raise _Failed("bad_message", f"a sim engine's read answers {{\"blocks\": n}} with "
+                      f"0 <= n <= {asked}, not {data[:100]!r}")
+    return n

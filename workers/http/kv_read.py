@@ -1,0 +1,177 @@
+"""Peer KV fetch, the holder's side: ``POST /kv_transfer/read`` serves blocks by engine key.
+
+A peer that was told to fetch a prompt's leading blocks from this worker
+(:mod:`workers.http.kv_fetch`) posts their engine block keys, in prompt order
+(``{"block_keys": ["<64 hex digits>", ...]}``). The keys chain the cache salt and the LoRA
+scope (:mod:`workers.cache.block_keys`), so a reader can name only blocks of a prompt it
+holds itself, in its own scope. This worker answers the LEADING run of the named blocks it
+holds on the device (it stops at the first one it does not):
+
+- torch engine: one :mod:`workers.torch.kv_wire` message, streamed :data:`CHUNK_BLOCKS`
+  blocks at a time, each read in a thread (as :func:`workers.http.kv_pull.serve_blocks`);
+- sim engine: ``{"blocks": n}``, no bytes (the reader models the transfer's time).
+
+The blocks are pinned while they are read (:meth:`workers.engine.loop.Engine.pin_blocks`):
+nothing is taken, evicted or copied for a read, and a pin never takes an evictable block the
+holder's queued prefills would need (the run stops short instead). At most
+``kv_read_concurrency`` reads run at once; one past them is answered 503 at once, costing the
+holder nothing, and the reader computes the prompt itself. A pin whose answer is never read
+to its end (a reader that left) is let go when its answer ends or, at the latest,
+:data:`READ_LEASE_S` seconds after it was taken.
+
+Who may read is :mod:`workers.http.transfer_auth`'s rule.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable, Sequence
+from typing import Any
+
+from fastapi import Response
+from fastapi.responses import JSONResponse, StreamingResponse
+
+from openai_request.bodies import ApiError
+from workers.cache.block_keys import BlockKey
+from workers.engine.leases import PrefillLeases
+from workers.engine.loop import Engine
+from workers.http import kv_pull
+from workers.torch.kv_wire import header_bytes
+
+__all__ = ["MAX_READ_BLOCKS", "READ_BODY_BYTES", "READ_LEASE_S", "BlockReads", "parse_keys"]
+
+#: The most keys one read may name (a prompt of 2 M tokens at block size 16).
+MAX_READ_BLOCKS = 1 << 17
+#: A read's body: up to :data:`MAX_READ_BLOCKS` quoted keys of 64 hex digits, and a little.
+READ_BODY_BYTES = MAX_READ_BLOCKS * 68 + 1024
+#: The longest a read's pin lasts when its answer is never read to the end.
+READ_LEASE_S = 60.0
+
+_KEY_HEX = 64
+
+
+def parse_keys(body: dict[str, Any]) -> list[BlockKey]:
+    """The engine block keys a read names, in order.
+
+    Raises:
+        ApiError: 400 naming what is wrong (not a list, too many, a key that is not 64 hex
+            digits).
+    """
+    keys = body.get("block_keys")
+    if not isinstance(keys, list) or len(keys) > MAX_READ_BLOCKS:
+        raise ApiError(400, f"block_keys must be a list of at most {MAX_READ_BLOCKS} keys",
+                       param="block_keys")
+    out: list[BlockKey] = []
+    for i, key in enumerate(keys):
+        if not isinstance(key, str) or len(key) != _KEY_HEX:
+            raise ApiError(400, f"block_keys[{i}] must be {_KEY_HEX} hex digits (a 32-byte "
+                           "engine block key)", param="block_keys")
+        try:
+            out.append(bytes.fromhex(key))
+        except ValueError:
+            raise ApiError(400, f"block_keys[{i}] is not hex", param="block_keys") from None
+    return out
+
+
+def _device_run(engine: Engine, keys: Sequence[BlockKey]) -> int:
+    pool = engine.cache.pool
+    for i, key in enumerate(keys):
+        if pool.cached_block(key) is None:
+            return i
+    return len(keys)
+
+
+def _reserve(engine: Engine) -> int:
+    """Blocks to keep free for the holder's own queued prefills."""
+    bs = engine.cache.block_size
+    return -(-engine.batcher.pending_prefill_tokens // bs)
+
+
+class BlockReads:
+    """The reads this worker is serving: each one's engine and pin, under a lease.
+
+    Args:
+        engines: the worker's engines (one per data-parallel rank); a read is served by the
+            one that holds the longest run of its keys.
+        concurrency: reads served at once.
+        clock: monotonic seconds (injected in tests).
+    """
+
+    def __init__(self, engines: Sequence[Engine], concurrency: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        if concurrency < 1:
+            raise ValueError(f"concurrency must be at least 1, got {concurrency}")
+        self._engines = tuple(engines)
+        self._concurrency = concurrency
+        self._clock = clock
+        self._leases = PrefillLeases(READ_LEASE_S)
+        self._pinned: dict[str, Engine] = {}
+
+    def __len__(self) -> int:
+        """Reads being served now."""
+        return len(self._pinned)
+
+    def expire(self) -> int:
+        """Let go of every pin whose lease ended; returns how many."""
+        ended = self._leases.expired(self._clock())
+        for pin_id in ended:
+            self._pinned.pop(pin_id).unpin_blocks(pin_id)
+        return len(ended)
+
+    def finish(self, pin_id: str) -> None:
+        """A read's answer ended: let go of its pin (safe to call twice)."""
+        if self._leases.claim(pin_id):
+            self._pinned.pop(pin_id).unpin_blocks(pin_id)
+
+    def pin(self, keys: Sequence[BlockKey]) -> tuple[str, Engine, tuple[int, ...]]:
+        """Pin the leading run of ``keys`` on the engine that holds the most of it.
+
+        Returns:
+            The pin's id, its engine and its device blocks (empty: none held; nothing is
+            pinned, and :meth:`finish` is a no-op).
+
+        Raises:
+            ApiError: 503 when :attr:`concurrency` reads are being served already.
+        """
+        self.expire()
+        if len(self._pinned) >= self._concurrency:
+            raise ApiError(503, f"this worker serves {self._concurrency} KV reads at once; "
+                           "compute the prompt instead", "server_error", code="busy")
+        engine = max(self._engines, key=lambda e: _device_run(e, keys))
+        pin_id = f"read-{uuid.uuid4().hex}"
+        block_ids = engine.pin_blocks(pin_id, keys, keep_free=_reserve(engine))
+        if block_ids:
+            self._leases.grant(pin_id, self._clock())
+            self._pinned[pin_id] = engine
+        return pin_id, engine, block_ids
+
+    async def answer(self, keys: Sequence[BlockKey]) -> tuple[Response, int]:
+        """The answer to a read of ``keys`` (module docstring), and the blocks it holds.
+
+        Raises:
+            ApiError: 503 (busy, :meth:`pin`).
+        """
+        pin_id, engine, block_ids = self.pin(keys)
+        kv = kv_pull.engine_kv(engine)
+        if kv is None:  # the sim engine: the count, and the reader models the bytes
+            self.finish(pin_id)
+            return JSONResponse({"blocks": len(block_ids)}), len(block_ids)
+        layout = kv.layout()
+        head = header_bytes(layout, len(block_ids))
+        chunk = kv_pull.CHUNK_BLOCKS
+
+        async def body() -> AsyncIterator[bytes]:
+            try:
+                yield head
+                for i in range(0, len(block_ids), chunk):
+                    if pin_id not in self._pinned:  # its lease ended: blocks may be reused
+                        raise RuntimeError(f"the read {pin_id} outlived its pin")
+                    yield await asyncio.to_thread(kv.read_blocks, block_ids[i:i + chunk])
+            finally:
+                self.finish(pin_id)
+
+        size = len(head) + len(block_ids) * layout.block_bytes
+        return StreamingResponse(body(), media_type="application/octet-stream",
+                                 headers={"content-length": str(size)}), len(block_ids)
