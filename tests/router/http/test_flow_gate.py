@@ -152,7 +152,7 @@ async def test_a_request_predicted_past_the_budget_is_refused_at_once_with_a_ret
     urgent = asyncio.create_task(fleet.send(flow, "urgent", 0))
     await settle()
     assert not urgent.done() and len(flow.queue) == 10
-    assert flow.shed["deadline", 5, ""] == 1
+    assert flow.shed["deadline", "5", "other"] == 1
     await flow.close()
     for t in [*waiting, ninth, urgent]:
         with pytest.raises(ApiError):
