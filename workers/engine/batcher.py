@@ -24,14 +24,19 @@ The rules, in the order one :meth:`~Batcher.schedule` applies them:
    new tokens) stays under ``max_iteration_context`` when set: the most the engine profiled
    (:mod:`workers.torch.memory`). A step or chunk that would pass it waits for the next
    iteration; a waiting request is admitted only if its whole prompt fits what is left.
+
    With ``short_prefill`` set (S tokens), rules 3 and 4 change so that a prefill with little
-   left goes ahead of a long one: running prefills with at most S tokens left get their chunk
-   first, fewest left first (the oldest on a tie); then the longer running prefills (oldest
-   first), which leave ``min(S, max_num_batched_tokens / 4)`` of the budget to admission while
-   requests wait; then admission as in rule 4. When a chunk that ends its prompt (a first
-   token) is in the iteration, or requests wait to be admitted, the longer prefills' chunks
-   together stay under ``short_pass_tokens`` (when set), so that an iteration a client waits
-   on is short.
+   left goes ahead of a long one: running prefills with at most S tokens left get their
+   chunk first, fewest left first (the oldest on a tie); then the longer running prefills
+   (oldest first), which leave ``min(S, max_num_batched_tokens / 4)`` of the budget to
+   admission while requests wait, when the first waiting one is short (at most S tokens) or
+   fits the cache's empty blocks (admitted, it evicts no cached prefix) and does not continue
+   a running prefill's prompt past what that computed (admitted now, it would recompute what
+   that prefill is about to cache); then admission as in rule 4. When a chunk that ends its
+   prompt (a first token) is in the iteration, or a request is admitted early, the longer
+   prefills' chunks together stay under ``short_pass_tokens`` (when set), so that an
+   iteration a client waits on is short.
+
 7. When an iteration fails (:meth:`Batcher.recover`: the device ran out of memory, say), its
    requests are preempted as in rule 2 and the next iterations are capped at half its tokens
    and requests, until :data:`RECOVERY_ITERATIONS` iterations have passed; a request whose
@@ -429,7 +434,8 @@ class Batcher:
                 budget -= chunk.num_new_tokens
                 slots -= 1
             longs_cap = budget
-            admitting = bool(self._waiting) and len(self._running) < self.max_num_seqs
+            admitting = (bool(self._waiting) and len(self._running) < self.max_num_seqs
+                         and self._may_admit_early(self._waiting[0], prefilling))
             if admitting:
                 longs_cap = max(0, budget - min(short, self.max_num_batched_tokens // 4))
             if self.short_pass_tokens and (admitting or any(c.samples for c in prefill)):
@@ -586,6 +592,21 @@ class Batcher:
             output_index=len(seq.outputs),
             prompt=seq.request.prompt,
         )
+
+    def _may_admit_early(self, seq: _Sequence, prefilling: list[_Sequence]) -> bool:
+        """Whether the longer prefills leave budget to admit ``seq`` (the paragraph under
+        rule 6): its prompt is short, or its blocks fit the empty ones (admitted, it evicts no
+        cached prefix); and it does not continue a running prefill's prompt past what that computed
+        (admitted now, it would recompute what that prefill is about to cache)."""
+        tokens = seq.prompt.token_ids
+        if (len(tokens) > self.short_prefill
+                and _cdiv(len(tokens), self.cache.block_size) > self.cache.pool.num_empty_blocks):
+            return False
+        for other in prefilling:
+            n = other.num_computed + 1
+            if len(tokens) >= n and tokens[:n] == other.prompt.token_ids[:n]:
+                return False
+        return True
 
     def _preempt(self, seq: _Sequence, *, counted: bool = True) -> None:
         rid = seq.request.request_id
