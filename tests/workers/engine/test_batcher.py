@@ -443,3 +443,13 @@ def test_every_order_finishes_every_request_under_block_pressure(
 def test_negative_short_prefill_is_refused() -> None:
     with pytest.raises(ValueError, match="short_prefill"):
         Batcher(CacheManager(num_blocks=8, block_size=4), short_prefill=-1)
+
+
+def test_worker_settings_carry_the_prefill_order_and_refuse_negatives() -> None:
+    from workers.settings import WorkerSettingsError, load_worker_settings
+
+    s = load_worker_settings({"short_prefill": 2048}, {"KVROUTE_WORKER_SHORT_PASS_TOKENS": "4096"})
+    assert (s.short_prefill, s.short_pass_tokens) == (2048, 4096)
+    assert load_worker_settings({}, {}).short_prefill == 0  # first come, first served
+    with pytest.raises(WorkerSettingsError, match="short_prefill"):
+        load_worker_settings({"short_prefill": -1}, {})
