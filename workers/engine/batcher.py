@@ -599,9 +599,11 @@ class Batcher:
         cached prefix); and it does not continue a running prefill's prompt past what that computed
         (admitted now, it would recompute what that prefill is about to cache)."""
         tokens = seq.prompt.token_ids
-        if (len(tokens) > self.short_prefill
-                and _cdiv(len(tokens), self.cache.block_size) > self.cache.pool.num_empty_blocks):
-            return False
+        blocks = _cdiv(len(tokens), self.cache.block_size)
+        pool = self.cache.pool
+        if blocks > pool.num_free_blocks or (len(tokens) > self.short_prefill
+                                             and blocks > pool.num_empty_blocks):
+            return False  # it could not be admitted, or would evict cached prefixes
         for other in prefilling:
             n = other.num_computed + 1
             if len(tokens) >= n and tokens[:n] == other.prompt.token_ids[:n]:

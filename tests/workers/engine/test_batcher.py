@@ -453,3 +453,35 @@ def test_worker_settings_carry_the_prefill_order_and_refuse_negatives() -> None:
     assert load_worker_settings({}, {}).short_prefill == 0  # first come, first served
     with pytest.raises(WorkerSettingsError, match="short_prefill"):
         load_worker_settings({"short_prefill": -1}, {})
+
+
+def test_a_request_continuing_a_running_prefill_waits_for_its_prefix() -> None:
+    # "b" extends "a"'s prompt: admitted early it would recompute what "a" is about to cache,
+    # so the long "a" keeps the whole budget and "b" then finds all of "a" cached.
+    a = list(range(100, 164))
+    b = Batcher(CacheManager(num_blocks=64, block_size=4), max_num_batched_tokens=32,
+                short_prefill=8)
+    b.add(req("a", a))
+    step(b)
+    b.add(req("b", a + list(range(300, 308))))
+    plan, _ = step(b)
+    assert [(c.request_id, c.num_new_tokens) for c in plan.prefill] == [("a", 32)]
+    plan = b.schedule()
+    assert plan is not None
+    assert [(c.request_id, c.start, c.num_new_tokens) for c in plan.prefill] == [("b", 64, 8)]
+    assert b.num_cached_tokens("b") == 64
+
+
+def test_a_long_waiting_request_that_would_evict_cached_prefixes_waits() -> None:
+    # The cache holds a finished request's blocks (evictable) and no empty one: a long waiting
+    # request is not admitted early, so the running long prefill keeps the whole budget.
+    cache = CacheManager(num_blocks=24, block_size=4)
+    b = Batcher(cache, max_num_batched_tokens=32, short_prefill=8)
+    b.add(req("z", list(range(500, 592))))  # 92 tokens: 23 blocks, cached once it finishes
+    run(b)
+    b.add(req("a", list(range(100, 164))))
+    step(b)
+    assert cache.pool.num_empty_blocks == 0
+    b.add(req("l", list(range(300, 316))))  # 16 tokens: longer than short_prefill
+    plan, _ = step(b)
+    assert [(c.request_id, c.num_new_tokens) for c in plan.prefill] == [("a", 32)]
