@@ -202,6 +202,9 @@ class Fleet:
             worker_args += ["--max-num-batched-tokens", str(args.max_num_batched_tokens)]
         if args.kv_memory_gb is not None:
             worker_args += ["--kv-memory-gb", str(args.kv_memory_gb)]
+        for flag in ("short_prefill", "short_pass_tokens"):
+            if getattr(args, flag) is not None:
+                worker_args += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
         self.args, self.policy = args, policy
         self.cluster = Cluster(args.workers, worker_args=worker_args,
                                router_args=["--policy", policy, "--seed", "0"], log_dir=log_dir)
@@ -377,6 +380,11 @@ def build_parser() -> argparse.ArgumentParser:
     a("--policies", default="round_robin,kv", help="router policies, comma-separated")
     a("--max-num-batched-tokens", type=int, default=None,
       help="each worker's prefill chunk cap (default: the worker's, 8192)")
+    a("--short-prefill", type=int, default=None, metavar="TOKENS",
+      help="each worker's --short-prefill: prefills with at most TOKENS left go first "
+      "(default: the worker's, 0: first come, first served)")
+    a("--short-pass-tokens", type=int, default=None, metavar="TOKENS",
+      help="each worker's --short-pass-tokens (default: the worker's)")
     a("--mps", choices=MODES, default="auto",
       help="CUDA MPS for the workers: started before them and stopped after (bench.gpu.mps); "
       "auto uses it where nvidia-cuda-mps-control is found (default auto)")

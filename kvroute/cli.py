@@ -158,6 +158,12 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     a("--max-num-batched-tokens", type=int,
       help="tokens per engine iteration (default %(default)s)")
     a("--max-num-seqs", type=int, help="running requests at most (default %(default)s)")
+    a("--short-prefill", type=int, metavar="TOKENS",
+      help="prefills with at most TOKENS left go ahead of longer ones, which leave TOKENS of "
+      "an iteration to waiting requests; 0 for first come, first served (default %(default)s)")
+    a("--short-pass-tokens", type=int, metavar="TOKENS",
+      help="with --short-prefill: the most tokens longer prefills take in an iteration that "
+      "ends another prompt's prefill; 0 for no cap (default %(default)s)")
     a("--max-model-len", type=int,
       help="prompt + output tokens at most (default %(default)s)")
     a("--speedup", type=float,

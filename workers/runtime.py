@@ -75,6 +75,8 @@ class WorkerRuntime:
             cache = CacheManager(num_blocks, settings.block_size, settings.host_blocks)
             batcher = Batcher(cache, max_num_batched_tokens=settings.max_num_batched_tokens,
                               max_num_seqs=settings.max_num_seqs,
+                              short_prefill=settings.short_prefill,
+                              short_pass_tokens=settings.short_pass_tokens,
                               max_model_len=settings.max_model_len,
                               max_iteration_context=iteration_context)
             hints = ImageHints(settings.image_hint_capacity) if settings.image_hints else None

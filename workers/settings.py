@@ -75,6 +75,11 @@ class WorkerSettings:
     host_blocks: int = 0
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
+    #: Prefills with at most this many tokens left go ahead of longer ones (0: first come,
+    #: first served); ``short_pass_tokens`` caps the longer ones in an iteration that ends a
+    #: prompt (:class:`workers.engine.batcher.Batcher`).
+    short_prefill: int = 0
+    short_pass_tokens: int = 0
     max_model_len: int = 65536
     speedup: float = 1.0
     timing: str = DEFAULT_TIMING
@@ -140,7 +145,7 @@ class WorkerSettings:
         if self.data_parallel_size > 1 and self.engine == "torch":
             raise WorkerSettingsError(
                 "data_parallel_size > 1 runs sim engines only; run one torch worker per rank")
-        for name in ("host_blocks", "data_parallel_rank"):
+        for name in ("host_blocks", "data_parallel_rank", "short_prefill", "short_pass_tokens"):
             if getattr(self, name) < 0:
                 raise WorkerSettingsError(f"{name} must be >= 0, got {getattr(self, name)}")
         self._check_ports()

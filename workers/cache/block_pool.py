@@ -126,6 +126,11 @@ class BlockPool:
         return len(self._free) + len(self._evictable)
 
     @property
+    def num_empty_blocks(self) -> int:
+        """Device blocks holding nothing: taking them evicts no cached block."""
+        return len(self._free)
+
+    @property
     def num_held_blocks(self) -> int:
         """Device blocks referenced by requests."""
         return self.num_blocks - self.num_free_blocks

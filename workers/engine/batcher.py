@@ -24,6 +24,19 @@ The rules, in the order one :meth:`~Batcher.schedule` applies them:
    new tokens) stays under ``max_iteration_context`` when set: the most the engine profiled
    (:mod:`workers.torch.memory`). A step or chunk that would pass it waits for the next
    iteration; a waiting request is admitted only if its whole prompt fits what is left.
+
+   With ``short_prefill`` set (S tokens), rules 3 and 4 change so that a prefill with little
+   left goes ahead of a long one: running prefills with at most S tokens left get their
+   chunk first, fewest left first (the oldest on a tie); then the longer running prefills
+   (oldest first), which leave ``min(S, max_num_batched_tokens / 4)`` of the budget to
+   admission while requests wait, when the first waiting one is short (at most S tokens) or
+   fits the cache's empty blocks (admitted, it evicts no cached prefix) and does not continue
+   a running prefill's prompt past what that computed (admitted now, it would recompute what
+   that prefill is about to cache); then admission as in rule 4. When a chunk that ends its
+   prompt (a first token) is in the iteration, or a request is admitted early, the longer
+   prefills' chunks together stay under ``short_pass_tokens`` (when set), so that an
+   iteration a client waits on is short.
+
 7. When an iteration fails (:meth:`Batcher.recover`: the device ran out of memory, say), its
    requests are preempted as in rule 2 and the next iterations are capped at half its tokens
    and requests, until :data:`RECOVERY_ITERATIONS` iterations have passed; a request whose
@@ -161,6 +174,11 @@ class Batcher:
             by default what the whole cache holds.
         max_iteration_context: most context tokens one iteration may touch (rule 6), at
             least ``max_model_len``; ``None`` for no limit.
+        short_prefill: prefills with at most this many tokens left go first, fewest first,
+            and the longer ones leave some of the budget to admission while requests wait
+            (the paragraph under rule 6); 0 for first come, first served.
+        short_pass_tokens: with ``short_prefill``, the most tokens the longer prefills take
+            in an iteration that ends another prompt's prefill or admits; 0 for no limit.
 
     Notes:
         1. A request is in exactly one place: waiting (holds no blocks) or running (holds
@@ -182,6 +200,8 @@ class Batcher:
         max_num_seqs: int = 256,
         max_model_len: int | None = None,
         max_iteration_context: int | None = None,
+        short_prefill: int = 0,
+        short_pass_tokens: int = 0,
     ) -> None:
         capacity = cache.pool.num_blocks * cache.block_size
         if max_num_batched_tokens < 1:
@@ -201,6 +221,12 @@ class Batcher:
                 f"max_iteration_context ({max_iteration_context}) must hold one request of "
                 f"max_model_len ({self.max_model_len})")
         self.max_iteration_context = max_iteration_context
+        if short_prefill < 0 or short_pass_tokens < 0:
+            raise ValueError(
+                f"short_prefill and short_pass_tokens must be at least 0, got {short_prefill} "
+                f"and {short_pass_tokens}")
+        self.short_prefill = short_prefill
+        self.short_pass_tokens = short_pass_tokens
         self._cap_tokens = max_num_batched_tokens  # rule 7's caps
         self._cap_requests = max_num_seqs
         self._calm = 0  # successful iterations since the last failure
@@ -387,10 +413,17 @@ class Batcher:
             budget -= 1
             slots -= 1
 
-        for seq in self._running.values():
-            if budget == 0 or slots == 0:
-                break
-            if seq.prefilling:
+        prefilling = [s for s in self._running.values() if s.prefilling]
+        longs = prefilling
+        longs_cap = budget
+        if self.short_prefill:
+            short = self.short_prefill
+            left = {id(s): len(s.prompt.token_ids) - s.num_computed for s in prefilling}
+            longs = [s for s in prefilling if left[id(s)] > short]
+            for seq in sorted((s for s in prefilling if left[id(s)] <= short),
+                              key=lambda s: left[id(s)]):  # stable: the oldest on a tie
+                if budget == 0 or slots == 0:
+                    break
                 chunk = self._chunk(seq, seq.num_computed, budget, ())
                 touched = chunk.start + chunk.num_new_tokens
                 if context is not None:
@@ -400,6 +433,26 @@ class Batcher:
                 prefill.append(chunk)
                 budget -= chunk.num_new_tokens
                 slots -= 1
+            longs_cap = budget
+            admitting = (bool(self._waiting) and len(self._running) < self.max_num_seqs
+                         and self._may_admit_early(self._waiting[0], prefilling))
+            if admitting:
+                longs_cap = max(0, budget - min(short, self.max_num_batched_tokens // 4))
+            if self.short_pass_tokens and (admitting or any(c.samples for c in prefill)):
+                longs_cap = min(longs_cap, self.short_pass_tokens)
+        for seq in longs:
+            if longs_cap == 0 or slots == 0:
+                break
+            chunk = self._chunk(seq, seq.num_computed, longs_cap, ())
+            touched = chunk.start + chunk.num_new_tokens
+            if context is not None:
+                if touched > context:
+                    continue  # rule 6: it continues next iteration
+                context -= touched
+            prefill.append(chunk)
+            budget -= chunk.num_new_tokens
+            longs_cap -= chunk.num_new_tokens
+            slots -= 1
 
         while (not preempted and budget and slots and self._waiting
                and len(self._running) < self.max_num_seqs):
@@ -539,6 +592,23 @@ class Batcher:
             output_index=len(seq.outputs),
             prompt=seq.request.prompt,
         )
+
+    def _may_admit_early(self, seq: _Sequence, prefilling: list[_Sequence]) -> bool:
+        """Whether the longer prefills leave budget to admit ``seq`` (the paragraph under
+        rule 6): its prompt is short, or its blocks fit the empty ones (admitted, it evicts no
+        cached prefix); and it does not continue a running prefill's prompt past what that computed
+        (admitted now, it would recompute what that prefill is about to cache)."""
+        tokens = seq.prompt.token_ids
+        blocks = _cdiv(len(tokens), self.cache.block_size)
+        pool = self.cache.pool
+        if blocks > pool.num_free_blocks or (len(tokens) > self.short_prefill
+                                             and blocks > pool.num_empty_blocks):
+            return False  # it could not be admitted, or would evict cached prefixes
+        for other in prefilling:
+            n = other.num_computed + 1
+            if len(tokens) >= n and tokens[:n] == other.prompt.token_ids[:n]:
+                return False
+        return True
 
     def _preempt(self, seq: _Sequence, *, counted: bool = True) -> None:
         rid = seq.request.request_id

@@ -382,3 +382,106 @@ async def test_sim_time_is_the_model_over_the_speedup() -> None:
         SimExecutor(speedup=0)
     with pytest.raises(ValueError, match="non-empty range"):
         SimExecutor(vocab=range(3, 3))
+
+
+def test_short_prefills_go_ahead_of_a_long_one() -> None:
+    # A long prompt takes the whole budget each iteration first come, first served; with
+    # short_prefill a short one that arrives behind it is admitted in the next iteration (the
+    # long one leaves a quarter of the budget to admission) and its first token comes out
+    # there, the long one finishing an iteration later.
+    long, short = list(range(100, 228)), list(range(300, 306))
+    for short_prefill, first_token in ((0, {"a": 3, "b": 4}), (8, {"a": 4, "b": 1})):
+        b = Batcher(CacheManager(num_blocks=64, block_size=4), max_num_batched_tokens=32,
+                    short_prefill=short_prefill)
+        b.add(req("a", long))
+        step(b)
+        b.add(req("b", short))
+        firsts = {}
+        for i in range(1, 8):
+            plan = b.schedule()
+            if plan is None:
+                break
+            assert plan.num_tokens <= 32
+            firsts.update((o.request_id, i) for o in b.complete(plan, tokens_of(plan)))
+        assert firsts == first_token
+
+
+def test_shortest_left_goes_first_and_caps_the_longer_chunks() -> None:
+    b = Batcher(CacheManager(num_blocks=64, block_size=4), max_num_batched_tokens=32,
+                short_prefill=16, short_pass_tokens=8)
+    b.add(req("a", list(range(100, 164))))  # 64 tokens
+    b.add(req("b", list(range(300, 340))))  # 40 tokens
+    plan, _ = step(b)
+    assert [(c.request_id, c.num_new_tokens) for c in plan.prefill] == [("a", 32)]
+    plan, _ = step(b)
+    # "a" (32 left) is long and "b" waits: "a" takes at most short_pass_tokens
+    assert [(c.request_id, c.num_new_tokens) for c in plan.prefill] == [("a", 8), ("b", 24)]
+    plan, _ = step(b)
+    # "b" (16 left) is short and ends its prompt first; "a" (24 left) is capped again
+    assert [(c.request_id, c.num_new_tokens, c.samples) for c in plan.prefill] == [
+        ("b", 16, True), ("a", 8, False)]
+    plan, _ = step(b)
+    assert [(c.request_id, c.num_new_tokens, c.samples) for c in plan.prefill] == [
+        ("a", 16, True)]
+
+
+@pytest.mark.parametrize("short_prefill, short_pass", [(0, 0), (8, 0), (8, 8), (24, 4)])
+def test_every_order_finishes_every_request_under_block_pressure(
+        short_prefill: int, short_pass: int) -> None:
+    cache = CacheManager(num_blocks=24, block_size=4)
+    b = Batcher(cache, max_num_batched_tokens=16, short_prefill=short_prefill,
+                short_pass_tokens=short_pass)
+    letters = "abcdefghijklmnop"
+    for i, rid in enumerate(letters):
+        b.add(req(rid, [200 + i] * (3 + (i * 7) % 40), max_tokens=4 + i % 5))
+    outputs = run(b)
+    for i, rid in enumerate(letters):
+        assert [o.token_id for o in outputs[rid]] == [sample(rid, k) for k in range(4 + i % 5)]
+    assert (b.running, b.waiting, cache.pool.num_held_blocks) == (0, 0, 0)
+
+
+def test_negative_short_prefill_is_refused() -> None:
+    with pytest.raises(ValueError, match="short_prefill"):
+        Batcher(CacheManager(num_blocks=8, block_size=4), short_prefill=-1)
+
+
+def test_worker_settings_carry_the_prefill_order_and_refuse_negatives() -> None:
+    from workers.settings import WorkerSettingsError, load_worker_settings
+
+    s = load_worker_settings({"short_prefill": 2048}, {"KVROUTE_WORKER_SHORT_PASS_TOKENS": "4096"})
+    assert (s.short_prefill, s.short_pass_tokens) == (2048, 4096)
+    assert load_worker_settings({}, {}).short_prefill == 0  # first come, first served
+    with pytest.raises(WorkerSettingsError, match="short_prefill"):
+        load_worker_settings({"short_prefill": -1}, {})
+
+
+def test_a_request_continuing_a_running_prefill_waits_for_its_prefix() -> None:
+    # "b" extends "a"'s prompt: admitted early it would recompute what "a" is about to cache,
+    # so the long "a" keeps the whole budget and "b" then finds all of "a" cached.
+    a = list(range(100, 164))
+    b = Batcher(CacheManager(num_blocks=64, block_size=4), max_num_batched_tokens=32,
+                short_prefill=8)
+    b.add(req("a", a))
+    step(b)
+    b.add(req("b", a + list(range(300, 308))))
+    plan, _ = step(b)
+    assert [(c.request_id, c.num_new_tokens) for c in plan.prefill] == [("a", 32)]
+    plan = b.schedule()
+    assert plan is not None
+    assert [(c.request_id, c.start, c.num_new_tokens) for c in plan.prefill] == [("b", 64, 8)]
+    assert b.num_cached_tokens("b") == 64
+
+
+def test_a_long_waiting_request_that_would_evict_cached_prefixes_waits() -> None:
+    # The cache holds a finished request's blocks (evictable) and no empty one: a long waiting
+    # request is not admitted early, so the running long prefill keeps the whole budget.
+    cache = CacheManager(num_blocks=24, block_size=4)
+    b = Batcher(cache, max_num_batched_tokens=32, short_prefill=8)
+    b.add(req("z", list(range(500, 592))))  # 92 tokens: 23 blocks, cached once it finishes
+    run(b)
+    b.add(req("a", list(range(100, 164))))
+    step(b)
+    assert cache.pool.num_empty_blocks == 0
+    b.add(req("l", list(range(300, 316))))  # 16 tokens: longer than short_prefill
+    plan, _ = step(b)
+    assert [(c.request_id, c.num_new_tokens) for c in plan.prefill] == [("a", 32)]

@@ -1,0 +1,52 @@
+"""bench.gpu.fleet_runs: its run and config specs, the workloads they name, and the flags a
+config passes to every worker."""
+
+from __future__ import annotations
+
+import pytest
+
+from bench.gpu.fleet_runs import RunSpec, main, parse_configs, parse_runs, workload
+from bench.gpu_routing import Fleet, build_parser
+
+
+def test_runs_parse_workload_seed_count_and_load() -> None:
+    assert parse_runs("trace:0:70@0.3, long_context:2:80@1.5") == [
+        RunSpec("trace", 0, 70, 0.3), RunSpec("long_context", 2, 80, 1.5)]
+
+
+@pytest.mark.parametrize("bad", ["", "trace:0:70", "trace:0@0.3", "trace:0:0@0.3",
+                                 "trace:0:5@0", "trace:x:5@1"])
+def test_bad_runs_are_refused_with_the_entry(bad: str) -> None:
+    with pytest.raises(ValueError):
+        parse_runs(bad)
+
+
+def test_configs_split_their_flags_and_refuse_repeats() -> None:
+    assert parse_configs("fcfs=; short=--short-prefill 2048 --short-pass-tokens 2048") == [
+        ("fcfs", []), ("short", ["--short-prefill", "2048", "--short-pass-tokens", "2048"])]
+    for bad in ("a=;a=--x 1", "noflags", "=--x 1"):
+        with pytest.raises(ValueError):
+            parse_configs(bad)
+
+
+def test_workloads_are_the_trace_window_or_the_generator_within_the_model_length() -> None:
+    trace = workload(RunSpec("trace", 0, 20, 1.0), 65536)
+    assert 0 < len(trace) <= 20 and trace[0].arrival_s == 0.0
+    conversations = workload(RunSpec("long_context", 2, 12, 1.0), 16384)
+    assert conversations and all(r.input_length + r.output_length <= 16384
+                                 for r in conversations)
+
+
+def test_a_config_passes_the_prefill_order_to_every_worker() -> None:
+    args = build_parser().parse_args(["--workers", "2", "--device", "cpu", "--short-prefill",
+                                      "2048", "--short-pass-tokens", "4096"])
+    argv = Fleet(args, "kv", None).cluster.worker_args
+    assert argv[argv.index("--short-prefill") + 1] == "2048"
+    assert argv[argv.index("--short-pass-tokens") + 1] == "4096"
+    plain = Fleet(build_parser().parse_args(["--device", "cpu"]), "kv", None).cluster.worker_args
+    assert "--short-prefill" not in plain
+
+
+def test_bad_specs_exit_2_before_starting_anything(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--runs", "trace:0:5"]) == 2
+    assert "WORKLOAD:SEED:COUNT@LOAD" in capsys.readouterr().err
