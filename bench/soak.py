@@ -387,6 +387,7 @@ async def soak(seconds: float, concurrency: int, faults: bool, seed: int,
             tasks += [soak_hostile.slow_bodies(port, deadline, tally.hostile),
                       soak_hostile.big_headers(port, deadline, tally.hostile),
                       soak_hostile.image_fan_out(base, peers, deadline, tally.hostile),
+                      soak_hostile.boundary_probes(base, port, deadline, tally.hostile),
                       peers.rogue(deadline, seed)]
         await asyncio.gather(*tasks)
         if peers is not None and tally.hostile is not None:

@@ -16,6 +16,13 @@ router answered:
   rogue publisher: valid batches with odd seqs (2**64 - 1, far ahead, backwards), bad frames
   and valid batches storing more blocks than the stand-in declares.
 
+- ``smuggle``, ``transfer_fields``, ``duplicate_keys``, ``rank_header``: requests framed two
+  ways (Content-Length beside Transfer-Encoding, two differing Content-Lengths, a coded
+  Transfer-Encoding), bodies naming the router's own ``kv_transfer_params`` or SGLang's
+  bootstrap fields, bodies repeating ``model`` or ``prompt``, and a client-set
+  ``X-data-parallel-rank`` (:func:`boundary_probes`); a 400 (or a closed connection) is due
+  for each but the last, which must be served (the header dropped).
+
 The stand-in serves a model of its own (:data:`STOCK_MODEL`), so the soak's traffic never goes
 there. What each produced is counted in :class:`Hostile`, printed after the soak's figures.
 """
@@ -250,6 +257,48 @@ async def big_headers(port: int, deadline: float, tally: Hostile) -> None:
         answer, _ = await _raw(port, head)
         tally.outcomes[("big_headers", answer)] += 1
         await asyncio.sleep(1.0)
+
+
+#: (kind, raw request) pairs of :func:`boundary_probes`; each framed body is a valid completion.
+_BODY = b'{"model": "kvroute-sim", "prompt": "hi", "max_tokens": 1}'
+_PROBES: list[tuple[str, bytes]] = [
+    ("smuggle", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+     b"\r\nContent-Length: %d\r\nTransfer-Encoding: chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
+     % (len(_BODY), len(_BODY), _BODY)),
+    ("smuggle", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+     b"\r\nContent-Length: %d\r\nContent-Length: 5\r\n\r\n%s" % (len(_BODY), _BODY)),
+    ("smuggle", b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+     b"\r\nTransfer-Encoding: gzip, chunked\r\n\r\n%x\r\n%s\r\n0\r\n\r\n"
+     % (len(_BODY), _BODY)),
+]
+_BODIES: list[tuple[str, bytes, dict[str, str]]] = [
+    ("transfer_fields", b'{"model": "kvroute-sim", "prompt": "hi", "max_tokens": 1, '
+     b'"kv_transfer_params": {"do_remote_prefill": true, "remote_host": "127.0.0.9"}}', {}),
+    ("transfer_fields", b'{"model": "kvroute-sim", "prompt": "hi", "max_tokens": 1, '
+     b'"bootstrap_host": "127.0.0.9", "bootstrap_room": 7}', {}),
+    ("duplicate_keys", b'{"model": "kvroute-sim", "prompt": "hi", "prompt": "other", '
+     b'"max_tokens": 1}', {}),
+    ("rank_header", _BODY, {"X-data-parallel-rank": "7"}),
+]
+
+
+async def boundary_probes(base: str, port: int, deadline: float, tally: Hostile) -> None:
+    """The module docstring's boundary probes, one round a second, until ``deadline``."""
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=30)) as session:
+        while time.monotonic() < deadline:
+            for kind, head in _PROBES:
+                answer, _ = await _raw(port, head)
+                tally.outcomes[(kind, answer)] += 1
+            for kind, body, headers in _BODIES:
+                try:
+                    async with session.post(base + "/v1/completions", data=body, headers={
+                            "Content-Type": "application/json", **headers}) as r:
+                        await r.read()
+                        answer = str(r.status)
+                except (aiohttp.ClientError, TimeoutError) as exc:
+                    answer = f"no answer: {type(exc).__name__}"
+                tally.outcomes[(kind, answer)] += 1
+            await asyncio.sleep(1.0)
 
 
 async def image_fan_out(base: str, peers: HostilePeers, deadline: float, tally: Hostile
