@@ -19,6 +19,7 @@ default link); 4 on fleets of random abilities, links and failures.
 
 from __future__ import annotations
 
+import math
 import random
 
 from hypothesis import given, settings
@@ -99,9 +100,12 @@ def test_an_idle_worker_holding_more_is_never_priced_above_one_holding_less(
         matches[i] = (min(held, blocks), 0 if fetch is None else min(held, blocks))
     matches = {w: m for w, m in matches.items() if m[0]}
     prices, spec, fast = _both_choices(core, hashes, matches, seed)
-    assert prices[0] <= prices[1]
+    # Equal up to rounding: a host copy as dear as a recompute sums the same seconds in
+    # another order (a few ulps either way).
+    close = math.isclose(prices[0], prices[1], rel_tol=1e-12)
+    assert prices[0] <= prices[1] or close
     for chosen in (spec, fast):
-        assert chosen != 1 or prices[1] == prices[0]
+        assert chosen != 1 or close
 
 
 @settings(max_examples=200, deadline=None)
