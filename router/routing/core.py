@@ -418,19 +418,29 @@ class RoutingCore:
             sources = self._sources(matches, None, blocks) if fetch else []
             holders = self._holders(hashes, matches, now, passed_on, sources)
             slo = self.settings.ttft_slo
-            fast = choose_fast(blocks, holders, self._groups, rng, passed_on, slo, sources)
+            pressure = self.fetch_pressure(now) if sources else 0.0
+            fast = choose_fast(blocks, holders, self._groups, rng, passed_on, slo, sources,
+                               pressure)
 
             def explain() -> tuple[WorkerCost, ...]:
                 candidates = self.candidates(sorted(self._tracked), hashes, matches, now,
                                              fetch=fetch)
-                return tuple(price(blocks, candidates, slo).costs)
+                return tuple(price(blocks, candidates, slo, pressure).costs)
 
             return Routed(Decision(fast.worker, None, chosen=fast.chosen, explain=explain),
                           continued)
         if not workers:
             raise ValueError("no candidate workers")
         candidates = self.candidates(workers, hashes, matches, now, fetch=fetch)
-        return Routed(choose(blocks, candidates, rng, self.settings.ttft_slo), continued)
+        pressure = self.fetch_pressure(now) if any(c.sources for c in candidates) else 0.0
+        return Routed(choose(blocks, candidates, rng, self.settings.ttft_slo, pressure),
+                      continued)
+
+    def fetch_pressure(self, now: float) -> float:
+        """The eviction pressure a busy fleet's fetched copy is priced at: the share of the
+        fleet's caches evicted in the pressure window, at most 1
+        (:mod:`router.routing.scheduler`)."""
+        return min(1.0, self._pressure.pressure(now))
 
     def _sources(self, matches: Matches, among: set[int] | None, blocks: int
                  ) -> list[FetchSource]:

@@ -36,6 +36,7 @@ from router.routing.scheduler import (
     Candidate,
     FetchSource,
     WorkerCost,
+    copy_seconds,
     cost_of,
     fetch_terms,
     prefill_seconds,
@@ -166,7 +167,7 @@ class FastChoice:
 
 def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadGroups,
                 rng: random.Random, passed_on: float = 1.0, slo: float | None = None,
-                sources: Sequence[FetchSource] = ()) -> FastChoice:
+                sources: Sequence[FetchSource] = (), pressure: float = 0.0) -> FastChoice:
     """:func:`router.routing.scheduler.choose` over every worker in ``groups``, pricing one by
     one only ``holders`` (the workers that match some of the request, with their matches;
     every one of them tracked in ``groups``) and the rest once per group. ``passed_on`` is
@@ -174,7 +175,8 @@ def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadG
     prefilling (a group whose key counts one); the others' is 1. ``slo``: the TTFT
     objective, as :func:`~router.routing.scheduler.choose`'s. ``sources``: what every worker
     not among ``holders`` may fetch from (its :attr:`~router.routing.scheduler.Candidate.
-    sources`: the default links; a worker with another is among ``holders``).
+    sources`: the default links; a worker with another is among ``holders``); ``pressure``:
+    the fleet's eviction pressure, as :func:`~router.routing.scheduler.choose`'s.
 
     Written for a decision on cold caches (a router decides between parsing two request
     bodies), where each Python call costs microseconds: plain loops rather than
@@ -199,7 +201,7 @@ def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadG
     priced: list[tuple[tuple[float, float, int], WorkerCost]] = []  # (rank, terms)
     best: tuple[float, float, int] = (math.inf, 0.0, 0)
     for c in holders:
-        wc = cost_of(c, request_blocks, busy, objective)
+        wc = cost_of(c, request_blocks, busy, objective, pressure)
         rank = wc.rank
         priced.append((rank, wc))
         if rank < best:
@@ -247,7 +249,8 @@ def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadG
             rank = (cost, 0.0, key[4])
         fetch = None
         if offers:
-            fetch = _group_fetch(key, request_blocks, busy, objective, passed_on, offers)
+            fetch = _group_fetch(key, request_blocks, busy, objective, passed_on, offers,
+                                 pressure)
             if fetch[0] < rank:
                 rank = fetch[0]
             else:
@@ -311,7 +314,7 @@ def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadG
 
 
 def _group_fetch(key: LoadKey, request_blocks: int, busy: bool, objective: float | None,
-                 passed_on: float, sources: list[FetchSource]) -> tuple:
+                 passed_on: float, sources: list[FetchSource], pressure: float) -> tuple:
     """The cheapest fetch of a worker of group ``key`` (it holds nothing): its rank, the
     option's terms, and (source, TTFT, price) of the cheapest, as
     :func:`~router.routing.scheduler.cost_of` finds them."""
@@ -325,6 +328,9 @@ def _group_fetch(key: LoadKey, request_blocks: int, busy: bool, objective: float
             within, fprice = True, own
         elif busy:
             within, fprice = False, fcost + n * own
+            if pressure:
+                fprice = fcost + n * (own + pressure * copy_seconds(rates, request_blocks, 0,
+                                                                    s))
         else:
             within, fprice = False, fcost
         rank = (fprice, fcost if within else 0.0)

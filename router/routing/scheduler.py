@@ -64,7 +64,17 @@ fetches' results) and never less than w's ``onboard_s``: a fetched block lands o
 through a copy at least as dear as a host one. The transfer is in the time to first token
 but not in what is passed on: it occupies the link and the source's reads, not w's compute,
 so a later request queued on w waits for w's prefill, not for its transfer. The prefill a
-fetch saves is the fleet work it does not pass on. w's price is its cheapest option (by
+fetch saves is the fleet work it does not pass on. What a fetch may pass on instead is its
+copy: the blocks it inserts evict others from w's cache once the caches are full, and those
+are recomputed later. A busy fleet prices that as ``pressure`` (the fleet's eviction
+pressure, :mod:`router.routing.pressure`, at most 1: the share of its caches evicted in the
+window) times the copied blocks' prefill, passed on with the rest::
+
+    price(w, s)    = ttft(w, s) + n(w) * (fetched(w, s) + pressure * prefill of the copy)
+                                                         busy, beyond any objective
+
+so where nothing is evicted a copy is free, and where the caches turn over whole it costs the
+fleet what recomputing it would. w's price is its cheapest option (by
 ``WorkerCost.rank``; a tie goes to recomputing, then to the source listed first).
 
 Choice: the least ``price``; ties go to the least TTFT among candidates within an objective,
@@ -114,7 +124,7 @@ from dataclasses import dataclass, field
 from router.routing.rates import Rates
 
 __all__ = ["UNIT_RATES", "Candidate", "Decision", "FetchSource", "Pricing", "WorkerCost",
-           "choose", "cost_of", "fetch_terms", "prefill_seconds", "price", "select"]
+           "choose", "copy_seconds", "cost_of", "fetch_terms", "prefill_seconds", "price", "select"]
 
 #: One second a block of prefill, nothing else: the rates a bare :class:`Candidate` has.
 UNIT_RATES = Rates(prefill_s=1.0)
@@ -290,13 +300,22 @@ def _priced(cost: float, prefill: float, busy: bool, slo: float | None, passed_o
     return False, cost
 
 
+def copy_seconds(r: Rates, request_blocks: int, matched: int, source: FetchSource) -> float:
+    """The prefill seconds of the blocks a fetch from ``source`` copies to a candidate that
+    holds ``matched``: what the copy may cost the fleet again, in a busy fleet whose caches
+    turn over, as the blocks it evicts are recomputed (module docstring)."""
+    held = min(source.blocks, request_blocks)
+    return prefill_seconds(r.prefill_s, r.context_s, 0.0, held - matched, matched, 0)
+
+
 def cost_of(candidate: Candidate, request_blocks: int, busy: bool = False,
-            slo: float | None = None) -> WorkerCost:
+            slo: float | None = None, pressure: float = 0.0) -> WorkerCost:
     """Return the terms of one candidate's price for a request of ``request_blocks`` blocks,
     ``busy`` when no candidate is idle (its prefill is then priced as passed on to
     ``candidate.passed_on`` later requests too, or, with a TTFT objective ``slo`` its cost
     is within, as the prefill alone): its cheapest option, recomputing what it lacks or
-    fetching it from one of its sources."""
+    fetching it from one of its sources (``pressure``: the fleet's eviction pressure, at
+    most 1, which prices a busy fleet's fetched copy as passed on in that share)."""
     matched = min(candidate.matched_blocks, request_blocks)
     device = min(candidate.device_matched_blocks, matched)
     new = request_blocks - matched
@@ -320,6 +339,9 @@ def cost_of(candidate: Candidate, request_blocks: int, busy: bool = False,
             transfer, own, fcost = fetch_terms(candidate.wait_s, r, request_blocks, matched,
                                                host, source)
             fwithin, fprice = _priced(fcost, own, busy, slo, candidate.passed_on)
+            if busy and not fwithin and pressure:
+                fprice = fcost + candidate.passed_on * (own + pressure * copy_seconds(
+                    r, request_blocks, matched, source))
             rank = (fprice, fcost if fwithin else 0.0)
             if best is None or rank < best:
                 best = rank
@@ -343,8 +365,8 @@ class Pricing:
     costs: list[WorkerCost]
 
 
-def price(request_blocks: int, candidates: Sequence[Candidate], slo: float | None = None
-          ) -> Pricing:
+def price(request_blocks: int, candidates: Sequence[Candidate], slo: float | None = None,
+          pressure: float = 0.0) -> Pricing:
     """Price every candidate for a request of ``request_blocks`` full blocks (module
     docstring; arguments as :func:`choose`)."""
     if not candidates:
@@ -352,7 +374,7 @@ def price(request_blocks: int, candidates: Sequence[Candidate], slo: float | Non
     if request_blocks < 0:
         raise ValueError(f"request_blocks must be >= 0, got {request_blocks}")
     busy = all(c.wait_s > 0 for c in candidates)
-    costs = [cost_of(c, request_blocks, busy, slo) for c in candidates]
+    costs = [cost_of(c, request_blocks, busy, slo, pressure) for c in candidates]
     costs.sort(key=lambda c: (c.rank, c.worker))
     return Pricing(costs)
 
@@ -366,7 +388,7 @@ def select(pricing: Pricing, rng: random.Random) -> int:
 
 
 def choose(request_blocks: int, candidates: Sequence[Candidate], rng: random.Random,
-           slo: float | None = None) -> Decision:
+           slo: float | None = None, pressure: float = 0.0) -> Decision:
     """Pick the worker for a request of ``request_blocks`` full blocks.
 
     Args:
@@ -374,6 +396,7 @@ def choose(request_blocks: int, candidates: Sequence[Candidate], rng: random.Ran
         candidates: the workers that may serve it, with matches, waits and rates.
         rng: breaks ties.
         slo: the TTFT objective in seconds (None: none; module docstring).
+        pressure: the fleet's eviction pressure, in [0, 1] (a fetched copy's price).
 
     Returns:
         The decision, with every candidate's cost terms.
@@ -381,6 +404,6 @@ def choose(request_blocks: int, candidates: Sequence[Candidate], rng: random.Ran
     Raises:
         ValueError: no candidates, or a negative block count.
     """
-    pricing = price(request_blocks, candidates, slo)
+    pricing = price(request_blocks, candidates, slo, pressure)
     worker = select(pricing, rng)
     return Decision(worker, tuple(pricing.costs))

@@ -53,10 +53,11 @@ def _agree(core: RoutingCore, rng: random.Random, hashes: list[int],
     passed_on = core.passed_on()
     slo = core.settings.ttft_slo
     sources = core._sources(matches, None, len(hashes))
+    pressure = core.fetch_pressure(now)
     fast = choose_fast(len(hashes), core._holders(hashes, matches, now, passed_on, sources),
-                       core._groups, fast_rng, passed_on, slo, sources)
+                       core._groups, fast_rng, passed_on, slo, sources, pressure)
     full = choose(len(hashes), core.candidates(range(len(core._groups)), hashes, matches, now),
-                  full_rng, slo)
+                  full_rng, slo, pressure)
     assert fast.worker == full.worker
     assert fast.chosen == full.chosen
     assert fast_rng.getstate() == full_rng.getstate()
@@ -93,6 +94,9 @@ def _step(core: RoutingCore, rng: random.Random, step: int, workers: int,
             float(rng.randint(0, 50))))
     if rng.random() < 0.05:
         core.cache_cleared(rng.randrange(workers), now)
+    if rng.random() < 0.1:  # caches turning over: a busy fleet prices a fetched copy
+        core.record_resident(rng.randrange(workers), rng.randint(0, 40), rng.randint(0, 30),
+                             now)
     chosen = routed.decision.chosen
     pair = None
     if chosen.fetch_source is not None and rng.random() < 0.5:  # its result, learned

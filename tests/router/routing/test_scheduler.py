@@ -213,3 +213,20 @@ def test_a_busy_fleet_passes_on_a_fetchs_prefill_not_its_transfer() -> None:
     assert terms.fetch_source == 0
     assert terms.cost == 1.0 + 5.0 + 2.0  # wait, transfer, prefill of the 2 blocks left
     assert terms.price == terms.cost + 2.0 * 2.0
+
+
+def test_under_eviction_pressure_a_busy_fleet_prices_a_fetched_copy_as_passed_on() -> None:
+    """A fetch's copy evicts blocks once the caches are full: in a busy fleet its blocks'
+    prefill is passed on in the share of the pressure. At 0 the copy is free and the taker
+    fetches; at 1 it costs what recomputing would, and the holder's shorter queue wins."""
+    rates = Rates(prefill_s=1.0)
+    holder = Candidate(0, matched_blocks=10, device_matched_blocks=10, wait_s=3.0,
+                       rates=rates)
+    taker = Candidate(1, wait_s=1.0, rates=rates, sources=(FetchSource(0, 10, block_s=0.1),))
+    free = choose(12, [holder, taker], random.Random(0))
+    assert free.worker == 1 and free.chosen.price == (1.0 + 1.0 + 2.0) + 2.0
+    full = choose(12, [holder, taker], random.Random(0), pressure=1.0)
+    assert full.worker == 0  # 3 + 2 + 2 = 7 against 4 + (2 + 10) = 16
+    assert full.terms(1).fetch_price == 4.0 + (2.0 + 10.0)
+    idle = Candidate(1, rates=rates, sources=(FetchSource(0, 10, block_s=0.1),))
+    assert choose(12, [holder, idle], random.Random(0), pressure=1.0).terms(1).price == 3.0
