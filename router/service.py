@@ -552,7 +552,9 @@ class RouterService:
             return
         if parsed is None:
             self.counters["fetch_failed"] = self.counters.get("fetch_failed", 0) + 1
-            backoff = self.core.fetch_failed(source.id, worker.id, time.monotonic())
+            terms = route.decision.terms(worker.id)
+            backoff = self.core.fetch_failed(source.id, worker.id, time.monotonic(),
+                                             terms.fetch_blocks - terms.matched_blocks)
             log.info("peer fetch from %s to %s failed (%s); not priced for %.0f s",
                      source.url, worker.url, result[:80], backoff)
             return

@@ -84,8 +84,8 @@ class KvroutePolicy(Policy):
         self._serving = serving if self._prefill_workers else None
         self._prefill_of: dict[str, int] = {}
         #: Each request told to fetch: its source, blocks and worker.
-        self._fetch_of: dict[str, tuple[int, int, int]] = {}
-        self._fetching: dict[str, tuple[int, int]] = {}  # sent: (source, worker)
+        self._fetch_of: dict[str, tuple[int, int, int, int]] = {}  # and its own hit
+        self._fetching: dict[str, tuple[int, int, int]] = {}  # sent: source, worker, blocks
 
     def route(self, request: RouteRequest, now: float) -> int:
         hashes = request.hashes
@@ -117,14 +117,14 @@ class KvroutePolicy(Policy):
                          routed.continued, tokens, predicted)
         if terms.fetch_source is not None and predicted is None:
             self._fetch_of[request.request_id] = (terms.fetch_source, terms.fetch_blocks,
-                                                  decision.worker)
+                                                  decision.worker, terms.matched_blocks)
         return decision.worker
 
     def fetch_for(self, request_id: str) -> tuple[int, int] | None:
         told = self._fetch_of.pop(request_id, None)
         if told is None:
             return None
-        self._fetching[request_id] = (told[0], told[2])
+        self._fetching[request_id] = (told[0], told[2], told[1] - told[3])
         return told[0], told[1]
 
     def fetch_result(self, request_id: str, blocks: int, nbytes: int, seconds: float,
@@ -135,7 +135,7 @@ class KvroutePolicy(Policy):
         if blocks:
             self.core.fetched(pair[0], pair[1], float(nbytes), seconds)
         else:
-            self.core.fetch_failed(pair[0], pair[1], now)
+            self.core.fetch_failed(pair[0], pair[1], now, pair[2])
 
     def prefill_for(self, request_id: str) -> int | None:
         return self._prefill_of.pop(request_id, None)

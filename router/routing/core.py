@@ -193,6 +193,8 @@ class RoutingCore:
         self._fetch: dict[int, FetchAbility] = {}
         self._no_receive: set[int] = set()
         self._links = FetchLinks(settings.fetch_bandwidth, settings.block_size)
+        # Per worker, the blocks its fetches in flight will store (not its prefill's).
+        self._fetching: dict[int, int] = {}
 
     # -- facts about the workers --------------------------------------------------------------
 
@@ -246,6 +248,7 @@ class RoutingCore:
         self._fetch.pop(worker, None)
         self._no_receive.discard(worker)
         self._links.forget(worker)
+        self._fetching.pop(worker, None)
         self._forget(worker)
         self._pressure.forget(worker)
         self._refresh(worker)
@@ -276,8 +279,17 @@ class RoutingCore:
         stored by then, and the index, now current, says so and will say when they go). The
         device blocks stored are the progress of the worker's head prefill
         (:mod:`router.routing.load`); Dynamo's rule queues a prefill whole until its first
-        token."""
+        token. Blocks a fetch told it to insert are stored too, and are no prefill: the
+        blocks of its fetches in flight are taken off first."""
         stored = self._pressure.observe(worker, events, now)
+        credit = self._fetching.get(worker)
+        if stored and credit:
+            used = min(credit, stored)
+            stored -= used
+            if credit == used:
+                del self._fetching[worker]
+            else:
+                self._fetching[worker] = credit - used
         if stored and self.settings.policy == "kv":
             self._load.stored(worker, stored)
             self._refresh(worker)
@@ -607,6 +619,9 @@ class RoutingCore:
                           0.5 * r.context_s / factor)
         first = r.first_s
         if terms.fetch_source is not None:
+            # The blocks it fetches will be stored there without being prefilled.
+            self._fetching[worker] = (self._fetching.get(worker, 0) + terms.fetch_blocks
+                                      - terms.matched_blocks)
             # Its TTFT holds a transfer, which is no work at the worker's rates: it teaches
             # none (the link learns from the fetch's result).
             booked = _Booked(now, terms.cost if predicted_s is None else predicted_s, None,
@@ -681,11 +696,18 @@ class RoutingCore:
         if source in self._tracked and receiver in self._tracked:
             self._links.fetched(source, receiver, nbytes, seconds)
 
-    def fetch_failed(self, source: int, receiver: int, now: float) -> float:
-        """A fetch from ``source`` to ``receiver`` failed (the receiver recomputed): the pair
-        is no source for a while. Returns the seconds of the backoff (0: unknown workers)."""
+    def fetch_failed(self, source: int, receiver: int, now: float, blocks: int = 0) -> float:
+        """A fetch from ``source`` to ``receiver`` of ``blocks`` blocks failed (the receiver
+        recomputed them): the pair is no source for a while, and the blocks, computed after
+        all, are its prefill's progress. Returns the seconds of the backoff (0: unknown
+        workers)."""
         if source not in self._tracked or receiver not in self._tracked:
             return 0.0
+        credit = self._fetching.get(receiver, 0) - blocks
+        if credit > 0:
+            self._fetching[receiver] = credit
+        else:
+            self._fetching.pop(receiver, None)
         return self._links.failed(source, receiver, now)
 
     def finished(self, request_id: str) -> None:
