@@ -193,8 +193,11 @@ class RoutingCore:
         self._fetch: dict[int, FetchAbility] = {}
         self._no_receive: set[int] = set()
         self._links = FetchLinks(settings.fetch_bandwidth, settings.block_size)
-        # Per worker, the blocks its fetches in flight will store (not its prefill's).
+        # Per worker, the blocks its fetches in flight will store (not its prefill's); per
+        # source, the seconds of reads it serves, and each fetching request's read.
         self._fetching: dict[int, int] = {}
+        self._reading: dict[int, float] = {}
+        self._reads: dict[str, tuple[int, float]] = {}
 
     # -- facts about the workers --------------------------------------------------------------
 
@@ -249,6 +252,9 @@ class RoutingCore:
         self._no_receive.discard(worker)
         self._links.forget(worker)
         self._fetching.pop(worker, None)
+        self._reading.pop(worker, None)
+        for rid in [r for r, (w, _) in self._reads.items() if w == worker]:
+            del self._reads[rid]
         self._forget(worker)
         self._pressure.forget(worker)
         self._refresh(worker)
@@ -314,6 +320,9 @@ class RoutingCore:
         r = self._rates.get(worker, self._default_rates)
         factor = self.rate_factor(worker)
         wait = factor * prefill_s + r.prefill_s * external + r.decode_s * decode
+        reading = self._reading.get(worker)
+        if reading:
+            wait += reading
         return (wait, r.prefill_s, r.context_s, r.first_s, active, prefill, decode, prefilling)
 
     def passed_on(self) -> float:
@@ -622,6 +631,14 @@ class RoutingCore:
             # The blocks it fetches will be stored there without being prefilled.
             self._fetching[worker] = (self._fetching.get(worker, 0) + terms.fetch_blocks
                                       - terms.matched_blocks)
+            # The source serves the read: its device copies the blocks out beside its
+            # passes, for as long as the transfer, priced as work queued there until the
+            # request's first token.
+            source = terms.fetch_source
+            if source in self._tracked and request_id not in self._reads:
+                self._reads[request_id] = (source, terms.fetch_s)
+                self._reading[source] = self._reading.get(source, 0.0) + terms.fetch_s
+                self._refresh(source)
             # Its TTFT holds a transfer, which is no work at the worker's rates: it teaches
             # none (the link learns from the fetch's result).
             booked = _Booked(now, terms.cost if predicted_s is None else predicted_s, None,
@@ -642,6 +659,7 @@ class RoutingCore:
         """The request produced its first token at ``now``: its prefill is done, its decode
         begins; the seconds it took teach its worker's rate factor. Returns the prediction
         and what was delivered (None: not in flight, or told before)."""
+        self._read_done(request_id)
         worker = self._load.first_token(request_id)
         booked = self._booked.pop(request_id, None)
         if worker is None:
@@ -710,8 +728,23 @@ class RoutingCore:
             self._fetching.pop(receiver, None)
         return self._links.failed(source, receiver, now)
 
+    def _read_done(self, request_id: str) -> None:
+        """A fetching request's read is over (its first token came, or it ended): its
+        source no longer serves it."""
+        read = self._reads.pop(request_id, None)
+        if read is None:
+            return
+        source, seconds = read
+        left = self._reading.get(source, 0.0) - seconds
+        if left > 1e-12:
+            self._reading[source] = left
+        else:
+            self._reading.pop(source, None)
+        self._refresh(source)
+
     def finished(self, request_id: str) -> None:
         """The request ended (answered, failed or cancelled): release its load. Idempotent."""
+        self._read_done(request_id)
         self._booked.pop(request_id, None)
         worker = self._load.finished(request_id)
         if worker is not None:

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from indexer.events import Stored
 from router.routing.core import CoreSettings, RoutingCore
 from router.routing.fetch_links import FetchAbility
@@ -282,3 +284,23 @@ def test_blocks_a_fetch_stores_are_not_its_workers_prefill_progress() -> None:
                    token_ids=[9] * (100 * 32), block_size=32)
     core.events_applied(1, [again], 1.1)
     assert core.wait(1) < before
+
+
+def test_a_fetch_books_its_read_on_the_source_until_the_first_token() -> None:
+    """The source copies the blocks out beside its passes: the read's seconds are queued
+    work there from the routing of the fetch to its request's first token (or its end)."""
+    core = RoutingCore(CoreSettings())
+    for w in range(2):
+        core.worker_joined(w, fetch=FetchAbility(True, True, 32768))
+    core.load_reported(0, ReportedLoad(running=1, pending_prefill_blocks=50000.0))
+    hashes = list(range(1, 1001))
+    queued = core.wait(0)
+    routed = core.decide(hashes, {0: (900, 900)}, 0.0, random.Random(0))
+    terms = routed.decision.chosen
+    assert (routed.decision.worker, terms.fetch_source) == (1, 0) and terms.fetch_s > 0
+    core.routed("r", 1, hashes, terms, 0.0)
+    assert core.wait(0) == pytest.approx(queued + terms.fetch_s)
+    core.first_token("r", 0.5)
+    assert core.wait(0) == pytest.approx(queued)
+    core.finished("r")  # idempotent: the read is released once
+    assert core.wait(0) == pytest.approx(queued)
