@@ -15,7 +15,10 @@ Figures per policy (:data:`METRIC_KEYS`):
 - ``fetch_share``, ``fetch_bytes``, ``fetches``, ``fetches_instructed``: peer fetch
   (``--peer-fetch``, :mod:`bench.sim`): the share of prompt tokens fetched from a peer (they
   count in ``hit_rate``, as the engine finds them cached), their KV bytes, the fetches that
-  inserted blocks and those the policy instructed.
+  inserted blocks and those the policy instructed; ``copied_by_fetch_tokens`` and
+  ``copied_by_recompute_tokens``: the prompt tokens of the leading runs other workers held
+  beyond the chosen one's, copied there by a fetch or recomputed there (a second copy
+  made either way, :class:`bench.sim.Regret`).
 - ``output_tok_s``: output tokens over the makespan (first arrival to last token).
 - ``load_imbalance``: max over mean of the workers' busy time (1.0 is perfect balance).
 - ``decision_us_mean``, ``decision_us_p99``: wall time of the routing decision (hashing,
@@ -120,6 +123,9 @@ def summarize(result: SimResult, bounds: Bounds | None) -> dict[str, Any]:
         "fetch_gb": result.fetch_bytes / 1e9,
         "fetches": result.fetched,
         "fetches_instructed": result.fetches,
+        # Second copies of blocks another worker held: made by a fetch, or recomputed.
+        "copied_by_fetch_tokens": result.regret.copied_by_fetch,
+        "copied_by_recompute_tokens": result.regret.copied_by_recompute,
         "hit_lost": result.regret.hit_lost / max(result.regret.decisions, 1),
         "time_lost": result.regret.time_lost / max(result.regret.decisions, 1),
         **prediction_error(result.predictions),

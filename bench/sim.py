@@ -23,7 +23,9 @@ estimate of each worker's time to first token (the timing model's cost a token o
 prefill, plus the request's own prefill over what it holds, attention included). A
 decision *lost a hit* when another worker held more blocks with no more queued; it *lost
 time* when its estimate exceeded the least by more than :data:`TIME_LOST_MARGIN` of itself
-(the error allowed a prediction). The same judge for every policy.
+(the error allowed a prediction). The same judge for every policy. It also counts the
+second copies decisions make: the prompt tokens of the leading run another worker held
+beyond the chosen one's, copied there by a peer fetch or recomputed there.
 
 Disaggregated serving (``SimConfig.roles``): a worker may be ``prefill``, ``decode`` or
 ``both``. For a request the policy gives a prefill worker (:meth:`Policy.prefill_for
@@ -259,6 +261,10 @@ class Regret:
     hit_lost: int = 0
     #: The chosen worker's estimated TTFT exceeded the least by more than the margin.
     time_lost: int = 0
+    #: Prompt tokens of the leading run another worker held beyond the chosen one's (either
+    #: tier): copied there by a peer fetch, or recomputed there (a second copy made).
+    copied_by_fetch: int = 0
+    copied_by_recompute: int = 0
 
 
 class _Worker:
@@ -322,8 +328,9 @@ def _normalised(batch: KVEventBatch) -> list[Stored | Removed | Cleared]:
 
 
 def _judge(workers: list[_Worker], prompt: Prompt, timing: TimingModel, block_size: int,
-           chosen: int, regret: Regret) -> None:
-    """Count one decision's regret (module docstring)."""
+           chosen: int, regret: Regret, fetches: bool = False) -> None:
+    """Count one decision's regret (module docstring), and the second copy it makes of
+    blocks another worker holds (by a fetch when ``fetches``)."""
     blocks = RequestBlocks(prompt, block_size)
     full = (blocks.num_tokens - 1) // block_size
     keys = [blocks.block(i).key for i in range(full)]
@@ -346,6 +353,11 @@ def _judge(workers: list[_Worker], prompt: Prompt, timing: TimingModel, block_si
         regret.hit_lost += 1
     if estimate[chosen] - min(estimate) > TIME_LOST_MARGIN * estimate[chosen]:
         regret.time_lost += 1
+    copied = (max(held) - mine) * block_size
+    if fetches:
+        regret.copied_by_fetch += copied
+    else:
+        regret.copied_by_recompute += copied
 
 
 def simulate(requests: Sequence[WorkloadRequest], policy: Policy, config: SimConfig,
@@ -498,10 +510,11 @@ def simulate(requests: Sequence[WorkloadRequest], policy: Policy, config: SimCon
                 raise ValueError(f"policy {policy.name} chose worker {chosen}")
         rec = by_id[request_id]
         rec.worker = worker
+        told = policy.fetch_for(request_id) if config.peer_fetch and prefill is None else None
         if not config.disaggregated:
-            _judge(workers, prompt, config.timing, config.block_size, worker, regret)
+            _judge(workers, prompt, config.timing, config.block_size, worker, regret,
+                   told is not None)
         if prefill is None:
-            told = policy.fetch_for(request_id) if config.peer_fetch else None
             if told is not None and start_fetch(request_id, prompt, worker, told[0], told[1],
                                                 now):
                 pending_fetch[request_id] = prompt
