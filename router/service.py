@@ -354,9 +354,12 @@ class RouterService:
             return False
         return bool(prompt.estimated_tokens)
 
-    def decide(self, body: Any, kind: str, prompt: PromptTokens | None = None) -> Route:
+    def decide(self, body: Any, kind: str, prompt: PromptTokens | None = None, *,
+               fetch: bool = True) -> Route:
         """Tokenize (unless ``prompt`` is given, from :meth:`tokenize`), hash, match and score
-        one request body (``kind``: ``completions`` or ``chat``, the endpoint it came to).
+        one request body (``kind``: ``completions`` or ``chat``, the endpoint it came to);
+        ``fetch``: a peer fetch may be chosen (off for a caller that cannot send the
+        instruction, as the endpoint picker, whose gateway forwards).
 
         Raises:
             ApiError: the body is invalid (400), names an unknown model (404), or no worker
@@ -398,7 +401,7 @@ class RouterService:
         matches = self.index.match(hashes) if hashes else {}
         workers = None if len(entries) == self.core.workers() else ids
         routed = self.core.decide(hashes, matches, now, self.rng, workers=workers,
-                                  tokens=size, fetch=not fleet.prefill)
+                                  tokens=size, fetch=fetch and not fleet.prefill)
         request_id = f"{self._id_prefix}-{next(self._ids)}"
         route = Route(request_id, prompt, hashes, routed.decision, by_id, now,
                       time.perf_counter() - started, routed.continued,

@@ -122,7 +122,8 @@ class Picker:
         headers = headers or {}
         try:
             ask = ask_of(body, headers, self._objectives)
-            route = self.service.decide(body, kind)
+            # The gateway forwards: no fetch instruction can go with the pick.
+            route = self.service.decide(body, kind, fetch=False)
             now = self.flow.admit_now(route, ask, lambda: tenant_of(body, headers))
         except ApiError as exc:
             self.metrics.request(ENDPOINT, exc.status)
@@ -142,7 +143,8 @@ class Picker:
         try:
             route = await self.flow.admit(
                 held.route, held.ask,
-                lambda: self.service.decide(held.body, held.kind, held.route.prompt),
+                lambda: self.service.decide(held.body, held.kind, held.route.prompt,
+                                            fetch=False),
                 lambda: held.tenant)
         except ApiError as exc:
             self.metrics.request(ENDPOINT, exc.status)
