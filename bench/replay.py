@@ -116,7 +116,12 @@ def _add_arguments(p: argparse.ArgumentParser) -> None:
       help="live topology mode: seconds a process has to answer its health check "
            "(default 60)")
     a("--kv-transfer-bandwidth", type=positive_float, default=25e9, metavar="BYTES_PER_S",
-      help="disaggregated serving: the prefill-to-decode KV link (default 25e9)")
+      help="disaggregated serving: the prefill-to-decode KV link; peer fetch: the link "
+           "between workers (default 25e9)")
+    a("--peer-fetch", action="store_true",
+      help="every simulated worker serves and receives peer KV fetches, as a kvroute "
+           "worker's /model_info advertises them (kvroute then may fetch; --set "
+           "kv_fetch=off turns the rule's fetch off)")
     a("--json", dest="json_path", metavar="OUT", help="write the results as JSON here")
     a("--plot-dir", metavar="DIR", help="write PNG plots here")
     a("--sensitivity", action="store_true",
@@ -207,7 +212,8 @@ def _sim_config(args: argparse.Namespace, lag_ms: float) -> Any:
                      event_path=args.event_path,
                      max_num_batched_tokens=args.max_num_batched_tokens,
                      timing=TIMING_MODELS[args.timing],
-                     kv_transfer_bytes_per_s=args.kv_transfer_bandwidth)
+                     kv_transfer_bytes_per_s=args.kv_transfer_bandwidth,
+                     peer_fetch=args.peer_fetch)
 
 
 def _simulate_one(args: argparse.Namespace, seed: int, lag_ms: float, policy_name: str,

@@ -12,6 +12,13 @@ Figures per policy (:data:`METRIC_KEYS`):
   output tokens of a request.
 - ``remote_prefill_share``: the share of requests prefilled on a prefill worker (disaggregated
   serving, :mod:`bench.sim`).
+- ``fetch_share``, ``fetch_bytes``, ``fetches``, ``fetches_instructed``: peer fetch
+  (``--peer-fetch``, :mod:`bench.sim`): the share of prompt tokens fetched from a peer (they
+  count in ``hit_rate``, as the engine finds them cached), their KV bytes, the fetches that
+  inserted blocks and those the policy instructed; ``copied_by_fetch_tokens`` and
+  ``copied_by_recompute_tokens``: the prompt tokens of the leading runs other workers held
+  beyond the chosen one's, copied there by a fetch or recomputed there (a second copy
+  made either way, :class:`bench.sim.Regret`).
 - ``output_tok_s``: output tokens over the makespan (first arrival to last token).
 - ``load_imbalance``: max over mean of the workers' busy time (1.0 is perfect balance).
 - ``decision_us_mean``, ``decision_us_p99``: wall time of the routing decision (hashing,
@@ -55,6 +62,8 @@ METRIC_KEYS = (
     "itl_p50_s",
     "itl_p99_s",
     "remote_prefill_share",
+    "fetch_share",
+    "fetch_bytes",
     "output_tok_s",
     "load_imbalance",
     "decision_us_mean",
@@ -107,6 +116,16 @@ def summarize(result: SimResult, bounds: Bounds | None) -> dict[str, Any]:
         "event_wall_s": dict(result.event_wall_s),
         "event_batches": result.event_batches,
         "event_bytes": result.event_bytes,
+        # Peer fetch: the share of prompt tokens fetched from a peer (counted in hit_rate,
+        # as the engine finds them cached), the bytes, and the fetches made and instructed.
+        "fetch_share": result.fetched_tokens / prompt if prompt else 0.0,
+        "fetch_bytes": result.fetch_bytes,
+        "fetch_gb": result.fetch_bytes / 1e9,
+        "fetches": result.fetched,
+        "fetches_instructed": result.fetches,
+        # Second copies of blocks another worker held: made by a fetch, or recomputed.
+        "copied_by_fetch_tokens": result.regret.copied_by_fetch,
+        "copied_by_recompute_tokens": result.regret.copied_by_recompute,
         "hit_lost": result.regret.hit_lost / max(result.regret.decisions, 1),
         "time_lost": result.regret.time_lost / max(result.regret.decisions, 1),
         **prediction_error(result.predictions),
@@ -170,6 +189,8 @@ _COLUMNS = (
     ("time_lost", "time lost", "{:.1%}"),
     ("prediction_error", "pred err", "{:.0%}"),
     ("prediction_p50_error", "p50 err", "{:+.0%}"),
+    ("fetch_share", "fetched", "{:.1%}"),
+    ("fetch_gb", "fetch GB", "{:.1f}"),
     ("output_tok_s", "out tok/s", "{:.0f}"),
     ("load_imbalance", "imbal", "{:.2f}"),
     ("decision_us_mean", "dec us", "{:.0f}"),

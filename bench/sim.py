@@ -23,7 +23,9 @@ estimate of each worker's time to first token (the timing model's cost a token o
 prefill, plus the request's own prefill over what it holds, attention included). A
 decision *lost a hit* when another worker held more blocks with no more queued; it *lost
 time* when its estimate exceeded the least by more than :data:`TIME_LOST_MARGIN` of itself
-(the error allowed a prediction). The same judge for every policy.
+(the error allowed a prediction). The same judge for every policy. It also counts the
+second copies decisions make: the prompt tokens of the leading run another worker held
+beyond the chosen one's, copied there by a peer fetch or recomputed there.
 
 Disaggregated serving (``SimConfig.roles``): a worker may be ``prefill``, ``decode`` or
 ``both``. For a request the policy gives a prefill worker (:meth:`Policy.prefill_for
@@ -39,6 +41,23 @@ the prefill worker found cached. Inter-token latency is each gap between two con
 tokens of a request, so a decode step that shared its forward pass with a prefill chunk (the
 timing model prices one pass of both, :meth:`~workers.engine.timing.TimingModel.iteration_ms`)
 shows in it: the interference disaggregation removes from decode workers.
+
+Peer fetch (``SimConfig.peer_fetch``): every worker serves block reads and receives fetch
+instructions, as ``kv_fetch`` in a kvroute worker's ``/model_info`` says. For a request the
+policy tells to fetch (:meth:`Policy.fetch_for <bench.policies.base.Policy.fetch_for>`: a
+source and the blocks it believes the source holds), the driver looks at the source's cache
+as it is: the leading run of the prompt's blocks it holds on its device, up to those blocks.
+The ones past what the receiving worker holds travel for ``blocks * block_size *
+kv_bytes_per_token / kv_transfer_bytes_per_s`` seconds plus :data:`FETCH_READ_S`, overlapping
+the receiver's iterations (the worker fetches before it runs the request, beside its engine);
+they then enter its cache as committed blocks (published on its event stream) and the request
+runs there, finding them cached. The source spends a read share: its iterations are
+stretched by the transfer's seconds, at most :data:`READ_SHARE` of each, until repaid. A
+source that holds none of them by then fails the fetch (the request recomputes); the policy
+hears each result (:meth:`Policy.fetch_result <bench.policies.base.Policy.fetch_result>`),
+as a router reads ``x-kvroute-fetch-result``. A request's hit rate counts the fetched blocks
+as found cached, as the worker's engine does; the bytes fetched are reported apart
+(``SimResult.fetch_bytes``).
 
 Output tokens are the workload's (:meth:`~bench.workloads.WorkloadRequest.output_tokens`), so
 generated blocks are cached and reused exactly as a multi-turn workload expects.
@@ -66,8 +85,8 @@ from workers.engine.batcher import Batcher, EngineRequest
 from workers.engine.executor import IterationPlan, SimExecutor
 from workers.engine.timing import DEFAULT_TIMING, TIMING_MODELS, TimingModel
 
-__all__ = ["EVENT_PATHS", "ROLES", "TIME_LOST_MARGIN", "Regret", "RequestRecord", "SimConfig",
-           "SimResult", "simulate"]
+__all__ = ["EVENT_PATHS", "FETCH_READ_S", "READ_SHARE", "ROLES", "TIME_LOST_MARGIN", "Regret",
+           "RequestRecord", "SimConfig", "SimResult", "simulate"]
 
 #: A decision lost time when its worker's estimated TTFT exceeded the least by more than this
 #: share of its own (the prediction error allowed, :class:`Regret`).
@@ -76,7 +95,14 @@ TIME_LOST_MARGIN = 0.25
 #: How events reach the index: over the wire format, or as structs in process.
 EVENT_PATHS = ("wire", "direct")
 
-_DELIVER, _DONE, _TRANSFERRED, _ARRIVE = 0, 1, 2, 3
+_DELIVER, _DONE, _TRANSFERRED, _FETCHED, _ARRIVE = 0, 1, 2, 3, 4
+
+#: Seconds a peer fetch costs besides its blocks (the router's ``FETCH_READ_S``: a request
+#: to the source and its lookup).
+FETCH_READ_S = 0.002
+#: The most of each of a source's iterations its reads may take (they copy blocks out of
+#: its device memory beside its forward passes).
+READ_SHARE = 0.1
 
 #: A worker's role under disaggregated serving (``both``: prefills and decodes its own).
 ROLES = ("prefill", "decode", "both")
@@ -99,7 +125,9 @@ class SimConfig:
         timing: the engine's cost model.
         roles: each worker's role (:data:`ROLES`); empty: every worker is ``both``.
         kv_transfer_bytes_per_s: the prefill-to-decode KV link, bytes a second (25 GB/s: the
-            worker's ``--kv-transfer-bandwidth`` default, a 200 Gb/s RDMA link).
+            worker's ``--kv-transfer-bandwidth`` default, a 200 Gb/s RDMA link); a peer
+            fetch's link too.
+        peer_fetch: every worker serves and receives peer fetches (module docstring).
     """
 
     workers: int = 8
@@ -113,6 +141,7 @@ class SimConfig:
     timing: TimingModel = TIMING_MODELS[DEFAULT_TIMING]
     roles: tuple[str, ...] = ()
     kv_transfer_bytes_per_s: float = 25e9
+    peer_fetch: bool = False
 
     def __post_init__(self) -> None:
         if self.workers < 1:
@@ -215,6 +244,12 @@ class SimResult:
     #: Prompt tokens moved from prefill to decode workers, and the transfers.
     transferred_tokens: int = 0
     transfers: int = 0
+    #: Peer fetches: instructed, those that inserted blocks, the prompt tokens and bytes
+    #: they moved.
+    fetches: int = 0
+    fetched: int = 0
+    fetched_tokens: int = 0
+    fetch_bytes: int = 0
 
 
 @dataclass(slots=True)
@@ -226,11 +261,15 @@ class Regret:
     hit_lost: int = 0
     #: The chosen worker's estimated TTFT exceeded the least by more than the margin.
     time_lost: int = 0
+    #: Prompt tokens of the leading run another worker held beyond the chosen one's (either
+    #: tier): copied there by a peer fetch, or recomputed there (a second copy made).
+    copied_by_fetch: int = 0
+    copied_by_recompute: int = 0
 
 
 class _Worker:
     __slots__ = ("batcher", "busy_s", "cache", "context_s", "plan", "plan_end_s",
-                 "plan_start_s", "sink", "wid")
+                 "plan_start_s", "read_s", "sink", "wid")
 
     def __init__(self, wid: int, config: SimConfig, events: bool) -> None:
         self.wid = wid
@@ -243,13 +282,15 @@ class _Worker:
         self.plan_start_s = self.plan_end_s = 0.0
         self.busy_s = 0.0
         self.context_s = 0.0
+        self.read_s = 0.0  # seconds of peer reads its iterations still owe
 
 
 class _Cluster:
     """The :class:`~bench.policies.base.ClusterView` the policy sees."""
 
     def __init__(self, workers: list[_Worker], block_size: int, index: PrefixIndex | None,
-                 rng: random.Random, roles: tuple[str, ...] = ()) -> None:
+                 rng: random.Random, roles: tuple[str, ...] = (), peer_fetch: bool = False,
+                 kv_bytes_per_token: int = 0) -> None:
         self._workers = workers
         self.roles = roles or ("both",) * len(workers)
         self.num_workers = len(workers)
@@ -258,6 +299,8 @@ class _Cluster:
         self.rng = rng
         self.max_num_seqs = workers[0].batcher.max_num_seqs if workers else 0
         self.capacity_blocks = workers[0].cache.pool.num_blocks if workers else 0
+        self.peer_fetch = peer_fetch
+        self.kv_bytes_per_token = kv_bytes_per_token
 
     def worker_metrics(self, worker: int) -> WorkerMetrics:
         w = self._workers[worker]
@@ -285,8 +328,9 @@ def _normalised(batch: KVEventBatch) -> list[Stored | Removed | Cleared]:
 
 
 def _judge(workers: list[_Worker], prompt: Prompt, timing: TimingModel, block_size: int,
-           chosen: int, regret: Regret) -> None:
-    """Count one decision's regret (module docstring)."""
+           chosen: int, regret: Regret, fetches: bool = False) -> None:
+    """Count one decision's regret (module docstring), and the second copy it makes of
+    blocks another worker holds (by a fetch when ``fetches``)."""
     blocks = RequestBlocks(prompt, block_size)
     full = (blocks.num_tokens - 1) // block_size
     keys = [blocks.block(i).key for i in range(full)]
@@ -309,6 +353,11 @@ def _judge(workers: list[_Worker], prompt: Prompt, timing: TimingModel, block_si
         regret.hit_lost += 1
     if estimate[chosen] - min(estimate) > TIME_LOST_MARGIN * estimate[chosen]:
         regret.time_lost += 1
+    copied = (max(held) - mine) * block_size
+    if fetches:
+        regret.copied_by_fetch += copied
+    else:
+        regret.copied_by_recompute += copied
 
 
 def simulate(requests: Sequence[WorkloadRequest], policy: Policy, config: SimConfig,
@@ -334,7 +383,8 @@ def simulate(requests: Sequence[WorkloadRequest], policy: Policy, config: SimCon
     uses_events = policy.needs_index
     workers = [_Worker(w, config, uses_events) for w in range(config.workers)]
     index = PrefixIndex(config.block_size) if uses_events else None
-    policy.start(_Cluster(workers, config.block_size, index, random.Random(seed), config.roles))
+    policy.start(_Cluster(workers, config.block_size, index, random.Random(seed), config.roles,
+                          config.peer_fetch, config.timing.kv_bytes_per_token))
     executor = SimExecutor(config.timing, block_size=config.block_size)
     heap: list[tuple[float, int, int, int, Any]] = []
     serial = 0
@@ -366,6 +416,10 @@ def simulate(requests: Sequence[WorkloadRequest], policy: Policy, config: SimCon
             return
         idle[w.wid] = False
         dt = executor.modeled_seconds(plan)
+        if w.read_s > 0:  # a peer's reads share its device: at most READ_SHARE of a pass
+            extra = min(w.read_s, READ_SHARE * dt)
+            w.read_s -= extra
+            dt += extra
         w.busy_s += dt
         if plan.decode:
             w.context_s += dt * sum(d.context_len for d in plan.decode)
@@ -381,6 +435,66 @@ def simulate(requests: Sequence[WorkloadRequest], policy: Policy, config: SimCon
     last_token: dict[str, float] = {}
     gaps: list[float] = []
     moved = [0, 0]  # tokens transferred, transfers
+    fetch = [0, 0, 0, 0]  # instructed, fetched, blocks, bytes
+    #: Peer fetches in flight, by request id: the source, the blocks that travel, seconds.
+    fetching: dict[str, tuple[int, int, int, int, float]] = {}
+
+    def held_run(w: _Worker, blocks: RequestBlocks, limit: int, device: bool) -> int:
+        """The leading run of the prompt's blocks ``w`` holds (on its device only, or on
+        either tier), at most ``limit``."""
+        pool, n = w.cache.pool, 0
+        while n < limit:
+            key = blocks.block(n).key
+            if pool.cached_block(key) is None and (device or pool.host_block(key) is None):
+                break
+            n += 1
+        return n
+
+    def start_fetch(request_id: str, prompt: Prompt, worker: int, source: int, told: int,
+                    now: float) -> bool:
+        """Begin the fetch a policy told ``worker`` to make; False when there is nothing to
+        fetch (the request runs at once)."""
+        nonlocal serial
+        if source == worker or not 0 <= source < config.workers:
+            raise ValueError(f"policy {policy.name} told worker {worker} to fetch from "
+                             f"{source}")
+        fetch[0] += 1
+        bs = config.block_size
+        blocks = RequestBlocks(prompt, bs)
+        usable = min(told, (blocks.num_tokens - 1) // bs)
+        have = held_run(workers[source], blocks, usable, device=True)
+        own = held_run(workers[worker], blocks, usable, device=False)
+        if have <= own:  # the source lost them: the worker recomputes
+            policy.fetch_result(request_id, 0, 0, 0.0, now)
+            return False
+        nbytes = (have - own) * bs * config.timing.kv_bytes_per_token
+        seconds = FETCH_READ_S + nbytes / config.kv_transfer_bytes_per_s
+        workers[source].read_s += nbytes / config.kv_transfer_bytes_per_s
+        fetching[request_id] = (source, have, have - own, nbytes, seconds)
+        heapq.heappush(heap, (now + seconds, _FETCHED, serial, worker, request_id))
+        serial += 1
+        return True
+
+    def fetched(worker: int, request_id: str, now: float) -> None:
+        """A fetch arrived: its blocks enter ``worker``'s cache committed (as a receive
+        does), the policy hears the result, and the request runs."""
+        _, have, travelled, nbytes, seconds = fetching.pop(request_id)
+        rec = by_id[request_id]
+        prompt = pending_fetch.pop(request_id)
+        cache = workers[worker].cache
+        step = request_id + "/fetch"
+        if cache.allocate(step, prompt) is not None:
+            cache.commit_computed(step, have * config.block_size)
+            cache.free(step)
+            fetch[1] += 1
+            fetch[2] += travelled
+            fetch[3] += nbytes
+            policy.fetch_result(request_id, have, nbytes, seconds, now)
+        else:  # no room for them: it recomputes
+            policy.fetch_result(request_id, 0, 0, 0.0, now)
+        admit(worker, request_id, prompt, rec.output_length, now)
+
+    pending_fetch: dict[str, Prompt] = {}
 
     def admit(worker: int, request_id: str, prompt: Prompt, output_length: int,
               now: float) -> None:
@@ -396,9 +510,15 @@ def simulate(requests: Sequence[WorkloadRequest], policy: Policy, config: SimCon
                 raise ValueError(f"policy {policy.name} chose worker {chosen}")
         rec = by_id[request_id]
         rec.worker = worker
+        told = policy.fetch_for(request_id) if config.peer_fetch and prefill is None else None
         if not config.disaggregated:
-            _judge(workers, prompt, config.timing, config.block_size, worker, regret)
+            _judge(workers, prompt, config.timing, config.block_size, worker, regret,
+                   told is not None)
         if prefill is None:
+            if told is not None and start_fetch(request_id, prompt, worker, told[0], told[1],
+                                                now):
+                pending_fetch[request_id] = prompt
+                return
             admit(worker, request_id, prompt, output_length, now)
             return
         rec.prefill_worker = prefill
@@ -529,6 +649,8 @@ def simulate(requests: Sequence[WorkloadRequest], policy: Policy, config: SimCon
             release(now)
         elif kind == _TRANSFERRED:
             transferred(a, payload, now)
+        elif kind == _FETCHED:
+            fetched(a, payload, now)
         else:
             assert index is not None
             t0 = perf()
@@ -568,4 +690,8 @@ def simulate(requests: Sequence[WorkloadRequest], policy: Policy, config: SimCon
         token_gaps_s=gaps,
         transferred_tokens=moved[0],
         transfers=moved[1],
+        fetches=fetch[0],
+        fetched=fetch[1],
+        fetched_tokens=fetch[2] * config.block_size,
+        fetch_bytes=fetch[3],
     )

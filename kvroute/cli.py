@@ -314,6 +314,14 @@ def _add_router_flags(p: argparse.ArgumentParser) -> None:
       "request to the worker with the least prefill to do among those predicted to answer "
       "within it (the most of the prompt cached), the soonest otherwise (default: none, "
       "the soonest with the prefill passed on)")
+    a("--kv-fetch", choices=["auto", "off"],
+      help="peer KV fetch: auto lets a worker fetch a prompt's leading blocks from a peer "
+      "holding them instead of recomputing them, where both advertise it in /model_info and "
+      "it is priced cheaper (docs/peer_fetch.md); off never (default %(default)s)")
+    a("--kv-transfer-secret-file", metavar="PATH",
+      help="peer KV transfer: read the secret shared by the router and every worker from "
+      "this file (at least 16 bytes; env KVROUTE_KV_TRANSFER_SECRET_FILE). Without one, a "
+      "fetch is priced only between workers on loopback")
     # Flow control: saturation, the queue, deadlines and fairness (docs/flow_control.md).
     a("--flow-control", choices=["on", "off"],
       help="hold requests in the router while every worker is saturated, most urgent first, "

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import logging
 import os
 import random
 import time
@@ -35,13 +36,51 @@ from router.fleet.worker_table import WorkerInfo
 from router.routing.core import Prediction, RoutingCore
 from router.routing.disaggregation import prefills_locally, remote_prefill_ttft, transfer_seconds
 from router.routing.dispatch_gate import CapacityListener, Deaf, QueueStay
+from router.routing.fetch_links import FetchAbility
 from router.routing.load import ReportedLoad
 from router.routing.prompt_path import HashingTerms, PrefixReach, request_hashes
 from router.routing.scheduler import Decision
 from router.routing.sessions import Continuation
 from router.settings import RouterSettings
 
-__all__ = ["Route", "RouterService"]
+__all__ = ["FETCH_HEADERS", "Route", "RouterService", "parse_fetch_result"]
+
+log = logging.getLogger(__name__)
+
+#: The fetch instruction's request headers and the result's answer header
+#: (docs/peer_fetch.md); a client's own are never forwarded.
+FETCH_SOURCE = "x-kvroute-fetch-source"
+FETCH_BLOCKS = "x-kvroute-fetch-blocks"
+TRANSFER_TOKEN = "x-kvroute-transfer-token"
+FETCH_RESULT = "x-kvroute-fetch-result"
+FETCH_HEADERS = (FETCH_SOURCE, FETCH_BLOCKS, TRANSFER_TOKEN)
+
+
+def parse_fetch_result(value: str) -> tuple[int, float, float] | None:
+    """A worker's ``x-kvroute-fetch-result``: ``(blocks, bytes, seconds)`` of a fetch that
+    inserted blocks, or None for a failure (``failed;reason=...``).
+
+    Raises:
+        ValueError: neither form, or a figure that is not a finite number >= 0.
+    """
+    parts = [p.strip() for p in value.split(";")]
+    if parts and parts[0] == "failed":
+        return None
+    fields: dict[str, str] = {}
+    for part in parts:
+        name, sep, number = part.partition("=")
+        if not sep:
+            raise ValueError(f"{FETCH_RESULT}: {part!r} is not NAME=VALUE")
+        fields[name.strip()] = number.strip()
+    try:
+        blocks, nbytes, seconds = (int(fields["blocks"]), float(fields["bytes"]),
+                                   float(fields["seconds"]))
+    except (KeyError, ValueError):
+        raise ValueError(f"{FETCH_RESULT}: {value[:80]!r} is neither "
+                         "blocks=N;bytes=B;seconds=S nor failed;reason=R") from None
+    if blocks < 0 or not (0 <= nbytes < float("inf")) or not (0 <= seconds < float("inf")):
+        raise ValueError(f"{FETCH_RESULT}: {value[:80]!r} has a figure out of range")
+    return blocks, nbytes, seconds
 
 PromptKind = Literal["completions", "chat"]
 
@@ -77,6 +116,18 @@ class Route:
     def worker(self) -> Target:
         """The chosen worker."""
         return self.entries[self.decision.worker]
+
+    def fetch_from(self, worker: Target) -> tuple[Target, int] | None:
+        """The source and blocks ``worker`` is told to fetch (None: it recomputes what it
+        lacks): the decision's fetch on the worker's terms, without a remote prefill."""
+        if self.prefill is not None or worker.id not in self.entries:
+            return None
+        terms = self.decision.terms(worker.id)
+        source = self.entries.get(terms.fetch_source) if terms.fetch_source is not None \
+            else None
+        if source is None or source is worker:
+            return None
+        return source, terms.fetch_blocks
 
     @property
     def predicted_ttft_s(self) -> float:
@@ -144,19 +195,39 @@ class _CoreFacts(FleetFacts):
     a change of model info to the service's cache of candidates)."""
 
     def __init__(self, core: RoutingCore, described: Callable[[], None],
-                 capacity: Callable[[], CapacityListener]) -> None:
+                 capacity: Callable[[], CapacityListener], settings: RouterSettings) -> None:
         self._core = core
         self._described = described
         self._capacity = capacity
+        self._settings = settings
+        self._unreachable: set[str] = set()  # worker URLs logged as no fetch peer
 
     def joined(self, worker: int, engine: str, info: WorkerInfo | None) -> None:
         self._core.worker_joined(worker, engine=engine, approximate=_approximate(info),
-                                 capacity_blocks=_capacity(info))
+                                 capacity_blocks=_capacity(info), fetch=self._fetch(info))
 
     def described(self, worker: int, info: WorkerInfo) -> None:
         self._described()
         self._core.worker_described(worker, approximate=_approximate(info),
-                                    capacity_blocks=_capacity(info))
+                                    capacity_blocks=_capacity(info), fetch=self._fetch(info))
+
+    def _fetch(self, info: WorkerInfo | None) -> FetchAbility | None:
+        """What the router may use of a worker's peer fetch: what it advertises, unless
+        fetch is off, it serves data-parallel ranks behind one URL, or it is off loopback
+        with no shared secret (logged once per worker)."""
+        settings = self._settings
+        if (info is None or settings.kv_fetch == "off" or settings.policy != "kv"
+                or not (info.kv_fetch_serve or info.kv_fetch_receive)
+                or info.data_parallel_size > 1):
+            return None
+        if not settings.fetch_reachable(info.url):
+            if info.url not in self._unreachable:
+                self._unreachable.add(info.url)
+                log.info("peer fetch: not priced to or from %s: it is off loopback and the "
+                         "router has no --kv-transfer-secret-file", info.url)
+            return None
+        return FetchAbility(info.kv_fetch_serve, info.kv_fetch_receive,
+                            info.kv_bytes_per_token)
 
     def left(self, worker: int) -> None:
         self._described()
@@ -209,7 +280,7 @@ class RouterService:
         self.capacity: CapacityListener = Deaf()
         self.registry = Registry(settings.fleet_settings(), self.index,
                                  _CoreFacts(self.core, self._candidates_changed,
-                                            lambda: self.capacity),
+                                            lambda: self.capacity, settings),
                                  self.tokenizer.identity, http)
         self.counters: dict[str, float] = {}
         # Request ids: unique per process without a syscall per request (uuid4 reads urandom).
@@ -217,6 +288,14 @@ class RouterService:
         self._id_prefix = os.urandom(4).hex()
         self._fleet_key: list[Target] | None = None
         self._fleets: dict[str | None, _Fleet] = {}
+        if settings.kv_fetch == "off":
+            log.info("peer fetch: off (--kv-fetch off)")
+        elif settings.policy != "kv":
+            log.info("peer fetch: off: it is priced by the kv policy only, not %s",
+                     settings.policy)
+        elif settings.kv_transfer_secret is None:
+            log.info("peer fetch: no --kv-transfer-secret-file, so a fetch is priced only "
+                     "between workers on loopback that advertise it")
 
 
     def _candidates_changed(self) -> None:
@@ -286,9 +365,12 @@ class RouterService:
             return False
         return bool(prompt.estimated_tokens)
 
-    def decide(self, body: Any, kind: str, prompt: PromptTokens | None = None) -> Route:
+    def decide(self, body: Any, kind: str, prompt: PromptTokens | None = None, *,
+               fetch: bool = True) -> Route:
         """Tokenize (unless ``prompt`` is given, from :meth:`tokenize`), hash, match and score
-        one request body (``kind``: ``completions`` or ``chat``, the endpoint it came to).
+        one request body (``kind``: ``completions`` or ``chat``, the endpoint it came to);
+        ``fetch``: a peer fetch may be chosen (off for a caller that cannot send the
+        instruction, as the endpoint picker, whose gateway forwards).
 
         Raises:
             ApiError: the body is invalid (400), names an unknown model (404), or no worker
@@ -330,7 +412,7 @@ class RouterService:
         matches = self.index.match(hashes) if hashes else {}
         workers = None if len(entries) == self.core.workers() else ids
         routed = self.core.decide(hashes, matches, now, self.rng, workers=workers,
-                                  tokens=size)
+                                  tokens=size, fetch=fetch and not fleet.prefill)
         request_id = f"{self._id_prefix}-{next(self._ids)}"
         route = Route(request_id, prompt, hashes, routed.decision, by_id, now,
                       time.perf_counter() - started, routed.continued,
@@ -361,7 +443,7 @@ class RouterService:
             self.counters["pd_local_prefills"] = self.counters.get("pd_local_prefills", 0) + 1
             return
         chosen = self.core.decide(route.hashes, matches, now, self.rng,
-                                  workers=[e.id for e in fleet.prefill]).decision
+                                  workers=[e.id for e in fleet.prefill], fetch=False).decision
         route.prefill_decision = chosen
         route.prefill = next(e for e in fleet.prefill if e.id == chosen.worker)
         decode, settings = route.decision.chosen, self.settings
@@ -454,6 +536,46 @@ class RouterService:
         self.core.routed(route.request_id, worker.id, route.hashes, terms, time.monotonic(),
                          route.continued, len(route.prompt.token_ids), predicted)
         route.continued = None
+
+    def fetch_headers(self, route: Route, worker: Target) -> dict[str, str]:
+        """The fetch instruction for ``worker`` (empty: none), counted as a decision."""
+        fetch = route.fetch_from(worker)
+        if fetch is None:
+            return {}
+        source, blocks = fetch
+        self.counters["fetch_decisions"] = self.counters.get("fetch_decisions", 0) + 1
+        headers = {FETCH_SOURCE: source.url, FETCH_BLOCKS: str(blocks)}
+        if self.settings.kv_transfer_secret is not None:
+            headers[TRANSFER_TOKEN] = self.settings.kv_transfer_secret
+        return headers
+
+    def fetch_answered(self, route: Route, worker: Target, result: str | None) -> None:
+        """``worker`` began its answer to an instructed fetch with ``result`` (its
+        ``x-kvroute-fetch-result``, None when absent: it did not fetch, which teaches
+        nothing): the pair's link learns, or is backed off."""
+        fetch = route.fetch_from(worker)
+        if fetch is None or result is None:
+            return
+        source = fetch[0]
+        try:
+            parsed = parse_fetch_result(result)
+        except ValueError as exc:
+            self.counters["fetch_results_malformed"] = (
+                self.counters.get("fetch_results_malformed", 0) + 1)
+            log.warning("worker %s: %s", worker.url, exc)
+            return
+        if parsed is None:
+            self.counters["fetch_failed"] = self.counters.get("fetch_failed", 0) + 1
+            terms = route.decision.terms(worker.id)
+            backoff = self.core.fetch_failed(source.id, worker.id, time.monotonic(),
+                                             terms.fetch_blocks - terms.matched_blocks)
+            log.info("peer fetch from %s to %s failed (%s); not priced for %.0f s",
+                     source.url, worker.url, result[:80], backoff)
+            return
+        _, nbytes, seconds = parsed
+        self.counters["fetch_fetched"] = self.counters.get("fetch_fetched", 0) + 1
+        self.counters["fetch_bytes"] = self.counters.get("fetch_bytes", 0) + nbytes
+        self.core.fetched(source.id, worker.id, nbytes, seconds)
 
     def undispatched(self, route: Route, worker: Target | None = None) -> None:
         """The send failed before the worker took the request: release its load and, given

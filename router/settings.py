@@ -16,9 +16,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 from httpapi.api_keys import KeyRing, parse_keys
-from httpapi.auth import check_bind, check_token, read_secret_file
+from httpapi.auth import check_bind, check_token, is_loopback, read_secret_file
 from httpapi.logs import LOG_FORMATS
 from httpapi.server import DEFAULT_LIMITS, ConnectionLimits
 from httpapi.trusted_peers import LOOPBACK, TrustedPeers
@@ -43,6 +44,10 @@ __all__ = ["POLICIES", "RouterSettings", "SettingsError", "load_settings"]
 #: ``kv``, each worker priced by its predicted time to first token; ``dynamo``, NVIDIA
 #: Dynamo's cost rule in blocks; ``round_robin`` and ``random`` ignore the cache (baselines).
 TOKENIZE_MODES = ("match", "full")
+#: ``auto``: price peer fetches between the workers that advertise them; ``off``: never.
+KV_FETCH_MODES = ("auto", "off")
+#: The shortest KV transfer secret accepted (the workers' rule too).
+MIN_TRANSFER_SECRET_BYTES = 16
 _CORE = CoreSettings()
 _FLOW = FlowSettings()
 
@@ -165,6 +170,11 @@ class RouterSettings:
     #: Export a span per request over OTLP/HTTP (also on when the environment sets
     #: ``OTEL_EXPORTER_OTLP_ENDPOINT``); needs the ``otel`` extra.
     tracing: bool = False
+    #: Peer KV fetch (docs/peer_fetch.md): ``auto`` prices a fetch between workers that
+    #: advertise it, ``off`` never; the secret shared with every worker, read from its file.
+    kv_fetch: str = "auto"
+    kv_transfer_secret_file: str | None = None
+    kv_transfer_secret: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         for f in fields(self):  # inf or nan: a weight that swamps every other, a wait forever
@@ -208,6 +218,8 @@ class RouterSettings:
             (self.discover_interval > 0, "discover_interval must be positive"),
             (self.log_format in LOG_FORMATS,
              f"log_format {self.log_format!r} is not one of {', '.join(LOG_FORMATS)}"),
+            (self.kv_fetch in KV_FETCH_MODES,
+             f"kv_fetch {self.kv_fetch!r} is not one of {', '.join(KV_FETCH_MODES)}"),
         ]
         for ok, message in checks:
             if not ok:
@@ -230,6 +242,20 @@ class RouterSettings:
             object.__setattr__(self, "salt_secret", secret)
         if self.salt_secret is not None and not self.salt_secret:
             raise SettingsError("salt_secret is empty")
+        if self.kv_transfer_secret_file is not None:  # read once; the file wins
+            try:
+                secret = read_secret_file(self.kv_transfer_secret_file,
+                                          "kv_transfer_secret_file")
+            except ValueError as exc:
+                raise SettingsError(str(exc)) from None
+            object.__setattr__(self, "kv_transfer_secret", secret)
+        if self.kv_transfer_secret is not None:
+            secret = self.kv_transfer_secret.strip()
+            if len(secret.encode()) < MIN_TRANSFER_SECRET_BYTES:
+                raise SettingsError(
+                    f"the KV transfer secret must be at least {MIN_TRANSFER_SECRET_BYTES} "
+                    f"bytes (surrounding white space not counted), got {len(secret.encode())}")
+            object.__setattr__(self, "kv_transfer_secret", secret)
         if self.curve_secret_key is not None:
             self.event_transport()  # unreadable keys fail at start-up, not at first connect
         try:
@@ -336,6 +362,14 @@ class RouterSettings:
             unhealthy_grace=self.unhealthy_grace, worker_admin_token=self.worker_admin_token,
             event_transport=self.event_transport())
 
+    def fetch_reachable(self, worker_url: str) -> bool:
+        """Whether a peer fetch may be priced to or from the worker at ``worker_url``: with
+        the shared secret, any; without, only one on loopback (the workers honour
+        unauthenticated instructions from loopback peers of a loopback bind alone)."""
+        if self.kv_transfer_secret is not None:
+            return True
+        return is_loopback(urlsplit(worker_url).hostname or "")
+
     def core_settings(self) -> CoreSettings:
         """The routing core's settings these give (sessions are followed only under ``kv``)."""
         return CoreSettings(policy=self.policy, block_size=self.block_size,
@@ -343,7 +377,8 @@ class RouterSettings:
                             learn=self.learn_rates, predict_ttl=self.predict_ttl,
                             approximate_ttl=self.approximate_ttl,
                             sessions=self.sessions and self.policy == "kv",
-                            ttft_slo=self.ttft_slo)
+                            ttft_slo=self.ttft_slo, kv_fetch=self.kv_fetch == "auto",
+                            fetch_bandwidth=self.pd_transfer_bandwidth)
 
 
     def _check_extensions(self) -> None:

@@ -71,6 +71,10 @@ class ClusterView(Protocol):
     capacity_blocks: int
     #: Each worker's role: ``prefill``, ``decode`` or ``both`` (:data:`bench.sim.ROLES`).
     roles: tuple[str, ...]
+    #: Every worker serves and receives peer fetches (``kv_fetch`` in its ``/model_info``),
+    #: with this many bytes of KV a token.
+    peer_fetch: bool
+    kv_bytes_per_token: int
 
     def worker_metrics(self, worker: int) -> WorkerMetrics:
         """Return the worker's engine metrics now."""
@@ -140,6 +144,17 @@ class Policy(ABC):
         reports to :meth:`first_token` and :meth:`finished` under that id); None: the worker
         :meth:`route` answered prefills it itself. Asked once per request, when it is sent."""
         return None
+
+    def fetch_for(self, request_id: str) -> tuple[int, int] | None:
+        """Peer fetch: the source and the blocks :meth:`route` told the request's worker to
+        fetch from it before running it (None: it recomputes what it lacks). Asked once per
+        request, when it is sent, on a cluster whose workers fetch."""
+        return None
+
+    def fetch_result(self, request_id: str, blocks: int, nbytes: int,  # noqa: B027
+                     seconds: float, now: float) -> None:
+        """The fetch :meth:`fetch_for` named ended: ``blocks`` blocks, ``nbytes`` bytes in
+        ``seconds`` (0 blocks: it failed, and the worker recomputes)."""
 
     def dispatch(self, now: float) -> tuple[list[tuple[str, int]], list[str]]:
         """A policy that holds requests (:meth:`route` answered :data:`HELD`): those that

@@ -38,6 +38,9 @@ class FlowPolicy(KvroutePolicy):
     """
 
     name = "kvroute+flow"
+    #: Its decisions are booked as they leave its queue, priced again: it tells no worker
+    #: to fetch (its workers join as stock engines do).
+    fetches = False
 
     def __init__(self, settings: RouterSettings | None = None,
                  tags: Mapping[str, tuple[int, str]] | None = None,

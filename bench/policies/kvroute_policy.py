@@ -14,7 +14,13 @@ are :class:`router.settings.RouterSettings`, so a run with ``--set NAME=VALUE``
 (:mod:`bench.replay`) is the router with that flag, and a policy named
 ``kvroute[NAME=VALUE,...]`` (:func:`bench.policies.make_policies`) runs the router with those
 settings beside the default: ``kvroute[learn_rates=off]``, or ``kvroute[policy=dynamo]`` for
-Dynamo's rule through the same books.
+Dynamo's rule through the same books, or ``kvroute[kv_fetch=off]``.
+
+On a cluster whose workers fetch (:attr:`~bench.policies.base.ClusterView.peer_fetch`) every
+worker joins as serving and receiving peer fetches, as a kvroute worker's ``/model_info``
+advertises them; a decision that chose a fetch tells its worker to fetch
+(:meth:`KvroutePolicy.fetch_for`), and each result teaches the pair's link or backs it off,
+as the router's answer header does.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from bench.policies.base import PREFILL_SUFFIX, ClusterView, Policy, RouteReques
 from indexer.events import Event
 from router.routing.core import RoutingCore
 from router.routing.disaggregation import prefills_locally, remote_prefill_ttft, transfer_seconds
+from router.routing.fetch_links import FetchAbility
 from router.settings import RouterSettings
 
 __all__ = ["KvroutePolicy"]
@@ -43,6 +50,9 @@ class KvroutePolicy(Policy):
     name = "kvroute"
     needs_index = True
     disaggregates = True
+    #: Tells workers to fetch where the rule chose it (a subclass that books its own
+    #: decisions turns this off).
+    fetches = True
 
     def __init__(self, settings: RouterSettings | None = None, name: str | None = None) -> None:
         self.settings = settings or RouterSettings()
@@ -59,8 +69,12 @@ class KvroutePolicy(Policy):
         core = dataclasses.replace(self.settings.core_settings(), block_size=cluster.block_size)
         self.core = RoutingCore(core)
         self._predictions: list[tuple[float, float]] = []
+        ability = None
+        if self.fetches and getattr(cluster, "peer_fetch", False):
+            ability = FetchAbility(True, True, cluster.kv_bytes_per_token)
         for w in range(cluster.num_workers):
-            self.core.worker_joined(w, capacity_blocks=float(cluster.capacity_blocks))
+            self.core.worker_joined(w, capacity_blocks=float(cluster.capacity_blocks),
+                                    fetch=ability)
         # As the router's fleet has it: prefill workers prefill for the others, unless there
         # are no others.
         roles = cluster.roles
@@ -69,6 +83,9 @@ class KvroutePolicy(Policy):
             else []
         self._serving = serving if self._prefill_workers else None
         self._prefill_of: dict[str, int] = {}
+        #: Each request told to fetch: its source, blocks and worker.
+        self._fetch_of: dict[str, tuple[int, int, int, int]] = {}  # and its own hit
+        self._fetching: dict[str, tuple[int, int, int]] = {}  # sent: source, worker, blocks
 
     def route(self, request: RouteRequest, now: float) -> int:
         hashes = request.hashes
@@ -98,7 +115,27 @@ class KvroutePolicy(Policy):
             terms = dataclasses.replace(terms, prefill_blocks=0, prefill_s=0.0)
         self.core.routed(request.request_id, decision.worker, hashes, terms, now,
                          routed.continued, tokens, predicted)
+        if terms.fetch_source is not None and predicted is None:
+            self._fetch_of[request.request_id] = (terms.fetch_source, terms.fetch_blocks,
+                                                  decision.worker, terms.matched_blocks)
         return decision.worker
+
+    def fetch_for(self, request_id: str) -> tuple[int, int] | None:
+        told = self._fetch_of.pop(request_id, None)
+        if told is None:
+            return None
+        self._fetching[request_id] = (told[0], told[2], told[1] - told[3])
+        return told[0], told[1]
+
+    def fetch_result(self, request_id: str, blocks: int, nbytes: int, seconds: float,
+                     now: float) -> None:
+        pair = self._fetching.pop(request_id, None)
+        if pair is None:
+            return
+        if blocks:
+            self.core.fetched(pair[0], pair[1], float(nbytes), seconds)
+        else:
+            self.core.fetch_failed(pair[0], pair[1], now, pair[2])
 
     def prefill_for(self, request_id: str) -> int | None:
         return self._prefill_of.pop(request_id, None)

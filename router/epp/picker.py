@@ -127,7 +127,8 @@ class Picker:
             if not self.service.settings.allow_client_transfer_fields:
                 refuse_transfer_fields(body)
             ask = ask_of(body, headers, self._objectives)
-            route = self.service.decide(body, kind)
+            # The gateway forwards: no fetch instruction can go with the pick.
+            route = self.service.decide(body, kind, fetch=False)
             now = self.flow.admit_now(route, ask, lambda: tenant_of(body, headers))
         except ApiError as exc:
             self.metrics.request(ENDPOINT, exc.status)
@@ -147,7 +148,8 @@ class Picker:
         try:
             route = await self.flow.admit(
                 held.route, held.ask,
-                lambda: self.service.decide(held.body, held.kind, held.route.prompt),
+                lambda: self.service.decide(held.body, held.kind, held.route.prompt,
+                                            fetch=False),
                 lambda: held.tenant)
         except ApiError as exc:
             self.metrics.request(ENDPOINT, exc.status)

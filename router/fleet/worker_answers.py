@@ -40,6 +40,13 @@ class _Capacity(msgspec.Struct):
     max_num_seqs: _Count = 0
 
 
+class _KvFetch(msgspec.Struct):
+    serve: bool = False
+    receive: bool = False
+    kv_bytes_per_token: Annotated[int, msgspec.Meta(ge=0, le=1 << 30)] = 0
+    transfer: str = "http"
+
+
 class _ModelInfo(msgspec.Struct):
     model: str
     block_size: Annotated[int, msgspec.Meta(gt=0, le=1 << 20)]
@@ -56,6 +63,7 @@ class _ModelInfo(msgspec.Struct):
     lora_adapters: list[str] = msgspec.field(default_factory=list)
     extra: dict[str, object] = msgspec.field(default_factory=dict)
     data_parallel_size: Annotated[int, msgspec.Meta(ge=1, le=1024)] = 1
+    kv_fetch: _KvFetch | None = None
 
 
 class _Load(msgspec.Struct):
@@ -91,6 +99,10 @@ def parse_model_info(url: str, raw: bytes) -> WorkerInfo:
     except msgspec.DecodeError as exc:
         raise MalformedAnswer(f"worker {url}: /model_info: {exc}") from None
     routing = body.extra.get("trtllm_image_routing_version")
+    # Peer fetch over the one transfer this router speaks, with a size to price it by.
+    fetch = body.kv_fetch
+    if fetch is not None and (fetch.transfer != "http" or fetch.kv_bytes_per_token <= 0):
+        fetch = None
     return WorkerInfo(
         url=url,
         model=body.model,
@@ -110,6 +122,9 @@ def parse_model_info(url: str, raw: bytes) -> WorkerInfo:
         lora_adapters=tuple(body.lora_adapters),
         host_blocks=body.capacity.host_blocks,
         data_parallel_size=body.data_parallel_size,
+        kv_fetch_serve=fetch is not None and fetch.serve,
+        kv_fetch_receive=fetch is not None and fetch.receive,
+        kv_bytes_per_token=fetch.kv_bytes_per_token if fetch is not None else 0,
     )
 
 

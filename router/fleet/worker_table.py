@@ -55,6 +55,11 @@ class WorkerInfo:
     host_blocks: int = 0
     #: Data-parallel ranks the engine says it serves behind its URL (1: none).
     data_parallel_size: int = 1
+    #: Peer KV fetch (``model_info`` ``kv_fetch``, docs/peer_fetch.md): it answers block
+    #: reads, it honours fetch instructions, and the bytes of KV a token of its cache takes.
+    kv_fetch_serve: bool = False
+    kv_fetch_receive: bool = False
+    kv_bytes_per_token: int = 0
 
     def serves(self, model: str) -> bool:
         """Whether ``model`` names this worker's base model or one of its LoRA adapters."""

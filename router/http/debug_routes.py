@@ -39,6 +39,12 @@ def add_debug_routes(app: FastAPI, state: RouterState) -> None:
         return answer
 
 
+def _url(route: Route, worker: int | None) -> str | None:
+    """The URL of a candidate worker (None for none)."""
+    entry = route.entries.get(worker) if worker is not None else None
+    return entry.url if entry is not None else None
+
+
 def explain(state: RouterState, route: Route) -> dict[str, Any]:
     """``route``'s decision as ``/debug/route`` answers it."""
     decision, core = route.decision, state.service.core
@@ -54,6 +60,9 @@ def explain(state: RouterState, route: Route) -> dict[str, Any]:
         "prompt_tokens": len(route.prompt.token_ids), "request_blocks": len(route.hashes),
         "decision_us": round(route.decision_seconds * 1e6, 1),
         "continues_session_on": route.continued.worker if route.continued else None,
+        # The peer the chosen worker is told to fetch the prompt's leading blocks from.
+        "fetch_source": _url(route, decision.chosen.fetch_source)
+        if route.prefill is None else None,
         "workers": [{"id": c.worker, "url": route.entries[c.worker].url,
                      "rank": route.entries[c.worker].rank,
                      "matched_blocks": c.matched_blocks,
@@ -64,6 +73,15 @@ def explain(state: RouterState, route: Route) -> dict[str, Any]:
                      "sessions": core.live_sessions(c.worker),
                      "wait_s": c.wait_s, "prefill_s": c.prefill_s,
                      "rate_factor": core.rate_factor(c.worker),
-                     "cost": c.cost, "price": c.price, "within_slo": c.within_slo}
+                     "cost": c.cost, "price": c.price, "within_slo": c.within_slo,
+                     # Peer fetch: the chosen option's source (null: it recomputes), the
+                     # recompute option's TTFT and price, and the cheapest fetch's (its
+                     # source, TTFT, price, transfer); waiting for a holder is its own row.
+                     "fetch_source": _url(route, c.fetch_source),
+                     "fetch_source_id": c.fetch_source, "fetch_blocks": c.fetch_blocks,
+                     "fetch_s": c.fetch_s,
+                     "recompute_cost": c.recompute_cost, "recompute_price": c.recompute_price,
+                     "best_fetch_source_id": c.best_source, "fetch_cost": c.fetch_cost,
+                     "fetch_price": c.fetch_price}
                     for c in decision.costs],
     }

@@ -19,6 +19,11 @@ KV held for one decode: a retry on another decode worker goes with a fresh prefi
 A candidate that is one data-parallel rank of a worker (:mod:`router.fleet.ranks`) is pinned
 with the ``X-data-parallel-rank`` header (a client's own is replaced), so the worker's engine
 serves the request on the rank whose cache was chosen.
+
+A worker the decision tells to fetch the prompt's leading blocks from a peer
+(``docs/peer_fetch.md``) gets the instruction's headers on its attempt, and the
+``x-kvroute-fetch-result`` its answer begins with teaches the pair's link
+(:meth:`~router.service.RouterService.fetch_answered`).
 """
 
 from __future__ import annotations
@@ -37,9 +42,10 @@ from router.http.first_byte import FirstByteClock
 from router.http.incoming_body import IncomingBody
 from router.http.proxy import Proxy, UpstreamAnswer, UpstreamUnavailable
 from router.http.tracing import traced_headers
-from router.service import Route, RouterService
+from router.service import FETCH_RESULT, Route, RouterService
 
-__all__ = ["MAX_ATTEMPTS", "RETRY_PAUSE_S", "Sent", "pinned", "send_with_failover"]
+__all__ = ["MAX_ATTEMPTS", "RETRY_PAUSE_S", "Sent", "instructed", "pinned",
+           "send_with_failover"]
 
 log = logging.getLogger(__name__)
 
@@ -110,8 +116,9 @@ async def send_with_failover(service: RouterService, proxy: Proxy, clock: FirstB
         started = time.monotonic()
         try:
             answer = await proxy.send(f"{worker.url}{path}", body,
-                                      traced_headers(pinned(headers, worker), worker, attempt,
-                                                     path),
+                                      traced_headers(pinned(instructed(
+                                          headers, service.fetch_headers(route, worker)),
+                                          worker), worker, attempt, path),
                                       stream=stream,
                                       first_byte=deadline, waits=worker.waits)
         except UpstreamUnavailable as exc:
@@ -121,6 +128,7 @@ async def send_with_failover(service: RouterService, proxy: Proxy, clock: FirstB
             log.warning("worker %s failed before answering (%s): %s", worker.url, exc.cause,
                         exc)
             continue
+        service.fetch_answered(route, worker, answer.headers.get(FETCH_RESULT))
         worker.liveness.progressed()  # an answer began: alive, whatever its probe says
         answer.on_progress = worker.liveness.progressed
         if (stream() if callable(stream) else stream) and answer.status == 200:
@@ -153,6 +161,14 @@ def _attempts(listed: Callable[[], Iterable[Target]], causes: set[str]
                 continue  # turned unhealthy since the decision
             given += 1
             yield worker
+
+
+def instructed(headers: Mapping[str, str], fetch: Mapping[str, str]) -> Mapping[str, str]:
+    """``headers`` with the fetch instruction ``fetch`` added (the client's own fetch
+    headers were stripped on arrival: :func:`router.http.request_path.without_fetch`)."""
+    if not fetch:
+        return headers
+    return {**headers, **fetch}
 
 
 def pinned(headers: Mapping[str, str], worker: Target) -> Mapping[str, str]:

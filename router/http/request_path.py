@@ -11,7 +11,8 @@ deadlines, the bytes kept for a failover). A body the router must rewrite (a dis
 prefill's) or one refused as it stands is read whole first, as is one that arrived whole. A
 worker that fails before the first byte is left for the next-best one
 (:mod:`router.http.failover`); the answer names the worker and the matched blocks in
-``x-kvroute-*`` headers.
+``x-kvroute-*`` headers (and the peer it was told to fetch from, ``x-kvroute-fetch-source``).
+A client's own fetch instruction headers are dropped on arrival (:func:`without_fetch`).
 
 A completions prompt whose length alone proves it longer than every worker's model is refused
 before it is encoded; a body the service says is worth it
@@ -62,11 +63,20 @@ from router.http.state import RouterState
 from router.routing.dispatch_gate import QueueStay
 from router.service import Route
 
-__all__ = ["Forward", "decide", "route_of"]
+__all__ = ["Forward", "decide", "route_of", "without_fetch"]
 
 _CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _SSE = b"text/event-stream; charset=utf-8"
 _JSON = b"application/json"
+
+
+def without_fetch(headers: dict[str, str]) -> dict[str, str]:
+    """``headers`` less any peer fetch instruction a client sent (``x-kvroute-fetch-*``,
+    ``x-kvroute-transfer-token``): only the router instructs a worker to fetch."""
+    for name in [k for k in headers if k.startswith("x-kvroute-") and (
+            k.startswith("x-kvroute-fetch-") or k == "x-kvroute-transfer-token")]:
+        del headers[name]
+    return headers
 
 
 class Forward:
@@ -83,7 +93,8 @@ class Forward:
         state, path = self.state, self.path
         metrics = state.metrics
         timer = metrics.timer(time.perf_counter())
-        headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]}
+        headers = without_fetch({k.decode("latin-1"): v.decode("latin-1")
+                                 for k, v in scope["headers"]})
         max_bytes = state.settings.max_body_bytes
         if not state.settings.allow_client_transfer_fields:
             headers = without_rank_header(headers)
@@ -269,6 +280,9 @@ def _start(sent: Sent, route: Route, default_type: bytes, length: int | None = N
                 (b"x-kvroute-matched-blocks", str(matched).encode())]
     if worker.rank is not None:
         headers.append((b"x-kvroute-worker-rank", str(worker.rank).encode()))
+    fetch = route.fetch_from(worker)
+    if fetch is not None:
+        headers.append((b"x-kvroute-fetch-source", fetch[0].url.encode("latin-1")))
     if route.predicts_ttft and worker is route.worker:
         ms = route.predicted_ttft_s * 1e3
         headers.append((b"x-kvroute-predicted-ttft-ms", f"{ms:.1f}".encode()))

@@ -96,6 +96,26 @@ class StateCollector:
                               ("whole", "pd_served_whole")):
             prefills.add_metric([outcome], service.counters.get(name, 0))
         yield prefills
+        counters = service.counters
+        decisions = CounterMetricFamily(
+            "kvroute_fetch_decisions",
+            "Peer fetch: requests sent with an instruction to fetch the prompt's leading "
+            "blocks from a peer")
+        decisions.add_metric([], counters.get("fetch_decisions", 0))
+        yield decisions
+        results = CounterMetricFamily(
+            "kvroute_fetch_results",
+            "Peer fetch: the results instructed workers answered (fetched, failed: the "
+            "worker recomputed; malformed: an answer header the router could not read)",
+            labels=["outcome"])
+        for outcome in ("fetched", "failed", "malformed"):
+            results.add_metric([outcome], counters.get(
+                "fetch_results_malformed" if outcome == "malformed" else f"fetch_{outcome}", 0))
+        yield results
+        fetched = CounterMetricFamily("kvroute_fetch_bytes",
+                                      "Peer fetch: KV bytes the instructed workers fetched")
+        fetched.add_metric([], counters.get("fetch_bytes", 0))
+        yield fetched
         yield per_worker(GaugeMetricFamily, "kvroute_rate_factor",
                          "The worker's learned factor on its engine kind's rates",
                          lambda e: core.rate_factor(e.id), combine=_mean)

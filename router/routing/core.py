@@ -35,12 +35,21 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from indexer.events import Cleared, Event
+from router.routing.fetch_links import FETCH_READ_S, FetchAbility, FetchLinks
 from router.routing.load import LoadTracker, ReportedLoad
 from router.routing.load_groups import LoadGroups, LoadKey, choose_fast
 from router.routing.pressure import EvictionPressure
 from router.routing.rates import DEFAULT_RATES, DYNAMO_RATES, Rates, RateScale
 from router.routing.residency import PredictedResidency
-from router.routing.scheduler import Candidate, Decision, WorkerCost, choose, cost_of, price
+from router.routing.scheduler import (
+    Candidate,
+    Decision,
+    FetchSource,
+    WorkerCost,
+    choose,
+    cost_of,
+    price,
+)
 from router.routing.sessions import Continuation, SessionTracker
 
 __all__ = ["BASELINES", "POLICIES", "CoreSettings", "Prediction", "Routed", "RoutingCore"]
@@ -85,6 +94,11 @@ class CoreSettings:
     #: fleet the ``kv`` rule then takes, of the workers predicted within it, the one with the
     #: least prefill to do (:mod:`router.routing.scheduler`).
     ttft_slo: float | None = None
+    #: Price peer fetches between the workers that advertise them (``docs/peer_fetch.md``;
+    #: the ``kv`` rule only).
+    kv_fetch: bool = True
+    #: A peer fetch's link before any result: bytes a second.
+    fetch_bandwidth: float = 25e9
 
     def __post_init__(self) -> None:
         if self.policy not in POLICIES:
@@ -97,6 +111,9 @@ class CoreSettings:
                                  f"got {self.ttft_slo}")
             if self.policy != "kv":
                 raise ValueError(f"ttft_slo applies to the kv policy, not {self.policy!r}")
+        if not (math.isfinite(self.fetch_bandwidth) and self.fetch_bandwidth > 0):
+            raise ValueError(f"fetch_bandwidth must be a positive number of bytes a second, "
+                             f"got {self.fetch_bandwidth}")
 
     @property
     def learns(self) -> bool:
@@ -171,14 +188,25 @@ class RoutingCore:
         self._groups = LoadGroups()
         self._turns = 0
         self._default_rates = settings.base_rates("kvroute")
+        # Peer fetch: what each worker advertises, the tracked ones that receive none, and
+        # each pair's link.
+        self._fetch: dict[int, FetchAbility] = {}
+        self._no_receive: set[int] = set()
+        self._links = FetchLinks(settings.fetch_bandwidth, settings.block_size)
+        # Per worker, the blocks its fetches in flight will store (not its prefill's); per
+        # source, the seconds of reads it serves, and each fetching request's read.
+        self._fetching: dict[int, int] = {}
+        self._reading: dict[int, float] = {}
+        self._reads: dict[str, tuple[int, float]] = {}
 
     # -- facts about the workers --------------------------------------------------------------
 
     def worker_joined(self, worker: int, *, engine: str = "kvroute", approximate: bool = False,
-                      capacity_blocks: float = 0.0) -> None:
+                      capacity_blocks: float = 0.0, fetch: FetchAbility | None = None) -> None:
         """``worker`` may be routed to from now on (idempotent); ``engine``: its kind (sets
         its default rates); ``approximate``: it publishes no KV events; ``capacity_blocks``:
-        its device KV blocks (0: unknown)."""
+        its device KV blocks (0: unknown); ``fetch``: what it serves and receives of peer
+        fetches (None: neither)."""
         self._load.add_worker(worker)
         if worker not in self._kind:
             self._kind[worker] = engine
@@ -187,15 +215,25 @@ class RoutingCore:
                 self._scale[engine] = RateScale()
                 self._applied[engine] = 1.0
             self._rates[worker] = self._scaled(engine)
-        self.worker_described(worker, approximate=approximate, capacity_blocks=capacity_blocks)
+        self.worker_described(worker, approximate=approximate, capacity_blocks=capacity_blocks,
+                              fetch=fetch)
 
-    def worker_described(self, worker: int, *, approximate: bool, capacity_blocks: float
-                         ) -> None:
+    def worker_described(self, worker: int, *, approximate: bool, capacity_blocks: float,
+                         fetch: FetchAbility | None = None) -> None:
         """What ``worker`` is changed (its model info was read again): whether it publishes
-        events, and its device KV blocks (0: unknown). An unknown worker is ignored."""
+        events, its device KV blocks (0: unknown) and its peer fetch. An unknown worker is
+        ignored."""
         if not self._load.tracked(worker):
             return
         self._tracked[worker] = approximate
+        if fetch is None or not (fetch.serve or fetch.receive):
+            self._fetch.pop(worker, None)
+        else:
+            self._fetch[worker] = fetch
+        if fetch is not None and fetch.receive:
+            self._no_receive.discard(worker)
+        else:
+            self._no_receive.add(worker)
         self._capacity_total += capacity_blocks - self._capacity.get(worker, 0.0)
         self._capacity[worker] = capacity_blocks
         self._refresh(worker)
@@ -210,6 +248,13 @@ class RoutingCore:
         self._capacity_total -= self._capacity.pop(worker, 0.0)
         self._kind.pop(worker, None)
         self._rates.pop(worker, None)
+        self._fetch.pop(worker, None)
+        self._no_receive.discard(worker)
+        self._links.forget(worker)
+        self._fetching.pop(worker, None)
+        self._reading.pop(worker, None)
+        for rid in [r for r, (w, _) in self._reads.items() if w == worker]:
+            del self._reads[rid]
         self._forget(worker)
         self._pressure.forget(worker)
         self._refresh(worker)
@@ -240,8 +285,17 @@ class RoutingCore:
         stored by then, and the index, now current, says so and will say when they go). The
         device blocks stored are the progress of the worker's head prefill
         (:mod:`router.routing.load`); Dynamo's rule queues a prefill whole until its first
-        token."""
+        token. Blocks a fetch told it to insert are stored too, and are no prefill: the
+        blocks of its fetches in flight are taken off first."""
         stored = self._pressure.observe(worker, events, now)
+        credit = self._fetching.get(worker)
+        if stored and credit:
+            used = min(credit, stored)
+            stored -= used
+            if credit == used:
+                del self._fetching[worker]
+            else:
+                self._fetching[worker] = credit - used
         if stored and self.settings.policy == "kv":
             self._load.stored(worker, stored)
             self._refresh(worker)
@@ -266,6 +320,9 @@ class RoutingCore:
         r = self._rates.get(worker, self._default_rates)
         factor = self.rate_factor(worker)
         wait = factor * prefill_s + r.prefill_s * external + r.decode_s * decode
+        reading = self._reading.get(worker)
+        if reading:
+            wait += reading
         return (wait, r.prefill_s, r.context_s, r.first_s, active, prefill, decode, prefilling)
 
     def passed_on(self) -> float:
@@ -352,8 +409,8 @@ class RoutingCore:
     # -- the decision -----------------------------------------------------------------------
 
     def decide(self, hashes: Sequence[int], matches: Matches, now: float,
-               rng: random.Random, *, workers: Sequence[int] | None = None, tokens: int = 0
-               ) -> Routed:
+               rng: random.Random, *, workers: Sequence[int] | None = None, tokens: int = 0,
+               fetch: bool = True) -> Routed:
         """Choose the worker for a request.
 
         Args:
@@ -363,6 +420,7 @@ class RoutingCore:
             rng: breaks ties (and draws the ``random`` baseline's worker).
             workers: the candidates; None: every tracked worker.
             tokens: the prompt's length in tokens (a session continues only a longer one).
+            fetch: whether a peer fetch may be chosen (where workers advertise it).
 
         Raises:
             ValueError: no candidate worker.
@@ -378,20 +436,88 @@ class RoutingCore:
             workers = None
         if workers is None:
             passed_on = self.passed_on()
-            holders = self._holders(hashes, matches, now, passed_on)
+            sources = self._sources(matches, None, blocks) if fetch else []
+            holders = self._holders(hashes, matches, now, passed_on, sources)
             slo = self.settings.ttft_slo
-            fast = choose_fast(blocks, holders, self._groups, rng, passed_on, slo)
+            pressure = self.fetch_pressure(now) if sources else 0.0
+            fast = choose_fast(blocks, holders, self._groups, rng, passed_on, slo, sources,
+                               pressure)
 
             def explain() -> tuple[WorkerCost, ...]:
-                candidates = self.candidates(sorted(self._tracked), hashes, matches, now)
-                return tuple(price(blocks, candidates, slo).costs)
+                candidates = self.candidates(sorted(self._tracked), hashes, matches, now,
+                                             fetch=fetch)
+                return tuple(price(blocks, candidates, slo, pressure).costs)
 
             return Routed(Decision(fast.worker, None, chosen=fast.chosen, explain=explain),
                           continued)
         if not workers:
             raise ValueError("no candidate workers")
-        candidates = self.candidates(workers, hashes, matches, now)
-        return Routed(choose(blocks, candidates, rng, self.settings.ttft_slo), continued)
+        candidates = self.candidates(workers, hashes, matches, now, fetch=fetch)
+        pressure = self.fetch_pressure(now) if any(c.sources for c in candidates) else 0.0
+        return Routed(choose(blocks, candidates, rng, self.settings.ttft_slo, pressure),
+                      continued)
+
+    def fetch_pressure(self, now: float) -> float:
+        """The eviction pressure a busy fleet's fetched copy is priced at: the share of the
+        fleet's caches evicted in the pressure window, at most 1
+        (:mod:`router.routing.scheduler`)."""
+        return min(1.0, self._pressure.pressure(now))
+
+    def _sources(self, matches: Matches, among: set[int] | None, blocks: int
+                 ) -> list[FetchSource]:
+        """The workers a peer fetch may read the prompt from, by id, at their default links:
+        each tracked one (of ``among``, when given) that serves reads and holds some of the
+        prompt's leading blocks on its device, by the index (a prediction is not yet a block
+        to read). None under a rule other than ``kv``, with fetch off, or with no receiver."""
+        if (not self._fetch or self.settings.policy != "kv" or not self.settings.kv_fetch
+                or len(self._no_receive) == len(self._tracked) or not blocks):
+            return []
+        out = []
+        for w in sorted(matches):
+            ability = self._fetch.get(w)
+            device = matches[w][1]
+            if (ability is None or not ability.serve or device <= 0 or w not in self._tracked
+                    or (among is not None and w not in among)):
+                continue
+            out.append(FetchSource(w, min(device, blocks),
+                                   self._links.default_block_s(ability.kv_bytes_per_token),
+                                   FETCH_READ_S))
+        return out
+
+    def _sources_for(self, worker: int, sources: Sequence[FetchSource], now: float
+                     ) -> tuple[FetchSource, ...]:
+        """``sources`` as ``worker`` may fetch from them: not itself, not a pair backed off,
+        each at the pair's link (learned or the default), never cheaper a block than
+        ``worker`` copies one back from its host tier."""
+        if not sources or worker in self._no_receive or worker not in self._fetch:
+            return ()
+        floor = self._rates.get(worker, self._default_rates).onboard_s
+        links = self._links
+        out = []
+        for s in sources:
+            if s.worker == worker or links.backed_off(s.worker, worker, now):
+                continue
+            per_token = self._fetch[s.worker].kv_bytes_per_token
+            block_s = max(links.block_s(s.worker, worker, per_token), floor)
+            out.append(s if block_s == s.block_s else FetchSource(s.worker, s.blocks, block_s,
+                                                                  s.read_s))
+        return tuple(out)
+
+    def _own_links(self, sources: Sequence[FetchSource]) -> set[int]:
+        """The tracked workers a group's default links would misprice for ``sources``: those
+        that receive no fetches, those with a link of their own from one of them (learned or
+        backed off), and those whose host copy is dearer than a source's default block."""
+        if not sources:
+            return set()
+        own = set(self._no_receive)
+        for s in sources:
+            own.update(w for w in self._links.known(s.worker) if w in self._tracked)
+        cheapest = min(s.block_s for s in sources)
+        if any(self._scaled(kind).onboard_s > cheapest for kind in self._base):
+            for w, r in self._rates.items():
+                if w in self._tracked and any(r.onboard_s > s.block_s for s in sources):
+                    own.add(w)
+        return own
 
     def _baseline(self, hashes: Sequence[int], matches: Matches, now: float,
                   rng: random.Random, workers: Sequence[int] | None) -> Decision:
@@ -416,16 +542,21 @@ class RoutingCore:
         return Decision(worker, None, chosen=chosen, explain=explain)
 
     def candidates(self, workers: Iterable[int], hashes: Sequence[int], matches: Matches,
-                   now: float) -> list[Candidate]:
-        """Every one of ``workers`` as the rule prices it."""
+                   now: float, *, fetch: bool = True) -> list[Candidate]:
+        """Every one of ``workers`` as the rule prices it (with its fetch sources among
+        ``workers``, unless ``fetch`` is off)."""
         passed_on = self.passed_on()
-        return [self._candidate(w, hashes, matches.get(w, (0, 0)), now, passed_on)
+        workers = list(workers)
+        sources = self._sources(matches, set(workers), len(hashes)) if fetch else []
+        return [self._candidate(w, hashes, matches.get(w, (0, 0)), now, passed_on, sources)
                 for w in workers]
 
     def _candidate(self, worker: int, hashes: Sequence[int], match: tuple[int, int],
-                   now: float, passed_on: float) -> Candidate:
+                   now: float, passed_on: float, sources: Sequence[FetchSource] = ()
+                   ) -> Candidate:
         """``worker`` as the rule prices it; ``passed_on``: :meth:`passed_on`, the fleet's
-        figure, which a worker with a request of ours prefilling takes."""
+        figure, which a worker with a request of ours prefilling takes; ``sources``: what
+        the request's fetches may read from."""
         matched, device = match
         residency = self._approximate if self._tracked.get(worker) else self._predicted
         extended = residency.extend(worker, hashes, matched, now)
@@ -437,11 +568,14 @@ class RoutingCore:
                          rates=self._rates.get(worker, self._default_rates),
                          pending_prefill_blocks=key[5], decode_blocks=key[6],
                          active_requests=key[4],
-                         passed_on=passed_on if key[7] else 1.0)
+                         passed_on=passed_on if key[7] else 1.0,
+                         sources=self._sources_for(worker, sources, now))
 
-    def _holders(self, hashes: Sequence[int], matches: Matches, now: float, passed_on: float
-                 ) -> list[Candidate]:
-        """The tracked workers that match some of the request (index or prediction)."""
+    def _holders(self, hashes: Sequence[int], matches: Matches, now: float, passed_on: float,
+                 sources: Sequence[FetchSource] = ()) -> list[Candidate]:
+        """The tracked workers that match some of the request (index or prediction), and
+        those a fetch from ``sources`` prices otherwise than their group
+        (:meth:`_own_links`)."""
         tracked = self._tracked
         found: list[int] = []
         for w in matches:
@@ -456,10 +590,15 @@ class RoutingCore:
                     if w not in seen and w in tracked:
                         seen.add(w)
                         found.append(w)
+        if sources:
+            seen = set(found)
+            for w in sorted(self._own_links(sources)):
+                if w not in seen:
+                    found.append(w)
         candidates: list[Candidate] = []
         for w in found:
             candidates.append(self._candidate(w, hashes, matches.get(w, (0, 0)), now,
-                                              passed_on))
+                                              passed_on, sources))
         return candidates
 
     # -- facts about requests ---------------------------------------------------------------
@@ -485,10 +624,26 @@ class RoutingCore:
         # * p * (matched + p / 2).
         self._load.routed(request_id, worker, float(terms.prefill_blocks), max(blocks, 1),
                           terms.prefill_s / factor,
-                          (r.prefill_s + r.context_s * terms.matched_blocks) / factor,
+                          (r.prefill_s + r.context_s * terms.computed_after) / factor,
                           0.5 * r.context_s / factor)
         first = r.first_s
-        if predicted_s is None:
+        if terms.fetch_source is not None:
+            # The blocks it fetches will be stored there without being prefilled.
+            self._fetching[worker] = (self._fetching.get(worker, 0) + terms.fetch_blocks
+                                      - terms.matched_blocks)
+            # The source serves the read: its device copies the blocks out beside its
+            # passes, for as long as the transfer, priced as work queued there until the
+            # request's first token.
+            source = terms.fetch_source
+            if source in self._tracked and request_id not in self._reads:
+                self._reads[request_id] = (source, terms.fetch_s)
+                self._reading[source] = self._reading.get(source, 0.0) + terms.fetch_s
+                self._refresh(source)
+            # Its TTFT holds a transfer, which is no work at the worker's rates: it teaches
+            # none (the link learns from the fetch's result).
+            booked = _Booked(now, terms.cost if predicted_s is None else predicted_s, None,
+                             hashes)
+        elif predicted_s is None:
             booked = _Booked(now, terms.cost, (terms.cost - first) / factor, hashes)
         else:
             booked = _Booked(now, predicted_s, None, hashes)
@@ -504,6 +659,7 @@ class RoutingCore:
         """The request produced its first token at ``now``: its prefill is done, its decode
         begins; the seconds it took teach its worker's rate factor. Returns the prediction
         and what was delivered (None: not in flight, or told before)."""
+        self._read_done(request_id)
         worker = self._load.first_token(request_id)
         booked = self._booked.pop(request_id, None)
         if worker is None:
@@ -540,9 +696,56 @@ class RoutingCore:
                 self._rates[w] = rates
                 self._refresh(w)
 
+    def fetch_ability(self, worker: int) -> FetchAbility | None:
+        """What ``worker`` advertises of peer fetch, as the router may use it (None:
+        nothing)."""
+        return self._fetch.get(worker)
+
+    def fetch_link_s(self, source: int, receiver: int) -> float:
+        """Seconds a block takes from ``source`` to ``receiver`` as priced now (learned or
+        the default), before the receiver's copy floor."""
+        ability = self._fetch.get(source)
+        return self._links.block_s(source, receiver, ability.kv_bytes_per_token
+                                   if ability else 0)
+
+    def fetched(self, source: int, receiver: int, nbytes: float, seconds: float) -> None:
+        """A fetch from ``source`` to ``receiver`` moved ``nbytes`` in ``seconds``: the
+        pair's link learns from it (:class:`~router.routing.fetch_links.FetchLinks`)."""
+        if source in self._tracked and receiver in self._tracked:
+            self._links.fetched(source, receiver, nbytes, seconds)
+
+    def fetch_failed(self, source: int, receiver: int, now: float, blocks: int = 0) -> float:
+        """A fetch from ``source`` to ``receiver`` of ``blocks`` blocks failed (the receiver
+        recomputed them): the pair is no source for a while, and the blocks, computed after
+        all, are its prefill's progress. Returns the seconds of the backoff (0: unknown
+        workers)."""
+        if source not in self._tracked or receiver not in self._tracked:
+            return 0.0
+        credit = self._fetching.get(receiver, 0) - blocks
+        if credit > 0:
+            self._fetching[receiver] = credit
+        else:
+            self._fetching.pop(receiver, None)
+        return self._links.failed(source, receiver, now)
+
+    def _read_done(self, request_id: str) -> None:
+        """A fetching request's read is over (its first token came, or it ended): its
+        source no longer serves it."""
+        read = self._reads.pop(request_id, None)
+        if read is None:
+            return
+        source, seconds = read
+        left = self._reading.get(source, 0.0) - seconds
+        if left > 1e-12:
+            self._reading[source] = left
+        else:
+            self._reading.pop(source, None)
+        self._refresh(source)
+
     def finished(self, request_id: str) -> int | None:
         """The request ended (answered, failed or cancelled): release its load. Idempotent.
         Returns its worker (None: it was not in flight)."""
+        self._read_done(request_id)
         self._booked.pop(request_id, None)
         worker = self._load.finished(request_id)
         if worker is not None:

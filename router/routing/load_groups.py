@@ -13,6 +13,12 @@ less than the best so far: a group's price is at least its wait plus the prefill
 prompt at the least rates of any worker (twice, when no worker is idle). An idle fleet of one
 engine kind is one group; a loaded one is priced only as far as its waits are short.
 
+A peer fetch (:mod:`router.routing.scheduler`) is one more option per group: a worker holding
+nothing fetches from a source at the default link (``sources``); a worker whose link from
+some source is another (learned, backed off, or under its copy floor), or that receives no
+fetches, is priced one by one with the holders (the routing core lists it among them). The
+floor then counts the cheapest option at the least rates.
+
 Exact, not approximate: the choice, its ties and the random draws that break them are those of
 :func:`router.routing.scheduler.choose` over every worker
 (``tests/router/routing/test_load_groups.py`` checks random states).
@@ -25,7 +31,16 @@ import math
 import random
 from collections.abc import Sequence
 
-from router.routing.scheduler import Candidate, WorkerCost, cost_of, prefill_seconds
+from router.routing.rates import Rates
+from router.routing.scheduler import (
+    Candidate,
+    FetchSource,
+    WorkerCost,
+    copy_seconds,
+    cost_of,
+    fetch_terms,
+    prefill_seconds,
+)
 
 __all__ = ["FastChoice", "LoadGroups", "LoadKey", "choose_fast"]
 
@@ -151,14 +166,17 @@ class FastChoice:
 
 
 def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadGroups,
-                rng: random.Random, passed_on: float = 1.0, slo: float | None = None
-                ) -> FastChoice:
+                rng: random.Random, passed_on: float = 1.0, slo: float | None = None,
+                sources: Sequence[FetchSource] = (), pressure: float = 0.0) -> FastChoice:
     """:func:`router.routing.scheduler.choose` over every worker in ``groups``, pricing one by
     one only ``holders`` (the workers that match some of the request, with their matches;
     every one of them tracked in ``groups``) and the rest once per group. ``passed_on`` is
     :attr:`~router.routing.scheduler.Candidate.passed_on` of a worker with a request
     prefilling (a group whose key counts one); the others' is 1. ``slo``: the TTFT
-    objective, as :func:`~router.routing.scheduler.choose`'s.
+    objective, as :func:`~router.routing.scheduler.choose`'s. ``sources``: what every worker
+    not among ``holders`` may fetch from (its :attr:`~router.routing.scheduler.Candidate.
+    sources`: the default links; a worker with another is among ``holders``); ``pressure``:
+    the fleet's eviction pressure, as :func:`~router.routing.scheduler.choose`'s.
 
     Written for a decision on cold caches (a router decides between parsing two request
     bodies), where each Python call costs microseconds: plain loops rather than
@@ -183,7 +201,7 @@ def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadG
     priced: list[tuple[tuple[float, float, int], WorkerCost]] = []  # (rank, terms)
     best: tuple[float, float, int] = (math.inf, 0.0, 0)
     for c in holders:
-        wc = cost_of(c, request_blocks, busy, objective)
+        wc = cost_of(c, request_blocks, busy, objective, pressure)
         rank = wc.rank
         priced.append((rank, wc))
         if rank < best:
@@ -194,14 +212,28 @@ def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadG
     # (at least once: the floor's); within an objective, the prefill alone.
     least_p, least_c, least_first = groups.least_rates()
     least_prefill = prefill_seconds(least_p, least_c, 0.0, request_blocks, 0, 0)
-    floor = (2.0 * least_prefill if busy else least_prefill) + least_first
-    tied_groups: list[tuple[LoadKey, list[int], float]] = []  # key, members, prefill
+    # Each option's transfer and prefill at the least rates: the cheapest bounds a group.
+    least_part, least_own, least_busy = least_prefill, least_prefill, 2.0 * least_prefill
+    offers: list[FetchSource] = []
+    if sources:
+        least = Rates(prefill_s=least_p, context_s=least_c)
+        for s in sources:
+            if min(s.blocks, request_blocks) <= 0:
+                continue
+            offers.append(s)
+            transfer, own, _ = fetch_terms(0.0, least, request_blocks, 0, 0, s)
+            least_part = min(least_part, transfer + own)
+            least_own = min(least_own, own)
+            least_busy = min(least_busy, transfer + 2.0 * own)
+    floor = (least_busy if busy else least_part) + least_first
+    tied_groups: list[tuple[LoadKey, list[int], float, tuple | None]] = []
     for key in order:
         # A group within the objective is priced at least the least prefill; past the wait
         # where even the least rates' TTFT exceeds it, every later group is beyond it too.
         bound = key[0] + floor
-        if objective is not None and (key[0] + least_prefill) + least_first <= objective:
-            bound = least_prefill
+        if objective is not None and (key[0] + least_part) + least_first <= objective + (
+                _SLACK * (objective + 1.0)):
+            bound = least_own
         if bound - best[0] > _SLACK * (abs(best[0]) + 1.0):
             break
         members = groups.members(key)
@@ -215,10 +247,18 @@ def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadG
             rank = (cost + (passed_on if key[7] else 1.0) * prefill, 0.0, key[4])
         else:
             rank = (cost, 0.0, key[4])
+        fetch = None
+        if offers:
+            fetch = _group_fetch(key, request_blocks, busy, objective, passed_on, offers,
+                                 pressure)
+            if fetch[0] < rank:
+                rank = fetch[0]
+            else:
+                fetch = (fetch[0], None, fetch[2])
         if rank < best:
-            best, tied_groups = rank, [(key, members, prefill)]
+            best, tied_groups = rank, [(key, members, prefill, fetch)]
         elif rank == best:
-            tied_groups.append((key, members, prefill))
+            tied_groups.append((key, members, prefill, fetch))
     tied: list[int] = []
     for rank, wc in priced:
         if rank == best:
@@ -229,10 +269,10 @@ def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadG
         runs.append(groups.ids)
         skipped = sorted(held)
     else:
-        for _, members, _ in tied_groups:
+        for _, members, _, _ in tied_groups:
             runs.append(members)
         if runs and held:
-            keys = {key for key, _, _ in tied_groups}
+            keys = {key for key, _, _, _ in tied_groups}
             skipped = sorted(w for w in held if groups.key(w) in keys)
     tied.sort()
     worker = _draw(runs, skipped, tied, rng)
@@ -242,18 +282,64 @@ def choose_fast(request_blocks: int, holders: Sequence[Candidate], groups: LoadG
                 return FastChoice(worker, wc)
     key = groups.key(worker)
     prefill = 0.0
+    fetch = None
     for group in tied_groups:
         if group[0] == key:
-            prefill = group[2]
+            prefill, fetch = group[2], group[3]
             break
     # The terms cost_of gives a worker of group ``key`` (it matches nothing).
     cost = (key[0] + prefill) + key[3]
+    within = objective is not None and cost <= objective
+    if within:
+        priced_at = prefill
+    elif busy:
+        priced_at = cost + (passed_on if key[7] else 1.0) * prefill
+    else:
+        priced_at = cost
     chosen = WorkerCost(worker=worker, matched_blocks=0, device_matched_blocks=0,
                         prefill_blocks=request_blocks, pending_prefill_blocks=key[5],
                         decode_blocks=key[6], active_requests=key[4], wait_s=key[0],
-                        prefill_s=prefill, cost=cost, price=best[0],
-                        within_slo=objective is not None and cost <= objective)
+                        prefill_s=prefill, cost=cost, price=priced_at, within_slo=within,
+                        recompute_cost=cost, recompute_price=priced_at)
+    if fetch is not None:
+        best_fetch = fetch[2]
+        chosen.best_source, chosen.fetch_cost, chosen.fetch_price = best_fetch
+        if fetch[1] is not None:
+            source, held_blocks, transfer, own, fcost, fwithin, fprice = fetch[1]
+            chosen.fetch_source, chosen.fetch_blocks, chosen.fetch_s = (source, held_blocks,
+                                                                        transfer)
+            chosen.prefill_blocks, chosen.prefill_s = request_blocks - held_blocks, own
+            chosen.cost, chosen.price, chosen.within_slo = fcost, fprice, fwithin
     return FastChoice(worker, chosen)
+
+
+def _group_fetch(key: LoadKey, request_blocks: int, busy: bool, objective: float | None,
+                 passed_on: float, sources: list[FetchSource], pressure: float) -> tuple:
+    """The cheapest fetch of a worker of group ``key`` (it holds nothing): its rank, the
+    option's terms, and (source, TTFT, price) of the cheapest, as
+    :func:`~router.routing.scheduler.cost_of` finds them."""
+    rates = Rates(prefill_s=key[1], context_s=key[2], first_s=key[3])
+    n = passed_on if key[7] else 1.0
+    best: tuple[float, float] | None = None
+    option: tuple = ()
+    for s in sources:
+        transfer, own, fcost = fetch_terms(key[0], rates, request_blocks, 0, 0, s)
+        if objective is not None and fcost <= objective:
+            within, fprice = True, own
+        elif busy:
+            within, fprice = False, fcost + n * own
+            if pressure:
+                fprice = fcost + n * (own + pressure * copy_seconds(rates, request_blocks, 0,
+                                                                    s))
+        else:
+            within, fprice = False, fcost
+        rank = (fprice, fcost if within else 0.0)
+        if best is None or rank < best:
+            best = rank
+            option = (s.worker, min(s.blocks, request_blocks), transfer, own, fcost, within,
+                      fprice)
+    assert best is not None, "a group's fetch needs a source"
+    return (best[0], best[1], key[4]), option, (option[0], option[4], option[6])
 
 
 def _draw(runs: list[list[int]], skipped: list[int], extra: list[int],

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from bench.policies import POLICIES, make_policies
+from bench.policies.base import Policy, RouteRequest
 from bench.sim import SimConfig, simulate
 from bench.workloads import GeneratorConfig, WorkloadRequest, generate
 
@@ -87,6 +88,71 @@ def test_requests_cached_behind_a_giant_cold_prefill_do_not_queue_behind_it() ->
         q = by_id[f"q{i}"]
         assert q.worker != holder, f"q{i} queued behind the giant"
         assert q.ttft_s < 1.5
+
+
+def test_with_peer_fetch_questions_behind_a_giant_fetch_the_document_instead() -> None:
+    # The scenario above on workers that serve and receive peer fetches. The first question
+    # goes elsewhere, as above, but fetches the document's 1,812 blocks from H (1.9 GB over
+    # 25 GB/s: 76 ms, and H's reads stretch its passes by at most a tenth) instead of
+    # recomputing it (about 1 s); it finds 57,984 tokens cached there and answers in a
+    # fraction of the recompute. The later ones find the copy it made. Without peer fetch
+    # (the rule's fetch off, or workers that do not advertise it) nothing is fetched.
+    doc = tuple(range(1_000, 59_000))
+
+    def request(rid: str, at: float, *segments: tuple[int, ...]) -> WorkloadRequest:
+        return WorkloadRequest(rid, at, segments, sum(len(t) for t in segments), 2)
+
+    reqs = [request("doc", 0.0, doc, tuple(range(900_000, 900_100))),
+            request("giant", 5.0, doc[:512], tuple(range(2_000_000, 2_110_000)))]
+    reqs += [request(f"q{i}", 5.3 + 0.1 * i, doc,
+                     tuple(range(3_000_000 + 10_000 * i, 3_002_000 + 10_000 * i)))
+             for i in range(5)]
+    config = SimConfig(workers=4, capacity_tokens=400_000, peer_fetch=True)
+    res = simulate(reqs, POLICIES["kvroute"](), config, seed=3)
+    by_id = {r.request_id: r for r in res.records}
+    holder, q0 = by_id["doc"].worker, by_id["q0"]
+    assert by_id["giant"].worker == holder
+    assert q0.worker != holder and q0.cached_tokens == 1_812 * 32 and q0.ttft_s < 0.5
+    assert (res.fetches, res.fetched) == (1, 1)
+    assert res.fetched_tokens == 1_812 * 32
+    assert res.fetch_bytes == 1_812 * 32 * config.timing.kv_bytes_per_token
+    for i in range(1, 5):
+        q = by_id[f"q{i}"]
+        assert q.worker != holder and q.cached_tokens >= 57_000 and q.ttft_s < 0.5
+    (off,) = make_policies("kvroute[kv_fetch=off]")
+    plain = simulate(reqs, off, config, seed=3)
+    assert plain.fetches == 0 and plain.fetch_bytes == 0
+    assert plain.records[2].ttft_s > 3 * q0.ttft_s  # q0 recomputed the document
+    unadvertised = simulate(reqs, POLICIES["kvroute"](),
+                            SimConfig(workers=4, capacity_tokens=400_000), seed=3)
+    assert [(r.worker, r.cached_tokens, r.ttft_s) for r in unadvertised.records] == [
+        (r.worker, r.cached_tokens, r.ttft_s) for r in plain.records]
+
+
+def test_a_fetch_from_a_source_that_lost_the_blocks_fails_and_recomputes() -> None:
+    """A policy that tells a worker to fetch from one that holds nothing: the fetch fails,
+    the policy hears it (0 blocks), and the request runs, recomputing."""
+    heard: list[tuple[str, int]] = []
+
+    class Misinformed(Policy):
+        name = "misinformed"
+
+        def route(self, request: RouteRequest, now: float) -> int:
+            return 1
+
+        def fetch_for(self, request_id: str) -> tuple[int, int] | None:
+            return 0, 10
+
+        def fetch_result(self, request_id: str, blocks: int, nbytes: int, seconds: float,
+                         now: float) -> None:
+            heard.append((request_id, blocks))
+
+    reqs = [WorkloadRequest("a", 0.0, (tuple(range(1, 1000)),), 999, 2)]
+    res = simulate(reqs, Misinformed(), SimConfig(workers=2, capacity_tokens=10_000,
+                                                  peer_fetch=True))
+    assert heard == [("a", 0)]
+    assert (res.fetches, res.fetched, res.fetch_bytes) == (1, 0, 0)
+    assert res.records[0].cached_tokens == 0 and res.records[0].finish_s > 0
 
 
 def test_a_ttft_objective_spends_the_time_it_allows_on_hits() -> None:

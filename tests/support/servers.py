@@ -73,7 +73,8 @@ class ScriptedWorker:
 
     Its control answers can be set while it runs: ``load_answer`` (the raw bytes ``/load``
     answers), ``model_info_extra`` (fields merged into ``/model_info``), ``answer_extra``
-    (fields merged into whole completions answers),
+    (fields merged into whole completions answers), ``answer_headers`` (headers on every
+    completions answer, as a worker's ``x-kvroute-fetch-result``),
     ``model_info_hangs`` (set: ``/model_info`` waits until :meth:`resume`; ``model_info_calls``
     counts the calls begun and ``model_info_ended`` those that ended), :meth:`hang_load`
     (``/load`` waits until :meth:`resume`, as a worker too busy to answer its probe) and
@@ -89,6 +90,7 @@ class ScriptedWorker:
         self.model_info_extra: dict[str, Any] = {}
         #: Fields merged into every whole (non-streamed) completions answer.
         self.answer_extra: dict[str, Any] = {}
+        self.answer_headers: dict[str, str] = {}
         self.kv_load_failures = 0
         self.hang = False
         self.model_info_hangs = False
@@ -212,8 +214,9 @@ class ScriptedWorker:
             return web.json_response({"choices": [{"index": 0, "text": "ok"}],
                                       "usage": {"prompt_tokens": 1,
                                                 "prompt_tokens_details": {"cached_tokens": 0}},
-                                      **self.answer_extra})
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+                                      **self.answer_extra}, headers=self.answer_headers)
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream",
+                                               **self.answer_headers})
         await response.prepare(request)
         if self.mode == "stall":
             try:

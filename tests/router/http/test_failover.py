@@ -120,7 +120,8 @@ async def test_the_fallbacks_are_priced_only_when_the_first_worker_fails(
         priced: list[int] = []
         candidates = service.core.candidates
         monkeypatch.setattr(service.core, "candidates",
-                            lambda workers, *a: priced.append(1) or candidates(workers, *a))
+                            lambda workers, *a, **kw: priced.append(1)
+                            or candidates(workers, *a, **kw))
         sent = await send(service, proxy, route, [])
         assert sent.worker.url == first.url and priced == []  # taken: nobody else priced
         await sent.answer.read()

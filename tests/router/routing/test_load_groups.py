@@ -12,6 +12,7 @@ from collections.abc import Callable
 import pytest
 
 from router.routing.core import CoreSettings, RoutingCore
+from router.routing.fetch_links import FetchAbility
 from router.routing.load import ReportedLoad
 from router.routing.load_groups import LoadGroups, choose_fast
 from router.routing.rates import Rates
@@ -24,13 +25,24 @@ KINDS = {"kvroute": Rates(prefill_s=2e-6, context_s=4e-10, decode_s=2e-8, onboar
                        first_s=0.02)}
 
 
+#: Peer fetch abilities a random fleet mixes: most serve and receive, some only one, some
+#: neither (a stock engine); KV of a small, a large and an absurd model a token.
+ABILITIES = [FetchAbility(True, True, 32768)] * 4 + [
+    FetchAbility(True, True, 1 << 20), FetchAbility(True, False, 32768),
+    FetchAbility(False, True, 32768), None]
+#: Default links: slow, the default, and one faster than a host copy (the copy floor).
+BANDWIDTHS = (1e9, 25e9, 1e13)
+
+
 def _fleet(rng: random.Random, workers: int, learn: bool = True,
-           slo: float | None = None) -> RoutingCore:
-    core = RoutingCore(CoreSettings(learn=learn, ttft_slo=slo))
+           slo: float | None = None, fetch: bool = False) -> RoutingCore:
+    core = RoutingCore(CoreSettings(learn=learn, ttft_slo=slo,
+                                    fetch_bandwidth=rng.choice(BANDWIDTHS)))
     mixed = rng.random() < 0.5
     for w in range(workers):
         engine = rng.choice(["kvroute", "vllm"]) if mixed else "kvroute"
-        core.worker_joined(w, engine=engine, approximate=rng.random() < 0.2)
+        core.worker_joined(w, engine=engine, approximate=rng.random() < 0.2,
+                           fetch=rng.choice(ABILITIES) if fetch else None)
     return core
 
 
@@ -40,13 +52,20 @@ def _agree(core: RoutingCore, rng: random.Random, hashes: list[int],
     fast_rng, full_rng = random.Random(seed), random.Random(seed)
     passed_on = core.passed_on()
     slo = core.settings.ttft_slo
-    fast = choose_fast(len(hashes), core._holders(hashes, matches, now, passed_on),
-                       core._groups, fast_rng, passed_on, slo)
+    sources = core._sources(matches, None, len(hashes))
+    pressure = core.fetch_pressure(now)
+    fast = choose_fast(len(hashes), core._holders(hashes, matches, now, passed_on, sources),
+                       core._groups, fast_rng, passed_on, slo, sources, pressure)
     full = choose(len(hashes), core.candidates(range(len(core._groups)), hashes, matches, now),
-                  full_rng, slo)
+                  full_rng, slo, pressure)
     assert fast.worker == full.worker
     assert fast.chosen == full.chosen
     assert fast_rng.getstate() == full_rng.getstate()
+    FETCHES.add(full.chosen.fetch_source is not None)
+
+
+#: Whether each decision of the differential runs chose a fetch (the runs must meet both).
+FETCHES: set[bool] = set()
 
 
 def _step(core: RoutingCore, rng: random.Random, step: int, workers: int,
@@ -75,6 +94,20 @@ def _step(core: RoutingCore, rng: random.Random, step: int, workers: int,
             float(rng.randint(0, 50))))
     if rng.random() < 0.05:
         core.cache_cleared(rng.randrange(workers), now)
+    if rng.random() < 0.1:  # caches turning over: a busy fleet prices a fetched copy
+        core.record_resident(rng.randrange(workers), rng.randint(0, 40), rng.randint(0, 30),
+                             now)
+    chosen = routed.decision.chosen
+    pair = None
+    if chosen.fetch_source is not None and rng.random() < 0.5:  # its result, learned
+        pair = (chosen.fetch_source, chosen.worker)
+    elif workers > 1 and rng.random() < 0.3:  # another router's fetch, say
+        pair = (rng.randrange(workers), rng.randrange(workers))
+    if pair is not None:
+        if rng.random() < 0.3:
+            core.fetch_failed(*pair, now)
+        else:
+            core.fetched(*pair, rng.uniform(1e5, 1e8), rng.uniform(1e-4, 0.5))
 
 
 #: TTFT objectives about the random fleets' predicted TTFTs (8-20 ms): some candidates are
@@ -83,13 +116,14 @@ OBJECTIVES = (0.0082, 0.0086, 0.009, 0.01, 0.02)
 
 
 def _random_run(seed: int, before_step: Callable[[RoutingCore], None] | None = None,
-                slo: bool = False) -> None:
+                slo: bool = False, fetch: bool = False) -> None:
     """300 random requests on a random fleet of ``seed``, each decided both ways (``_step``);
-    ``before_step`` sees the core before each; ``slo``: under a random TTFT objective."""
+    ``before_step`` sees the core before each; ``slo``: under a random TTFT objective;
+    ``fetch``: workers advertise peer fetch (:data:`ABILITIES`)."""
     rng = random.Random(seed)
     workers = rng.choice([1, 2, 3, 8, 24])
     core = _fleet(rng, workers, learn=seed % 3 != 0,
-                  slo=rng.choice(OBJECTIVES) if slo else None)
+                  slo=rng.choice(OBJECTIVES) if slo else None, fetch=fetch)
     prefixes = [[rng.getrandbits(32) for _ in range(rng.randrange(1, 12))] for _ in range(5)]
     in_flight: list[str] = []
     for step in range(300):
@@ -106,6 +140,19 @@ def test_the_fast_choice_is_the_full_scans(seed: int) -> None:
 @pytest.mark.parametrize("seed", range(12))
 def test_under_a_ttft_objective_the_fast_choice_is_the_full_scans(seed: int) -> None:
     _random_run(seed, slo=True)
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_with_peer_fetch_the_fast_choice_is_the_full_scans(seed: int) -> None:
+    _random_run(seed, fetch=True)
+    _random_run(seed + 100, slo=True, fetch=True)
+
+
+def test_the_fetch_runs_choose_fetches_and_recomputes() -> None:
+    FETCHES.clear()
+    for seed in range(6):
+        _random_run(seed, fetch=True)
+    assert sorted(FETCHES) == [False, True]
 
 
 def test_the_objective_runs_choose_within_and_beyond_it() -> None:

@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import random
 
+import pytest
+
 from indexer.events import Stored
 from router.routing.core import CoreSettings, RoutingCore
+from router.routing.fetch_links import FetchAbility
+from router.routing.load import ReportedLoad
 from router.routing.scheduler import WorkerCost
 
 
@@ -240,3 +244,63 @@ def test_a_booking_with_a_prediction_of_its_own_reports_it_and_teaches_no_rate()
             now += 100.0
         factors.append(core.rate_factor(0))
     assert factors[0] > 2 and factors[1] == 1.0
+
+
+def test_blocks_a_fetch_stores_are_not_its_workers_prefill_progress() -> None:
+    """A worker told to fetch 900 blocks stores them before it prefills anything: its
+    events' stores are taken off the fetch's blocks first, so the head's booked prefill
+    stays; once the fetch's blocks are in, further stores are the prefill's progress. A
+    failed fetch's blocks are computed after all: their stores count again."""
+    core = RoutingCore(CoreSettings())
+    ability = FetchAbility(True, True, 32768)
+    for w in range(2):
+        core.worker_joined(w, fetch=ability)
+    hashes = list(range(1, 1001))
+    # Worker 0 holds 900 blocks behind a long queue; worker 1 is idle: it fetches them.
+    core.load_reported(0, ReportedLoad(running=1, pending_prefill_blocks=50000.0))
+    routed = core.decide(hashes, {0: (900, 900)}, 0.0, random.Random(0))
+    terms = routed.decision.chosen
+    assert (routed.decision.worker, terms.fetch_source, terms.fetch_blocks) == (1, 0, 900)
+    core.routed("r", 1, hashes, terms, 0.0)
+    booked = core.wait(1)
+    stored = Stored(block_hashes=list(range(900)), parent_block_hash=None,
+                    token_ids=[7] * (900 * 32), block_size=32)
+    core.events_applied(1, [stored], 0.1)
+    assert core.wait(1) == booked  # the fetch's blocks: no prefill done
+    more = Stored(block_hashes=list(range(900, 950)), parent_block_hash=899,
+                  token_ids=[8] * (50 * 32), block_size=32)
+    core.events_applied(1, [more], 0.2)
+    assert core.wait(1) < booked  # the prefill's own blocks
+    # A second fetch that fails: its blocks, recomputed, are progress at once.
+    core.finished("r")
+    other = list(range(5001, 6001))
+    routed = core.decide(other, {0: (900, 900)}, 1.0, random.Random(0))
+    assert (routed.decision.worker, routed.decision.chosen.fetch_source) == (1, 0)
+    core.routed("s", 1, other, routed.decision.chosen, 1.0)
+    core.fetch_failed(0, 1, 1.0, routed.decision.chosen.fetch_blocks)
+    before = core.wait(1)
+    assert before > 0
+    again = Stored(block_hashes=list(range(2000, 2100)), parent_block_hash=None,
+                   token_ids=[9] * (100 * 32), block_size=32)
+    core.events_applied(1, [again], 1.1)
+    assert core.wait(1) < before
+
+
+def test_a_fetch_books_its_read_on_the_source_until_the_first_token() -> None:
+    """The source copies the blocks out beside its passes: the read's seconds are queued
+    work there from the routing of the fetch to its request's first token (or its end)."""
+    core = RoutingCore(CoreSettings())
+    for w in range(2):
+        core.worker_joined(w, fetch=FetchAbility(True, True, 32768))
+    core.load_reported(0, ReportedLoad(running=1, pending_prefill_blocks=50000.0))
+    hashes = list(range(1, 1001))
+    queued = core.wait(0)
+    routed = core.decide(hashes, {0: (900, 900)}, 0.0, random.Random(0))
+    terms = routed.decision.chosen
+    assert (routed.decision.worker, terms.fetch_source) == (1, 0) and terms.fetch_s > 0
+    core.routed("r", 1, hashes, terms, 0.0)
+    assert core.wait(0) == pytest.approx(queued + terms.fetch_s)
+    core.first_token("r", 0.5)
+    assert core.wait(0) == pytest.approx(queued)
+    core.finished("r")  # idempotent: the read is released once
+    assert core.wait(0) == pytest.approx(queued)

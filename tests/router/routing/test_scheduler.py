@@ -9,7 +9,7 @@ from collections import Counter
 import pytest
 
 from router.routing.rates import Rates
-from router.routing.scheduler import Candidate, Decision, choose, cost_of
+from router.routing.scheduler import Candidate, Decision, FetchSource, choose, cost_of
 
 #: A block of prefill costs 1 s, a block of decode context 0.01 s, a host block 0.25 s.
 R = Rates(prefill_s=1.0, decode_s=0.01, onboard_s=0.25)
@@ -172,3 +172,61 @@ def test_an_objective_changes_nothing_while_a_worker_is_idle() -> None:
     decision = choose(10, [holder, Candidate(1, rates=R)], random.Random(0), slo=100.0)
     assert decision.worker == 1  # the idle recompute is sooner: invariant 2
     assert all(c.price == c.cost and not c.within_slo for c in decision.costs)
+
+
+def test_a_worker_fetches_what_a_busy_holder_holds_instead_of_recomputing_it() -> None:
+    """Worker 0 holds 100 of 120 blocks on its device behind 5 s of queue; worker 1 is idle
+    and holds nothing. Over a link of 1 ms a block (plus 2 ms a read) worker 1 fetches the
+    100 blocks and prefills 20: 0.102 s + 20 s of prefill, against 120 s recomputed there
+    and 5 s + 20 s at the holder."""
+    rates = Rates(prefill_s=1.0)
+    holder = Candidate(0, matched_blocks=100, device_matched_blocks=100, wait_s=5.0,
+                       rates=rates)
+    source = FetchSource(0, 100, block_s=0.001, read_s=0.002)
+    taker = Candidate(1, rates=rates, sources=(source,))
+    decision = choose(120, [holder, taker], random.Random(0))
+    assert decision.worker == 1
+    chosen = decision.chosen
+    assert chosen.fetch_source == 0 and chosen.fetch_blocks == 100
+    assert chosen.fetch_s == pytest.approx(0.102)
+    assert chosen.prefill_blocks == 20 and chosen.prefill_s == 20.0
+    assert chosen.cost == pytest.approx(20.102) and chosen.recompute_cost == 120.0
+    assert decision.terms(0).cost == 25.0  # waiting for the holder: its own row
+    # A link slower than recomputing: 1.1 s a block moves 100 blocks in 110 s, dearer than
+    # the 100 s of prefill it saves; worker 1 recomputes, and the holder wins.
+    slow = Candidate(1, rates=rates, sources=(FetchSource(0, 100, 1.1),))
+    decision = choose(120, [holder, slow], random.Random(0))
+    assert decision.worker == 0
+    assert decision.terms(1).fetch_source is None
+    assert decision.terms(1).fetch_price == pytest.approx(130.0)  # shown, not chosen
+
+
+def test_a_busy_fleet_passes_on_a_fetchs_prefill_not_its_transfer() -> None:
+    """In a busy fleet a fetch's price is its TTFT plus its prefill passed on; the transfer
+    is in the TTFT once."""
+    rates = Rates(prefill_s=1.0)
+    taker = Candidate(1, wait_s=1.0, rates=rates, passed_on=2.0,
+                      sources=(FetchSource(0, 10, block_s=0.5),))
+    holder = Candidate(0, matched_blocks=10, device_matched_blocks=10, wait_s=50.0,
+                       rates=rates)
+    terms = choose(12, [holder, taker], random.Random(0)).terms(1)
+    assert terms.fetch_source == 0
+    assert terms.cost == 1.0 + 5.0 + 2.0  # wait, transfer, prefill of the 2 blocks left
+    assert terms.price == terms.cost + 2.0 * 2.0
+
+
+def test_under_eviction_pressure_a_busy_fleet_prices_a_fetched_copy_as_passed_on() -> None:
+    """A fetch's copy evicts blocks once the caches are full: in a busy fleet its blocks'
+    prefill is passed on in the share of the pressure. At 0 the copy is free and the taker
+    fetches; at 1 it costs what recomputing would, and the holder's shorter queue wins."""
+    rates = Rates(prefill_s=1.0)
+    holder = Candidate(0, matched_blocks=10, device_matched_blocks=10, wait_s=3.0,
+                       rates=rates)
+    taker = Candidate(1, wait_s=1.0, rates=rates, sources=(FetchSource(0, 10, block_s=0.1),))
+    free = choose(12, [holder, taker], random.Random(0))
+    assert free.worker == 1 and free.chosen.price == (1.0 + 1.0 + 2.0) + 2.0
+    full = choose(12, [holder, taker], random.Random(0), pressure=1.0)
+    assert full.worker == 0  # 3 + 2 + 2 = 7 against 4 + (2 + 10) = 16
+    assert full.terms(1).fetch_price == 4.0 + (2.0 + 10.0)
+    idle = Candidate(1, rates=rates, sources=(FetchSource(0, 10, block_s=0.1),))
+    assert choose(12, [holder, idle], random.Random(0), pressure=1.0).terms(1).price == 3.0

@@ -1,0 +1,138 @@
+"""What a peer fetch costs over each pair of workers: the links' learned bandwidth and the
+pairs backed off after a failure.
+
+A worker D told to fetch a prompt's leading blocks from a holder S (``docs/peer_fetch.md``)
+answers how it went in ``x-kvroute-fetch-result``: the blocks, bytes and seconds of a fetch
+that inserted blocks, or a failure (D then recomputed). :class:`FetchLinks` turns those into
+the seconds a block takes over the pair's link, which the rule prices a fetch with
+(:class:`router.routing.scheduler.FetchSource`):
+
+- Until a pair has a result, its bandwidth is the default (the router's
+  ``--pd-transfer-bandwidth``, the same network a disaggregated prefill's KV crosses), and a
+  block's bytes are the source's advertised ``kv_bytes_per_token`` times the block size.
+- Each fetched result folds in: the pair's bandwidth is its bytes over its seconds, summed
+  over its results with weights decaying by ``decay`` a result (as the rate factor's pairs
+  are, :class:`router.routing.rates.RateScale`), so it follows a link that slows down.
+- A failure backs the pair off: it is no source for that worker for ``backoff_s``, doubled
+  at each failure in a row up to ``max_backoff_s``; a fetched result ends the run.
+
+Pure: the caller passes ``now`` (monotonic seconds).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+__all__ = ["FETCH_READ_S", "FetchAbility", "FetchLinks"]
+
+#: Seconds a fetch costs besides its blocks: a request to the source and its lookup of the
+#: blocks (an HTTP round trip on one host or rack).
+FETCH_READ_S = 0.002
+
+
+@dataclass(frozen=True, slots=True)
+class FetchAbility:
+    """What a worker advertises of peer fetch (its ``/model_info`` ``kv_fetch``), as the
+    router may use it (a secret, or loopback: ``docs/peer_fetch.md``)."""
+
+    #: It answers block reads (may be a source).
+    serve: bool = False
+    #: It honours fetch instructions (may be told to fetch).
+    receive: bool = False
+    #: Bytes of KV one token of its cache takes.
+    kv_bytes_per_token: int = 0
+
+
+class _Link:
+    __slots__ = ("bytes", "failures", "seconds", "until")
+
+    def __init__(self) -> None:
+        self.bytes = self.seconds = 0.0  # decayed sums of the fetched results
+        self.failures = 0  # in a row
+        self.until = -math.inf  # backed off before this
+
+
+class FetchLinks:
+    """Each (source, receiver) pair's learned link and backoff (module docstring).
+
+    Args:
+        bandwidth: the default link, bytes a second.
+        block_size: tokens a block.
+        decay: the weight kept of past results at each new one.
+        backoff_s: seconds a pair is no source after a failure (doubled each one in a row).
+        max_backoff_s: the longest backoff.
+
+    Raises:
+        ValueError: a figure out of range.
+    """
+
+    def __init__(self, bandwidth: float, block_size: int, decay: float = 0.9,
+                 backoff_s: float = 30.0, max_backoff_s: float = 600.0) -> None:
+        if not (bandwidth > 0 and math.isfinite(bandwidth)) or block_size < 1:
+            raise ValueError("bandwidth must be a positive number and block_size >= 1")
+        if not 0 < decay <= 1 or not 0 < backoff_s <= max_backoff_s:
+            raise ValueError("decay in (0, 1], 0 < backoff_s <= max_backoff_s")
+        self.bandwidth = bandwidth
+        self.block_size = block_size
+        self.decay = decay
+        self.backoff_s = backoff_s
+        self.max_backoff_s = max_backoff_s
+        self._by_source: dict[int, dict[int, _Link]] = {}
+
+    def default_block_s(self, kv_bytes_per_token: int) -> float:
+        """Seconds a block of a source with ``kv_bytes_per_token`` takes over a pair with no
+        result yet."""
+        return self.block_size * kv_bytes_per_token / self.bandwidth
+
+    def block_s(self, source: int, receiver: int, kv_bytes_per_token: int) -> float:
+        """Seconds a block takes from ``source`` to ``receiver``: learned, or the default."""
+        link = self._by_source.get(source, {}).get(receiver)
+        if link is None or link.bytes <= 0 or link.seconds <= 0:
+            return self.default_block_s(kv_bytes_per_token)
+        return self.block_size * kv_bytes_per_token * link.seconds / link.bytes
+
+    def backed_off(self, source: int, receiver: int, now: float) -> bool:
+        """Whether ``receiver`` may not fetch from ``source`` now (a recent failure)."""
+        link = self._by_source.get(source, {}).get(receiver)
+        return link is not None and now < link.until
+
+    def known(self, source: int) -> Iterable[int]:
+        """The receivers whose link from ``source`` is not the default (learned, or backed
+        off): a decision prices each of them on its own."""
+        return self._by_source.get(source, {}).keys()
+
+    def fetched(self, source: int, receiver: int, nbytes: float, seconds: float) -> bool:
+        """Fold in a fetch that moved ``nbytes`` in ``seconds``. Returns whether it was
+        used (a result with no bytes, or no time, teaches nothing but ends a failure run)."""
+        link = self._link(source, receiver)
+        link.failures, link.until = 0, -math.inf
+        if not (nbytes > 0 and seconds > 0 and math.isfinite(nbytes)
+                and math.isfinite(seconds)):
+            return False
+        link.bytes = self.decay * link.bytes + nbytes
+        link.seconds = self.decay * link.seconds + seconds
+        return True
+
+    def failed(self, source: int, receiver: int, now: float) -> float:
+        """A fetch from ``source`` to ``receiver`` failed at ``now``: back the pair off.
+        Returns the seconds of the backoff."""
+        link = self._link(source, receiver)
+        seconds = min(self.backoff_s * 2.0 ** min(link.failures, 30), self.max_backoff_s)
+        link.failures += 1
+        link.until = now + seconds
+        return seconds
+
+    def forget(self, worker: int) -> None:
+        """``worker`` left: drop every link from or to it."""
+        self._by_source.pop(worker, None)
+        for links in self._by_source.values():
+            links.pop(worker, None)
+
+    def _link(self, source: int, receiver: int) -> _Link:
+        links = self._by_source.setdefault(source, {})
+        link = links.get(receiver)
+        if link is None:
+            link = links[receiver] = _Link()
+        return link
