@@ -19,6 +19,8 @@ from httpapi.responses import disconnect_counter
 from openai_request.bodies import ApiError
 from workers.http.image_fetch import ImageBudget
 from workers.http.kv_fetch import PeerFetcher
+from workers.http.kv_ipc import HolderIpc, IpcBackend, IpcPeers
+from workers.http.kv_pull import engine_kv
 from workers.http.kv_read import BlockReads
 from workers.http.kv_transfer import HeldPrefills
 from workers.http.metrics import WorkerMetrics
@@ -49,8 +51,14 @@ class WorkerState:
         #: Peer KV fetch: who may read this worker's KV and instruct it, the reads it
         #: serves, and the fetches it runs (docs/kv_transfer.md).
         self.transfer_auth = TransferAuth(settings.kv_transfer_secret, settings.host)
-        self.block_reads = BlockReads(self.runtime.engines, settings.kv_read_concurrency)
-        self.fetcher = PeerFetcher(settings, httpx.AsyncClient(timeout=settings.kv_fetch_timeout))
+        kv = engine_kv(self.runtime.engine)
+        backend = _cuda_ipc(kv) if settings.kv_fetch_ipc else None
+        holder = HolderIpc(backend, None if kv is None else kv.layout(),
+                           0 if kv is None else kv.num_blocks + 1)
+        self.block_reads = BlockReads(self.runtime.engines, settings.kv_read_concurrency,
+                                      ipc=holder)
+        self.fetcher = PeerFetcher(settings, httpx.AsyncClient(timeout=settings.kv_fetch_timeout),
+                                   ipc=IpcPeers(backend))
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
@@ -76,3 +84,13 @@ class WorkerState:
     def render_metrics(self) -> tuple[bytes, str]:
         """The worker's Prometheus exposition."""
         return generate_latest(self.metrics.registry), CONTENT_TYPE_LATEST
+
+
+def _cuda_ipc(kv: object) -> IpcBackend | None:
+    """The torch engine's CUDA IPC backend when its KV is on CUDA (torch is imported only
+    for a torch engine's KV)."""
+    if kv is None:
+        return None
+    from workers.torch.kv_ipc import cuda_ipc_for
+
+    return cuda_ipc_for(kv)
