@@ -16,7 +16,8 @@ first ``N`` blocks and one token more with a fetch instruction naming the holder
 ``x-kvroute-fetch-result`` (bytes moved, seconds from the fetch's start to its blocks
 committed): the median seconds and GB/s, which transfer each fetch used (the receiver's
 ``kvroute_worker_kv_fetch_transfers_total``), and whether the receiver's token equals the
-holder's for the same prompt (the fetched KV is the holder's).
+holder's for the same prompt (the fetched KV is the holder's). One untimed fetch per
+receiver comes first (the IPC receiver maps the holder's pool then).
 """
 
 from __future__ import annotations
@@ -115,6 +116,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         info, _ = _request(f"{holder}/model_info")
         prompt = [4 + (j * 104729) % 251 for j in range(args.prompt_tokens)]  # any vocabulary
         _request(f"{holder}/v1/completions", {"prompt": prompt, "max_tokens": 1}, timeout=600)
+        for transfer in ("http", "cuda_ipc"):  # untimed: the IPC receiver maps the pool
+            _request(f"{workers[transfer][1]}/v1/completions",
+                     {"prompt": prompt[:4 * args.block_size + 1], "max_tokens": 1},
+                     {"x-kvroute-fetch-source": holder, "x-kvroute-fetch-blocks": "4"})
         rows: list[dict[str, Any]] = []
         for n in args.blocks:
             head = prompt[:n * args.block_size + 1]
