@@ -8,7 +8,8 @@ It starts three ``kvroute worker --engine torch --device cuda`` processes on the
 (``--model``'s random weights, llama-1b by default, as :mod:`bench.gpu_routing`): a holder,
 a receiver started with ``--no-kv-fetch-ipc`` (its fetches read the
 :mod:`workers.torch.kv_wire` message over HTTP) and a receiver with CUDA IPC on (its
-fetches copy the holder's blocks device to device, :mod:`workers.http.kv_ipc`). The holder
+fetches copy the holder's blocks device to device, :mod:`workers.http.kv_ipc`), all three
+with one fresh ``--kv-transfer-secret-file`` (the IPC path needs it). The holder
 computes one long prompt (``--prompt-tokens``); then, for each ``N`` in ``--blocks``, each
 receiver in turn, ``--repeats`` times alternated, empties its cache and is sent the prompt's
 first ``N`` blocks and one token more with a fetch instruction naming the holder: it fetches
@@ -25,9 +26,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
+import shutil
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -100,7 +104,13 @@ def _result(header: str) -> dict[str, float]:
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
     """Start the three workers, time the fetches, stop them; the figures as a dict."""
-    common = ["--engine", "torch", "--torch-model", args.model, "--device", args.device,
+    folder = tempfile.mkdtemp(prefix="kv-transfer-")
+    secret = os.path.join(folder, "secret")
+    token = secrets.token_hex(32)
+    with open(secret, "w") as f:  # the IPC path is served only to peers holding it
+        f.write(token)
+    common = ["--kv-transfer-secret-file", secret, "--engine", "torch", "--torch-model",
+              args.model, "--device", args.device,
               "--block-size", str(args.block_size), "--max-model-len",
               str(args.prompt_tokens + 2 * args.block_size), "--kv-memory-gb",
               str(args.kv_memory_gb), "--gpu-memory-utilization", str(args.gpu_memory_utilization),
@@ -119,7 +129,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for transfer in ("http", "cuda_ipc"):  # untimed: the IPC receiver maps the pool
             _request(f"{workers[transfer][1]}/v1/completions",
                      {"prompt": prompt[:4 * args.block_size + 1], "max_tokens": 1},
-                     {"x-kvroute-fetch-source": holder, "x-kvroute-fetch-blocks": "4"})
+                     {"x-kvroute-fetch-source": holder, "x-kvroute-fetch-blocks": "4",
+                      "x-kvroute-transfer-token": token})
         rows: list[dict[str, Any]] = []
         for n in args.blocks:
             head = prompt[:n * args.block_size + 1]
@@ -136,7 +147,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                     _request(f"{url}/reset_prefix_cache", {})
                     answer, headers = _request(
                         f"{url}/v1/completions", {"prompt": head, "max_tokens": 1},
-                        {"x-kvroute-fetch-source": holder, "x-kvroute-fetch-blocks": str(n)})
+                        {"x-kvroute-fetch-source": holder, "x-kvroute-fetch-blocks": str(n),
+                         "x-kvroute-transfer-token": token})
                     runs[transfer].append(_result(headers["x-kvroute-fetch-result"]))
                     same[transfer] += answer["choices"][0]["text"] == expect
             over_ipc = _metric(workers["cuda_ipc"][1],
@@ -163,6 +175,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 process.wait(timeout=20)
             except subprocess.TimeoutExpired:
                 process.kill()
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def table(result: dict[str, Any]) -> str:

@@ -280,13 +280,15 @@ class PeerFetcher:
             log.warning("a peer KV fetch from %s over CUDA IPC fell back to HTTP (%s: %s)%s",
                         source, exc.reason, exc, " for a while" if exc.stop else "")
 
-    async def _post_json(self, url: str, body: Any, headers: dict[str, str]) -> Any:
-        """A peer's JSON answer to a POST.
+    async def _post_json(self, source: str, path: str, body: Any, headers: dict[str, str]
+                         ) -> Any:
+        """``source``'s JSON answer to a POST to ``path``.
 
         Raises:
             _Failed: an answer the byte path would meet too (unreachable, 401, 403, 503).
             _FallBack: any other error status, or an answer that is not JSON.
         """
+        url = f"{source}{path}"
         try:
             data = await fetch_body(self._http, "POST", url, _IPC_ANSWER_BYTES,
                                     headers=headers, json=body)
@@ -295,6 +297,9 @@ class PeerFetcher:
                 raise _Failed(f"status_{exc.status}", str(exc)) from None
             raise _FallBack(f"status_{exc.status}", str(exc), stop=True) from None
         except PeerUnreachable as exc:
+            # A holder that is gone may come back as another process: drop its mapping now
+            # rather than keep its old pool mapped (and perhaps its memory held).
+            self.ipc.forget(source)
             raise _Failed("unreachable", str(exc)) from None
         except TransferError as exc:
             raise _FallBack("bad_message", str(exc), stop=True) from None
@@ -309,7 +314,7 @@ class PeerFetcher:
             return pool
         me = self.ipc.identity
         assert me is not None, "IpcPeers.usable let a worker without a backend through"
-        body = await self._post_json(f"{source}{OPEN_PATH}", {"device": me.as_json()}, headers)
+        body = await self._post_json(source, OPEN_PATH, {"device": me.as_json()}, headers)
         backend = self.ipc.backend
         assert backend is not None
         try:
@@ -334,7 +339,7 @@ class PeerFetcher:
         pool = await self._mapped(kv, source, headers)
         asked = keys[held:]
         body = {"block_keys": [k.hex() for k in asked], "transfer": TRANSFER}
-        answer = await self._post_json(f"{source}/kv_transfer/read", body, headers)
+        answer = await self._post_json(source, "/kv_transfer/read", body, headers)
         got = self._clock()
         try:
             read = parse_read_answer(answer, len(asked))

@@ -52,7 +52,15 @@ class WorkerState:
         #: serves, and the fetches it runs (docs/kv_transfer.md).
         self.transfer_auth = TransferAuth(settings.kv_transfer_secret, settings.host)
         kv = engine_kv(self.runtime.engine)
-        backend = _cuda_ipc(kv) if settings.kv_fetch_ipc else None
+        cuda = _cuda_ipc(kv) if settings.kv_fetch_ipc else None
+        # The pool's handle reads and writes every block of every tenant (the byte path
+        # answers only keys the reader could name): only peers holding the secret get it.
+        backend = cuda if settings.kv_transfer_secret is not None else None
+        #: Why peer fetch over CUDA IPC is off where it could run (logged at start).
+        self.ipc_off_reason = None if cuda is None or backend is not None else (
+            "it hands a peer this worker's whole KV pool (every tenant's blocks, to read and "
+            "write), so it needs the shared --kv-transfer-secret-file; peers read blocks over "
+            "HTTP")
         holder = HolderIpc(backend, None if kv is None else kv.layout(),
                            0 if kv is None else kv.num_blocks + 1)
         self.block_reads = BlockReads(self.runtime.engines, settings.kv_read_concurrency,
@@ -66,6 +74,8 @@ class WorkerState:
         await self.runtime.start()
         if not self.transfer_auth.enabled:
             log.warning("peer KV fetch is off: %s", self.transfer_auth.off_reason)
+        elif self.ipc_off_reason is not None:
+            log.info("peer KV fetch over CUDA IPC is off: %s", self.ipc_off_reason)
         try:
             yield
         finally:

@@ -12,10 +12,13 @@ import uuid
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
+import httpx
 import pytest
 
-from tests.workers.http.test_kv_fetch_torch import FULL, PROMPT, _cached, _complete, _worker
-from tests.workers.http.test_kv_pull import _metric, _settings
+from tests.workers.http.test_kv_fetch_torch import FULL, PROMPT, SOURCE, _cached, _worker
+from tests.workers.http.test_kv_fetch_torch import _complete as _plain_complete
+from tests.workers.http.test_kv_pull import _metric
+from tests.workers.http.test_kv_pull import _settings as _plain_settings
 from tests.workers.http.test_kv_read import keys as block_keys
 from workers.http.kv_ipc import (
     OPEN_PATH,
@@ -33,6 +36,8 @@ from workers.torch.kv_wire import TransferError
 
 torch = pytest.importorskip("torch")
 
+#: The IPC path needs the shared secret (the pool's handle reads and writes every block).
+SECRET = "ipc-test-secret-of-32-bytes-long"
 _POOLS: dict[str, Any] = {}
 OVER_IPC = 'kvroute_worker_kv_fetch_transfers_total{transfer="cuda_ipc"}'
 OVER_HTTP = 'kvroute_worker_kv_fetch_transfers_total{transfer="http"}'
@@ -74,6 +79,23 @@ class FakeIpc:
             self.on_copy()
 
 
+def _settings(**kw: Any) -> Any:
+    return _plain_settings(kv_transfer_secret=SECRET, **kw)
+
+
+async def _complete(client: httpx.AsyncClient, text: str, fetch: int | None = None
+                    ) -> httpx.Response:
+    """A completion; with ``fetch``, the router's instruction and token."""
+    if fetch is None:
+        return await _plain_complete(client, text)
+    answer = await client.post("/v1/completions", json={"prompt": text, "max_tokens": 8},
+                               headers={"x-kvroute-fetch-source": SOURCE,
+                                        "x-kvroute-fetch-blocks": str(fetch),
+                                        "x-kvroute-transfer-token": SECRET})
+    assert answer.status_code == 200, answer.text
+    return answer
+
+
 def _state(client: Any) -> Any:
     return client.app._state
 
@@ -88,7 +110,7 @@ def _give(client: Any, **kw: Any) -> FakeIpc:
 
 
 async def _reference() -> str:
-    async with _worker(_settings()) as alone:
+    async with _worker(_plain_settings()) as alone:
         await _complete(alone, PROMPT)
         return str((await _complete(alone, PROMPT)).json()["choices"][0]["text"])
 
@@ -195,7 +217,7 @@ async def test_a_copy_that_ends_past_half_the_lease_is_thrown_away() -> None:
 
 
 async def test_the_ipc_endpoints_follow_the_transfer_rule_and_check_their_bodies() -> None:
-    async with _worker(_settings(host="10.1.2.3", admin_token="admin-token",
+    async with _worker(_plain_settings(host="10.1.2.3", admin_token="admin-token",
                                        kv_transfer_secret="s" * 16)) as holder:
         _give(holder)
         await _complete(holder, PROMPT)
@@ -222,12 +244,53 @@ async def test_the_ipc_endpoints_follow_the_transfer_rule_and_check_their_bodies
         assert (await holder.post(RELEASE_PATH, json=release, headers=good)).json() == {
             "released": False}
         assert holder.app._state.runtime.cache.num_pins == 0  # type: ignore[attr-defined]
-    async with _worker(_settings()) as plain:  # no backend: the KV is not on CUDA
+    async with _worker(_plain_settings()) as plain:  # no backend: the KV is not on CUDA
         assert (await plain.post(OPEN_PATH, json=me)).status_code == 409
         read = await plain.post("/kv_transfer/read", json={"block_keys": [], "transfer":
                                                           "cuda_ipc"})
         assert read.status_code == 409 and "no_cuda_ipc" in read.text
         assert "transfers" not in (await plain.get("/model_info")).json()["kv_fetch"]
+
+
+@pytest.mark.parametrize("secret", [None, SECRET])
+async def test_only_a_worker_with_the_secret_serves_or_uses_the_ipc_path(
+        secret: str | None, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    # As if the KV were on CUDA: the state asks workers.http.state._cuda_ipc for a backend.
+    monkeypatch.setattr("workers.http.state._cuda_ipc", lambda kv: FakeIpc(kv))
+    caplog.set_level("INFO", logger="workers.http.state")
+    async with _worker(_plain_settings(kv_transfer_secret=secret)) as w:
+        state = _state(w)
+        served = state.block_reads.ipc.backend is not None
+        used = state.fetcher.ipc.backend is not None
+        info = (await w.get("/model_info")).json()["kv_fetch"]
+    assert served == used == (secret is not None)
+    assert ("transfers" in info) == (secret is not None)
+    logged = "peer KV fetch over CUDA IPC is off" in caplog.text
+    assert logged == (secret is None)
+    if secret is None:
+        assert "--kv-transfer-secret-file" in caplog.text
+
+
+async def test_a_holder_that_went_away_is_unmapped() -> None:
+    async with _worker(_settings()) as holder:
+        _give(holder)
+        await _complete(holder, PROMPT)
+        async with _worker(_settings(), peer=holder.app) as d:  # type: ignore[attr-defined]
+            _give(d)
+            await _complete(d, PROMPT, fetch=FULL)
+            fetcher = _state(d).fetcher
+            assert fetcher.ipc.mapped(SOURCE) is not None
+
+            def refuse(request: httpx.Request) -> httpx.Response:
+                raise httpx.ConnectError("connection refused", request=request)
+
+            await fetcher.http.aclose()
+            fetcher.http = httpx.AsyncClient(transport=httpx.MockTransport(refuse))
+            await d.post("/reset_prefix_cache")
+            answer = await _complete(d, PROMPT, fetch=FULL)
+            assert answer.headers["x-kvroute-fetch-result"] == "failed;reason=unreachable"
+            assert fetcher.ipc.mapped(SOURCE) is None
 
 
 def test_a_read_answer_is_checked_before_a_block_is_copied() -> None:
