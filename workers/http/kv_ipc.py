@@ -1,8 +1,11 @@
 """Peer KV fetch over CUDA IPC: the HTTP side of copying blocks device to device.
 
 Two torch workers on one GPU fetch KV without moving its bytes through HTTP
-(:mod:`workers.torch.kv_ipc` does the CUDA part). The steps, each an HTTP call between the
-two workers under :mod:`workers.http.transfer_auth`'s rule, exactly as the byte path:
+(:mod:`workers.torch.kv_ipc` does the CUDA part). The pool's handle reads and writes every
+block of every tenant, where a byte read answers only keys its reader could name, so this
+path runs only between workers given the shared secret (:class:`workers.http.state.WorkerState`
+builds no backend without one). The steps, each an HTTP call between the two workers under
+:mod:`workers.http.transfer_auth`'s rule (the bearer), as the byte path:
 
 1. **Open, once per holder.** The receiver posts its :class:`DeviceIdentity` to the
    holder's ``POST /kv_transfer/ipc/open``. A holder on the same machine and GPU answers its
