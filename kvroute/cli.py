@@ -147,6 +147,9 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     a("--kv-read-concurrency", type=int,
       help="peer KV fetch: block reads this worker serves at once; one past them is "
       "answered 503 (default %(default)s)")
+    a("--no-kv-fetch-ipc", dest="kv_fetch_ipc", action="store_false", default=None,
+      help="peer KV fetch: never copy blocks over CUDA IPC between torch workers on one GPU "
+      "(used only with --kv-transfer-secret-file; blocks then travel over HTTP)")
     a = engine.add_argument
     a("--engine", choices=["sim", "torch"], help="sim (no GPU) or torch (default %(default)s)")
     a("--model", help="served model name (default %(default)s); with --engine torch also the "

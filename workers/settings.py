@@ -67,6 +67,10 @@ class WorkerSettings:
     kv_fetch_concurrency: int = 4
     #: Block reads this worker serves at once (a read past them is answered 503).
     kv_read_concurrency: int = 2
+    #: Peer KV fetch between torch workers on one GPU: copy blocks device to device over
+    #: CUDA IPC (docs/kv_transfer.md), with a ``kv_transfer_secret`` only; off, or where it
+    #: cannot be used, blocks travel over HTTP.
+    kv_fetch_ipc: bool = True
     engine: str = "sim"
     model: str = "kvroute-sim"
     tokenizer: str | None = None

@@ -5,7 +5,9 @@
 :mod:`workers.http.kv_transfer`), ``GET /kv_transfer/blocks/{remote_request_id}`` (the torch
 engine's held KV, for the decode worker that pulls it, :mod:`workers.http.kv_pull`) and
 ``POST /kv_transfer/read`` (blocks by engine key, for a peer told to fetch them,
-:mod:`workers.http.kv_read`); and, behind
+:mod:`workers.http.kv_read`), ``POST /kv_transfer/ipc/open`` and
+``POST /kv_transfer/read/release`` (the same over CUDA IPC, :mod:`workers.http.kv_ipc`); and,
+behind
 the admin token when one is set, ``POST /reset_prefix_cache``, ``GET /kv/snapshot`` (every
 resident block, as one encoded event batch, for a router that lost the stream) and
 ``POST /debug/drop_events`` (fault injection: withhold the next N event batches from the live
@@ -23,8 +25,9 @@ from httpapi.app import ADMIN_BODY_BYTES
 from httpapi.body import read_json
 from indexer.wire import encode_batch
 from openai_request.bodies import ApiError
+from workers.http.kv_ipc import OPEN_PATH, RELEASE_PATH, TRANSFER
 from workers.http.kv_pull import engine_kv, serve_blocks
-from workers.http.kv_read import READ_BODY_BYTES, parse_keys
+from workers.http.kv_read import READ_BODY_BYTES, parse_keys, parse_transfer
 from workers.http.state import WorkerState
 
 __all__ = ["add_control_routes"]
@@ -36,14 +39,20 @@ def add_control_routes(app: FastAPI, state: WorkerState) -> None:
 
     auth = state.transfer_auth
     kv = engine_kv(runtime.engine)
-    kv_fetch = {"serve": auth.enabled, "receive": auth.enabled,
-                "kv_bytes_per_token": (state.settings.kv_bytes_per_token if kv is None
-                                       else kv.layout().block_bytes // kv.layout().block_size),
-                "transfer": "http"}
+    kv_fetch: dict[str, Any] = {
+        "serve": auth.enabled, "receive": auth.enabled,
+        "kv_bytes_per_token": (state.settings.kv_bytes_per_token if kv is None
+                               else kv.layout().block_bytes // kv.layout().block_size),
+        "transfer": "http"}
+    ipc = state.block_reads.ipc
 
     @app.get("/model_info")
     async def model_info() -> dict[str, Any]:
-        return {**runtime.model_info(), "kv_fetch": kv_fetch}
+        identity = None if ipc is None else ipc.identity
+        if identity is None or not auth.enabled:
+            return {**runtime.model_info(), "kv_fetch": kv_fetch}
+        return {**runtime.model_info(), "kv_fetch": {
+            **kv_fetch, "transfers": ["http", TRANSFER], TRANSFER: identity.as_json()}}
 
     @app.get("/load")
     async def load() -> dict[str, Any]:
@@ -55,13 +64,32 @@ def add_control_routes(app: FastAPI, state: WorkerState) -> None:
     async def read(request: Request) -> Response:
         try:
             auth.check_peer(request)
-            keys = parse_keys(await read_json(request, READ_BODY_BYTES))
-            answer, blocks = await state.block_reads.answer(keys)
+            body = await read_json(request, READ_BODY_BYTES)
+            keys, transfer = parse_keys(body), parse_transfer(body)
+            answer, blocks = await state.block_reads.answer(keys, transfer)
         except ApiError:
             state.metrics.kv_reads.labels("refused").inc()
             raise
         state.metrics.kv_reads.labels("served" if blocks else "missing").inc()
         return answer
+
+    @app.post(OPEN_PATH)
+    async def ipc_open(request: Request) -> dict[str, Any]:
+        auth.check_peer(request)
+        body = await read_json(request, ADMIN_BODY_BYTES)
+        if ipc is None:
+            raise ApiError(409, "this worker's KV is not on a CUDA device; read it over HTTP",
+                           code="no_cuda_ipc")
+        return ipc.open_answer(body)
+
+    @app.post(RELEASE_PATH)
+    async def read_release(request: Request) -> dict[str, Any]:
+        auth.check_peer(request)
+        body = await read_json(request, ADMIN_BODY_BYTES)
+        pin = body.get("pin")
+        if not isinstance(pin, str):
+            raise ApiError(400, "the body must be {\"pin\": \"...\"}", param="pin")
+        return {"released": state.block_reads.finish(pin)}
 
     @app.post("/kv_transfer/release")
     async def release(request: Request) -> dict[str, Any]:

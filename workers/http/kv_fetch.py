@@ -18,6 +18,9 @@ them as stored (a router learns of them from this worker's events); the request 
 them cached. The torch engine writes the bytes of the :mod:`workers.torch.kv_wire` message;
 the sim engine, told only how many blocks the holder has, waits the modelled transfer time
 ``blocks * block_size * kv_bytes_per_token / kv_transfer_bandwidth / speedup`` instead.
+Between two torch workers on one GPU the blocks are copied device to device over CUDA IPC
+instead (:mod:`workers.http.kv_ipc`); any failure of that path makes the same fetch read the
+bytes over HTTP.
 
 Every failure costs only time: the request computes what was not fetched. Each is a
 :class:`FetchResult` with a short reason, counted, and logged once per reason:
@@ -49,6 +52,7 @@ import logging
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
+from typing import Any
 from urllib.parse import urlsplit
 
 import httpx
@@ -56,6 +60,17 @@ import httpx
 from workers.cache.block_keys import BlockKey, Prompt, RequestBlocks
 from workers.engine.loop import Engine
 from workers.http import kv_pull
+from workers.http.kv_ipc import (
+    OPEN_PATH,
+    RELEASE_PATH,
+    TRANSFER,
+    IpcPeers,
+    MappedPool,
+    PinLeaseEnded,
+    ipc_writer,
+    parse_open_answer,
+    parse_read_answer,
+)
 from workers.http.kv_pull import PeerRefused, PeerUnreachable, fetch_body, message_writer
 from workers.http.kv_read import MAX_READ_BLOCKS
 from workers.settings import WorkerSettings
@@ -72,6 +87,8 @@ RESULT_HEADER = "x-kvroute-fetch-result"
 
 #: The answer of a sim engine's read is ``{"blocks": n}``: a few bytes.
 _SIM_ANSWER_BYTES = 1024
+#: An IPC open's or read's JSON answer: a handle, or up to MAX_READ_BLOCKS block ids.
+_IPC_ANSWER_BYTES = MAX_READ_BLOCKS * 12 + 65536
 
 
 @dataclass(frozen=True, slots=True)
@@ -84,13 +101,17 @@ class FetchInstruction:
 
 @dataclass(frozen=True, slots=True)
 class FetchResult:
-    """What one fetch did: ``blocks`` received (``moved_bytes`` in ``seconds``), or why it
-    failed (``failure``, a short token; the request computed the blocks itself)."""
+    """What one fetch did: ``blocks`` received (``moved_bytes`` in ``seconds``, over
+    ``transfer``: ``http`` or ``cuda_ipc``), or why it failed (``failure``, a short token;
+    the request computed the blocks itself)."""
 
     blocks: int = 0
     moved_bytes: int = 0
     seconds: float = 0.0
     failure: str | None = None
+    transfer: str = "http"
+    #: Why the CUDA IPC path was left for HTTP in this fetch (None: it was not).
+    ipc_fallback: str | None = None
 
     @property
     def outcome(self) -> str:
@@ -138,6 +159,15 @@ class _Failed(Exception):
         self.reason = reason
 
 
+class _FallBack(Exception):
+    """The CUDA IPC path cannot serve this fetch; ``stop``: nor, for a while, this holder."""
+
+    def __init__(self, reason: str, detail: str, stop: bool) -> None:
+        super().__init__(detail)
+        self.reason = reason
+        self.stop = stop
+
+
 class PeerFetcher:
     """Runs fetches (module docstring) for one worker.
 
@@ -146,13 +176,16 @@ class PeerFetcher:
             sim engine's transfer model).
         http: the client that reaches peers.
         clock: monotonic seconds, for the fetch's duration.
+        ipc: the CUDA IPC path's holders (None: every fetch reads bytes over HTTP).
     """
 
     def __init__(self, settings: WorkerSettings, http: httpx.AsyncClient,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 ipc: IpcPeers | None = None) -> None:
         self._settings = settings
         self._http = http
         self._clock = clock
+        self.ipc = ipc if ipc is not None else IpcPeers(None)
         self._slots = asyncio.Semaphore(settings.kv_fetch_concurrency)
         self._logged: set[str] = set()
         #: Fetches waiting for a slot, and holding one, now.
@@ -198,9 +231,10 @@ class PeerFetcher:
                 finally:
                     self.waiting -= 1
                 self.running += 1
+                fell_back: list[str] = []
                 try:
-                    received, moved = await self._take(engine, prompt, keys, held,
-                                                       instruction.source, headers)
+                    received, moved, transfer = await self._take(
+                        engine, prompt, keys, held, instruction.source, headers, fell_back)
                 finally:
                     self.running -= 1
                     self._slots.release()
@@ -212,11 +246,143 @@ class PeerFetcher:
         except Exception as exc:  # a fetch never fails its request: it computes instead
             log.exception("a peer KV fetch from %s failed unexpectedly", instruction.source)
             return self.failed("error", repr(exc))
-        return FetchResult(received // bs, moved, self._clock() - started)
+        return FetchResult(received // bs, moved, self._clock() - started, transfer=transfer,
+                           ipc_fallback=fell_back[0] if fell_back else None)
 
     async def _take(self, engine: Engine, prompt: Prompt, keys: list[BlockKey], held: int,
-                    source: str, headers: dict[str, str]) -> tuple[int, int]:
-        """The tokens received and the bytes moved.
+                    source: str, headers: dict[str, str], fell_back: list[str]
+                    ) -> tuple[int, int, str]:
+        """The tokens received, the bytes moved and the transfer that moved them: CUDA IPC
+        where it can be used, else (or when it fails for its own reasons, appended to
+        ``fell_back``) HTTP.
+
+        Raises:
+            _Failed: the fetch failed; nothing was written.
+        """
+        kv = kv_pull.engine_kv(engine)
+        if kv is not None and self.ipc.usable(source):
+            try:
+                received, moved = await self._take_ipc(engine, prompt, keys, held, source,
+                                                       headers)
+                return received, moved, TRANSFER
+            except _FallBack as exc:
+                self._fell_back(source, exc)
+                fell_back.append(exc.reason)
+        received, moved = await self._take_http(engine, prompt, keys, held, source, headers)
+        return received, moved, "http"
+
+    def _fell_back(self, source: str, exc: _FallBack) -> None:
+        if exc.stop:
+            self.ipc.use_http(source)
+        key = f"ipc:{exc.reason}"
+        if key not in self._logged:
+            self._logged.add(key)
+            log.warning("a peer KV fetch from %s over CUDA IPC fell back to HTTP (%s: %s)%s",
+                        source, exc.reason, exc, " for a while" if exc.stop else "")
+
+    async def _post_json(self, source: str, path: str, body: Any, headers: dict[str, str]
+                         ) -> Any:
+        """``source``'s JSON answer to a POST to ``path``.
+
+        Raises:
+            _Failed: an answer the byte path would meet too (unreachable, 401, 403, 503).
+            _FallBack: any other error status, or an answer that is not JSON.
+        """
+        url = f"{source}{path}"
+        try:
+            data = await fetch_body(self._http, "POST", url, _IPC_ANSWER_BYTES,
+                                    headers=headers, json=body)
+        except PeerRefused as exc:
+            if exc.status in (401, 403, 503):
+                raise _Failed(f"status_{exc.status}", str(exc)) from None
+            raise _FallBack(f"status_{exc.status}", str(exc), stop=True) from None
+        except PeerUnreachable as exc:
+            # A holder that is gone may come back as another process: drop its mapping now
+            # rather than keep its old pool mapped (and perhaps its memory held).
+            self.ipc.forget(source)
+            raise _Failed("unreachable", str(exc)) from None
+        except TransferError as exc:
+            raise _FallBack("bad_message", str(exc), stop=True) from None
+        try:
+            return json.loads(data)
+        except ValueError:
+            raise _FallBack("bad_message", f"{url} answered no JSON", stop=True) from None
+
+    async def _mapped(self, kv: Any, source: str, headers: dict[str, str]) -> MappedPool:
+        pool = self.ipc.mapped(source)
+        if pool is not None:
+            return pool
+        me = self.ipc.identity
+        assert me is not None, "IpcPeers.usable let a worker without a backend through"
+        body = await self._post_json(source, OPEN_PATH, {"device": me.as_json()}, headers)
+        backend = self.ipc.backend
+        assert backend is not None
+        try:
+            pool_id, handle, blocks = parse_open_answer(body, kv.layout())
+            mapped = await asyncio.to_thread(backend.open, handle, blocks)
+        except TransferError as exc:
+            raise _FallBack("open_failed", str(exc), stop=True) from None
+        pool = MappedPool(pool_id, mapped, blocks)
+        self.ipc.keep(source, pool)
+        return pool
+
+    async def _take_ipc(self, engine: Engine, prompt: Prompt, keys: list[BlockKey], held: int,
+                        source: str, headers: dict[str, str]) -> tuple[int, int]:
+        """:meth:`_take` over CUDA IPC (:mod:`workers.http.kv_ipc`).
+
+        Raises:
+            _Failed: a failure HTTP would meet too; nothing was written.
+            _FallBack: this path cannot be used; nothing was written.
+        """
+        kv = kv_pull.engine_kv(engine)
+        bs = engine.cache.block_size
+        pool = await self._mapped(kv, source, headers)
+        asked = keys[held:]
+        body = {"block_keys": [k.hex() for k in asked], "transfer": TRANSFER}
+        answer = await self._post_json(source, "/kv_transfer/read", body, headers)
+        got = self._clock()
+        try:
+            read = parse_read_answer(answer, len(asked))
+        except TransferError as exc:
+            raise _FallBack("bad_message", str(exc), stop=True) from None
+        try:
+            if read.pool_id != pool.pool_id:
+                self.ipc.forget(source)
+                raise _FallBack("new_pool", f"{source} restarted (another pool)", stop=False)
+            n = len(read.block_ids)
+            if n == 0:
+                raise _Failed("missing", f"{source} holds none of the blocks")
+            if max(read.block_ids) >= pool.blocks:
+                raise _FallBack("bad_message", f"{source} named a block past its pool",
+                                stop=True)
+            write = ipc_writer(self.ipc.backend, pool, read, held,  # type: ignore[arg-type]
+                               got + read.lease_s / 2, self._clock)
+            try:
+                received = await engine.receive_blocks(prompt, (held + n) * bs, write)
+            except PinLeaseEnded as exc:
+                raise _Failed("timeout", str(exc)) from None
+            except TransferError as exc:
+                raise _Failed("evicted", str(exc)) from None
+        finally:
+            if read.block_ids:
+                await self._release(source, read.pin, headers)
+        if received == 0 and engine.cache.cached_run(keys) < held + n:
+            raise _Failed("no_free_blocks", "too few free blocks to take the KV")
+        return received, n * kv.layout().block_bytes
+
+    async def _release(self, source: str, pin: str, headers: dict[str, str]) -> None:
+        """Tell the holder its pin can go (its lease ends it anyway if this fails)."""
+        try:
+            answer = await self._http.post(f"{source}{RELEASE_PATH}", json={"pin": pin},
+                                           headers=headers)
+            await answer.aclose()
+        except httpx.HTTPError as exc:
+            log.debug("releasing pin %s on %s failed: %r", pin, source, exc)
+
+    async def _take_http(self, engine: Engine, prompt: Prompt, keys: list[BlockKey], held: int,
+                         source: str, headers: dict[str, str]) -> tuple[int, int]:
+        """:meth:`_take` over HTTP: the bytes in a :mod:`workers.torch.kv_wire` message (the
+        torch engine) or a count (the sim engine).
 
         Raises:
             _Failed: the fetch failed; nothing was written.

@@ -9,7 +9,11 @@ holds on the device (it stops at the first one it does not):
 
 - torch engine: one :mod:`workers.torch.kv_wire` message, streamed :data:`CHUNK_BLOCKS`
   blocks at a time, each read in a thread (as :func:`workers.http.kv_pull.serve_blocks`);
-- sim engine: ``{"blocks": n}``, no bytes (the reader models the transfer's time).
+- sim engine: ``{"blocks": n}``, no bytes (the reader models the transfer's time);
+- a read naming ``"transfer": "cuda_ipc"`` (a torch worker on the same GPU): the pinned
+  blocks' ids, no bytes; the pin lasts until the reader releases it
+  (``POST /kv_transfer/read/release``) after copying them device to device
+  (:mod:`workers.http.kv_ipc`).
 
 The blocks are pinned while they are read (:meth:`workers.engine.loop.Engine.pin_blocks`):
 nothing is taken, evicted or copied for a read, and a pin never takes an evictable block the
@@ -38,9 +42,12 @@ from workers.cache.block_keys import BlockKey
 from workers.engine.leases import PrefillLeases
 from workers.engine.loop import Engine
 from workers.http import kv_pull
+from workers.http.kv_ipc import TRANSFER as CUDA_IPC
+from workers.http.kv_ipc import HolderIpc
 from workers.torch.kv_wire import header_bytes
 
-__all__ = ["MAX_READ_BLOCKS", "READ_BODY_BYTES", "READ_LEASE_S", "BlockReads", "parse_keys"]
+__all__ = ["MAX_READ_BLOCKS", "READ_BODY_BYTES", "READ_LEASE_S", "TRANSFERS", "BlockReads",
+           "parse_keys", "parse_transfer"]
 
 #: The most keys one read may name (a prompt of 2 M tokens at block size 16).
 MAX_READ_BLOCKS = 1 << 17
@@ -50,6 +57,8 @@ READ_BODY_BYTES = MAX_READ_BLOCKS * 68 + 1024
 READ_LEASE_S = 60.0
 
 _KEY_HEX = 64
+#: The ``transfer`` a read may name: its blocks' bytes in the answer, or their ids.
+TRANSFERS = ("http", CUDA_IPC)
 
 
 def parse_keys(body: dict[str, Any]) -> list[BlockKey]:
@@ -75,6 +84,19 @@ def parse_keys(body: dict[str, Any]) -> list[BlockKey]:
     return out
 
 
+def parse_transfer(body: dict[str, Any]) -> str:
+    """How a read wants its blocks: ``http`` (the default: their bytes) or ``cuda_ipc``.
+
+    Raises:
+        ApiError: 400, another value.
+    """
+    transfer = body.get("transfer", "http")
+    if transfer not in TRANSFERS:
+        raise ApiError(400, f"transfer must be one of {', '.join(TRANSFERS)}",
+                       param="transfer")
+    return str(transfer)
+
+
 def _device_run(engine: Engine, keys: Sequence[BlockKey]) -> int:
     pool = engine.cache.pool
     for i, key in enumerate(keys):
@@ -97,10 +119,12 @@ class BlockReads:
             one that holds the longest run of its keys.
         concurrency: reads served at once.
         clock: monotonic seconds (injected in tests).
+        ipc: the first engine's CUDA IPC side (None: reads naming ``cuda_ipc`` get 409).
     """
 
     def __init__(self, engines: Sequence[Engine], concurrency: int,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 ipc: HolderIpc | None = None) -> None:
         if concurrency < 1:
             raise ValueError(f"concurrency must be at least 1, got {concurrency}")
         self._engines = tuple(engines)
@@ -108,6 +132,7 @@ class BlockReads:
         self._clock = clock
         self._leases = PrefillLeases(READ_LEASE_S)
         self._pinned: dict[str, Engine] = {}
+        self.ipc = ipc
 
     def __len__(self) -> int:
         """Reads being served now."""
@@ -120,10 +145,13 @@ class BlockReads:
             self._pinned.pop(pin_id).unpin_blocks(pin_id)
         return len(ended)
 
-    def finish(self, pin_id: str) -> None:
-        """A read's answer ended: let go of its pin (safe to call twice)."""
+    def finish(self, pin_id: str) -> bool:
+        """A read's answer ended, or its reader released it: let go of its pin. False when
+        it was not held (unknown, finished, or its lease ended): safe to call twice."""
         if self._leases.claim(pin_id):
             self._pinned.pop(pin_id).unpin_blocks(pin_id)
+            return True
+        return False
 
     def pin(self, keys: Sequence[BlockKey]) -> tuple[str, Engine, tuple[int, ...]]:
         """Pin the leading run of ``keys`` on the engine that holds the most of it.
@@ -147,12 +175,16 @@ class BlockReads:
             self._pinned[pin_id] = engine
         return pin_id, engine, block_ids
 
-    async def answer(self, keys: Sequence[BlockKey]) -> tuple[Response, int]:
+    async def answer(self, keys: Sequence[BlockKey], transfer: str = "http"
+                     ) -> tuple[Response, int]:
         """The answer to a read of ``keys`` (module docstring), and the blocks it holds.
 
         Raises:
-            ApiError: 503 (busy, :meth:`pin`).
+            ApiError: 503 (busy, :meth:`pin`); 409 (``cuda_ipc`` asked of a worker whose KV
+                is not on CUDA).
         """
+        if transfer == CUDA_IPC:
+            return await self._answer_ipc(keys)
         pin_id, engine, block_ids = self.pin(keys)
         kv = kv_pull.engine_kv(engine)
         if kv is None:  # the sim engine: the count, and the reader models the bytes
@@ -175,3 +207,18 @@ class BlockReads:
         size = len(head) + len(block_ids) * layout.block_bytes
         return StreamingResponse(body(), media_type="application/octet-stream",
                                  headers={"content-length": str(size)}), len(block_ids)
+
+    async def _answer_ipc(self, keys: Sequence[BlockKey]) -> tuple[Response, int]:
+        ipc = self.ipc
+        if ipc is None or ipc.backend is None:
+            raise ApiError(409, "this worker's KV is not on a CUDA device; read it over HTTP",
+                           code="no_cuda_ipc")
+        pin_id, _, block_ids = self.pin(keys)
+        if block_ids:
+            # A kernel of the iteration that computed them may still be queued: the reader
+            # copies on its own stream, which cannot wait for this process's.
+            await asyncio.to_thread(ipc.backend.sync)
+            if pin_id not in self._pinned:
+                raise RuntimeError(f"the read {pin_id} outlived its pin")
+        return JSONResponse({"pool": ipc.pool_id, "pin": pin_id, "block_ids": list(block_ids),
+                             "lease_s": READ_LEASE_S}), len(block_ids)

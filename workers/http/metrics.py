@@ -63,6 +63,15 @@ class WorkerMetrics:
             "being in the cache, fetches that took blocks",
             buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
                      10.0), registry=self.registry)
+        self.kv_fetch_transfers = Counter(
+            "kvroute_worker_kv_fetch_transfers",
+            "Fetches that took blocks, by how they moved: http (bytes in the answer), cuda_ipc "
+            "(copied device to device from a holder on the same GPU)", ["transfer"],
+            registry=self.registry)
+        self.kv_ipc_fallbacks = Counter(
+            "kvroute_worker_kv_ipc_fallbacks",
+            "Fetches that left the CUDA IPC path for HTTP, by reason (status_<code>, "
+            "bad_message, open_failed, new_pool)", ["reason"], registry=self.registry)
         self.kv_reads = Counter(
             "kvroute_worker_kv_reads",
             "Block reads by peers, by outcome: served (some blocks sent), missing (none "
@@ -70,6 +79,8 @@ class WorkerMetrics:
             registry=self.registry)
         for outcome in ("fetched", "skipped", "failed"):
             self.kv_fetch.labels(outcome)
+        for transfer in ("http", "cuda_ipc"):
+            self.kv_fetch_transfers.labels(transfer)
         for outcome in ("served", "missing", "refused"):
             self.kv_reads.labels(outcome)
         self.registry.register(_EngineCollector(runtime))

@@ -189,6 +189,9 @@ async def _fetch(state: WorkerState, request: Request, engine: Engine, prompt: P
     if result.outcome == "fetched":
         metrics.kv_fetch_blocks.inc(result.blocks)
         metrics.kv_fetch_seconds.observe(result.seconds)
+        metrics.kv_fetch_transfers.labels(result.transfer).inc()
+    if result.ipc_fallback is not None:
+        metrics.kv_ipc_fallbacks.labels(result.ipc_fallback).inc()
     return result
 
 

@@ -19,6 +19,8 @@ from httpapi.responses import disconnect_counter
 from openai_request.bodies import ApiError
 from workers.http.image_fetch import ImageBudget
 from workers.http.kv_fetch import PeerFetcher
+from workers.http.kv_ipc import HolderIpc, IpcBackend, IpcPeers
+from workers.http.kv_pull import engine_kv
 from workers.http.kv_read import BlockReads
 from workers.http.kv_transfer import HeldPrefills
 from workers.http.metrics import WorkerMetrics
@@ -49,8 +51,22 @@ class WorkerState:
         #: Peer KV fetch: who may read this worker's KV and instruct it, the reads it
         #: serves, and the fetches it runs (docs/kv_transfer.md).
         self.transfer_auth = TransferAuth(settings.kv_transfer_secret, settings.host)
-        self.block_reads = BlockReads(self.runtime.engines, settings.kv_read_concurrency)
-        self.fetcher = PeerFetcher(settings, httpx.AsyncClient(timeout=settings.kv_fetch_timeout))
+        kv = engine_kv(self.runtime.engine)
+        cuda = _cuda_ipc(kv) if settings.kv_fetch_ipc else None
+        # The pool's handle reads and writes every block of every tenant (the byte path
+        # answers only keys the reader could name): only peers holding the secret get it.
+        backend = cuda if settings.kv_transfer_secret is not None else None
+        #: Why peer fetch over CUDA IPC is off where it could run (logged at start).
+        self.ipc_off_reason = None if cuda is None or backend is not None else (
+            "it hands a peer this worker's whole KV pool (every tenant's blocks, to read and "
+            "write), so it needs the shared --kv-transfer-secret-file; peers read blocks over "
+            "HTTP")
+        holder = HolderIpc(backend, None if kv is None else kv.layout(),
+                           0 if kv is None else kv.num_blocks + 1)
+        self.block_reads = BlockReads(self.runtime.engines, settings.kv_read_concurrency,
+                                      ipc=holder)
+        self.fetcher = PeerFetcher(settings, httpx.AsyncClient(timeout=settings.kv_fetch_timeout),
+                                   ipc=IpcPeers(backend))
 
     @contextlib.asynccontextmanager
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
@@ -58,6 +74,8 @@ class WorkerState:
         await self.runtime.start()
         if not self.transfer_auth.enabled:
             log.warning("peer KV fetch is off: %s", self.transfer_auth.off_reason)
+        elif self.ipc_off_reason is not None:
+            log.info("peer KV fetch over CUDA IPC is off: %s", self.ipc_off_reason)
         try:
             yield
         finally:
@@ -76,3 +94,13 @@ class WorkerState:
     def render_metrics(self) -> tuple[bytes, str]:
         """The worker's Prometheus exposition."""
         return generate_latest(self.metrics.registry), CONTENT_TYPE_LATEST
+
+
+def _cuda_ipc(kv: object) -> IpcBackend | None:
+    """The torch engine's CUDA IPC backend when its KV is on CUDA (torch is imported only
+    for a torch engine's KV)."""
+    if kv is None:
+        return None
+    from workers.torch.kv_ipc import cuda_ipc_for
+
+    return cuda_ipc_for(kv)
