@@ -538,9 +538,17 @@ class RouterService:
         route.continued = None
 
     def fetch_headers(self, route: Route, worker: Target) -> dict[str, str]:
-        """The fetch instruction for ``worker`` (empty: none), counted as a decision."""
+        """The fetch instruction for ``worker`` (empty: none), counted as a decision. The
+        decode leg of a remote prefill carries the router's token alone, to a worker that
+        advertises peer fetch: with the shared secret, a decode worker pulls from (and
+        releases) the prefill worker its body names only for a request the router vouches
+        for (docs/kv_transfer.md)."""
         fetch = route.fetch_from(worker)
         if fetch is None:
+            secret = self.settings.kv_transfer_secret
+            if route.prefill is not None and secret is not None \
+                    and self.core.fetch_ability(worker.id) is not None:
+                return {TRANSFER_TOKEN: secret}
             return {}
         source, blocks = fetch
         self.counters["fetch_decisions"] = self.counters.get("fetch_decisions", 0) + 1
