@@ -245,9 +245,23 @@ async def _faults(workers: list[Worker], started: float, seconds: float, tally: 
         if action == "restart":
             if worker.proc is not None:
                 await asyncio.to_thread(worker.proc.wait, 10)
-            await asyncio.to_thread(worker.start)
+            await _restart(worker, started, tally)
         else:
             worker.signal(getattr(signal, action))
+
+
+async def _restart(worker: Worker, started: float, tally: Tally, tries: int = 5) -> None:
+    """Start ``worker`` again on its ports; a start that fails (another process on this
+    machine took a port the killed worker freed) is recorded and tried again, 2 s apart,
+    ``tries`` times in all, so the run goes on and says so."""
+    for attempt in range(tries):
+        try:
+            await asyncio.to_thread(worker.start)
+            return
+        except RuntimeError as exc:
+            tally.faults.append((time.monotonic() - started,
+                                 f"restart {attempt + 1} of {worker.name} failed: {exc}"))
+            await asyncio.sleep(2.0)
 
 
 def _flood_body(rng: random.Random, high: bool) -> bytes:
