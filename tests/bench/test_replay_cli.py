@@ -134,6 +134,7 @@ def test_unknown_timing_model_is_a_usage_error(tmp_path: Path,
     assert "--timing" in capsys.readouterr().err
 
 
+@pytest.mark.process
 def test_seeds_run_each_seed_with_a_verdict_and_tally(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out, serial = tmp_path / "out.json", tmp_path / "serial.json"

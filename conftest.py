@@ -1,0 +1,150 @@
+"""Hooks for the whole suite (``tests/`` and ``e2e/``): the ``process`` marker, kept honest,
+and the pytest-xdist runners kept apart.
+
+``process`` marks a test that starts a child process (a kvroute command, an engine, Envoy,
+pip, a container build); ``make check`` runs the others (``-m "not process"``). Everything
+under ``e2e/`` has it without asking. Any other test that starts a child process fails,
+naming the command, so the quick tier never quietly grows a process.
+
+Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``): each runner draws its free
+ports from a span of its own (``KVROUTE_FREE_PORTS``, read by :func:`kvroute.up.free_port`
+and inherited by the processes it starts); the tests that share a module-scoped fixture run
+on one runner, so the fixture starts once; and the stock vLLM modules share one group, so no
+two sets of vLLM servers compete for the two cores, and run first, so the longest group is
+not the last one started.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import subprocess
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent
+#: Folders whose every test counts as starting processes.
+PROCESS_FOLDERS = {"e2e"}
+#: Test modules (by file name) that share the stock vLLM group, started first.
+VLLM_GROUP = "vllm"
+#: The span the runners' free ports come from (below Linux's ephemeral range).
+PORTS = (20000, 32768)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and "KVROUTE_FREE_PORTS" not in os.environ:
+        index = int(worker[2:])
+        count = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), index + 1)
+        width = (PORTS[1] - PORTS[0]) // count
+        low = PORTS[0] + index * width
+        os.environ["KVROUTE_FREE_PORTS"] = f"{low}-{low + width}"
+
+
+def _module_scoped(item: pytest.Item) -> bool:
+    """Whether the test uses a fixture that lives longer than one test and is defined in
+    its own module (a started cluster, a built wheel): such tests run on one runner."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    for defs in info.name2fixturedefs.values():
+        for fixturedef in defs:
+            if fixturedef.scope in ("module", "class", "package"):
+                return True
+    return False
+
+
+def _group(item: pytest.Item) -> str | None:
+    path = Path(str(item.path))
+    if path.parent.name == "e2e" and path.name.startswith("test_vllm_"):
+        return VLLM_GROUP
+    if _module_scoped(item):
+        return str(path.relative_to(ROOT))
+    return None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        try:
+            relative = Path(str(item.path)).relative_to(ROOT)
+        except ValueError:
+            continue
+        if relative.parts[0] in PROCESS_FOLDERS:
+            item.add_marker(pytest.mark.process)
+        group = _group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        # Stable: the vLLM group first, everything else in collection order.
+        items.sort(key=lambda item: _group(item) != VLLM_GROUP)
+
+
+class UnmarkedProcess(AssertionError):
+    """A test without the ``process`` marker started a child process."""
+
+
+@contextlib.contextmanager
+def _no_child_processes(nodeid: str) -> Iterator[list[str]]:
+    """Refuse, and remember, every child process started meanwhile."""
+    attempts: list[str] = []
+
+    def refuse(what: str) -> None:
+        attempts.append(what)
+        raise UnmarkedProcess(_message(nodeid, what))
+
+    original = subprocess.Popen._execute_child  # type: ignore[attr-defined]
+    fork, spawn, spawnp = os.fork, os.posix_spawn, os.posix_spawnp
+
+    def execute_child(self: subprocess.Popen[Any], args: Any, *rest: Any, **kw: Any) -> None:
+        refuse(" ".join(map(str, args)) if isinstance(args, list | tuple) else str(args))
+
+    def forbidden(name: str) -> Any:
+        return lambda *args, **kwargs: refuse(f"os.{name}{args[:2]!r}")
+
+    subprocess.Popen._execute_child = execute_child  # type: ignore[attr-defined]
+    os.fork = forbidden("fork")
+    os.posix_spawn, os.posix_spawnp = forbidden("posix_spawn"), forbidden("posix_spawnp")
+    try:
+        yield attempts
+    finally:
+        subprocess.Popen._execute_child = original  # type: ignore[attr-defined]
+        os.fork, os.posix_spawn, os.posix_spawnp = fork, spawn, spawnp
+
+
+def _message(nodeid: str, what: str) -> str:
+    return (f"{nodeid} started a child process ({what[:200]}) without the `process` marker: "
+            "mark it (`pytestmark = pytest.mark.process` in its module, or "
+            "`@pytest.mark.process` on the test) so that `make check` leaves it out")
+
+
+@contextlib.contextmanager
+def _guarded(item: pytest.Item) -> Iterator[None]:
+    if item.get_closest_marker("process") is not None:
+        yield
+        return
+    with _no_child_processes(item.nodeid) as attempts:
+        yield
+    if attempts:
+        # Raised here too, so code under test that swallowed the refusal cannot hide it.
+        raise UnmarkedProcess(_message(item.nodeid, attempts[0]))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    with _guarded(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    with _guarded(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    with _guarded(item):
+        return (yield)
