@@ -107,7 +107,7 @@ async def generate(state: WorkerState, request: Request, chat: bool) -> Response
     state.held_prefills.expire()
     engine = runtime.rank_engine(_pinned_rank(request, len(runtime.engines)))
     try:
-        prompt = Prompt(tokens.token_ids, tuple(tokens.images), scope)
+        prompt = Prompt(tuple(tokens.token_ids), tuple(tokens.images), scope)
         if transfer is not None and transfer.remote_blocks:
             received, failure = await receive(settings, engine, prompt, transfer, state.peers)
             state.metrics.transferred_tokens.inc(received)
