@@ -14,9 +14,9 @@ those install, then these.
 Under pytest-xdist (``-n 2 --dist loadgroup``): each runner draws its free ports from a span
 of its own (``KVROUTE_FREE_PORTS``, read by :func:`kvroute.up.free_port` and inherited by the
 processes it starts); the tests that share a module-scoped fixture run on one runner, so the
-fixture starts once; the two modules that share the ``vllm_pair`` servers run on one runner,
-and the other vLLM modules together on one runner, so at most two sets of vLLM servers
-compete for the cores. xdist hands out the largest groups first.
+fixture starts once; the engine modules run in two groups (:data:`ENGINE_GROUPS`), one per
+runner, the two modules that share the ``vllm_pair`` servers in one of them. xdist hands out
+the largest groups first.
 """
 
 from __future__ import annotations
@@ -67,12 +67,21 @@ def _engine(item: pytest.Item) -> bool:
     return path.parent.name == "e2e" and path.name.startswith(ENGINE_MODULES)
 
 
+#: The engine modules, in two groups of about equal length (measured under ``-n 2``): xdist
+#: hands a runner another group as soon as it has two tests or fewer left, so single-test
+#: modules left ungrouped would all pile onto the runner that is not busy with the pair.
+ENGINE_GROUPS = {
+    "test_vllm_disaggregated.py": "engines-a", "test_vllm_repeats.py": "engines-a",
+    "test_vllm_routing.py": "engines-a",
+    "test_vllm_data_parallel.py": "engines-b", "test_compose.py": "engines-b",
+}
+
+
 def _group(item: pytest.Item) -> str | None:
     path = Path(str(item.path))
-    if "vllm_pair" in getattr(item, "fixturenames", ()):
-        return "vllm-pair"
-    if path.parent.name == "e2e" and path.name.startswith("test_vllm_"):
-        return "vllm-own"
+    if path.parent.name == "e2e" and path.name in ENGINE_GROUPS and (
+            _module_scoped(item) or "vllm_pair" in getattr(item, "fixturenames", ())):
+        return ENGINE_GROUPS[path.name]
     if _module_scoped(item):
         return str(path.relative_to(ROOT))
     return None

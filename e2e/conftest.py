@@ -53,8 +53,8 @@ def cluster(tmp_path: Path, processes: list[Process]) -> Callable[..., Any]:
 @pytest.fixture(scope="session")
 def vllm_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmPair]:
     """Two plain stock vLLM servers, started once for the modules that share them (they run
-    on one pytest-xdist runner: ``conftest.py`` puts every ``test_vllm_*`` module in one
-    group). Take it through :meth:`VllmPair.fresh`."""
+    on one pytest-xdist runner: the top-level ``conftest.py`` puts them in one group). Take it
+    through :meth:`VllmPair.fresh`."""
     python = vllm_python()
     root = tmp_path_factory.mktemp("vllm-pair")
     model = write_tiny_llama(root / "model")
