@@ -23,12 +23,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any
 
 import pytest
+
+from tests.support.child_processes import UnmarkedProcess, message, no_child_processes
 
 ROOT = Path(__file__).resolve().parent
 #: Folders whose every test counts as starting processes.
@@ -102,54 +102,16 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.xdist_group(group))
 
 
-class UnmarkedProcess(AssertionError):
-    """A test without the ``process`` marker started a child process."""
-
-
-@contextlib.contextmanager
-def _no_child_processes(nodeid: str) -> Iterator[list[str]]:
-    """Refuse, and remember, every child process started meanwhile."""
-    attempts: list[str] = []
-
-    def refuse(what: str) -> None:
-        attempts.append(what)
-        raise UnmarkedProcess(_message(nodeid, what))
-
-    original = subprocess.Popen._execute_child  # type: ignore[attr-defined]
-    fork, spawn, spawnp = os.fork, os.posix_spawn, os.posix_spawnp
-
-    def execute_child(self: subprocess.Popen[Any], args: Any, *rest: Any, **kw: Any) -> None:
-        refuse(" ".join(map(str, args)) if isinstance(args, list | tuple) else str(args))
-
-    def forbidden(name: str) -> Any:
-        return lambda *args, **kwargs: refuse(f"os.{name}{args[:2]!r}")
-
-    subprocess.Popen._execute_child = execute_child  # type: ignore[attr-defined]
-    os.fork = forbidden("fork")
-    os.posix_spawn, os.posix_spawnp = forbidden("posix_spawn"), forbidden("posix_spawnp")
-    try:
-        yield attempts
-    finally:
-        subprocess.Popen._execute_child = original  # type: ignore[attr-defined]
-        os.fork, os.posix_spawn, os.posix_spawnp = fork, spawn, spawnp
-
-
-def _message(nodeid: str, what: str) -> str:
-    return (f"{nodeid} started a child process ({what[:200]}) without the `process` marker: "
-            "mark it (`pytestmark = pytest.mark.process` in its module, or "
-            "`@pytest.mark.process` on the test) so that `make check` leaves it out")
-
-
 @contextlib.contextmanager
 def _guarded(item: pytest.Item) -> Iterator[None]:
     if item.get_closest_marker("process") is not None:
         yield
         return
-    with _no_child_processes(item.nodeid) as attempts:
+    with no_child_processes(item.nodeid) as attempts:
         yield
     if attempts:
         # Raised here too, so code under test that swallowed the refusal cannot hide it.
-        raise UnmarkedProcess(_message(item.nodeid, attempts[0]))
+        raise UnmarkedProcess(message(item.nodeid, attempts[0]))
 
 
 @pytest.hookimpl(wrapper=True)
