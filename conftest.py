@@ -87,6 +87,9 @@ def _group(item: pytest.Item) -> str | None:
     return None
 
 
+# First: xdist's own hook turns each item's xdist_group marker into its scope, so the markers
+# must be there before it runs.
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for item in items:
         try:
@@ -100,6 +103,24 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         group = _group(item)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))
+
+
+# First: xdist's own collection_finish sends the ids it schedules by.
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Make ``--dist loadgroup`` group under pytest 9.2, which keeps a node's id in ``_id``:
+    pytest-xdist 3.8 writes the ``@group`` suffix it schedules by to ``_nodeid``, which no
+    longer exists there, so every test went out on its own. A no-op where the suffix is
+    there (an xdist that writes it where it counts) or where xdist is not running groups."""
+    if not (session.config.getvalue("loadgroup") if hasattr(session.config.option, "loadgroup")
+            else False):
+        return
+    for item in session.items:
+        marks = {str(m.args[0]) for m in item.iter_markers("xdist_group") if m.args}
+        if marks and "@" not in item.nodeid and hasattr(item, "_id"):
+            from _pytest.nodeid import NodeId
+
+            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(sorted(marks))}")
 
 
 @contextlib.contextmanager
