@@ -24,6 +24,7 @@ needs_nginx = pytest.mark.skipif(
     reason="nginx or taskset is not installed")
 
 
+@pytest.mark.process
 @needs_nginx
 def test_kvroute_routes_to_the_nginx_backend_as_to_a_vllm_server() -> None:
     ports = [free_port(), free_port()]
