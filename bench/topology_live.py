@@ -209,7 +209,7 @@ def _table(rows: Sequence[dict[str, Any]], title: str) -> str:
 def run_live_topologies(args: argparse.Namespace) -> int:
     """Run the live topology comparison (module docstring); return the exit status (2 on a
     bad setting, 1 when a run failed or a request did)."""
-    from bench.replay import _workload
+    from bench.replay_setup import build_workload
     from bench.report import write_json
     from bench.topology import replace_scale
 
@@ -234,7 +234,7 @@ def run_live_topologies(args: argparse.Namespace) -> int:
     status = 0
     try:
         for scale in scales:
-            requests, name = _workload(replace_scale(args, scale * args.speedup), args.seed)
+            requests, name = build_workload(replace_scale(args, scale * args.speedup), args.seed)
             for repeat in range(args.repeats):
                 runs = _variants(topologies, local)
                 if repeat % 2:  # alternate the order too, so no variant always runs first

@@ -8,7 +8,10 @@ from typing import Any
 
 import pytest
 
-from e2e.harness import Process, Router, Worker
+from bench.stock_vllm import VllmServer
+from bench.tiny_model import write_tiny_llama
+from e2e.harness import Process, Router, Worker, running
+from e2e.vllm import VllmPair, vllm_python
 
 
 @pytest.fixture
@@ -45,6 +48,19 @@ def cluster(tmp_path: Path, processes: list[Process]) -> Callable[..., Any]:
         return router, ws
 
     return make
+
+
+@pytest.fixture(scope="session")
+def vllm_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmPair]:
+    """Two plain stock vLLM servers, started once for the modules that share them (they run
+    on one pytest-xdist runner: the top-level ``conftest.py`` puts them in one group). Take it
+    through :meth:`VllmPair.fresh`."""
+    python = vllm_python()
+    root = tmp_path_factory.mktemp("vllm-pair")
+    model = write_tiny_llama(root / "model")
+    servers = [VllmServer(f"vllm-{i}", python, model, root) for i in range(2)]
+    with running(servers):
+        yield VllmPair(servers, model, root)
 
 
 @pytest.hookimpl(hookwrapper=True, tryfirst=True)

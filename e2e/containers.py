@@ -32,6 +32,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parent.parent
+#: Where the runtime's configuration and the root filesystem (while it is made) live.
+HOME = REPO / "build" / "containers"
 RUNC = "/usr/sbin/runc"
 DEBIAN_IMAGE = "localhost/kvroute-e2e/debian:bookworm"
 PYTHON_IMAGE = "localhost/kvroute-e2e/python:3.11-bookworm"
@@ -137,6 +139,17 @@ class Runtime:
 
 def unusable(home: Path) -> str | None:
     """Why no container can run here (the first check that failed), or None when one can."""
+    why = _no_podman(home)
+    if why is not None:
+        return why
+    try:
+        import podman_compose  # noqa: F401
+    except ImportError:
+        return "podman-compose is not installed in this environment (pip install podman-compose)"
+    return None
+
+
+def _no_podman(home: Path) -> str | None:
     for tool in ("podman", "debootstrap", "tar"):
         if shutil.which(tool) is None:
             return f"{tool} is not installed (make test installs podman, runc and debootstrap " \
@@ -145,12 +158,24 @@ def unusable(home: Path) -> str | None:
         return f"{RUNC} is missing (Debian package runc)"
     if os.geteuid() != 0:
         return "not root: debootstrap and rootful podman need root"
-    try:
-        import podman_compose  # noqa: F401
-    except ImportError:
-        return "podman-compose is not installed in this environment (pip install podman-compose)"
     runtime = Runtime(home)
     probe = runtime.podman("info", "--format", "{{.Host.OCIRuntime.Name}}", check=False)
     if probe.returncode != 0:
         return f"podman info failed: {probe.stderr.strip()[-300:]}"
     return None
+
+
+def main() -> int:
+    """``python -m e2e.containers`` (``make containers``): make the base images the compose
+    test builds on, once per machine, or say why no container can run here (exit 0: the test
+    then skips saying the same). Needs only the standard library, not the project's venv."""
+    why = _no_podman(HOME)
+    if why is not None:
+        print(f"containers: no base image made: {why}")
+        return 0
+    print(f"containers: base image {Runtime(HOME).python_image()} ready")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

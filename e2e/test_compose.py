@@ -19,13 +19,12 @@ import httpx
 import openai
 import pytest
 
-from e2e.containers import REPO, Runtime, unusable
+from e2e.containers import HOME, REPO, Runtime, unusable
 from kvroute.up import free_port
 from tests.support.eventually import eventually_blocking
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(2400)]
 
-HOME = REPO / "build" / "containers"
 # Long enough to fill several 32-token blocks with the byte tokenizer.
 PROMPT = "You are a careful assistant for the kvroute compose test. " * 12
 

@@ -34,7 +34,7 @@ import pytest
 from bench.stock_vllm import BLOCK_SIZE, MODEL_NAME, VllmServer
 from bench.tiny_model import write_tiny_llama
 from e2e.harness import NOT_YET, Router, metric, running
-from e2e.test_vllm_routing import vllm_python
+from e2e.vllm import vllm_python
 from kvroute.up import free_port
 from tests.support.eventually import eventually_blocking
 

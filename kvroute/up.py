@@ -51,16 +51,39 @@ def free_port() -> int:
     of them could take it (seen as a worker's ``EADDRINUSE`` in the end-to-end tests). So the
     port comes from ``[PORTS_FROM, start of the ephemeral range)``, where no outgoing
     connection goes, and the port-0 way is left for when that span is full or missing.
+
+    ``KVROUTE_FREE_PORTS=LOW-HIGH`` narrows the span to ``[LOW, HIGH)``: the test suite gives
+    each of its parallel runners a span of its own, which the processes it starts inherit, so
+    no two runners hand out one port.
+
+    Raises:
+        ValueError: ``KVROUTE_FREE_PORTS`` is set but is not such a span.
     """
-    low = _ephemeral_start()
-    for _ in range(200 if low - PORTS_FROM >= 1000 else 0):
-        port = _rng.randrange(PORTS_FROM, low)
+    low, high = _span()
+    for _ in range(200 if high - low >= 1000 else 0):
+        port = _rng.randrange(low, high)
         if port not in _handed_out and _bindable(port):
             _handed_out.add(port)
             return port
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
+
+
+def _span() -> tuple[int, int]:
+    """``[low, high)`` that :func:`free_port` draws from."""
+    text = os.environ.get("KVROUTE_FREE_PORTS")
+    if text is None:
+        return PORTS_FROM, _ephemeral_start()
+    low, sep, high = text.partition("-")
+    try:
+        span = int(low), int(high)
+    except ValueError:
+        span = (0, 0)
+    if not sep or not 1024 <= span[0] < span[1] <= 65536:
+        raise ValueError(f"KVROUTE_FREE_PORTS must be LOW-HIGH with 1024 <= LOW < HIGH <= "
+                         f"65536, not {text!r}")
+    return span
 
 
 def _bindable(port: int) -> bool:

@@ -139,3 +139,51 @@ def test_pure_rooms_do_no_io(room: str) -> None:
         if io:
             wrong[str(path.relative_to(REPO))] = sorted(io)
     assert wrong == {}
+
+
+#: The worker's rooms and what each may import of ``workers`` (besides itself), as
+#: docs/design.md's map has them: ``cache`` at the bottom; ``engine`` on it; ``torch`` on both
+#: and the settings; ``http`` on everything; ``settings`` reads the engine's timing, the
+#: publisher's limits and the image policy's defaults; ``runtime`` builds the engines.
+WORKER_ROOMS: dict[str, set[str]] = {
+    "cache": set(),
+    "engine": {"workers.cache"},
+    "torch": {"workers.cache", "workers.engine", "workers.settings"},
+    "settings": {"workers.cache", "workers.engine", "workers.http.image_policy"},
+    "runtime": {"workers.cache", "workers.engine", "workers.torch", "workers.settings"},
+    "http": {"workers.cache", "workers.engine", "workers.torch", "workers.runtime",
+             "workers.settings"},
+}
+
+
+def worker_room(module: str) -> str | None:
+    """The room of a ``workers.*`` module name (``workers.settings`` is its own), or None
+    (``workers`` itself, a name outside it)."""
+    parts = module.split(".")
+    if parts[0] != "workers" or len(parts) < 2 or parts[1] == "__init__":
+        return None
+    return parts[1]
+
+
+def test_the_workers_have_their_rooms() -> None:
+    rooms = {p.name for p in (REPO / "workers").iterdir() if (p / "__init__.py").exists()}
+    modules = {p.stem for p in (REPO / "workers").glob("*.py")} - {"__init__"}
+    assert rooms | modules == set(WORKER_ROOMS)
+
+
+def test_worker_rooms_import_only_what_the_map_allows() -> None:
+    wrong = {}
+    for path in sorted((REPO / "workers").rglob("*.py")):
+        module = ".".join(path.relative_to(REPO).with_suffix("").parts)
+        room = worker_room(module)
+        if room is None:
+            continue
+        allowed = WORKER_ROOMS[room] | {f"workers.{room}"}
+        # ``from workers.cache import block_keys`` names the module ``workers.cache``.
+        outside = {name for name in imported_modules(path)
+                   if worker_room(name) not in (None, room)
+                   and not any(name == a or name.startswith(f"{a}.") for a in allowed)
+                   and not any(a.startswith(f"{name}.") for a in allowed)}
+        if outside:
+            wrong[module] = sorted(outside)
+    assert wrong == {}

@@ -19,7 +19,7 @@ def bench_attention(args: argparse.Namespace, ex: TorchExecutor) -> list[dict[st
     import torch
 
     from workers.torch import paged
-    from workers.torch.model import PagedBatch, _prefill_attention, prefill_views
+    from workers.torch.model import PagedBatch, prefill_attention, prefill_views
 
     c, kv = ex.model.config, ex.kv.layers()[0]
     gen = torch.Generator(device="cpu").manual_seed(3)
@@ -44,7 +44,7 @@ def bench_attention(args: argparse.Namespace, ex: TorchExecutor) -> list[dict[st
         def gathered() -> None:
             keys = kv[:, 0].index_select(0, table).flatten(0, 1)[: new + cached]  # noqa: B023
             values = kv[:, 1].index_select(0, table).flatten(0, 1)[: new + cached]  # noqa: B023
-            attention.copy_(_prefill_attention(q, keys, values))  # noqa: B023
+            attention.copy_(prefill_attention(q, keys, values))  # noqa: B023
 
         row = {"new": new, "cached": cached, "ms": median_ms(attend, args.repeats),
                "gathered_ms": median_ms(gathered, args.repeats)}

@@ -16,7 +16,7 @@ PREFILL_CONTEXT_SHAPES = ((64, 0), (64, 2048), (64, 8192), (64, 32768), (512, 0)
 
 def bench_prefill_context(args: argparse.Namespace, ex: TorchExecutor) -> dict[str, Any]:
     """Prefill attention of every layer by (new, cached), K/V contiguous per layer (ms, median
-    of ``--repeats``, host time included), as :func:`workers.torch.model._prefill_attention`
+    of ``--repeats``, host time included), as :func:`workers.torch.model.prefill_attention`
     computes a chunk; then :func:`cached_costs` of the rows, beside the calibration's fit
     (:data:`workers.engine.timing.H200_LLAMA_1B`). Shapes the device has no memory for are left
     out."""
@@ -45,7 +45,7 @@ def _prefill_context_ms(args: argparse.Namespace, ex: TorchExecutor, new: int,
                         cached: int) -> float:
     import torch
 
-    from workers.torch.model import _prefill_attention
+    from workers.torch.model import prefill_attention
 
     c = ex.model.config
     on = {"device": ex.kv.device, "dtype": ex.kv.layers()[0].dtype}
@@ -57,7 +57,7 @@ def _prefill_context_ms(args: argparse.Namespace, ex: TorchExecutor, new: int,
 
     def attend() -> None:
         for k, v in zip(keys, values, strict=True):
-            _prefill_attention(q, k, v)
+            prefill_attention(q, k, v)
 
     return median_ms(attend, args.repeats)
 

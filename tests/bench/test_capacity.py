@@ -71,6 +71,7 @@ def test_the_ratio_is_the_kv_policys_sustained_load_over_round_robins() -> None:
     assert "kv sustains 3.00x round-robin's load" in capacity_table(results, 2.0, "load")
 
 
+@pytest.mark.process
 def test_replay_capacity_mode_searches_each_policy_and_writes_the_ratio(tmp_path: Path) -> None:
     out = tmp_path / "cap.json"
     run = subprocess.run(
@@ -90,6 +91,7 @@ def test_replay_capacity_mode_searches_each_policy_and_writes_the_ratio(tmp_path
             assert result["row"]["goodput_req_s"] > 0
 
 
+@pytest.mark.process
 def test_replay_capacity_mode_refuses_a_bad_range_in_one_line() -> None:
     run = subprocess.run(
         [sys.executable, "-m", "bench.replay", "--generator", "long_context", "--requests", "10",

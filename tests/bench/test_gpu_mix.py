@@ -47,6 +47,7 @@ def test_iterations_summarize_by_kind_and_path_with_their_share_of_the_time() ->
     assert out["all"]["tokens"] == pytest.approx(8216 / 3)
 
 
+@pytest.mark.process
 def test_one_cpu_process_runs_the_decode_step_and_a_phase_of_the_mix(tmp_path: Path) -> None:
     pytest.importorskip("torch")
     out = tmp_path / "mix.json"

@@ -13,6 +13,8 @@ import pytest
 from bench.gpu_routing import summarize_repeats, window
 from bench.workloads import trace_block_tokens
 
+pytestmark = pytest.mark.process  # starts child processes
+
 ROOT = Path(__file__).resolve().parents[2]
 
 

@@ -24,6 +24,7 @@ needs_nginx = pytest.mark.skipif(
     reason="nginx or taskset is not installed")
 
 
+@pytest.mark.process
 @needs_nginx
 def test_kvroute_routes_to_the_nginx_backend_as_to_a_vllm_server() -> None:
     ports = [free_port(), free_port()]
@@ -52,6 +53,7 @@ def test_kvroute_routes_to_the_nginx_backend_as_to_a_vllm_server() -> None:
             stop(router)
 
 
+@pytest.mark.process
 def test_the_group_cpu_reading_counts_every_process_of_the_group() -> None:
     # A leader and its child each spend 0.3 s of CPU, then wait: only both together pass 0.5.
     spin = ("import time\nend = time.process_time() + 0.3\n"

@@ -101,13 +101,14 @@ def test_measured_timing_is_the_default_and_prices_cached_attention_cheaper(
 
 
 def test_set_changes_every_kvroute_policys_router_settings() -> None:
-    from bench.replay import _policies, build_parser
+    from bench.replay import build_parser
+    from bench.replay_setup import build_policies
 
     names = ["--policies", "kvroute,kvroute[predict_ttl=1],round_robin"]
-    default = _policies(build_parser().parse_args(names))
+    default = build_policies(build_parser().parse_args(names))
     assert [getattr(p, "settings", None) and p.settings.predict_ttl for p in default] == [
         10.0, 1.0, None]
-    forced = _policies(build_parser().parse_args([*names, "--set", "predict_ttl=2",
+    forced = build_policies(build_parser().parse_args([*names, "--set", "predict_ttl=2",
                                                   "--set", "sessions=off"]))
     assert [p.settings.predict_ttl for p in forced[:2]] == [2.0, 2.0]
     assert [p.settings.sessions for p in forced[:2]] == [False, False]
@@ -134,6 +135,7 @@ def test_unknown_timing_model_is_a_usage_error(tmp_path: Path,
     assert "--timing" in capsys.readouterr().err
 
 
+@pytest.mark.process
 def test_seeds_run_each_seed_with_a_verdict_and_tally(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out, serial = tmp_path / "out.json", tmp_path / "serial.json"

@@ -10,7 +10,11 @@ import sys
 from multiprocessing import shared_memory
 from pathlib import Path
 
+import pytest
+
 from bench.stock_vllm import VllmServer
+
+pytestmark = pytest.mark.process  # starts child processes
 
 #: A parent and a child process (as the API server and its engine core); the child maps a
 #: named segment, prints its name and waits to be killed.

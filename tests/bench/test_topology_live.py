@@ -79,6 +79,7 @@ def test_a_bad_flag_is_refused_before_any_process_starts(flags: list[str],
     assert capsys.readouterr().err.startswith("error: ")
 
 
+@pytest.mark.process
 def test_a_fleet_that_fails_to_start_is_stopped_whole() -> None:
     from kvroute.up import free_port
 
@@ -92,6 +93,7 @@ def test_a_fleet_that_fails_to_start_is_stopped_whole() -> None:
         urllib.request.urlopen(f"{plan.worker_urls[0]}/health", timeout=2)
 
 
+@pytest.mark.process
 def test_one_command_replays_each_topology_on_a_fleet_of_its_own(tmp_path: Path,
                                                                  capsys: pytest.CaptureFixture[str]
                                                                  ) -> None:

@@ -10,6 +10,8 @@ import pytest
 
 from tests.deploy.dockerfile import parse_dockerfile, replay
 
+pytestmark = pytest.mark.process  # starts child processes
+
 REPO = Path(__file__).resolve().parents[2]
 CHECK = "import indexer.index as i; assert i.IMPLEMENTATION == 'native'"
 

@@ -13,6 +13,7 @@ from bench.envoy import envoy_binary, render_envoy_config
 pytestmark = pytest.mark.skipif(envoy_binary() is None, reason="no envoy binary")
 
 
+@pytest.mark.process
 def test_envoy_validates_the_shipped_configuration(tmp_path: Path) -> None:
     config = tmp_path / "envoy.yaml"
     config.write_text(render_envoy_config(18000, 18001, 9002))

@@ -19,6 +19,8 @@ import yaml
 from router.settings import load_settings
 from workers.settings import load_worker_settings
 
+pytestmark = pytest.mark.process  # starts child processes
+
 REPO = Path(__file__).resolve().parents[2]
 K8S = REPO / "deploy" / "k8s"
 OVERLAYS = ("sim", "torch")

@@ -25,6 +25,8 @@ from tests.deploy.test_k8s import (
     _validate,
 )
 
+pytestmark = pytest.mark.process  # starts child processes
+
 OVERLAY = "pd"
 
 

@@ -99,6 +99,7 @@ def test_the_routing_flags_in_the_help_show_the_cores_defaults() -> None:
     assert "learned from observed first tokens" in text and "--overlap-weight" not in text
 
 
+@pytest.mark.process
 def test_building_the_parser_loads_neither_router_nor_worker() -> None:
     # The defaults are read when help is printed; `kvroute events tail` starts without them.
     code = ("import sys, kvroute.cli as c; c.build_parser(); "

@@ -30,6 +30,7 @@ def _docker_compose_available() -> bool:
     return probe.returncode == 0
 
 
+@pytest.mark.process
 @pytest.mark.skipif(not _docker_compose_available(), reason="no docker compose CLI here")
 def test_docker_compose_accepts_the_file() -> None:
     result = subprocess.run(["docker", "compose", "-f", str(REPO / "docker-compose.yml"),

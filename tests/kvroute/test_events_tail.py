@@ -7,8 +7,12 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
+
 from indexer.wire import BlockRemoved, BlockStored, KVEventBatch
 from workers.cache.publisher import EventPublisher
+
+pytestmark = pytest.mark.process  # starts child processes
 
 
 async def run_tail(*args: str, timeout: float = 20.0) -> tuple[int, list[str], str]:

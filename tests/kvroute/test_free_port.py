@@ -1,6 +1,6 @@
 """``free_port``: ports below the kernel's ephemeral range, never one in use, never one twice
 (a port from the ephemeral range can be taken by an outgoing connection before a child binds
-it)."""
+it), from the span ``KVROUTE_FREE_PORTS`` names when it is set (a bad one is refused)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,12 @@ from collections.abc import Iterator
 import pytest
 
 from kvroute import up
+
+
+@pytest.fixture(autouse=True)
+def _default_span(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The default span, whatever the runner's (pytest-xdist runners each have one)."""
+    monkeypatch.delenv("KVROUTE_FREE_PORTS", raising=False)
 
 
 class Scripted:
@@ -57,3 +63,18 @@ def test_with_no_span_below_the_ephemeral_range_the_kernel_picks(
     monkeypatch.setattr(up, "_ephemeral_start", lambda: up.PORTS_FROM + 10)
     monkeypatch.setattr(up, "_rng", Scripted([]))  # never drawn from
     assert up.free_port() >= low
+
+
+def test_ports_come_from_the_named_span(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("KVROUTE_FREE_PORTS", "24000-25000")
+    ports = [up.free_port() for _ in range(20)]
+    assert all(24000 <= p < 25000 for p in ports)
+    assert len(set(ports)) == len(ports)
+
+
+@pytest.mark.parametrize("text", ["24000", "25000-24000", "abc-def", "80-2000", "24000-70000"])
+def test_a_bad_span_is_refused_naming_the_variable(monkeypatch: pytest.MonkeyPatch,
+                                                   text: str) -> None:
+    monkeypatch.setenv("KVROUTE_FREE_PORTS", text)
+    with pytest.raises(ValueError, match="KVROUTE_FREE_PORTS must be LOW-HIGH"):
+        up.free_port()

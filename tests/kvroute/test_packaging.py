@@ -19,7 +19,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[2]
 TOP_LEVEL = ("kvroute", "indexer", "httpapi", "workers", "router", "bench", "native")
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.process]
 
 
 def source_packages() -> set[str]:

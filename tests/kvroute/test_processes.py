@@ -10,9 +10,12 @@ import sys
 from pathlib import Path
 
 import httpx
+import pytest
 
 from kvroute.up import free_port
 from tests.support.eventually import eventually_blocking
+
+pytestmark = pytest.mark.process  # starts child processes
 
 
 def children_of(pid: int) -> set[int]:

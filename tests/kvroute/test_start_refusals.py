@@ -10,6 +10,8 @@ import pytest
 
 from kvroute.up import free_port
 
+pytestmark = pytest.mark.process  # starts child processes
+
 
 @pytest.mark.parametrize("args, fragment", [
     (["router", "--worker", "http://[::1"], "worker 'http://[::1'"),

@@ -55,6 +55,7 @@ def _stop(proc: subprocess.Popen[str]) -> None:
     proc.communicate()
 
 
+@pytest.mark.process
 def test_ctrl_c_during_start_up_stops_at_once() -> None:
     # The router's block size differs from the workers': it never becomes ready, and
     # kvroute up would wait its whole --timeout.
@@ -86,6 +87,7 @@ def _workers(pid: int) -> dict[int, bytes]:
     return found
 
 
+@pytest.mark.process
 def test_a_worker_that_dies_is_restarted_on_its_ports() -> None:
     port = free_port()
     proc = _up("--workers", "1", "--port", str(port), "--status-interval", "0.5")

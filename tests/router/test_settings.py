@@ -152,6 +152,7 @@ def test_torch_engine_model_names_the_weights_unless_torch_model_does() -> None:
     assert (s.engine, s.torch_model) == ("sim", "tiny")
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("args, fragment", [
     (["router", "--port", "x"], "invalid int value"),
     (["router", "--temperature", "0.5"], "unrecognized arguments: --temperature"),

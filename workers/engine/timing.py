@@ -236,8 +236,8 @@ def fit_timing_points(calibration: Any) -> TimingModel:
         prefill = [(p["new"], 0, p["ms"]) for p in calibration["prefill"]]
         prefill += [(p["new"], p["cached"], p["ms"]) for p in calibration.get("prefill_cached", [])]
         decode = [(p["batch"], p["ctx"], p["ms"]) for p in calibration["decode"]]
-    except (KeyError, TypeError, AttributeError) as e:
-        raise ValueError(f"calibration data is malformed: missing or wrong field {e}") from e
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ValueError(f"calibration data is malformed: missing or wrong field {exc}") from exc
     a, b, c, d, e = _fit_nonnegative(
         [[1.0, n, n * n, n * k, k] for n, k, _ in prefill], [ms for *_, ms in prefill], "prefill"
     )

@@ -131,7 +131,7 @@ async def generate(state: WorkerState, request: Request, chat: bool,
     engine = runtime.rank_engine(_pinned_rank(request, len(runtime.engines)))
     headers = _timing(started)
     try:
-        prompt = Prompt(tokens.token_ids, tuple(tokens.images), scope)
+        prompt = Prompt(tuple(tokens.token_ids), tuple(tokens.images), scope)
         if transfer is not None and transfer.remote_blocks:
             # Rule 4 of workers.http.transfer_auth: the secret goes to the prefill worker the
             # params name only when the router's token came with them.

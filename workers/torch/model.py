@@ -59,6 +59,7 @@ __all__ = [
     "PrefillView",
     "config_from_folder",
     "load_checkpoint",
+    "prefill_attention",
     "prefill_views",
     "read_safetensors",
 ]
@@ -493,7 +494,7 @@ class Decoder(nn.Module):
         for view in prefill:
             rows = slice(view.first, view.first + view.new)
             if view.table is None:
-                out[rows] = _prefill_attention(q[rows], k[rows], v[rows])
+                out[rows] = prefill_attention(q[rows], k[rows], v[rows])
             elif CHUNKS_IN_PLACE:
                 assert view.lens is not None, "a chunk over a cached prefix has its length"
                 out[rows] = paged_attention(q[rows], kv, view.table, view.lens,
@@ -504,7 +505,7 @@ class Decoder(nn.Module):
                 cut = bulk_for(view.new, view.context) if SPLIT_CHUNKS and bulk_available(
                     kv.device) else 0
                 out[rows] = (split_attention(q[rows], keys, values, cut) if cut
-                             else _prefill_attention(q[rows], keys, values))
+                             else prefill_attention(q[rows], keys, values))
         if batch.decode_tables is not None:
             assert batch.decode_lens is not None, "decode tables without their lengths"
             n = batch.decode_tables.shape[0]
@@ -532,7 +533,7 @@ class Decoder(nn.Module):
             q = _rotate(attn.q_proj(h).view(-1, c.num_heads, c.head_dim), cos, sin)
             k = _rotate(attn.k_proj(h).view(-1, c.num_kv_heads, c.head_dim), cos, sin)
             v = attn.v_proj(h).view(-1, c.num_kv_heads, c.head_dim)
-            x = x + attn.o_proj(_prefill_attention(q, k, v).flatten(1))
+            x = x + attn.o_proj(prefill_attention(q, k, v).flatten(1))
             mlp, h = layer.mlp, layer.post_attention_layernorm(x)
             x = x + mlp.down_proj(F.silu(mlp.gate_proj(h)) * mlp.up_proj(h))
         return self.logits_of(x)
@@ -575,7 +576,7 @@ def _rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return x * cos + rotated * sin
 
 
-def _prefill_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+def prefill_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     """One sequence's chunk: q ``[n, Hq, D]``, the last n of ctx positions, over k, v ``[ctx,
     Hkv, D]``, causally (query i sees positions up to ``ctx - n + i``). Returns ``[n, Hq, D]``.
 

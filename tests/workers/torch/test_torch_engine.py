@@ -35,7 +35,7 @@ from workers.torch.engine import (  # noqa: E402
     kv_blocks_for,
 )
 from workers.torch.graphs import BATCH_BUCKETS, MAX_SLOTS, MIN_WIDTH, decode_shapes  # noqa: E402
-from workers.torch.model import CONFIGS, FUSE_MAX_TOKENS, Decoder, _prefill_attention  # noqa: E402
+from workers.torch.model import CONFIGS, FUSE_MAX_TOKENS, Decoder, prefill_attention  # noqa: E402
 from workers.torch.piecewise import TOKEN_BUCKETS  # noqa: E402
 
 BS = 4
@@ -310,7 +310,7 @@ def test_chunk_attention_lets_each_query_see_its_prefix_through_grouped_heads(
     weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
     want = torch.einsum("hnc,chd->nhd", weights, v.repeat_interleave(4, 1))
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    got = _prefill_attention(*(t.to(device, dtype) for t in (q, k, v))).float().cpu()
+    got = prefill_attention(*(t.to(device, dtype) for t in (q, k, v))).float().cpu()
     assert got.shape == want.shape
     assert ((got - want).norm() / want.norm()).item() < TOLERANCE[device]
 

