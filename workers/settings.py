@@ -219,11 +219,11 @@ class WorkerSettings:
     def _read_transfer_secret(self) -> None:
         if self.kv_transfer_secret_file is not None:  # read once; the file wins
             try:
-                secret = read_secret_file(self.kv_transfer_secret_file,
-                                          "kv_transfer_secret_file")
+                from_file = read_secret_file(self.kv_transfer_secret_file,
+                                             "kv_transfer_secret_file")
             except ValueError as exc:
                 raise WorkerSettingsError(str(exc)) from None
-            object.__setattr__(self, "kv_transfer_secret", secret)
+            object.__setattr__(self, "kv_transfer_secret", from_file)
         secret = self.kv_transfer_secret
         if secret is not None and len(secret.strip().encode()) < MIN_TRANSFER_SECRET_BYTES:
             raise WorkerSettingsError(

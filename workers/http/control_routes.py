@@ -23,7 +23,7 @@ from fastapi import FastAPI, Request, Response
 
 from httpapi.app import ADMIN_BODY_BYTES
 from httpapi.body import read_json
-from indexer.wire import encode_batch
+from indexer.wire import BlockStored, encode_batch
 from openai_request.bodies import ApiError
 from workers.http.kv_ipc import OPEN_PATH, RELEASE_PATH, TRANSFER
 from workers.http.kv_pull import engine_kv, serve_blocks
@@ -119,7 +119,8 @@ def add_control_routes(app: FastAPI, state: WorkerState) -> None:
         admin(request)
         seq, batch = runtime.engine.snapshot()
         return {"seq": seq, "data_parallel_rank": state.settings.data_parallel_rank,
-                "blocks": sum(len(e.block_hashes) for e in batch.events),
+                "blocks": sum(len(e.block_hashes) for e in batch.events
+                              if isinstance(e, BlockStored)),
                 "payload_b64": base64.b64encode(encode_batch(batch)).decode()}
 
     @app.post("/debug/drop_events")

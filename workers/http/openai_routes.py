@@ -141,9 +141,9 @@ async def generate(state: WorkerState, request: Request, chat: bool,
             state.metrics.transferred_tokens.inc(received)
             if failure is not None:
                 state.metrics.transfer_failures.inc()
-        fetched = await _fetch(state, request, engine, prompt)
-        if fetched is not None:
-            headers[RESULT_HEADER] = fetched.header()
+        fetch_result = await _fetch(state, request, engine, prompt)
+        if fetch_result is not None:
+            headers[RESULT_HEADER] = fetch_result.header()
         handle = runtime.submit(f"req-{uuid.uuid4().hex}", prompt, max_tokens, engine)
     except ValueError as exc:
         raise ApiError(400, str(exc)) from None
