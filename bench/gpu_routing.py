@@ -60,6 +60,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import statistics
 import subprocess
 import sys
@@ -155,6 +156,48 @@ def _worker_memory(url: str) -> dict[str, float]:
     return {name: _metric_sum(url, f"kvroute_worker_{name} ") for name in MEMORY_METRICS}
 
 
+def router_args(args: argparse.Namespace, policy: str) -> list[str]:
+    """The router's flags for ``policy``: seed 0, and ``--kv-fetch`` and the shared secret
+    where given."""
+    out = ["--policy", policy, "--seed", "0"]
+    if args.kv_fetch is not None:
+        out += ["--kv-fetch", args.kv_fetch]
+    if args.kv_transfer_secret_file is not None:
+        out += ["--kv-transfer-secret-file", args.kv_transfer_secret_file]
+    return out
+
+
+_SAMPLE = re.compile(r'^(\w+)(?:\{(\w+)="([^"]*)"\})? (\S+)$')
+
+
+def labelled(text: str, name: str) -> dict[str, float]:
+    """The samples of counter ``name`` in the exposition ``text``, by their one label's value
+    (``""`` for an unlabelled sample)."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _SAMPLE.match(line)
+        if m and m[1] == name:
+            out[m[3] or ""] = out.get(m[3] or "", 0.0) + float(m[4])
+    return out
+
+
+def _text(url: str) -> str:
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as resp:
+        return resp.read().decode()
+
+
+def fetch_counts(router: str, workers: Sequence[str]) -> dict[str, float]:
+    """Peer-fetch counters now: the router's fetch results by outcome (``fetched``, ...), the
+    KV bytes fetched, and the workers' fetches by transfer (``http``, ``cuda_ipc``), summed."""
+    text = _text(router)
+    out = {f"router_{k}": v for k, v in labelled(text, "kvroute_fetch_results_total").items()}
+    out["router_bytes"] = sum(labelled(text, "kvroute_fetch_bytes_total").values())
+    for url in workers:
+        for k, v in labelled(_text(url), "kvroute_worker_kv_fetch_transfers_total").items():
+            out[f"worker_{k}"] = out.get(f"worker_{k}", 0.0) + v
+    return out
+
+
 class ProcessMemory:
     """The most device memory each process held, sampled from ``nvidia-smi`` every second
     in a thread (empty where ``nvidia-smi`` is missing or does not list processes)."""
@@ -205,9 +248,11 @@ class Fleet:
         for flag in ("short_prefill", "short_pass_tokens"):
             if getattr(args, flag) is not None:
                 worker_args += [f"--{flag.replace('_', '-')}", str(getattr(args, flag))]
+        if args.kv_transfer_secret_file is not None:
+            worker_args += ["--kv-transfer-secret-file", args.kv_transfer_secret_file]
         self.args, self.policy = args, policy
         self.cluster = Cluster(args.workers, worker_args=worker_args,
-                               router_args=["--policy", policy, "--seed", "0"], log_dir=log_dir)
+                               router_args=router_args(args, policy), log_dir=log_dir)
         self.processes = ProcessMemory()
         self.ready_s = 0.0
 
@@ -229,6 +274,13 @@ class Fleet:
         finally:
             self.processes.__exit__()
 
+    def reroute(self, policy: str, flags: Sequence[str] = ()) -> None:
+        """Replace the router with one routing by ``policy``, ``flags`` after the fleet's own
+        router flags (``--kv-fetch off``, say); the workers keep running."""
+        self.cluster.replace_router([*router_args(self.args, policy), *flags],
+                                    self.args.ready_timeout)
+        self.policy = policy
+
     def reset(self) -> None:
         """Empty every worker's prefix cache (between probes of a capacity search)."""
         for url in _worker_urls(self.cluster):
@@ -239,9 +291,11 @@ class Fleet:
         """Replay ``requests`` against the router; one row (with goodput when ``slo_s``)."""
         urls = _worker_urls(self.cluster)
         before = [_metric_sum(u, self.args.requests_metric) for u in urls]
+        fetch_before = fetch_counts(self.cluster.url, urls)
         records, makespan = asyncio.run(replay_live(self.cluster.url, requests,
                                                     concurrency=self.args.concurrency))
         after = [_metric_sum(u, self.args.requests_metric) for u in urls]
+        fetch_after = fetch_counts(self.cluster.url, urls)
         row = summarize_live(records, makespan, self.policy)
         ok = [r for r in records if r.error is None]
         shares = [a - b for a, b in zip(after, before, strict=True)]
@@ -252,6 +306,7 @@ class Fleet:
             request_imbalance=max(shares) / (sum(shares) / len(shares)) if sum(shares) else 0.0,
             worker_memory=[_worker_memory(u) for u in urls],
             process_peak_bytes=sorted(self.processes.peak.values()),
+            fetch={k: fetch_after[k] - fetch_before.get(k, 0.0) for k in fetch_after},
         )
         if slo_s is not None:
             row["goodput_req_s"], row["goodput_prompt_tok_s"] = goodput(
@@ -385,6 +440,11 @@ def build_parser() -> argparse.ArgumentParser:
       "(default: the worker's, 0: first come, first served)")
     a("--short-pass-tokens", type=int, default=None, metavar="TOKENS",
       help="each worker's --short-pass-tokens (default: the worker's)")
+    a("--kv-transfer-secret-file", default=None, metavar="PATH",
+      help="the secret shared by the router and every worker (peer KV fetch; CUDA IPC between "
+      "torch workers on one GPU needs it; default: none, fetches over loopback HTTP only)")
+    a("--kv-fetch", choices=["auto", "off"], default=None,
+      help="the router's --kv-fetch (default: the router's own, auto)")
     a("--mps", choices=MODES, default="auto",
       help="CUDA MPS for the workers: started before them and stopped after (bench.gpu.mps); "
       "auto uses it where nvidia-cuda-mps-control is found (default auto)")

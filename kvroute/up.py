@@ -209,6 +209,31 @@ class Cluster:
         self._spawn("router", [*router, *self.router_args], self.url)
         self.wait_ready(timeout)
 
+    def replace_router(self, router_args: Sequence[str], timeout: float = 60.0) -> None:
+        """Stop the router and start one with ``router_args`` on a fresh port over the same
+        workers (they keep running, caches and all); return once it is ready.
+
+        Raises:
+            RuntimeError: a child exited or the new router was not ready in time.
+        """
+        old = next(c for c in self.children if c.name == "router")
+        if old.process.poll() is None:
+            old.process.send_signal(signal.SIGTERM)
+            try:
+                old.process.wait(10.0)
+            except subprocess.TimeoutExpired:
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(old.process.pid, signal.SIGKILL)
+                old.process.wait()
+        self.children.remove(old)
+        self.port, self.router_args = free_port(), list(router_args)
+        router = ["router", "--port", str(self.port)]
+        for child in self.children:
+            if child.name.startswith("worker-"):
+                router += ["--worker", child.url]
+        self._spawn("router", [*router, *self.router_args], self.url)
+        self.wait_ready(timeout)
+
     def wait_ready(self, timeout: float) -> None:
         """Wait until the router reports every worker healthy."""
         deadline = time.monotonic() + timeout

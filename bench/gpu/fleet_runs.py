@@ -22,8 +22,16 @@ times, per workload, the median prompt prefilled alone: a fresh prompt of that m
 straight to one worker with the fleet idle (``max_tokens`` 1, over HTTP, median of
 ``--isolated-repeats``): the reference for the TTFT target (TTFT p50 at most 4x it).
 
+``--routers 'kv=;nofetch=--kv-fetch off;rr=--policy round_robin'`` replays every run under
+each router setting in turn over the same fleet: the router (flags after ``--policy``'s, so a
+later ``--policy`` wins) is replaced before each replay, the workers kept, their caches emptied
+as for any run. With ``--kv-transfer-secret-file`` among the common flags the router and every
+worker share the secret, so co-located torch workers copy fetched blocks over CUDA IPC.
+
 Printed per run: the row of :mod:`bench.gpu_routing` (TTFT p50 / p90 / p99, prompt tokens/s
-over the makespan, hit, errors) and TTFT p50 over the isolated prefill; in the JSON also every
+over the makespan, hit, errors) and TTFT p50 over the isolated prefill,
+the router's peer fetches (fetched / failed, GB) and the workers' fetches by transfer (HTTP,
+CUDA IPC); in the JSON also every
 worker's ``/metrics`` after the run. ``--stop-after`` bounds the whole (no fleet starts and
 no run begins past it), for a device lease.
 
@@ -31,7 +39,9 @@ What it measured on one H200 (``docs/gpu.md``, the packaged trace and a held-out
 window): the trace's window saturates four workers at 80k prompt tok/s, device-bound, and
 ``--short-prefill 2048`` cuts its median TTFT at saturation from 4.0 s to 1.3-2.0 s, but costs
 the conversation window 16% of its 156k prompt tok/s; the workers' default stays first come,
-first served.
+first served. With ``--routers`` over the same windows (kv with fetch, without, round-robin):
+kv 8.8x round-robin at TTFT p50 on the conversations at load 0.6, fetch a little better than
+none there, and on the trace's cold window fetch all but idle (one fetch in four runs).
 """
 
 from __future__ import annotations
@@ -147,6 +157,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--runs", required=True, help="WORKLOAD:SEED:COUNT@LOAD,...")
     p.add_argument("--cold-rate", type=float, default=180_000.0)
     p.add_argument("--policy", default="kv")
+    p.add_argument("--routers", default=None,
+                   help="NAME=ROUTER_FLAGS;...: every run under each router setting in turn, "
+                   "the router replaced between them (default: one, --policy as is)")
     p.add_argument("--isolated-repeats", type=int, default=3)
     p.add_argument("--stop-after", type=float, default=None, metavar="SECONDS",
                    help="start no fleet and no run once this long has passed since the start")
@@ -159,6 +172,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         runs, configs = parse_runs(args.runs), parse_configs(args.configs)
+        routers = parse_configs(args.routers) if args.routers else [(args.policy, [])]
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -188,18 +202,22 @@ def main(argv: Sequence[str] | None = None) -> int:
                         "seconds": isolated_prefill_s(urls[0], median, args.isolated_repeats, i)}
                 print(f"# {name}: ready in {fleet.ready_s:.1f} s; isolated "
                       f"{json.dumps(entry['isolated_s'])}", flush=True)
-                for spec in runs:
+                routed: list[str] = []  # the fleet starts with --policy, no flags
+                for spec, (router, rflags) in ((s, r) for s in runs for r in routers):
                     if late():
-                        print(f"# {name}: {spec} not run (--stop-after)", flush=True)
+                        print(f"# {name}: {spec} {router} not run (--stop-after)", flush=True)
                         continue
                     reqs = loads[spec.key]
                     tokens = sum(r.input_length for r in reqs)
                     span = reqs[-1].arrival_s or 1.0
                     scaled = scale_rate(reqs, span / (tokens / (spec.load * args.cold_rate)))
+                    if routed != rflags:
+                        fleet.reroute(args.policy, rflags)
+                        routed = rflags
                     fleet.reset()
                     row = fleet.replay(scaled)
                     iso = entry["isolated_s"][":".join(map(str, spec.key))]["seconds"]
-                    row.update(config=name, workload=spec.workload, seed=spec.seed,
+                    row.update(config=name, router=router, workload=spec.workload, seed=spec.seed,
                                count=spec.count, load=spec.load,
                                arrival_span_s=scaled[-1].arrival_s,
                                ttft_over_isolated=row["ttft_p50_s"] / iso if iso else 0.0,
@@ -209,8 +227,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     print(_line(row), flush=True)
                     if args.json_path:
                         _write(args.json_path, result)
-    print("config        workload        load  hit     TTFT p50    p90    p99  x isolated  "
-          "prompt tok/s  out tok/s  err")
+    print("config        router    workload        load  hit     TTFT p50    p90    p99  "
+          "x isolated  prompt tok/s  out tok/s  err  fetched/failed    GB  http/ipc")
     for entry in result["configs"]:
         for row in entry["runs"]:
             print(_line(row))
@@ -221,10 +239,15 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _line(row: dict[str, Any]) -> str:
     source = f"{row['workload']}:{row['seed']}:{row['count']}"
-    return (f"{row['config']:<13} {source:<15} {row['load']:>4g} {row['hit_rate']:>6.1%} "
+    f = row.get("fetch", {})
+    return (f"{row['config']:<13} {row.get('router', ''):<9} {source:<15} {row['load']:>4g} "
+            f"{row['hit_rate']:>6.1%} "
             f"{row['ttft_p50_s']:>8.3f} {row['ttft_p90_s']:>6.3f} {row['ttft_p99_s']:>6.3f} "
             f"{row['ttft_over_isolated']:>10.2f}  {row['prompt_tok_s']:>12,.0f} "
-            f"{row['output_tok_s']:>10,.0f} {row['errors']:>4}")
+            f"{row['output_tok_s']:>10,.0f} {row['errors']:>4}  "
+            f"{f.get('router_fetched', 0):>7.0f}/{f.get('router_failed', 0):<6.0f} "
+            f"{f.get('router_bytes', 0) / 1e9:>5.2f}  "
+            f"{f.get('worker_http', 0):.0f}/{f.get('worker_cuda_ipc', 0):.0f}")
 
 
 def _write(path: str, result: dict[str, Any]) -> None:

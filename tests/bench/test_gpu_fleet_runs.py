@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from bench.gpu.fleet_runs import RunSpec, main, parse_configs, parse_runs, workload
-from bench.gpu_routing import Fleet, build_parser
+from bench.gpu_routing import Fleet, build_parser, labelled, router_args
 
 
 def test_runs_parse_workload_seed_count_and_load() -> None:
@@ -50,3 +50,34 @@ def test_a_config_passes_the_prefill_order_to_every_worker() -> None:
 def test_bad_specs_exit_2_before_starting_anything(capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["--runs", "trace:0:5"]) == 2
     assert "WORKLOAD:SEED:COUNT@LOAD" in capsys.readouterr().err
+
+
+def test_the_secret_goes_to_the_router_and_every_worker_and_kv_fetch_to_the_router() -> None:
+    args = build_parser().parse_args(["--workers", "2", "--device", "cpu",
+                                      "--kv-transfer-secret-file", "/tmp/s", "--kv-fetch", "off"])
+    cluster = Fleet(args, "kv", None).cluster
+    for argv in (cluster.worker_args, cluster.router_args):
+        assert argv[argv.index("--kv-transfer-secret-file") + 1] == "/tmp/s"
+    assert cluster.router_args[cluster.router_args.index("--kv-fetch") + 1] == "off"
+    assert "--kv-fetch" not in cluster.worker_args
+    plain = router_args(build_parser().parse_args([]), "round_robin")
+    assert plain == ["--policy", "round_robin", "--seed", "0"]
+
+
+def test_fetch_counters_are_read_by_their_label() -> None:
+    text = "\n".join([
+        "# TYPE kvroute_fetch_results_total counter",
+        'kvroute_fetch_results_total{outcome="fetched"} 7.0',
+        'kvroute_fetch_results_total{outcome="failed"} 1.0',
+        "kvroute_fetch_bytes_total 3.5e+08",
+        'kvroute_fetch_results_total_created{outcome="fetched"} 1.7e+09',
+    ])
+    assert labelled(text, "kvroute_fetch_results_total") == {"fetched": 7.0, "failed": 1.0}
+    assert labelled(text, "kvroute_fetch_bytes_total") == {"": 3.5e8}
+    assert labelled(text, "kvroute_worker_kv_fetch_transfers_total") == {}
+
+
+def test_bad_router_settings_exit_2_before_starting_anything(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--runs", "trace:0:5@1", "--routers", "kv=;kv=--kv-fetch off"]) == 2
+    assert "named twice" in capsys.readouterr().err

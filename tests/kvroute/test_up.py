@@ -116,3 +116,20 @@ def test_a_worker_that_dies_is_restarted_on_its_ports() -> None:
         assert proc.returncode == 0
     finally:
         _stop(proc)
+
+
+def test_the_router_is_replaced_over_the_same_workers() -> None:
+    cluster = Cluster(2, router_args=["--policy", "kv"])
+    try:
+        cluster.start(timeout=60)
+        workers = [c.process.pid for c in cluster.children if c.name.startswith("worker-")]
+        old = next(c for c in cluster.children if c.name == "router")
+        cluster.replace_router(["--policy", "round_robin"], timeout=60)
+        new = next(c for c in cluster.children if c.name == "router")
+        assert old.process.poll() is not None and new.process.poll() is None
+        assert new.args[-2:] == ["--policy", "round_robin"] and new.url == cluster.url
+        assert [c.process.pid for c in cluster.children
+                if c.name.startswith("worker-")] == workers
+        assert new.args.count("--worker") == 2
+    finally:
+        cluster.stop()
