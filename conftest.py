@@ -74,6 +74,7 @@ ENGINE_GROUPS = {
     "test_vllm_disaggregated.py": "engines-a", "test_vllm_repeats.py": "engines-a",
     "test_vllm_routing.py": "engines-a",
     "test_vllm_data_parallel.py": "engines-b", "test_compose.py": "engines-b",
+    "test_vllm_responses.py": "engines-b", "test_vllm_flow_flood.py": "engines-b",
 }
 
 

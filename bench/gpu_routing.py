@@ -118,24 +118,26 @@ def generated(args: argparse.Namespace) -> tuple[list[WorkloadRequest], int]:
     return kept, len(rows) - len(kept)
 
 
-def _post(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+def post_json(url: str, body: dict[str, Any], timeout: float) -> dict[str, Any]:
+    """POST ``body`` as JSON to ``url`` and return the JSON answer."""
     req = urllib.request.Request(url, json.dumps(body).encode(),
                                  {"content-type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as resp:
         return json.loads(resp.read())
 
 
-def _worker_urls(cluster: Cluster) -> list[str]:
+def worker_urls(cluster: Cluster) -> list[str]:
+    """The URLs of the cluster's workers."""
     return [c.url for c in cluster.children if c.name.startswith("worker-")]
 
 
 def warm_up(cluster: Cluster, tokens: int) -> None:
     """One request per worker straight to it (a prompt no trace request shares), then empty
     its cache so the run starts cold."""
-    for i, url in enumerate(_worker_urls(cluster)):
+    for i, url in enumerate(worker_urls(cluster)):
         prompt = [4 + (i * 7919 + j * 104729) % 256 for j in range(tokens)]
-        _post(f"{url}/v1/completions", {"prompt": prompt, "max_tokens": 4}, 300)
-        _post(f"{url}/reset_prefix_cache", {}, 30)
+        post_json(f"{url}/v1/completions", {"prompt": prompt, "max_tokens": 4}, 300)
+        post_json(f"{url}/reset_prefix_cache", {}, 30)
 
 
 def _metric_sum(url: str, name: str) -> float:
@@ -283,13 +285,13 @@ class Fleet:
 
     def reset(self) -> None:
         """Empty every worker's prefix cache (between probes of a capacity search)."""
-        for url in _worker_urls(self.cluster):
-            _post(f"{url}/reset_prefix_cache", {}, 30)
+        for url in worker_urls(self.cluster):
+            post_json(f"{url}/reset_prefix_cache", {}, 30)
 
     def replay(self, requests: Sequence[WorkloadRequest], slo_s: float | None = None
                ) -> dict[str, Any]:
         """Replay ``requests`` against the router; one row (with goodput when ``slo_s``)."""
-        urls = _worker_urls(self.cluster)
+        urls = worker_urls(self.cluster)
         before = [_metric_sum(u, self.args.requests_metric) for u in urls]
         fetch_before = fetch_counts(self.cluster.url, urls)
         records, makespan = asyncio.run(replay_live(self.cluster.url, requests,

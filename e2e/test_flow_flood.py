@@ -1,7 +1,7 @@
 """A flood of low-priority long chats and a few high-priority short ones through a router with
 flow control's DEFAULT settings, in front of real engines: two sim workers (each running 8
-sequences at most), and two stock vLLM CPU servers (``--max-num-seqs 8``, told to the router
-with the worker key ``max_num_seqs``).
+sequences at most); ``e2e/test_vllm_flow_flood.py`` runs it in front of two stock vLLM CPU
+servers.
 
 What must hold, whatever the machine's speed: every request is answered (served, or refused
 with 429 and a ``Retry-After``, or 503), none runs into the client's timeout; every
@@ -13,18 +13,14 @@ joined it behind lows already waiting, with none of them ahead of it (its answer
 from __future__ import annotations
 
 import asyncio
-import os
 import random
-from collections.abc import Callable, Iterator
-from pathlib import Path
+from collections.abc import Callable
 from typing import Any
 
 import httpx
 import pytest
 
-from bench.stock_vllm import BLOCK_SIZE, MODEL_NAME, VllmServer, find_vllm_python
-from bench.tiny_model import write_tiny_llama
-from e2e.harness import Router, metric, running
+from e2e.harness import metric
 from tests.support.eventually import eventually
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -103,36 +99,3 @@ def test_a_low_priority_flood_on_sim_workers_is_answered_and_the_urgent_pass_it(
     assert served >= 16  # at least the sequences the two workers run at once
     text = router.client.get("/metrics").text
     assert metric(text, "kvroute_flow_queued", priority="10", tenant="other") == 0
-
-
-def vllm_python() -> Path:
-    """vLLM's interpreter; where it is missing the test skips, except under CI, where it
-    fails: a missing engine must not pass as green."""
-    try:
-        return find_vllm_python()
-    except FileNotFoundError as exc:
-        if os.environ.get("CI") == "true":
-            pytest.fail(str(exc), pytrace=False)
-        pytest.skip(str(exc))
-
-
-@pytest.fixture
-def vllm_router(tmp_path: Path) -> Iterator[Router]:
-    python = vllm_python()
-    model = write_tiny_llama(tmp_path / "model")
-    servers = [VllmServer(f"vllm-{i}", python, model, tmp_path) for i in range(2)]
-    with running(servers) as started:
-        router = Router("router", [], tmp_path, tokenizer=str(model), block_size=BLOCK_SIZE)
-        router.env["KVROUTE_WORKERS"] = ";".join(f"{s.worker_spec},max_num_seqs=8"
-                                                 for s in servers)
-        started.append(router)
-        router.start()
-        router.wait_ready(2)
-        yield router
-
-
-def test_a_low_priority_flood_on_vllm_is_answered_and_the_urgent_pass_it(
-        vllm_router: Router) -> None:
-    low, high = asyncio.run(flood(vllm_router.url, MODEL_NAME, lows=30, highs=4,
-                                  low_words=60, low_tokens=24))
-    check(low, high)

@@ -22,7 +22,8 @@ import pytest
 from bench.stock_vllm import BLOCK_SIZE, MODEL_NAME, VllmServer
 from bench.tiny_model import write_tiny_llama
 from e2e.harness import NOT_YET, Router, running
-from e2e.test_vllm_routing import text, vllm_python
+from e2e.test_vllm_routing import text
+from e2e.vllm import vllm_python
 from tests.support.eventually import eventually_blocking
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]

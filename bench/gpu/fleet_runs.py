@@ -59,7 +59,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.gpu.mps import Mps
-from bench.gpu_routing import Fleet, _post, _worker_urls, build_parser, window
+from bench.gpu_routing import Fleet, build_parser, post_json, window, worker_urls
 from bench.workloads import DEFAULT_TRACE, GeneratorConfig, WorkloadRequest, generate, scale_rate
 
 __all__ = ["RunSpec", "isolated_prefill_s", "main", "parse_configs", "parse_runs", "workload"]
@@ -136,9 +136,9 @@ def isolated_prefill_s(url: str, tokens: int, repeats: int, salt: int) -> float:
     for r in range(repeats):
         prompt = [4 + (salt * 104729 + r * 7919 + j * 31337) % 256 for j in range(tokens)]
         started = time.perf_counter()
-        _post(f"{url}/v1/completions", {"prompt": prompt, "max_tokens": 1}, 300)
+        post_json(f"{url}/v1/completions", {"prompt": prompt, "max_tokens": 1}, 300)
         times.append(time.perf_counter() - started)
-    _post(f"{url}/reset_prefix_cache", {}, 30)
+    post_json(f"{url}/reset_prefix_cache", {}, 30)
     return statistics.median(times)
 
 
@@ -194,7 +194,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             result["configs"].append(entry)
             with Fleet(fargs, args.policy, fargs.log_dir) as fleet:
                 entry["ready_s"] = fleet.ready_s
-                urls = _worker_urls(fleet.cluster)
+                urls = worker_urls(fleet.cluster)
                 for i, (key, reqs) in enumerate(loads.items()):
                     median = round(statistics.median(r.input_length for r in reqs))
                     entry["isolated_s"][":".join(map(str, key))] = {

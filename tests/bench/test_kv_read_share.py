@@ -3,7 +3,11 @@ does (every read is served whole) and reports every figure."""
 
 from __future__ import annotations
 
+import pytest
+
 from bench import kv_read_share
+
+pytestmark = pytest.mark.process  # a real sim worker
 
 
 def test_the_bench_reads_the_whole_prefix_and_reports_every_figure() -> None:
