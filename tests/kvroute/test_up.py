@@ -118,6 +118,7 @@ def test_a_worker_that_dies_is_restarted_on_its_ports() -> None:
         _stop(proc)
 
 
+@pytest.mark.process
 def test_the_router_is_replaced_over_the_same_workers() -> None:
     cluster = Cluster(2, router_args=["--policy", "kv"])
     try:
