@@ -48,3 +48,27 @@ def test_the_refusal_names_the_key() -> None:
 ])
 def test_the_same_key_in_different_objects_is_fine(raw: bytes) -> None:
     assert parse_body(raw)
+
+
+# Each would pass a count of colons against keys that ignored the strings' colons, their
+# escapes, or the values past what the count visits.
+@pytest.mark.parametrize("raw", [
+    b'{"a": "x:y", "a": "z"}',  # the dropped value's colon
+    b'{"a": "\\u003a", "b": 1, "b": 2}',  # an escaped colon the size of the repeat
+    b'{"a:b": 1, "a:b": 2}',  # colons in the repeated key
+    b'{"prompt": [' + b", ".join(b"1" for _ in range(2000)) + b'], "prompt": "x"}',
+    b'{"a": ' + b"[" * 700 + b"]" * 700 + b', "a": 1}',
+])
+def test_a_repeat_is_found_past_colons_in_strings_escapes_and_long_lists(raw: bytes) -> None:
+    with pytest.raises(ApiError) as refused:
+        parse_body(raw)
+    assert "repeat" in refused.value.message
+
+
+@pytest.mark.parametrize("raw", [
+    b'{"prompt": "see: http://a:80/x", "model": "m:1", "n": 1}',
+    b'{"prompt": "\\u003a", "model": "m"}',
+    b'{"prompt": [' + b", ".join(b"1" for _ in range(2000)) + b'], "model": "m"}',
+])
+def test_colons_escapes_and_long_lists_without_a_repeat_are_fine(raw: bytes) -> None:
+    assert parse_body(raw)
