@@ -130,6 +130,10 @@ class LeanCycle:
                 self.transport.close()
         finally:
             self.on_response = _nothing
+            # The scope's bound method held this cycle in a reference cycle (the cycle holds
+            # the scope): each request's cycle, events and futures then waited for the
+            # cyclic collector, about 4 ms of every young collection under load.
+            scope.pop(DEPARTURE, None)
 
     def departure(self) -> asyncio.Future[None]:
         """A future that completes when the client has left (rule 4); cancel it to stop

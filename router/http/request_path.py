@@ -272,24 +272,25 @@ def _start(sent: Sent, route: Route, default_type: bytes, length: int | None = N
     ``default_type``), the ``x-kvroute-*`` headers and, for a whole answer, its length."""
     answer, worker = sent.answer, sent.worker
     headers = [(k.lower(), v) for k, v in answer.raw_headers]
-    if not any(k == b"content-type" for k, _ in headers):
+    # Built per answer: bytes formatting, and no generator for the content type's search.
+    if b"content-type" not in [k for k, _ in headers]:
         headers.append((b"content-type", default_type))
-    matched = route.decision.chosen.matched_blocks if worker is route.worker else 0
+    chosen = worker is route.worker
     headers += [(b"x-kvroute-worker", worker.url.encode("latin-1")),
-                (b"x-kvroute-worker-id", str(worker.id).encode()),
-                (b"x-kvroute-matched-blocks", str(matched).encode())]
+                (b"x-kvroute-worker-id", b"%d" % worker.id),
+                (b"x-kvroute-matched-blocks",
+                 b"%d" % (route.decision.chosen.matched_blocks if chosen else 0))]
     if worker.rank is not None:
-        headers.append((b"x-kvroute-worker-rank", str(worker.rank).encode()))
+        headers.append((b"x-kvroute-worker-rank", b"%d" % worker.rank))
     fetch = route.fetch_from(worker)
     if fetch is not None:
         headers.append((b"x-kvroute-fetch-source", fetch[0].url.encode("latin-1")))
-    if route.predicts_ttft and worker is route.worker:
-        ms = route.predicted_ttft_s * 1e3
-        headers.append((b"x-kvroute-predicted-ttft-ms", f"{ms:.1f}".encode()))
+    if route.predicts_ttft and chosen:
+        headers.append((b"x-kvroute-predicted-ttft-ms", b"%.1f" % (route.predicted_ttft_s * 1e3)))
     if route.queued is not None:
         headers += _queue_headers(route.queued)
     if length is not None:
-        headers.append((b"content-length", str(length).encode()))
+        headers.append((b"content-length", b"%d" % length))
     return {"type": "http.response.start", "status": answer.status, "headers": headers}
 
 
