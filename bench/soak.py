@@ -25,7 +25,8 @@ timeout, and a trickle of high-priority short chats (``priority`` 0) every secon
 must answer each one, served or refused at once (429 with Retry-After, or 503). It prints each
 class's answers, the high-priority TTFT p50/p99, and the requests **lost before their first
 byte**: no answer at all (a client timeout or a dropped connection before the status line)
-or an answer that is neither 200 nor such a refusal.
+or an answer that is neither 200 nor such a refusal. An answer that began and was then cut
+short (its worker paused or killed mid-answer, past the router's reach) is counted apart.
 
 With ``--hostile``, hostile clients and peers run beside the traffic
 (:mod:`bench.soak_hostile`): slow bodies, 2 MB headers, 16-image fan-out, and a stock-engine
@@ -278,20 +279,24 @@ def _flood_body(rng: random.Random, high: bool) -> bytes:
 async def _flood_one(session: aiohttp.ClientSession, base: str, body: bytes, cls: str,
                      flood: Flood) -> None:
     sent = time.perf_counter()
+    status: int | None = None
+    first: float | None = None
     try:
         async with session.post(base + "/v1/chat/completions", data=body,
                                 headers={"Content-Type": "application/json"}) as r:
             status = r.status
             retry = r.headers.get("Retry-After")
-            first = None
             async for _chunk in r.content.iter_any():
                 if first is None:
                     first = time.perf_counter() - sent
             if status == 200 and cls == "high" and first is not None:
                 flood.high_ttft_s.append(first)
     except (aiohttp.ClientError, TimeoutError) as exc:
-        flood.answers[(cls, "no answer")] += 1
-        flood.lost[f"{cls}: {type(exc).__name__}"] += 1
+        if status is None:  # nothing came back: lost before its first byte
+            flood.answers[(cls, "no answer")] += 1
+            flood.lost[f"{cls}: {type(exc).__name__}"] += 1
+        else:  # answered, then cut short (a worker paused or killed mid-answer)
+            flood.answers[(cls, f"{status}, then cut: {type(exc).__name__}")] += 1
         return
     refusal = status == 503 or (status == 429 and retry is not None)
     flood.answers[(cls, str(status) if status != 429 or retry else "429 no Retry-After")] += 1

@@ -13,10 +13,17 @@ from bench.soak import Flood, _flood_body, _flood_one
 from kvroute.up import free_port
 
 
-async def _serve(status: int, headers: dict[str, str] | None = None, close: bool = False
-                 ) -> tuple[web.AppRunner, str]:
+async def _serve(status: int, headers: dict[str, str] | None = None, close: bool = False,
+                 cut: bool = False) -> tuple[web.AppRunner, str]:
     async def chat(request: web.Request) -> web.StreamResponse:
         await request.read()
+        if cut:  # the status line and a first event, then the connection drops
+            response = web.StreamResponse(status=status)
+            await response.prepare(request)
+            await response.write(b"data: {}\n\n")
+            assert request.transport is not None
+            request.transport.close()
+            return response
         if close:  # drop the connection before any status line
             assert request.transport is not None
             request.transport.close()
@@ -33,8 +40,8 @@ async def _serve(status: int, headers: dict[str, str] | None = None, close: bool
 
 
 async def _one(status: int, cls: str, headers: dict[str, str] | None = None,
-               close: bool = False) -> Flood:
-    runner, base = await _serve(status, headers, close)
+               close: bool = False, cut: bool = False) -> Flood:
+    runner, base = await _serve(status, headers, close, cut)
     flood = Flood()
     try:
         async with aiohttp.ClientSession() as session:
@@ -70,6 +77,13 @@ async def test_a_dropped_connection_is_lost() -> None:
     flood = await _one(200, "low", close=True)
     assert flood.answers == {("low", "no answer"): 1}
     assert sum(flood.lost.values()) == 1
+
+
+async def test_an_answer_cut_after_its_status_is_not_lost_before_its_first_byte() -> None:
+    flood = await _one(200, "low", cut=True)
+    assert not flood.lost
+    ((cls, answer), n), = flood.answers.items()
+    assert (cls, n) == ("low", 1) and answer.startswith("200, then cut")
 
 
 def test_flood_bodies_carry_their_priority() -> None:
