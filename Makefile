@@ -20,6 +20,11 @@ $(VENV)/.installed: pyproject.toml setup.py $(wildcard native/*.pyx native/*.h n
 	$(BIN)/pip install -q --upgrade pip
 	@echo "setup: installing kvroute and its dev and bench dependencies, building the Cython core (about a minute)"
 	$(BIN)/pip install -q -e ".[dev,bench]"
+	@# xds-protos (Envoy's stubs) ships an older copy of opentelemetry/proto; whichever package
+	@# pip writes last wins the files. OpenTelemetry's own must, or its OTLP exporter cannot
+	@# import (Envoy's stubs read the newer messages as well).
+	$(BIN)/pip install -q --force-reinstall --no-deps "opentelemetry-proto==$$($(BIN)/python -c \
+		'import importlib.metadata as m; print(m.version("opentelemetry-proto"))')"
 	@echo "setup: done ($(VENV))"
 	touch $@
 

@@ -104,7 +104,11 @@ def test_a_hot_prefix_spreads_under_load_and_returns_when_load_falls(cluster: An
     # own books, made exact: each stream is sent once the one before has its first token (so
     # it is booked as decoding), and none ends before the last is sent (each asks for far
     # more tokens than the test takes), so no decision depends on how fast the machine is.
-    router, _ = cluster(workers=3, router_settings={"rates": "prefill=0.001,decode=0.00003125"})
+    # Peer fetch is off: with it the idle workers copy the prefix instead of recomputing it,
+    # which is cheaper than the 62 blocks' prefill these weights count
+    # (e2e/test_router_peer_fetch.py tests that choice).
+    router, _ = cluster(workers=3, router_settings={"rates": "prefill=0.001,decode=0.00003125",
+                                                    "kv_fetch": "off"})
     holder, results = hot_prefix_held(router)
     used = {r["worker"] for r in results}
     counts = sorted((sum(r["worker"] == u for r in results) for u in used), reverse=True)
