@@ -38,6 +38,7 @@ from router.routing.disaggregation import prefills_locally, remote_prefill_ttft,
 from router.routing.dispatch_gate import CapacityListener, Deaf, QueueStay
 from router.routing.fetch_links import FetchAbility
 from router.routing.load import ReportedLoad
+from router.routing.policy import Policy
 from router.routing.prompt_path import HashingTerms, PrefixReach, request_hashes
 from router.routing.scheduler import Decision
 from router.routing.sessions import Continuation
@@ -200,6 +201,7 @@ class _CoreFacts(FleetFacts):
         self._described = described
         self._capacity = capacity
         self._settings = settings
+        self._rule = core.settings.rule
         self._unreachable: set[str] = set()  # worker URLs logged as no fetch peer
 
     def joined(self, worker: int, engine: str, info: WorkerInfo | None) -> None:
@@ -216,7 +218,7 @@ class _CoreFacts(FleetFacts):
         fetch is off, it serves data-parallel ranks behind one URL, or it is off loopback
         with no shared secret (logged once per worker)."""
         settings = self._settings
-        if (info is None or settings.kv_fetch == "off" or settings.policy != "kv"
+        if (info is None or settings.kv_fetch == "off" or not self._rule.prices_fetch
                 or not (info.kv_fetch_serve or info.kv_fetch_receive)
                 or info.data_parallel_size > 1):
             return None
@@ -275,6 +277,8 @@ class RouterService:
         #: The routing core; the fleet's facts flow into it (:class:`_CoreFacts`), requests'
         #: facts through the verbs below.
         self.core = RoutingCore(settings.core_settings())
+        #: The routing policy, chosen once from ``--policy``.
+        self.policy: Policy = self.core.settings.rule
         self.rng = random.Random(settings.seed)
         #: Told of what frees capacity (flow control sets itself here).
         self.capacity: CapacityListener = Deaf()
@@ -290,7 +294,7 @@ class RouterService:
         self._fleets: dict[str | None, _Fleet] = {}
         if settings.kv_fetch == "off":
             log.info("peer fetch: off (--kv-fetch off)")
-        elif settings.policy != "kv":
+        elif not self.policy.prices_fetch:
             log.info("peer fetch: off: it is priced by the kv policy only, not %s",
                      settings.policy)
         elif settings.kv_transfer_secret is None:
@@ -416,7 +420,7 @@ class RouterService:
         request_id = f"{self._id_prefix}-{next(self._ids)}"
         route = Route(request_id, prompt, hashes, routed.decision, by_id, now,
                       time.perf_counter() - started, routed.continued,
-                      predicts_ttft=self.settings.policy == "kv")
+                      predicts_ttft=self.policy.predicts_ttft)
         if fleet.prefill:
             self._choose_prefill(route, fleet, matches, now)
         return route

@@ -154,7 +154,7 @@ class KvroutePolicy(Policy):
         """Each client's first token's predicted and delivered seconds since routing, in
         order (a remote prefill's own token not counted; None
         under a rule that prices in blocks or not at all: ``dynamo``, the baselines)."""
-        return self._predictions if self.settings.policy == "kv" else None
+        return self._predictions if self.settings.rule.predicts_ttft else None
 
     def index_events(self, worker: int, events: Sequence[Event], now: float) -> None:
         self.core.events_applied(worker, events, now)
