@@ -9,7 +9,6 @@ with :mod:`router.http.proxy`).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import os
@@ -34,7 +33,7 @@ from router.fleet.registry import Registry
 from router.fleet.unavailable import unavailable_reason
 from router.fleet.worker_table import WorkerInfo
 from router.routing.core import Prediction, RoutingCore
-from router.routing.disaggregation import prefills_locally, remote_prefill_ttft, transfer_seconds
+from router.routing.disaggregation import choose_prefill, decode_terms
 from router.routing.dispatch_gate import CapacityListener, Deaf, QueueStay
 from router.routing.fetch_links import FetchAbility
 from router.routing.load import ReportedLoad
@@ -279,6 +278,7 @@ class RouterService:
         self.core = RoutingCore(settings.core_settings())
         #: The routing policy, chosen once from ``--policy``.
         self.policy: Policy = self.core.settings.rule
+        self._prefill_link = settings.prefill_link()
         self.rng = random.Random(settings.seed)
         #: Told of what frees capacity (flow control sets itself here).
         self.capacity: CapacityListener = Deaf()
@@ -441,21 +441,16 @@ class RouterService:
     def _choose_prefill(self, route: Route, fleet: _Fleet, matches: Any, now: float) -> None:
         """Disaggregated serving: the prefill worker by prefix hit against prefill load, unless
         the decode worker holds so much of the prompt that it prefills the rest itself
-        (``pd_local_prefill_tokens``)."""
-        if prefills_locally(len(route.prompt.token_ids), route.decision.chosen.matched_blocks,
-                            self.settings.block_size, self.settings.pd_local_prefill_tokens):
+        (``pd_local_prefill_tokens``; :func:`router.routing.disaggregation.choose_prefill`)."""
+        remote = choose_prefill(self.core, route.hashes, matches, now, self.rng,
+                                route.decision.chosen, len(route.prompt.token_ids),
+                                [e.id for e in fleet.prefill], self._prefill_link)
+        if remote is None:
             self.counters["pd_local_prefills"] = self.counters.get("pd_local_prefills", 0) + 1
             return
-        chosen = self.core.decide(route.hashes, matches, now, self.rng,
-                                  workers=[e.id for e in fleet.prefill], fetch=False).decision
-        route.prefill_decision = chosen
-        route.prefill = next(e for e in fleet.prefill if e.id == chosen.worker)
-        decode, settings = route.decision.chosen, self.settings
-        moved = len(route.hashes) - decode.matched_blocks
-        route.remote_ttft_s = remote_prefill_ttft(
-            chosen.chosen, decode, self.core.rates(decode.worker).first_s,
-            transfer_seconds(moved, settings.block_size, settings.pd_kv_bytes_per_token,
-                             settings.pd_transfer_bandwidth))
+        route.prefill_decision = remote.decision
+        route.prefill = next(e for e in fleet.prefill if e.id == remote.decision.worker)
+        route.remote_ttft_s = remote.ttft_s
 
     def prefill_dispatched(self, route: Route) -> str:
         """Book ``route``'s remote prefill on its prefill worker: its prefill as queued work
@@ -534,7 +529,7 @@ class RouterService:
             terms = route.decision.terms(worker.id)
         predicted = None
         if route.prefill is not None:  # its KV arrives by transfer: nothing to prefill there
-            terms = dataclasses.replace(terms, prefill_blocks=0, prefill_s=0.0)
+            terms = decode_terms(terms)
             if worker is route.worker:
                 predicted = route.remote_ttft_s
         self.core.routed(route.request_id, worker.id, route.hashes, terms, time.monotonic(),

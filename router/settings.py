@@ -36,6 +36,7 @@ from router.fleet.entry import FleetSettings
 from router.fleet.worker_config import format_worker, parse_workers
 from router.routing.admission import FlowSettings
 from router.routing.core import CoreSettings
+from router.routing.disaggregation import PrefillLink
 from router.routing.policy import POLICIES, Policy, policy_named
 from router.routing.rates import parse_rates
 
@@ -371,6 +372,11 @@ class RouterSettings:
         if self.kv_transfer_secret is not None:
             return True
         return is_loopback(urlsplit(worker_url).hostname or "")
+
+    def prefill_link(self) -> PrefillLink:
+        """A remote prefill's settings (``--pd-*``)."""
+        return PrefillLink(self.pd_local_prefill_tokens, self.pd_kv_bytes_per_token,
+                           self.pd_transfer_bandwidth)
 
     @property
     def rule(self) -> Policy:
