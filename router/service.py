@@ -23,11 +23,12 @@ import httpx
 from httpapi.body import TOKENIZE_OFF_LOOP_BYTES
 from indexer.events import Event
 from indexer.index import PrefixIndex
+from openai_request import tokenize_api
 from openai_request.bodies import ApiError
 from openai_request.prompts import PromptTokens, Reach, build_prompt
 from openai_request.segment_cache import SegmentedTokenizer
 from openai_request.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
-from router.fleet.entry import Target
+from router.fleet.entry import Target, WorkerEntry
 from router.fleet.facts import FleetFacts
 from router.fleet.registry import Registry
 from router.fleet.unavailable import unavailable_reason
@@ -306,6 +307,53 @@ class RouterService:
         """A worker's model info may have changed: work out the fleets again."""
         self._fleet_key = None
 
+    # -- the fleet and the tokenizer, as the HTTP and EPP shells read them ------------------
+
+    async def start(self) -> None:
+        """Start following the fleet (the registry's polls, discovery, event streams)."""
+        await self.registry.start()
+
+    async def stop(self) -> None:
+        """Stop following the fleet."""
+        await self.registry.stop()
+
+    def workers(self) -> list[WorkerEntry]:
+        """Every registered worker, healthy or not."""
+        return self.registry.entries()
+
+    def healthy(self) -> list[WorkerEntry]:
+        """The healthy workers."""
+        return self.registry.healthy()
+
+    def candidates(self) -> list[Target]:
+        """What a request may be routed to: each healthy worker, or each of its
+        data-parallel ranks."""
+        return self.registry.candidates()
+
+    def unavailable(self) -> str:
+        """Why no worker is available, in a few words (:mod:`router.fleet.unavailable`)."""
+        return unavailable_reason(self.registry.entries())
+
+    @property
+    def max_bytes_per_token(self) -> int | None:
+        """The most UTF-8 bytes of text one token of the router's tokenizer covers (None:
+        not known)."""
+        return self.tokenizer.max_bytes_per_token
+
+    def shortest_model_len(self) -> int:
+        """The shortest model length among the registered workers that state one (0: none
+        does)."""
+        lengths = [e.info.max_model_len for e in self.registry.entries() if e.info]
+        return min((n for n in lengths if n), default=0)
+
+    def tokenize_answer(self, body: Any, max_model_len: int) -> dict[str, Any]:
+        """The answer to vLLM's ``POST /tokenize`` with the router's tokenizer (the ids it
+        routes on); safe off the event loop.
+
+        Raises:
+            ValueError: a body that is not a ``/tokenize`` request.
+        """
+        return tokenize_api.tokenize(body, self.tokenizer, max_model_len)
 
     def models(self) -> list[str]:
         """Models served by healthy workers."""
