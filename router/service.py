@@ -9,7 +9,6 @@ with :mod:`router.http.proxy`).
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import logging
 import os
@@ -24,20 +23,22 @@ import httpx
 from httpapi.body import TOKENIZE_OFF_LOOP_BYTES
 from indexer.events import Event
 from indexer.index import PrefixIndex
+from openai_request import tokenize_api
 from openai_request.bodies import ApiError
 from openai_request.prompts import PromptTokens, Reach, build_prompt
 from openai_request.segment_cache import SegmentedTokenizer
 from openai_request.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
-from router.fleet.entry import Target
+from router.fleet.entry import Target, WorkerEntry
 from router.fleet.facts import FleetFacts
 from router.fleet.registry import Registry
 from router.fleet.unavailable import unavailable_reason
 from router.fleet.worker_table import WorkerInfo
 from router.routing.core import Prediction, RoutingCore
-from router.routing.disaggregation import prefills_locally, remote_prefill_ttft, transfer_seconds
+from router.routing.disaggregation import choose_prefill, decode_terms
 from router.routing.dispatch_gate import CapacityListener, Deaf, QueueStay
 from router.routing.fetch_links import FetchAbility
 from router.routing.load import ReportedLoad
+from router.routing.policy import Policy
 from router.routing.prompt_path import HashingTerms, PrefixReach, request_hashes
 from router.routing.scheduler import Decision
 from router.routing.sessions import Continuation
@@ -200,6 +201,7 @@ class _CoreFacts(FleetFacts):
         self._described = described
         self._capacity = capacity
         self._settings = settings
+        self._rule = core.settings.rule
         self._unreachable: set[str] = set()  # worker URLs logged as no fetch peer
 
     def joined(self, worker: int, engine: str, info: WorkerInfo | None) -> None:
@@ -216,7 +218,7 @@ class _CoreFacts(FleetFacts):
         fetch is off, it serves data-parallel ranks behind one URL, or it is off loopback
         with no shared secret (logged once per worker)."""
         settings = self._settings
-        if (info is None or settings.kv_fetch == "off" or settings.policy != "kv"
+        if (info is None or settings.kv_fetch == "off" or not self._rule.prices_fetch
                 or not (info.kv_fetch_serve or info.kv_fetch_receive)
                 or info.data_parallel_size > 1):
             return None
@@ -275,6 +277,9 @@ class RouterService:
         #: The routing core; the fleet's facts flow into it (:class:`_CoreFacts`), requests'
         #: facts through the verbs below.
         self.core = RoutingCore(settings.core_settings())
+        #: The routing policy, chosen once from ``--policy``.
+        self.policy: Policy = self.core.settings.rule
+        self._prefill_link = settings.prefill_link()
         self.rng = random.Random(settings.seed)
         #: Told of what frees capacity (flow control sets itself here).
         self.capacity: CapacityListener = Deaf()
@@ -290,7 +295,7 @@ class RouterService:
         self._fleets: dict[str | None, _Fleet] = {}
         if settings.kv_fetch == "off":
             log.info("peer fetch: off (--kv-fetch off)")
-        elif settings.policy != "kv":
+        elif not self.policy.prices_fetch:
             log.info("peer fetch: off: it is priced by the kv policy only, not %s",
                      settings.policy)
         elif settings.kv_transfer_secret is None:
@@ -302,6 +307,53 @@ class RouterService:
         """A worker's model info may have changed: work out the fleets again."""
         self._fleet_key = None
 
+    # -- the fleet and the tokenizer, as the HTTP and EPP shells read them ------------------
+
+    async def start(self) -> None:
+        """Start following the fleet (the registry's polls, discovery, event streams)."""
+        await self.registry.start()
+
+    async def stop(self) -> None:
+        """Stop following the fleet."""
+        await self.registry.stop()
+
+    def workers(self) -> list[WorkerEntry]:
+        """Every registered worker, healthy or not."""
+        return self.registry.entries()
+
+    def healthy(self) -> list[WorkerEntry]:
+        """The healthy workers."""
+        return self.registry.healthy()
+
+    def candidates(self) -> list[Target]:
+        """What a request may be routed to: each healthy worker, or each of its
+        data-parallel ranks."""
+        return self.registry.candidates()
+
+    def unavailable(self) -> str:
+        """Why no worker is available, in a few words (:mod:`router.fleet.unavailable`)."""
+        return unavailable_reason(self.registry.entries())
+
+    @property
+    def max_bytes_per_token(self) -> int | None:
+        """The most UTF-8 bytes of text one token of the router's tokenizer covers (None:
+        not known)."""
+        return self.tokenizer.max_bytes_per_token
+
+    def shortest_model_len(self) -> int:
+        """The shortest model length among the registered workers that state one (0: none
+        does)."""
+        lengths = [e.info.max_model_len for e in self.registry.entries() if e.info]
+        return min((n for n in lengths if n), default=0)
+
+    def tokenize_answer(self, body: Any, max_model_len: int) -> dict[str, Any]:
+        """The answer to vLLM's ``POST /tokenize`` with the router's tokenizer (the ids it
+        routes on); safe off the event loop.
+
+        Raises:
+            ValueError: a body that is not a ``/tokenize`` request.
+        """
+        return tokenize_api.tokenize(body, self.tokenizer, max_model_len)
 
     def models(self) -> list[str]:
         """Models served by healthy workers."""
@@ -416,7 +468,7 @@ class RouterService:
         request_id = f"{self._id_prefix}-{next(self._ids)}"
         route = Route(request_id, prompt, hashes, routed.decision, by_id, now,
                       time.perf_counter() - started, routed.continued,
-                      predicts_ttft=self.settings.policy == "kv")
+                      predicts_ttft=self.policy.predicts_ttft)
         if fleet.prefill:
             self._choose_prefill(route, fleet, matches, now)
         return route
@@ -437,21 +489,16 @@ class RouterService:
     def _choose_prefill(self, route: Route, fleet: _Fleet, matches: Any, now: float) -> None:
         """Disaggregated serving: the prefill worker by prefix hit against prefill load, unless
         the decode worker holds so much of the prompt that it prefills the rest itself
-        (``pd_local_prefill_tokens``)."""
-        if prefills_locally(len(route.prompt.token_ids), route.decision.chosen.matched_blocks,
-                            self.settings.block_size, self.settings.pd_local_prefill_tokens):
+        (``pd_local_prefill_tokens``; :func:`router.routing.disaggregation.choose_prefill`)."""
+        remote = choose_prefill(self.core, route.hashes, matches, now, self.rng,
+                                route.decision.chosen, len(route.prompt.token_ids),
+                                [e.id for e in fleet.prefill], self._prefill_link)
+        if remote is None:
             self.counters["pd_local_prefills"] = self.counters.get("pd_local_prefills", 0) + 1
             return
-        chosen = self.core.decide(route.hashes, matches, now, self.rng,
-                                  workers=[e.id for e in fleet.prefill], fetch=False).decision
-        route.prefill_decision = chosen
-        route.prefill = next(e for e in fleet.prefill if e.id == chosen.worker)
-        decode, settings = route.decision.chosen, self.settings
-        moved = len(route.hashes) - decode.matched_blocks
-        route.remote_ttft_s = remote_prefill_ttft(
-            chosen.chosen, decode, self.core.rates(decode.worker).first_s,
-            transfer_seconds(moved, settings.block_size, settings.pd_kv_bytes_per_token,
-                             settings.pd_transfer_bandwidth))
+        route.prefill_decision = remote.decision
+        route.prefill = next(e for e in fleet.prefill if e.id == remote.decision.worker)
+        route.remote_ttft_s = remote.ttft_s
 
     def prefill_dispatched(self, route: Route) -> str:
         """Book ``route``'s remote prefill on its prefill worker: its prefill as queued work
@@ -530,7 +577,7 @@ class RouterService:
             terms = route.decision.terms(worker.id)
         predicted = None
         if route.prefill is not None:  # its KV arrives by transfer: nothing to prefill there
-            terms = dataclasses.replace(terms, prefill_blocks=0, prefill_s=0.0)
+            terms = decode_terms(terms)
             if worker is route.worker:
                 predicted = route.remote_ttft_s
         self.core.routed(route.request_id, worker.id, route.hashes, terms, time.monotonic(),

@@ -35,7 +35,9 @@ from router.fleet.discovery import parse_target
 from router.fleet.entry import FleetSettings
 from router.fleet.worker_config import format_worker, parse_workers
 from router.routing.admission import FlowSettings
-from router.routing.core import POLICIES, CoreSettings
+from router.routing.core import CoreSettings
+from router.routing.disaggregation import PrefillLink
+from router.routing.policy import POLICIES, Policy, policy_named
 from router.routing.rates import parse_rates
 
 __all__ = ["POLICIES", "RouterSettings", "SettingsError", "load_settings"]
@@ -195,7 +197,8 @@ class RouterSettings:
              f"policy {self.policy!r} is not one of {', '.join(POLICIES)}"),
             (self.predict_ttl > 0 and self.approximate_ttl > 0, "ttls must be positive"),
             (self.ttft_slo is None or self.ttft_slo > 0, "ttft_slo must be positive"),
-            (self.ttft_slo is None or self.policy == "kv",
+            (self.ttft_slo is None or self.policy not in POLICIES
+             or policy_named(self.policy).takes_slo,
              f"ttft_slo applies to the kv policy, not {self.policy!r}"),
             (self.health_interval > 0, "health_interval must be positive"),
             (self.health_misses >= 1, "health_misses must be at least 1"),
@@ -370,13 +373,24 @@ class RouterSettings:
             return True
         return is_loopback(urlsplit(worker_url).hostname or "")
 
+    def prefill_link(self) -> PrefillLink:
+        """A remote prefill's settings (``--pd-*``)."""
+        return PrefillLink(self.pd_local_prefill_tokens, self.pd_kv_bytes_per_token,
+                           self.pd_transfer_bandwidth)
+
+    @property
+    def rule(self) -> Policy:
+        """The routing policy ``policy`` names."""
+        return policy_named(self.policy)
+
     def core_settings(self) -> CoreSettings:
-        """The routing core's settings these give (sessions are followed only under ``kv``)."""
+        """The routing core's settings these give (sessions are followed only by a policy
+        that follows them, ``kv``)."""
         return CoreSettings(policy=self.policy, block_size=self.block_size,
                             rates=parse_rates(self.rates) if self.rates else None,
                             learn=self.learn_rates, predict_ttl=self.predict_ttl,
                             approximate_ttl=self.approximate_ttl,
-                            sessions=self.sessions and self.policy == "kv",
+                            sessions=self.sessions and self.rule.follows_sessions,
                             ttft_slo=self.ttft_slo, kv_fetch=self.kv_fetch == "auto",
                             fetch_bandwidth=self.pd_transfer_bandwidth)
 

@@ -5,11 +5,13 @@ A thin shell around :class:`router.routing.core.RoutingCore`, as
 matches and ``now``, books the choice where it went, feeds the core each worker's first tokens
 (which teach its rates) and ends, and the normalised events the index applies. It keeps each
 first token's predicted and delivered seconds (:meth:`KvroutePolicy.predictions`). On a cluster
-with prefill and decode roles it routes as :meth:`router.service.RouterService.decide` does:
-the decode worker by the rule among the workers that are not prefill-only, no remote prefill
-when :func:`router.routing.disaggregation.prefills_locally` says so, else the prefill worker
-by the rule among the prefill workers, both booked as the router books them (the decode
-booking with the remote prefill's predicted time to first token). The settings
+with prefill and decode roles it routes as :meth:`router.service.RouterService.decide` does,
+by the same code: the decode worker by the rule among the workers that are not prefill-only
+(no peer fetch), then :func:`router.routing.disaggregation.choose_prefill` (no remote prefill
+when the decode worker holds enough, else the prefill worker by the rule among the prefill
+workers), both booked as the router books them (the decode booking at
+:func:`~router.routing.disaggregation.decode_terms`, with the remote prefill's predicted time
+to first token). The settings
 are :class:`router.settings.RouterSettings`, so a run with ``--set NAME=VALUE``
 (:mod:`bench.replay`) is the router with that flag, and a policy named
 ``kvroute[NAME=VALUE,...]`` (:func:`bench.policies.make_policies`) runs the router with those
@@ -31,7 +33,7 @@ from collections.abc import Sequence
 from bench.policies.base import PREFILL_SUFFIX, ClusterView, Policy, RouteRequest
 from indexer.events import Event
 from router.routing.core import RoutingCore
-from router.routing.disaggregation import prefills_locally, remote_prefill_ttft, transfer_seconds
+from router.routing.disaggregation import choose_prefill, decode_terms
 from router.routing.fetch_links import FetchAbility
 from router.settings import RouterSettings
 
@@ -83,6 +85,7 @@ class KvroutePolicy(Policy):
             else []
         self._serving = serving if self._prefill_workers else None
         self._prefill_of: dict[str, int] = {}
+        self._prefill_link = self.settings.prefill_link()
         #: Each request told to fetch: its source, blocks and worker.
         self._fetch_of: dict[str, tuple[int, int, int, int]] = {}  # and its own hit
         self._fetching: dict[str, tuple[int, int, int]] = {}  # sent: source, worker, blocks
@@ -93,26 +96,24 @@ class KvroutePolicy(Policy):
         assert index is not None, "kvroute needs the event-fed index"
         matches = index.match(hashes) if hashes else {}
         tokens = len(request.token_ids)
-        routed = self.core.decide(hashes, matches, now, self.cluster.rng,
-                                  workers=self._serving, tokens=tokens)
+        rng = self.cluster.rng
+        # As the router decides (router.service.RouterService.decide): the decode worker
+        # (no peer fetch where prefill workers move the KV), then the remote prefill.
+        routed = self.core.decide(hashes, matches, now, rng, workers=self._serving,
+                                  tokens=tokens, fetch=not self._prefill_workers)
         decision = routed.decision
         terms = decision.chosen
         predicted = None
-        if self._prefill_workers and not prefills_locally(
-                tokens, terms.matched_blocks, self.cluster.block_size,
-                self.settings.pd_local_prefill_tokens):
-            prefill = self.core.decide(hashes, matches, now, self.cluster.rng,
-                                       workers=self._prefill_workers).decision
+        remote = choose_prefill(self.core, hashes, matches, now, rng, terms, tokens,
+                                self._prefill_workers, self._prefill_link) \
+            if self._prefill_workers else None
+        if remote is not None:
+            prefill = remote.decision
             self.core.routed(request.request_id + PREFILL_SUFFIX, prefill.worker, hashes,
                              prefill.chosen, now)
             self._prefill_of[request.request_id] = prefill.worker
-            settings = self.settings
-            predicted = remote_prefill_ttft(
-                prefill.chosen, terms, self.core.rates(decision.worker).first_s,
-                transfer_seconds(len(hashes) - terms.matched_blocks, self.cluster.block_size,
-                                 settings.pd_kv_bytes_per_token,
-                                 settings.pd_transfer_bandwidth))
-            terms = dataclasses.replace(terms, prefill_blocks=0, prefill_s=0.0)
+            predicted = remote.ttft_s
+            terms = decode_terms(terms)
         self.core.routed(request.request_id, decision.worker, hashes, terms, now,
                          routed.continued, tokens, predicted)
         if terms.fetch_source is not None and predicted is None:
@@ -154,7 +155,7 @@ class KvroutePolicy(Policy):
         """Each client's first token's predicted and delivered seconds since routing, in
         order (a remote prefill's own token not counted; None
         under a rule that prices in blocks or not at all: ``dynamo``, the baselines)."""
-        return self._predictions if self.settings.policy == "kv" else None
+        return self._predictions if self.settings.rule.predicts_ttft else None
 
     def index_events(self, worker: int, events: Sequence[Event], now: float) -> None:
         self.core.events_applied(worker, events, now)

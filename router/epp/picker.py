@@ -22,7 +22,6 @@ from urllib.parse import urlsplit
 
 from openai_request.bodies import ApiError
 from router.fleet.entry import Target
-from router.fleet.unavailable import unavailable_reason
 from router.http.client_fields import refuse_transfer_fields
 from router.http.flow import Ask, FlowControl, ask_of, tenant_of
 from router.http.flow_metrics import register_flow_metrics
@@ -98,7 +97,7 @@ class Picker:
 
     def ready(self) -> bool:
         """Whether any worker may take a request now."""
-        return bool(self.service.registry.candidates())
+        return bool(self.service.candidates())
 
     def pick(self, body: Any, kind: str, subset: frozenset[str] | None = None,
              headers: Mapping[str, str] | None = None) -> Pick | Held:
@@ -205,11 +204,11 @@ class Picker:
             ApiError: no (allowed) worker is healthy (503).
         """
         allowed = [(self.service.in_flight(e), e.id, endpoint_of(e.url))
-                   for e in self.service.registry.candidates()]
+                   for e in self.service.candidates()]
         allowed = [a for a in allowed if subset is None or a[2] in subset]
         if not allowed:
             raise ApiError(503, "no worker is available: "
-                           f"{unavailable_reason(self.service.registry.entries())}",
+                           f"{self.service.unavailable()}",
                            "service_unavailable")
         return min(allowed)[2]
 

@@ -37,7 +37,6 @@ from openai_request.bodies import ApiError
 from router.epp import messages
 from router.epp.exchange import Exchange
 from router.epp.picker import Picker
-from router.fleet.unavailable import unavailable_reason
 from router.service import RouterService
 from router.settings import RouterSettings
 
@@ -107,9 +106,9 @@ def _metrics_app(picker: Picker) -> web.Application:
         return web.Response(body=body, headers={"Content-Type": content_type})
 
     async def ready(_: web.Request) -> web.Response:
-        healthy = len(picker.service.registry.candidates())
+        healthy = len(picker.service.candidates())
         if healthy == 0:
-            reason = unavailable_reason(picker.service.registry.entries())
+            reason = picker.service.unavailable()
             return web.json_response({"ready": False, "reason": f"no healthy worker: {reason}"},
                                      status=503)
         return web.json_response({"ready": True, "workers": healthy})
@@ -169,7 +168,7 @@ async def epp_server(settings: RouterSettings, grpc_port: int, host: str | None 
     await health_servicer.set("liveness", health_pb2.HealthCheckResponse.SERVING)
     for name in _READY_NAMES:
         await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-    await service.registry.start()
+    await service.start()
     await server.start()
     watcher = asyncio.create_task(
         _watch_readiness(picker, health_servicer, min(settings.health_interval, 1.0)),
@@ -183,7 +182,7 @@ async def epp_server(settings: RouterSettings, grpc_port: int, host: str | None 
         await health_servicer.enter_graceful_shutdown()
         await picker.flow.close()  # every request still held is answered 503
         await server.stop(grace=5)
-        await service.registry.stop()
+        await service.stop()
         if runner is not None:
             await runner.cleanup()
         await http.aclose()

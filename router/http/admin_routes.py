@@ -16,7 +16,6 @@ from httpapi.body import read_json
 from openai_request.bodies import ApiError
 from router.fleet.entry import WorkerEntry
 from router.fleet.registry import WorkerUnreachable
-from router.fleet.unavailable import unavailable_reason
 from router.fleet.worker_config import parse_worker
 from router.fleet.worker_table import IncompatibleWorker
 from router.http.state import RouterState
@@ -30,12 +29,12 @@ def add_admin_routes(app: FastAPI, state: RouterState) -> None:
 
     @app.get("/ready")
     async def ready() -> JSONResponse:
-        healthy = len(state.service.registry.healthy())
+        healthy = len(state.service.healthy())
         if healthy == 0:
-            reason = unavailable_reason(state.service.registry.entries())
+            reason = state.service.unavailable()
             return JSONResponse({"ready": False, "reason": f"no healthy worker: {reason}"}, 503)
         answer: dict[str, Any] = {"ready": True, "workers": healthy}
-        candidates = len(state.service.registry.candidates())
+        candidates = len(state.service.candidates())
         if candidates != healthy:  # data-parallel ranks: each one a candidate
             answer["candidates"] = candidates
         return JSONResponse(answer)
@@ -45,7 +44,7 @@ def add_admin_routes(app: FastAPI, state: RouterState) -> None:
         admin(request)
         index = state.service.index
         workers = []
-        for e in state.service.registry.entries():
+        for e in state.service.workers():
             described = e.describe()
             for rank in described["ranks"]:  # each data-parallel rank's cache of its own
                 rank_device, rank_host = index.worker_blocks(rank["id"])

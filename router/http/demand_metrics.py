@@ -56,7 +56,7 @@ class DemandCollector:
     def _rates(self) -> list[Rates]:
         core, block = self._service.core, float(self._block)
         out = []
-        for entry in self._service.registry.candidates():
+        for entry in self._service.candidates():
             r = core.rates(entry.id)  # per block
             out.append(Rates(prefill_s=r.prefill_s / block, context_s=r.context_s / block**2))
         return out

@@ -176,7 +176,7 @@ class RouterMetrics:
 
     def render(self) -> tuple[bytes, str]:
         """The exposition text and its content type."""
-        self._workers.prune(e.id for e in self._service.registry.entries())
+        self._workers.prune(e.id for e in self._service.workers())
         return generate_latest(self.registry), CONTENT_TYPE_LATEST
 
 

@@ -14,7 +14,6 @@ from fastapi import FastAPI, Request
 from starlette.types import ASGIApp
 
 from httpapi.body import TOKENIZE_OFF_LOOP_BYTES, read_body
-from openai_request import tokenize_api
 from openai_request.bodies import ApiError, parse_body
 from router.http.client_quotas import ClientAccess, KeyCheck
 from router.http.request_path import Forward
@@ -56,13 +55,11 @@ def add_openai_routes(app: FastAPI, state: RouterState) -> None:
         raw = await read_body(request, state.settings.max_body_bytes)
         body = parse_body(raw, state.settings.max_body_bytes)
         service = state.service
-        lengths = [e.info.max_model_len for e in service.registry.entries() if e.info]
-        max_len = min((n for n in lengths if n), default=0)
+        max_len = service.shortest_model_len()
         try:
             if len(raw) > TOKENIZE_OFF_LOOP_BYTES:
-                return await asyncio.to_thread(tokenize_api.tokenize, body,
-                                               service.tokenizer, max_len)
-            return tokenize_api.tokenize(body, service.tokenizer, max_len)
+                return await asyncio.to_thread(service.tokenize_answer, body, max_len)
+            return service.tokenize_answer(body, max_len)
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
 

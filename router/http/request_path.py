@@ -245,7 +245,7 @@ async def route_of(state: RouterState, body: dict[str, Any], kind: str, size: in
     request = validate_request(body, kind)  # type: ignore[arg-type]
     if not state.settings.allow_client_transfer_fields:
         refuse_transfer_fields(body)
-    fewest = fewest_prompt_tokens(request, service.tokenizer.max_bytes_per_token)
+    fewest = fewest_prompt_tokens(request, service.max_bytes_per_token)
     # Refused here only when longer than every worker's model (a worker of unknown
     # length takes anything); the service routes it to a worker it fits.
     max_len = service.prompt_bound(body)

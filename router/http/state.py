@@ -82,14 +82,14 @@ class RouterState:
                                        self.metrics.registry)
         if settings.tracing:
             self.tracing = Tracing()
-        await self.service.registry.start()
+        await self.service.start()
         try:
             yield
         finally:
             if self.tracing is not None:  # its last export may wait on the collector
                 await asyncio.to_thread(self.tracing.shutdown)
             await self.flow.close()
-            await self.service.registry.stop()
+            await self.service.stop()
             await self.proxy.close()
             await http.aclose()
 

@@ -50,7 +50,7 @@ class StateCollector:
     def collect(self) -> Iterator[Metric]:
         """Yield every state family, read now."""
         service = self._service
-        entries = service.registry.entries()
+        entries = service.workers()
         info = GaugeMetricFamily("kvroute_upstream_info",
                                  "The URL and engine of each registered worker id (always 1)",
                                  labels=["worker", "url", "engine"])
@@ -190,7 +190,7 @@ def _mean(values: list[float]) -> float:
 def _pool(service: RouterService) -> Iterator[Metric]:
     # GIE's pool gauges: ready endpoints, and the mean over them of the KV cache in use (a
     # fraction) and of the queued requests, as each worker last reported them.
-    ready = service.registry.candidates()
+    ready = service.candidates()
     reports = [r for r in (service.core.last_report(e.id) for e in ready) if r is not None]
     yield _pool_gauge("inference_pool_ready_pods",
                       "Workers in the pool that may take a request", len(ready))

@@ -32,12 +32,13 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from indexer.events import Cleared, Event
 from router.routing.fetch_links import FETCH_READ_S, FetchAbility, FetchLinks
 from router.routing.load import LoadTracker, ReportedLoad
 from router.routing.load_groups import LoadGroups, LoadKey, choose_fast
+from router.routing.policy import BASELINES, POLICIES, Policy, policy_named
 from router.routing.pressure import EvictionPressure
 from router.routing.rates import DEFAULT_RATES, DYNAMO_RATES, Rates, RateScale
 from router.routing.residency import PredictedResidency
@@ -54,11 +55,6 @@ from router.routing.sessions import Continuation, SessionTracker
 
 __all__ = ["BASELINES", "POLICIES", "CoreSettings", "Prediction", "Routed", "RoutingCore"]
 
-#: ``kv``: the time to first token from each worker's rates; ``dynamo``: NVIDIA Dynamo's rule
-#: (blocks, not seconds); the cache-blind baselines.
-POLICIES = ("kv", "dynamo", "round_robin", "random")
-#: Cache-blind choices, measured against: the next worker in turn, or one at random.
-BASELINES = ("round_robin", "random")
 #: Prompts whose first token came, per event-fed worker, waiting for that worker's next batch
 #: of events to end their predictions (:meth:`RoutingCore.first_token`); past this many the
 #: oldest keep their ttl.
@@ -73,7 +69,7 @@ Matches = Mapping[int, tuple[int, int]]
 class CoreSettings:
     """The core's settings (the router's flags, read once)."""
 
-    #: One of :data:`POLICIES`.
+    #: One of :data:`~router.routing.policy.POLICIES`.
     policy: str = "kv"
     #: Tokens per KV block (the rates are per token; the books are in blocks).
     block_size: int = 32
@@ -99,17 +95,18 @@ class CoreSettings:
     kv_fetch: bool = True
     #: A peer fetch's link before any result: bytes a second.
     fetch_bandwidth: float = 25e9
+    #: The policy ``policy`` names (set from it).
+    rule: Policy = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
-        if self.policy not in POLICIES:
-            raise ValueError(f"policy {self.policy!r} is not one of {', '.join(POLICIES)}")
+        object.__setattr__(self, "rule", policy_named(self.policy))
         if self.block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {self.block_size}")
         if self.ttft_slo is not None:
             if not math.isfinite(self.ttft_slo) or self.ttft_slo <= 0:
                 raise ValueError(f"ttft_slo must be a positive number of seconds, "
                                  f"got {self.ttft_slo}")
-            if self.policy != "kv":
+            if not self.rule.takes_slo:
                 raise ValueError(f"ttft_slo applies to the kv policy, not {self.policy!r}")
         if not (math.isfinite(self.fetch_bandwidth) and self.fetch_bandwidth > 0):
             raise ValueError(f"fetch_bandwidth must be a positive number of bytes a second, "
@@ -117,12 +114,12 @@ class CoreSettings:
 
     @property
     def learns(self) -> bool:
-        """Whether rate factors are learned (the ``kv`` rule on default rates)."""
-        return self.learn and self.rates is None and self.policy == "kv"
+        """Whether rate factors are learned (a policy that learns them, on default rates)."""
+        return self.learn and self.rates is None and self.rule.learns_rates
 
     def base_rates(self, engine: str) -> Rates:
         """The per-block rates of a worker of ``engine`` before its learned factor."""
-        if self.policy == "dynamo":
+        if self.rule.block_rates:
             return DYNAMO_RATES
         rates = self.rates or DEFAULT_RATES.get(engine, DEFAULT_RATES["kvroute"])
         return rates.per_block(self.block_size)
@@ -167,6 +164,7 @@ class RoutingCore:
 
     def __init__(self, settings: CoreSettings) -> None:
         self.settings = settings
+        self._rule = settings.rule
         self._load = LoadTracker()
         self._predicted = PredictedResidency(settings.predict_ttl)
         self._approximate = PredictedResidency(settings.approximate_ttl, max_blocks=1 << 22)
@@ -296,7 +294,7 @@ class RoutingCore:
                 del self._fetching[worker]
             else:
                 self._fetching[worker] = credit - used
-        if stored and self.settings.policy == "kv":
+        if stored and self._rule.tracks_prefill:
             self._load.stored(worker, stored)
             self._refresh(worker)
         settling = self._settling.pop(worker, None)
@@ -329,7 +327,7 @@ class RoutingCore:
         """The later requests a busy fleet's prefill is priced as delaying on a worker with
         a request of ours prefilling: one, plus the fleet's mean count of requests prefilling
         per worker (:mod:`router.routing.scheduler`). Dynamo's rule keeps one."""
-        if self.settings.policy != "kv" or not self._tracked:
+        if not self._rule.tracks_prefill or not self._tracked:
             return 1.0
         return 1.0 + self._load.prefilling() / len(self._tracked)
 
@@ -425,7 +423,7 @@ class RoutingCore:
         Raises:
             ValueError: no candidate worker.
         """
-        if self.settings.policy in BASELINES:
+        if self._rule.cache_blind:
             return Routed(self._baseline(hashes, matches, now, rng, workers), None)
         continued = None
         if self._sessions is not None:
@@ -469,7 +467,7 @@ class RoutingCore:
         each tracked one (of ``among``, when given) that serves reads and holds some of the
         prompt's leading blocks on its device, by the index (a prediction is not yet a block
         to read). None under a rule other than ``kv``, with fetch off, or with no receiver."""
-        if (not self._fetch or self.settings.policy != "kv" or not self.settings.kv_fetch
+        if (not self._fetch or not self._rule.prices_fetch or not self.settings.kv_fetch
                 or len(self._no_receive) == len(self._tracked) or not blocks):
             return []
         out = []
@@ -527,7 +525,7 @@ class RoutingCore:
         ids = sorted(self._tracked) if workers is None else list(workers)
         if not ids:
             raise ValueError("no candidate workers")
-        if self.settings.policy == "round_robin":
+        if self._rule.in_turn:
             worker = ids[self._turns % len(ids)]
             self._turns += 1
         else:

@@ -17,9 +17,68 @@ what the router predicts and books for it.
 
 from __future__ import annotations
 
-from router.routing.scheduler import WorkerCost
+import dataclasses
+import random
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
-__all__ = ["prefills_locally", "remote_prefill_ttft", "transfer_seconds"]
+from router.routing.scheduler import Decision, WorkerCost
+
+if TYPE_CHECKING:
+    from router.routing.core import Matches, RoutingCore
+
+__all__ = ["PrefillLink", "RemotePrefill", "choose_prefill", "decode_terms", "prefills_locally",
+           "remote_prefill_ttft", "transfer_seconds"]
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillLink:
+    """The settings of a remote prefill: the router's ``--pd-*`` flags."""
+
+    #: At most this many uncached tokens the decode worker prefills itself
+    #: (:func:`prefills_locally`).
+    local_prefill_tokens: int
+    #: KV bytes a token moves from the prefill worker to the decode worker.
+    kv_bytes_per_token: int
+    #: The prefill-to-decode link, bytes a second.
+    bandwidth: float
+
+
+@dataclass(frozen=True, slots=True)
+class RemotePrefill:
+    """A remote prefill chosen for a request: the prefill worker's decision and the
+    predicted time to first token through it (:func:`remote_prefill_ttft`)."""
+
+    decision: Decision
+    ttft_s: float
+
+
+def choose_prefill(core: RoutingCore, hashes: Sequence[int], matches: Matches, now: float,
+                   rng: random.Random, decode: WorkerCost, tokens: int,
+                   prefill_workers: Sequence[int], link: PrefillLink) -> RemotePrefill | None:
+    """The second step of a disaggregated decision, after the decode worker's (``decode``,
+    its chosen terms): None when the decode worker prefills the ``tokens``-token prompt
+    itself (:func:`prefills_locally`), else the prefill worker by the rule among
+    ``prefill_workers`` (no peer fetch: its KV moves by the transfer) and the predicted
+    time to first token through it. Books nothing: the caller books the prefill worker
+    when it sends the prefill, and the decode worker at :func:`decode_terms`."""
+    block_size = core.settings.block_size
+    if prefills_locally(tokens, decode.matched_blocks, block_size, link.local_prefill_tokens):
+        return None
+    chosen = core.decide(hashes, matches, now, rng, workers=prefill_workers,
+                         fetch=False).decision
+    moved = len(hashes) - decode.matched_blocks
+    ttft = remote_prefill_ttft(
+        chosen.chosen, decode, core.rates(decode.worker).first_s,
+        transfer_seconds(moved, block_size, link.kv_bytes_per_token, link.bandwidth))
+    return RemotePrefill(chosen, ttft)
+
+
+def decode_terms(terms: WorkerCost) -> WorkerCost:
+    """The decode worker's booking under a remote prefill: its KV arrives by transfer,
+    nothing to prefill there."""
+    return dataclasses.replace(terms, prefill_blocks=0, prefill_s=0.0)
 
 
 def prefills_locally(prompt_tokens: int, held_blocks: int, block_size: int,
