@@ -27,17 +27,18 @@ import asyncio
 import json
 import os
 import random
-import signal
 import subprocess
 import sys
 import time
-import urllib.request
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
+
+from bench.http_load import stop, wait_ready
+from kvroute.up import free_port
 
 __all__ = ["Outcome", "main", "run"]
 
@@ -134,15 +135,8 @@ async def _phase(url: str, args: argparse.Namespace, seed: int, flood: bool
         return list(await asyncio.gather(*tasks))
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def _spawn(argv: list[str], code: str | None, url: str) -> subprocess.Popen[bytes]:
+    """``kvroute <argv>`` from the checkout ``code`` (None: this one), ready at ``url``."""
     env = dict(os.environ)
     if code is not None:
         env["PYTHONPATH"] = code
@@ -150,29 +144,7 @@ def _spawn(argv: list[str], code: str | None, url: str) -> subprocess.Popen[byte
                              "warning"], env=env, cwd=code or None,
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
                             start_new_session=True)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"kvroute {' '.join(argv)} exited with {proc.returncode}")
-        try:
-            with urllib.request.urlopen(url, timeout=1) as r:
-                if r.status == 200:
-                    return proc
-        except OSError:
-            pass
-        time.sleep(0.2)
-    _stop(proc)
-    raise RuntimeError(f"kvroute {' '.join(argv)} did not become ready")
-
-
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(5)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
+    return wait_ready(proc, url, f"kvroute {' '.join(argv)}", 60)
 
 
 def _pct(values: Sequence[float], q: float) -> float:
@@ -216,12 +188,12 @@ def run(args: argparse.Namespace, code: str | None) -> dict[str, Any]:
     """Start a cluster from ``code`` (None: this tree), send both phases, stop it."""
     procs: list[subprocess.Popen[bytes]] = []
     try:
-        router_port = _free_port()
+        router_port = free_port()
         router = ["router", "--port", str(router_port)]
         for _ in range(args.workers):
-            port = _free_port()
+            port = free_port()
             procs.append(_spawn(["worker", "--port", str(port), "--events-port",
-                                 str(_free_port()), "--replay-port", str(_free_port()),
+                                 str(free_port()), "--replay-port", str(free_port()),
                                  "--speedup", str(args.speedup),
                                  "--max-num-seqs", str(args.max_num_seqs)],
                                 code, f"http://127.0.0.1:{port}/health"))
@@ -233,7 +205,7 @@ def run(args: argparse.Namespace, code: str | None) -> dict[str, Any]:
         flood = asyncio.run(_phase(url, args, args.seed + 1, flood=True))
     finally:
         for proc in procs:
-            _stop(proc)
+            stop(proc)
     return summarize(alone, flood)
 
 
