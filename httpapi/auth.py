@@ -23,8 +23,8 @@ from typing import Any
 
 from openai_request.bodies import ApiError
 
-__all__ = ["NO_API_DOCS", "BindError", "check_bearer", "check_bind", "check_token", "is_loopback",
-           "read_secret_file"]
+__all__ = ["MIN_TRANSFER_SECRET_BYTES", "NO_API_DOCS", "BindError", "check_bearer", "check_bind",
+           "check_token", "is_loopback", "read_secret_file", "transfer_secret"]
 
 #: Rule 4: the ``FastAPI`` arguments that serve no API description.
 NO_API_DOCS: dict[str, Any] = {"openapi_url": None, "docs_url": None, "redoc_url": None}
@@ -110,4 +110,29 @@ def read_secret_file(path: str, setting: str) -> str:
         raise ValueError(f"{setting} {path}: {exc}") from None
     if not secret:
         raise ValueError(f"{setting} {path} is empty")
+    return secret
+
+
+#: The fewest bytes the KV transfer secret may have, surrounding white space not counted.
+MIN_TRANSFER_SECRET_BYTES = 16
+
+
+def transfer_secret(value: str | None, path: str | None) -> str | None:
+    """The KV transfer secret the router and its workers share (``--kv-transfer-secret-file``
+    or the value itself): read from ``path`` when one is given (the file wins), surrounding
+    white space removed; None when neither is set.
+
+    Raises:
+        ValueError: the file cannot be read or is empty, or the secret is shorter than
+            :data:`MIN_TRANSFER_SECRET_BYTES`.
+    """
+    if path is not None:
+        value = read_secret_file(path, "kv_transfer_secret_file")
+    if value is None:
+        return None
+    secret = value.strip()
+    if len(secret.encode()) < MIN_TRANSFER_SECRET_BYTES:
+        raise ValueError(f"the KV transfer secret must be at least {MIN_TRANSFER_SECRET_BYTES} "
+                         f"bytes (surrounding white space not counted), got "
+                         f"{len(secret.encode())}")
     return secret

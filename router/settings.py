@@ -19,7 +19,7 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from httpapi.api_keys import KeyRing, parse_keys
-from httpapi.auth import check_bind, check_token, is_loopback, read_secret_file
+from httpapi.auth import check_bind, check_token, is_loopback, read_secret_file, transfer_secret
 from httpapi.logs import LOG_FORMATS
 from httpapi.server import DEFAULT_LIMITS, ConnectionLimits
 from httpapi.trusted_peers import LOOPBACK, TrustedPeers
@@ -49,7 +49,6 @@ TOKENIZE_MODES = ("match", "full")
 #: ``auto``: price peer fetches between the workers that advertise them; ``off``: never.
 KV_FETCH_MODES = ("auto", "off")
 #: The shortest KV transfer secret accepted (the workers' rule too).
-MIN_TRANSFER_SECRET_BYTES = 16
 _CORE = CoreSettings()
 _FLOW = FlowSettings()
 
@@ -245,20 +244,11 @@ class RouterSettings:
             object.__setattr__(self, "salt_secret", secret)
         if self.salt_secret is not None and not self.salt_secret:
             raise SettingsError("salt_secret is empty")
-        if self.kv_transfer_secret_file is not None:  # read once; the file wins
-            try:
-                secret = read_secret_file(self.kv_transfer_secret_file,
-                                          "kv_transfer_secret_file")
-            except ValueError as exc:
-                raise SettingsError(str(exc)) from None
-            object.__setattr__(self, "kv_transfer_secret", secret)
-        if self.kv_transfer_secret is not None:
-            secret = self.kv_transfer_secret.strip()
-            if len(secret.encode()) < MIN_TRANSFER_SECRET_BYTES:
-                raise SettingsError(
-                    f"the KV transfer secret must be at least {MIN_TRANSFER_SECRET_BYTES} "
-                    f"bytes (surrounding white space not counted), got {len(secret.encode())}")
-            object.__setattr__(self, "kv_transfer_secret", secret)
+        try:  # read once; the file wins
+            object.__setattr__(self, "kv_transfer_secret", transfer_secret(
+                self.kv_transfer_secret, self.kv_transfer_secret_file))
+        except ValueError as exc:
+            raise SettingsError(str(exc)) from None
         if self.curve_secret_key is not None:
             self.event_transport()  # unreadable keys fail at start-up, not at first connect
         try:

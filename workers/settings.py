@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from httpapi.auth import check_bind, check_token, is_loopback, read_secret_file
+from httpapi.auth import check_bind, check_token, is_loopback, read_secret_file, transfer_secret
 from httpapi.logs import LOG_FORMATS
 from httpapi.server import DEFAULT_LIMITS, ConnectionLimits
 from openai_request.bodies import MAX_BODY_BYTES
@@ -26,8 +26,6 @@ __all__ = ["WorkerSettings", "WorkerSettingsError", "load_worker_settings"]
 ENV_PREFIX = "KVROUTE_WORKER_"
 #: The transfer secret's file, named alike for the router and the workers.
 SHARED_SECRET_ENV = "KVROUTE_KV_TRANSFER_SECRET_FILE"
-#: The shortest KV transfer secret accepted.
-MIN_TRANSFER_SECRET_BYTES = 16
 
 
 class WorkerSettingsError(ValueError):
@@ -217,20 +215,11 @@ class WorkerSettings:
             raise WorkerSettingsError(str(exc)) from None
 
     def _read_transfer_secret(self) -> None:
-        if self.kv_transfer_secret_file is not None:  # read once; the file wins
-            try:
-                from_file = read_secret_file(self.kv_transfer_secret_file,
-                                             "kv_transfer_secret_file")
-            except ValueError as exc:
-                raise WorkerSettingsError(str(exc)) from None
-            object.__setattr__(self, "kv_transfer_secret", from_file)
-        secret = self.kv_transfer_secret
-        if secret is not None and len(secret.strip().encode()) < MIN_TRANSFER_SECRET_BYTES:
-            raise WorkerSettingsError(
-                f"the KV transfer secret must be at least {MIN_TRANSFER_SECRET_BYTES} bytes "
-                f"(surrounding white space not counted), got {len(secret.strip().encode())}")
-        if secret is not None and secret != secret.strip():
-            object.__setattr__(self, "kv_transfer_secret", secret.strip())
+        try:  # read once; the file wins
+            object.__setattr__(self, "kv_transfer_secret", transfer_secret(
+                self.kv_transfer_secret, self.kv_transfer_secret_file))
+        except ValueError as exc:
+            raise WorkerSettingsError(str(exc)) from None
 
     @property
     def kv_transfer_open(self) -> bool:
