@@ -28,6 +28,11 @@ later ``--policy`` wins) is replaced before each replay, the workers kept, their
 as for any run. With ``--kv-transfer-secret-file`` among the common flags the router and every
 worker share the secret, so co-located torch workers copy fetched blocks over CUDA IPC.
 
+``--repeats N`` replays every (run, router) pair N times, the routers' order rotated each
+repeat and run (:func:`schedule`), and prints each pair's median TTFT p50; ``--warmup RUN``
+gives each fresh fleet one unmeasured replay first. Without them, the first router listed is
+always the first to meet each run, and its first run meets the fleet's first traffic.
+
 Printed per run: the row of :mod:`bench.gpu_routing` (TTFT p50 / p90 / p99, prompt tokens/s
 over the makespan, hit, errors) and TTFT p50 over the isolated prefill,
 the router's peer fetches (fetched / failed, GB) and the workers' fetches by transfer (HTTP,
@@ -62,7 +67,8 @@ from bench.gpu.mps import Mps
 from bench.gpu_routing import Fleet, build_parser, post_json, window, worker_urls
 from bench.workloads import DEFAULT_TRACE, GeneratorConfig, WorkloadRequest, generate, scale_rate
 
-__all__ = ["RunSpec", "isolated_prefill_s", "main", "parse_configs", "parse_runs", "workload"]
+__all__ = ["RunSpec", "isolated_prefill_s", "main", "parse_configs", "parse_runs", "schedule",
+           "workload"]
 
 
 @dataclass(frozen=True)
@@ -121,6 +127,23 @@ def parse_configs(text: str) -> list[tuple[str, list[str]]]:
     return out
 
 
+def schedule(runs: Sequence[RunSpec], routers: Sequence[tuple[str, list[str]]],
+             repeats: int) -> list[tuple[int, RunSpec, tuple[str, list[str]]]]:
+    """The replays of one fleet in order: per repeat, every run under every router, the
+    routers' order rotated by one each repeat (and each run), so no setting is always the
+    first to meet a freshly emptied fleet or the one after a given other.
+
+    Returns (repeat, run, router) triples.
+    """
+    out = []
+    for rep in range(repeats):
+        for i, spec in enumerate(runs):
+            shift = (rep + i) % len(routers)
+            for router in [*routers[shift:], *routers[:shift]]:
+                out.append((rep, spec, router))
+    return out
+
+
 def workload(spec: RunSpec, max_model_len: int) -> list[WorkloadRequest]:
     """The requests of ``spec``, unscaled (at most ``max_model_len`` with the reply)."""
     if spec.workload == "trace":
@@ -161,6 +184,13 @@ def main(argv: Sequence[str] | None = None) -> int:
                    help="NAME=ROUTER_FLAGS;...: every run under each router setting in turn, "
                    "the router replaced between them (default: one, --policy as is)")
     p.add_argument("--isolated-repeats", type=int, default=3)
+    p.add_argument("--repeats", type=int, default=1,
+                   help="replay every (run, router) this many times, router order rotated "
+                   "(default 1); the summary prints each pair's median")
+    p.add_argument("--warmup", default=None, metavar="RUN",
+                   help="one unmeasured replay (WORKLOAD:SEED:COUNT@LOAD) on each fresh fleet "
+                   "before the measured ones, so the first measured replay does not meet the "
+                   "fleet's first traffic")
     p.add_argument("--stop-after", type=float, default=None, metavar="SECONDS",
                    help="start no fleet and no run once this long has passed since the start")
     p.add_argument("--json", dest="json_path", default=None)
@@ -173,11 +203,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         runs, configs = parse_runs(args.runs), parse_configs(args.configs)
         routers = parse_configs(args.routers) if args.routers else [(args.policy, [])]
+        warm = parse_runs(args.warmup)[0] if args.warmup else None
+        if args.repeats < 1:
+            raise ValueError("--repeats must be at least 1")
     except ValueError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     base = build_parser().parse_args(["--cold-rate", str(args.cold_rate), *common])
     loads = {spec.key: workload(spec, base.max_model_len) for spec in runs}
+    if warm is not None:
+        loads.setdefault(warm.key, workload(warm, base.max_model_len))
     result: dict[str, Any] = {"cold_rate": args.cold_rate, "policy": args.policy,
                               "common": common, "configs": []}
     errors = 0
@@ -203,21 +238,23 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"# {name}: ready in {fleet.ready_s:.1f} s; isolated "
                       f"{json.dumps(entry['isolated_s'])}", flush=True)
                 routed: list[str] = []  # the fleet starts with --policy, no flags
-                for spec, (router, rflags) in ((s, r) for s in runs for r in routers):
+                if warm is not None:
+                    fleet.reset()
+                    row = fleet.replay(_scaled(loads[warm.key], warm, args.cold_rate))
+                    print(f"# {name}: warm-up {warm} done, {row['errors']} errors", flush=True)
+                for rep, spec, (router, rflags) in schedule(runs, routers, args.repeats):
                     if late():
                         print(f"# {name}: {spec} {router} not run (--stop-after)", flush=True)
                         continue
-                    reqs = loads[spec.key]
-                    tokens = sum(r.input_length for r in reqs)
-                    span = reqs[-1].arrival_s or 1.0
-                    scaled = scale_rate(reqs, span / (tokens / (spec.load * args.cold_rate)))
+                    scaled = _scaled(loads[spec.key], spec, args.cold_rate)
                     if routed != rflags:
                         fleet.reroute(args.policy, rflags)
                         routed = rflags
                     fleet.reset()
                     row = fleet.replay(scaled)
                     iso = entry["isolated_s"][":".join(map(str, spec.key))]["seconds"]
-                    row.update(config=name, router=router, workload=spec.workload, seed=spec.seed,
+                    row.update(config=name, router=router, repeat=rep,
+                               workload=spec.workload, seed=spec.seed,
                                count=spec.count, load=spec.load,
                                arrival_span_s=scaled[-1].arrival_s,
                                ttft_over_isolated=row["ttft_p50_s"] / iso if iso else 0.0,
@@ -232,9 +269,30 @@ def main(argv: Sequence[str] | None = None) -> int:
     for entry in result["configs"]:
         for row in entry["runs"]:
             print(_line(row))
+    if args.repeats > 1:
+        print("median over repeats: config router workload load -> TTFT p50 (each repeat's)")
+        for entry in result["configs"]:
+            for pair, p50s in _p50s_by_pair(entry["runs"]).items():
+                print(f"{entry['name']:<13} {pair}  {statistics.median(p50s):.3f}  "
+                      f"({' '.join(f'{v:.3f}' for v in p50s)})")
     if args.json_path:
         _write(args.json_path, result)
     return 0 if errors == 0 else 1
+
+
+def _scaled(reqs: list[WorkloadRequest], spec: RunSpec, cold_rate: float) -> list[WorkloadRequest]:
+    tokens = sum(r.input_length for r in reqs)
+    span = reqs[-1].arrival_s or 1.0
+    return scale_rate(reqs, span / (tokens / (spec.load * cold_rate)))
+
+
+def _p50s_by_pair(rows: list[dict[str, Any]]) -> dict[str, list[float]]:
+    out: dict[str, list[float]] = {}
+    for row in rows:
+        run = f"{row['workload']}:{row['seed']}:{row['count']}@{row['load']:g}"
+        key = f"{row.get('router', ''):<9} {run}"
+        out.setdefault(key, []).append(row["ttft_p50_s"])
+    return out
 
 
 def _line(row: dict[str, Any]) -> str:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.gpu.fleet_runs import RunSpec, main, parse_configs, parse_runs, workload
+from bench.gpu.fleet_runs import RunSpec, main, parse_configs, parse_runs, schedule, workload
 from bench.gpu_routing import Fleet, build_parser, labelled, router_args
 
 
@@ -27,6 +27,19 @@ def test_configs_split_their_flags_and_refuse_repeats() -> None:
     for bad in ("a=;a=--x 1", "noflags", "=--x 1"):
         with pytest.raises(ValueError):
             parse_configs(bad)
+
+
+def test_the_schedule_rotates_which_router_meets_each_run_first() -> None:
+    runs = parse_runs("trace:0:70@0.6,trace:0:70@0.3")
+    routers = parse_configs("kv=;nofetch=--kv-fetch off;rr=--policy round_robin")
+    order = schedule(runs, routers, repeats=3)
+    assert len(order) == 2 * 3 * 3
+    firsts = [order[i][2][0] for i in range(0, len(order), 3)]
+    assert firsts == ["kv", "nofetch", "nofetch", "rr", "rr", "kv"]
+    for rep in range(3):
+        for spec in runs:
+            assert sorted(r[0] for k, s, r in order if k == rep and s == spec) == [
+                "kv", "nofetch", "rr"]
 
 
 def test_workloads_are_the_trace_window_or_the_generator_within_the_model_length() -> None:
