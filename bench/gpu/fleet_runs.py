@@ -45,8 +45,10 @@ window): the trace's window saturates four workers at 80k prompt tok/s, device-b
 ``--short-prefill 2048`` cuts its median TTFT at saturation from 4.0 s to 1.3-2.0 s, but costs
 the conversation window 16% of its 156k prompt tok/s; the workers' default stays first come,
 first served. With ``--routers`` over the same windows (kv with fetch, without, round-robin):
-kv 8.8x round-robin at TTFT p50 on the conversations at load 0.6, fetch a little better than
-none there, and on the trace's cold window fetch all but idle (one fetch in four runs).
+kv 8.8x round-robin at TTFT p50 on the conversations at load 0.6 and 2.8x at 0.3, fetch
+within the spread of none; on the trace's cold window (hit 1-5%) fetch all but idle and the
+three settings within one another's spread once warmed and rotated (an unrotated first run
+had put kv at 2x the others).
 """
 
 from __future__ import annotations
