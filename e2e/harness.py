@@ -63,9 +63,13 @@ class Process:
         self.log = log_dir / f"{name}.log"
         self.popen: subprocess.Popen[bytes] | None = None
 
+    def command(self) -> list[str]:
+        """What runs: ``kvroute`` with :attr:`args`."""
+        return [sys.executable, "-m", "kvroute.cli", *self.args]
+
     def start(self) -> None:
         out = self.log.open("ab")
-        self.popen = subprocess.Popen([sys.executable, "-m", "kvroute.cli", *self.args],
+        self.popen = subprocess.Popen(self.command(),
                                       env={**os.environ, **self.env}, stdout=out,
                                       stderr=subprocess.STDOUT, start_new_session=True)
         out.close()

@@ -109,7 +109,7 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
                        "Every flag also reads KVROUTE_WORKER_<NAME> from the environment.")
     serving, engine = p.add_argument_group("serving"), p.add_argument_group("engine")
     events, images = p.add_argument_group("KV events"), p.add_argument_group("images")
-    torch, logs = p.add_argument_group("torch engine"), p.add_argument_group("logging")
+    torch, logs = p.add_argument_group("torch engine"), p.add_argument_group("logging and tracing")
     a = serving.add_argument
     a("--host", help="HTTP bind address (default %(default)s)")
     a("--port", type=int, help="HTTP port (default %(default)s)")
@@ -236,6 +236,9 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     a("--log-level", help="debug, info, warning (default %(default)s)")
     a("--log-format", choices=["text", "json"],
       help="text: one readable line; json: one JSON object a line (default %(default)s)")
+    a("--tracing", choices=["on", "off"],
+      help="export a span per generation request over OTLP, a child of the router's "
+      "traceparent (default: on when OTEL_EXPORTER_OTLP_ENDPOINT is set; needs the otel extra)")
 
 
 def _add_router(sub: argparse._SubParsersAction) -> None:
@@ -439,8 +442,9 @@ def _add_extension_flags(p: argparse.ArgumentParser) -> None:
       help="seconds the uncached prompt tokens routed are averaged over for "
       "kvroute_prefill_demand_ratio (default %(default)s)")
     a("--tracing", choices=["on", "off"],
-      help="export a span per request over OTLP/HTTP to OTEL_EXPORTER_OTLP_ENDPOINT "
-      "(default: on when that variable is set; needs the otel extra)")
+      help="export a span per request over OTLP to OTEL_EXPORTER_OTLP_ENDPOINT, OTLP/HTTP "
+      "unless OTEL_EXPORTER_OTLP_PROTOCOL=grpc (default: on when that variable is set; "
+      "needs the otel extra)")
 
 
 def _add_up(sub: argparse._SubParsersAction) -> None:

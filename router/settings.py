@@ -22,6 +22,7 @@ from httpapi.api_keys import KeyRing, parse_keys
 from httpapi.auth import check_bind, check_token, is_loopback, read_secret_file, transfer_secret
 from httpapi.logs import LOG_FORMATS
 from httpapi.server import DEFAULT_LIMITS, ConnectionLimits
+from httpapi.tracing import endpoint_configured, missing_sdk
 from httpapi.trusted_peers import LOOPBACK, TrustedPeers
 from openai_request.bodies import MAX_BODY_BYTES
 from openai_request.tokenizer_source import resolve_tokenizer
@@ -168,8 +169,8 @@ class RouterSettings:
     #: Seconds over which the uncached prompt tokens routed are averaged for
     #: ``kvroute_prefill_demand_ratio`` (an exponentially decaying rate).
     demand_window: float = 60.0
-    #: Export a span per request over OTLP/HTTP (also on when the environment sets
-    #: ``OTEL_EXPORTER_OTLP_ENDPOINT``); needs the ``otel`` extra.
+    #: Export a span per request over OTLP (also on when the environment names an OTLP
+    #: endpoint: httpapi.tracing); needs the ``otel`` extra.
     tracing: bool = False
     #: Peer KV fetch (docs/peer_fetch.md): ``auto`` prices a fetch between workers that
     #: advertise it, ``off`` never; the secret shared with every worker, read from its file.
@@ -406,15 +407,8 @@ class RouterSettings:
             raise SettingsError("api_key_tokens_per_minute must be >= 0")
         if not self.demand_window > 0:
             raise SettingsError("demand_window must be positive")
-        if self.tracing:
-            try:
-                import opentelemetry.exporter.otlp.proto.http.trace_exporter
-                import opentelemetry.sdk.trace  # noqa: F401
-            except ImportError:
-                raise SettingsError(
-                    "tracing is on (--tracing, or OTEL_EXPORTER_OTLP_ENDPOINT is set) but the "
-                    "OpenTelemetry SDK is not installed: pip install 'kvroute[otel]', or "
-                    "--tracing off") from None
+        if self.tracing and (missing := missing_sdk("--tracing")) is not None:
+            raise SettingsError(missing)
 
     def client_key_ring(self) -> KeyRing | None:
         """The client API keys (None: ``/v1/*`` is open).
@@ -544,7 +538,6 @@ def load_settings(flags: Mapping[str, Any], env: Mapping[str, str] | None = None
                 merged[setting] = read_secret_file(merged[file_setting], file_setting)
             except ValueError as exc:
                 raise SettingsError(str(exc)) from None
-    if "tracing" not in merged and (env.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-                                    or env.get("OTEL_EXPORTER_OTLP_TRACES_ENDPOINT")):
+    if "tracing" not in merged and endpoint_configured(env):
         merged["tracing"] = True  # the OpenTelemetry convention: an endpoint turns it on
     return RouterSettings(**merged)

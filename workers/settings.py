@@ -15,6 +15,7 @@ from typing import Any
 from httpapi.auth import check_bind, check_token, is_loopback, read_secret_file, transfer_secret
 from httpapi.logs import LOG_FORMATS
 from httpapi.server import DEFAULT_LIMITS, ConnectionLimits
+from httpapi.tracing import endpoint_configured, missing_sdk
 from openai_request.bodies import MAX_BODY_BYTES
 from openai_request.tokenizer_source import resolve_tokenizer
 from workers.cache.publisher import CurveServerKeys
@@ -127,6 +128,9 @@ class WorkerSettings:
     body_idle_timeout: float = DEFAULT_LIMITS.body_idle_timeout
     max_body_bytes: int = MAX_BODY_BYTES
     gpu_memory_utilization: float = 0.9
+    #: A span per generation request over OTLP, a child of the router's (also on when the
+    #: environment names an OTLP endpoint: httpapi.tracing); needs the ``otel`` extra.
+    tracing: bool = False
 
     def __post_init__(self) -> None:
         positive = ("port", "block_size", "num_blocks", "max_num_batched_tokens",
@@ -208,6 +212,8 @@ class WorkerSettings:
                 "anyone who reaches the event ports reads the token ids of every cached "
                 "prompt. Give CURVE keys (--curve-secret-key, --curve-authorized-clients), "
                 "bind --events-host 127.0.0.1, or pass --insecure-events to accept the risk")
+        if self.tracing and (missing := missing_sdk("--tracing")) is not None:
+            raise WorkerSettingsError(missing)
         try:
             self.connection_limits()
             check_bind(self.host, self.admin_token, self.insecure_no_auth, "worker")
@@ -330,6 +336,8 @@ def load_worker_settings(flags: Mapping[str, Any], env: Mapping[str, str] | None
         # ``--engine torch --model llama-1b|PATH`` names the weights, as vLLM's --model does;
         # the served name is the same string.
         merged["torch_model"] = merged["model"]
+    if "tracing" not in merged and endpoint_configured(env):
+        merged["tracing"] = True  # the OpenTelemetry convention: an endpoint turns it on
     if merged.get("admin_token_file"):
         if merged.get("admin_token"):
             raise WorkerSettingsError("give admin_token or admin_token_file, not both")

@@ -19,6 +19,7 @@ from prometheus_client import Counter
 
 from httpapi.app import Admin
 from httpapi.responses import disconnect_counter
+from httpapi.tracing import Tracing
 from httpapi.trusted_peers import TrustedPeers
 from openai_request.bodies import ApiError
 from router.http.client_quotas import ClientAccess
@@ -27,7 +28,7 @@ from router.http.flow import FlowControl
 from router.http.flow_metrics import register_flow_metrics
 from router.http.metrics import RouterMetrics
 from router.http.proxy import Proxy, ProxyTimeouts
-from router.http.tracing import Tracing
+from router.http.tracing import router_tracing
 from router.service import RouterService
 from router.settings import RouterSettings
 
@@ -81,7 +82,7 @@ class RouterState:
             self.access = ClientAccess(ring, settings.api_key_tokens_per_minute,
                                        self.metrics.registry)
         if settings.tracing:
-            self.tracing = Tracing()
+            self.tracing = router_tracing()
         await self.service.start()
         try:
             yield

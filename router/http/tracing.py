@@ -15,19 +15,17 @@ One span per request, and one child per upstream attempt:
   the next begins; the last ends with the request.
 
 The spans go through the SDK's batch processor to an OTLP exporter configured by the SDK's
-own environment (``OTEL_EXPORTER_OTLP_ENDPOINT`` or ``..._TRACES_ENDPOINT``,
-``..._HEADERS``; ``OTEL_EXPORTER_OTLP_PROTOCOL`` ``grpc`` for gRPC, else OTLP/HTTP;
-``OTEL_SERVICE_NAME``, default ``kvroute-router``). The request path reaches the current
-request's record through a context variable: with tracing off it is never set, and the
-hooks cost one look-up.
+own environment (:mod:`httpapi.tracing`; ``OTEL_SERVICE_NAME``, default ``kvroute-router``).
+The request path reaches the current request's record through a context variable: with
+tracing off it is never set, and the hooks cost one look-up.
 
-The OpenTelemetry packages are imported only when tracing starts (:meth:`Tracing.start`).
+The OpenTelemetry packages are imported only when tracing starts (the app's lifespan makes
+the :class:`~httpapi.tracing.Tracing`).
 """
 
 from __future__ import annotations
 
 import contextvars
-import os
 import time
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
@@ -36,54 +34,21 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from httpapi.body import ClientGone
 from httpapi.responses import CLIENT_GONE_STATUS
+from httpapi.tracing import Tracing
 
 if TYPE_CHECKING:
     from router.fleet.entry import Target
     from router.service import Route
 
-__all__ = ["Traced", "Tracing", "annotate", "traced_headers"]
+__all__ = ["SERVICE_NAME", "Traced", "annotate", "router_tracing", "traced_headers"]
 
-_DEFAULT_SERVICE = "kvroute-router"
-
-
-class Tracing:
-    """The tracer provider, its exporter and the W3C propagator.
-
-    Args:
-        exporter: where spans go (None: OTLP, configured by the environment).
-        service_name: the resource's ``service.name`` unless ``OTEL_SERVICE_NAME`` sets one.
-    """
-
-    def __init__(self, exporter: Any = None, service_name: str = _DEFAULT_SERVICE) -> None:
-        from opentelemetry.sdk.resources import Resource
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
-        from opentelemetry.trace.propagation.tracecontext import (
-            TraceContextTextMapPropagator,
-        )
-
-        attributes = {} if os.environ.get("OTEL_SERVICE_NAME") else {
-            "service.name": service_name}
-        self.provider = TracerProvider(resource=Resource.create(attributes))
-        self.provider.add_span_processor(BatchSpanProcessor(exporter or _otlp_exporter()))
-        self.tracer = self.provider.get_tracer("kvroute.router")
-        self.propagator = TraceContextTextMapPropagator()
-
-    def shutdown(self) -> None:
-        """Export what is pending and stop."""
-        self.provider.shutdown()
+#: The router's ``service.name`` unless ``OTEL_SERVICE_NAME`` names another.
+SERVICE_NAME = "kvroute-router"
 
 
-def _otlp_exporter() -> Any:
-    protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL",
-                              os.environ.get("OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"))
-    if protocol == "grpc":
-        from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
-    else:
-        from opentelemetry.exporter.otlp.proto.http.trace_exporter import (  # type: ignore[assignment]
-            OTLPSpanExporter,
-        )
-    return OTLPSpanExporter()
+def router_tracing(exporter: Any = None) -> Tracing:
+    """The router's :class:`~httpapi.tracing.Tracing` (``exporter``: None for OTLP)."""
+    return Tracing(SERVICE_NAME, "kvroute.router", exporter)
 
 
 class _Request:
@@ -161,10 +126,8 @@ class Traced:
         from opentelemetry.trace import SpanKind
 
         tracing: Tracing = self.tracing() if callable(self.tracing) else self.tracing
-        carrier = {k.decode("latin-1"): v.decode("latin-1") for k, v in scope["headers"]
-                   if k in (b"traceparent", b"tracestate")}
         span = tracing.tracer.start_span(
-            f"POST {self.path}", context=tracing.propagator.extract(carrier),
+            f"POST {self.path}", context=tracing.extract(scope["headers"]),
             kind=SpanKind.SERVER,
             attributes={"http.request.method": "POST", "url.path": self.path})
         request = _Request(tracing, span)

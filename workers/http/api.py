@@ -8,7 +8,8 @@ module:
   secret (or loopback) the ``/kv_transfer/*`` endpoints peers read KV from, and behind the
   admin token ``/reset_prefix_cache``, ``/kv/snapshot``, ``/debug/drop_events``;
 - :mod:`workers.http.vllm_compat`: ``/tokenize`` and the other endpoints peer routers read;
-- :mod:`httpapi.app`: ``/health``, ``/metrics``, and how refusals are answered and counted.
+- :mod:`httpapi.app`: ``/health``, ``/metrics``, and how refusals are answered and counted;
+- :mod:`workers.http.tracing`: with tracing on, a span around each generation request.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from httpapi.app import new_app
 from workers.http.control_routes import add_control_routes
 from workers.http.openai_routes import add_openai_routes
 from workers.http.state import WorkerState
+from workers.http.tracing import TracedRequests
 from workers.http.vllm_compat import register_vllm_compat
 from workers.settings import WorkerSettings
 
@@ -32,4 +34,6 @@ def create_app(settings: WorkerSettings) -> FastAPI:
     register_vllm_compat(app, state.runtime)  # /tokenize, render, /server_info: for peer routers
     add_openai_routes(app, state)
     add_control_routes(app, state)
+    if settings.tracing:
+        app.add_middleware(TracedRequests, tracing=lambda: state.tracing)
     return app

@@ -6,6 +6,7 @@ before the server starts; the lifespan starts it and stops it.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import AsyncIterator
@@ -16,6 +17,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from httpapi.app import Admin
 from httpapi.responses import disconnect_counter
+from httpapi.tracing import Tracing
 from openai_request.bodies import ApiError
 from workers.http.image_fetch import ImageBudget
 from workers.http.kv_fetch import PeerFetcher
@@ -24,6 +26,7 @@ from workers.http.kv_pull import engine_kv
 from workers.http.kv_read import BlockReads
 from workers.http.kv_transfer import HeldPrefills
 from workers.http.metrics import WorkerMetrics
+from workers.http.tracing import worker_tracing
 from workers.http.transfer_auth import TransferAuth
 from workers.runtime import WorkerRuntime
 from workers.settings import WorkerSettings
@@ -35,6 +38,9 @@ log = logging.getLogger(__name__)
 
 class WorkerState:
     """The worker's parts, for its handlers (:class:`httpapi.app.AppState`)."""
+
+    #: The span exporter while the lifespan runs, when tracing is on (workers.http.tracing).
+    tracing: Tracing | None = None
 
     def __init__(self, settings: WorkerSettings) -> None:
         self.settings = settings
@@ -72,6 +78,8 @@ class WorkerState:
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
         """Start the engine and the event publisher; stop them at the end."""
         await self.runtime.start()
+        if self.settings.tracing:
+            self.tracing = worker_tracing()
         if not self.transfer_auth.enabled:
             log.warning("peer KV fetch is off: %s", self.transfer_auth.off_reason)
         elif self.ipc_off_reason is not None:
@@ -79,6 +87,8 @@ class WorkerState:
         try:
             yield
         finally:
+            if self.tracing is not None:  # its last export may wait on the collector
+                await asyncio.to_thread(self.tracing.shutdown)
             await self.fetcher.http.aclose()
             await self.peers.aclose()
             await self.runtime.stop()

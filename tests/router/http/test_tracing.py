@@ -1,15 +1,13 @@
 """OpenTelemetry tracing against an OTLP/HTTP receiver in this process that decodes the
-protobuf export (opentelemetry-proto), as a collector would: a span per request carrying the
-decision, a child per upstream attempt, the W3C traceparent passed on to the worker."""
+protobuf export (tests.support.otlp), as a collector would: a span per request carrying the
+decision, a child per upstream attempt, the W3C traceparent passed on to the worker.
+``e2e/test_tracing.py`` sends the same spans to a real collector."""
 
 from __future__ import annotations
 
 import os
 import sys
-import threading
 from collections.abc import Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
 
 import httpx
 import pytest
@@ -22,10 +20,8 @@ from tests.support.servers import ScriptedWorker, UvicornServer
 try:
     import opentelemetry.exporter.otlp.proto.http.trace_exporter
     import opentelemetry.sdk.trace  # noqa: F401
-    from opentelemetry.proto.collector.trace.v1.trace_service_pb2 import (
-        ExportTraceServiceRequest,
-        ExportTraceServiceResponse,
-    )
+
+    from tests.support.otlp import Receiver, attrs, receiving
 except ImportError as exc:  # the otel extra (in dev) is missing
     if os.environ.get("CI") == "true":
         raise
@@ -35,60 +31,10 @@ TRACE = "4bf92f3577b34da6a3ce929d0e0e4736"
 PARENT = "00f067aa0ba902b7"
 
 
-class Receiver:
-    """An OTLP/HTTP trace receiver: ``POST /v1/traces``, protobuf in, spans kept."""
-
-    def __init__(self) -> None:
-        self.spans: list[Any] = []
-        receiver = self
-
-        class Handler(BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                raw = self.rfile.read(int(self.headers["content-length"]))
-                assert self.path == "/v1/traces"
-                assert self.headers["content-type"] == "application/x-protobuf"
-                export = ExportTraceServiceRequest.FromString(raw)
-                for resource in export.resource_spans:
-                    service = {a.key: a.value.string_value
-                               for a in resource.resource.attributes}["service.name"]
-                    for scope in resource.scope_spans:
-                        receiver.spans += [(service, s) for s in scope.spans]
-                body = ExportTraceServiceResponse().SerializeToString()
-                self.send_response(200)
-                self.send_header("content-type", "application/x-protobuf")
-                self.send_header("content-length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args: object) -> None:
-                pass
-
-        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self._thread = threading.Thread(target=self.server.serve_forever, daemon=True)
-        self._thread.start()
-
-    def close(self) -> None:
-        self.server.shutdown()
-        self.server.server_close()
-
-
 @pytest.fixture
 def receiver(monkeypatch: pytest.MonkeyPatch) -> Iterator[Receiver]:
-    r = Receiver()
-    monkeypatch.setenv("OTEL_EXPORTER_OTLP_ENDPOINT", r.url)
-    monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "20")
-    monkeypatch.delenv("OTEL_SERVICE_NAME", raising=False)
-    yield r
-    r.close()
-
-
-def attrs(span: Any) -> dict[str, Any]:
-    out = {}
-    for a in span.attributes:
-        kind = a.value.WhichOneof("value")
-        out[a.key] = getattr(a.value, kind)
-    return out
+    with receiving(monkeypatch) as r:
+        yield r
 
 
 async def test_a_request_span_carries_the_decision_and_its_upstream_child(
