@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
+from indexer.events import Stored
 from router.routing.core import CoreSettings, RoutingCore
 from router.routing.fetch_links import FetchAbility
 from router.routing.load import ReportedLoad
@@ -84,6 +85,13 @@ def _step(core: RoutingCore, rng: random.Random, step: int, workers: int,
     core.routed(rid, routed.decision.worker, hashes, routed.decision.chosen, now,
                 routed.continued, len(hashes) * 32 + rng.randrange(2))
     in_flight.append(rid)
+    chosen = routed.decision.chosen
+    if chosen.fetch_source is not None and rng.random() < 0.7:  # its answer, some day
+        core.fetch_answered(rid, rng.choice([None, 0, chosen.fetch_blocks]))
+    if rng.random() < 0.2:  # some fetch's stores, or a prefill's
+        core.events_applied(rng.randrange(workers), [Stored(
+            block_hashes=[rng.getrandbits(32) for _ in range(n)], parent_block_hash=None,
+            token_ids=[1] * (32 * n), block_size=32) for n in [rng.randint(1, 12)]], now)
     for r in rng.sample(in_flight, min(len(in_flight), rng.randint(0, 2))):
         core.first_token(r, now + rng.random())
     if in_flight and rng.random() < 0.4:
@@ -97,7 +105,6 @@ def _step(core: RoutingCore, rng: random.Random, step: int, workers: int,
     if rng.random() < 0.1:  # caches turning over: a busy fleet prices a fetched copy
         core.record_resident(rng.randrange(workers), rng.randint(0, 40), rng.randint(0, 30),
                              now)
-    chosen = routed.decision.chosen
     pair = None
     if chosen.fetch_source is not None and rng.random() < 0.5:  # its result, learned
         pair = (chosen.fetch_source, chosen.worker)
