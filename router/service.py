@@ -229,7 +229,7 @@ class _CoreFacts(FleetFacts):
                          "router has no --kv-transfer-secret-file", info.url)
             return None
         return FetchAbility(info.kv_fetch_serve, info.kv_fetch_receive,
-                            info.kv_bytes_per_token)
+                            info.kv_bytes_per_token, info.kv_fetch_device)
 
     def left(self, worker: int) -> None:
         self._described()

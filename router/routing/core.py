@@ -35,7 +35,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from indexer.events import Cleared, Event
-from router.routing.fetch_links import FETCH_READ_S, FetchAbility, FetchLinks
+from router.routing.fetch_links import FETCH_READ_S, IPC_BANDWIDTH, FetchAbility, FetchLinks
 from router.routing.load import LoadTracker, ReportedLoad
 from router.routing.load_groups import LoadGroups, LoadKey, choose_fast
 from router.routing.policy import BASELINES, POLICIES, Policy, policy_named
@@ -203,6 +203,7 @@ class RoutingCore:
         # each pair's link.
         self._fetch: dict[int, FetchAbility] = {}
         self._no_receive: set[int] = set()
+        self._on_device: dict[tuple[str, str], set[int]] = {}  # CUDA IPC peers by GPU
         self._links = FetchLinks(settings.fetch_bandwidth, settings.block_size)
         # Each request told to fetch until its answer; per worker, the blocks each answered
         # fetch stored whose events are still to come (not its prefill's), oldest first; per
@@ -239,10 +240,13 @@ class RoutingCore:
         if not self._load.tracked(worker):
             return
         self._tracked[worker] = approximate
+        self._leave_device(worker)
         if fetch is None or not (fetch.serve or fetch.receive):
             self._fetch.pop(worker, None)
         else:
             self._fetch[worker] = fetch
+            if fetch.device is not None:
+                self._on_device.setdefault(fetch.device, set()).add(worker)
         if fetch is not None and fetch.receive:
             self._no_receive.discard(worker)
         else:
@@ -262,6 +266,7 @@ class RoutingCore:
         self._capacity_total -= self._capacity.pop(worker, 0.0)
         self._kind.pop(worker, None)
         self._rates.pop(worker, None)
+        self._leave_device(worker)
         self._fetch.pop(worker, None)
         self._no_receive.discard(worker)
         self._links.forget(worker)
@@ -273,6 +278,17 @@ class RoutingCore:
         self._pressure.forget(worker)
         self._refresh(worker)
         return in_flight
+
+    def _leave_device(self, worker: int) -> None:
+        """``worker`` is no longer listed among the CUDA IPC peers of its GPU."""
+        ability = self._fetch.get(worker)
+        if ability is None or ability.device is None:
+            return
+        peers = self._on_device.get(ability.device)
+        if peers is not None:
+            peers.discard(worker)
+            if not peers:
+                del self._on_device[ability.device]
 
     def cache_cleared(self, worker: int, now: float) -> None:
         """``worker``'s cached blocks were cleared (restarted, reset, or unhealthy too long):
@@ -517,20 +533,33 @@ class RoutingCore:
             if s.worker == worker or links.backed_off(s.worker, worker, now):
                 continue
             per_token = self._fetch[s.worker].kv_bytes_per_token
-            block_s = max(links.block_s(s.worker, worker, per_token), floor)
+            block_s = max(links.block_s(s.worker, worker, per_token,
+                                        self._advertised(s.worker, worker)), floor)
             out.append(s if block_s == s.block_s else FetchSource(s.worker, s.blocks, block_s,
                                                                   s.read_s))
         return tuple(out)
 
+    def _advertised(self, source: int, receiver: int) -> float | None:
+        """The bandwidth a pair with no result is priced at, when it advertises one of its
+        own (CUDA IPC on one GPU, :data:`~router.routing.fetch_links.IPC_BANDWIDTH`); None:
+        the default link."""
+        a, b = self._fetch.get(source), self._fetch.get(receiver)
+        return IPC_BANDWIDTH if a is not None and b is not None and a.shares_device(b) \
+            else None
+
     def _own_links(self, sources: Sequence[FetchSource]) -> set[int]:
         """The tracked workers a group's default links would misprice for ``sources``: those
-        that receive no fetches, those with a link of their own from one of them (learned or
-        backed off), and those whose host copy is dearer than a source's default block."""
+        that receive no fetches, those with a link of their own from one of them (learned,
+        backed off, or advertised: CUDA IPC on its GPU), and those whose host copy is dearer
+        than a source's default block."""
         if not sources:
             return set()
         own = set(self._no_receive)
         for s in sources:
             own.update(w for w in self._links.known(s.worker) if w in self._tracked)
+            device = self._fetch[s.worker].device
+            if device is not None:
+                own.update(w for w in self._on_device.get(device, ()) if w in self._tracked)
         cheapest = min(s.block_s for s in sources)
         if any(self._scaled(kind).onboard_s > cheapest for kind in self._base):
             for w, r in self._rates.items():
@@ -726,11 +755,11 @@ class RoutingCore:
         return self._fetch.get(worker)
 
     def fetch_link_s(self, source: int, receiver: int) -> float:
-        """Seconds a block takes from ``source`` to ``receiver`` as priced now (learned or
-        the default), before the receiver's copy floor."""
+        """Seconds a block takes from ``source`` to ``receiver`` as priced now (learned, or
+        what the pair advertises, or the default), before the receiver's copy floor."""
         ability = self._fetch.get(source)
         return self._links.block_s(source, receiver, ability.kv_bytes_per_token
-                                   if ability else 0)
+                                   if ability else 0, self._advertised(source, receiver))
 
     def fetched(self, source: int, receiver: int, nbytes: float, seconds: float) -> None:
         """A fetch from ``source`` to ``receiver`` moved ``nbytes`` in ``seconds``: the
