@@ -489,7 +489,7 @@ def simulate(requests: Sequence[WorkloadRequest], policy: Policy, config: SimCon
             fetch[1] += 1
             fetch[2] += travelled
             fetch[3] += nbytes
-            policy.fetch_result(request_id, have, nbytes, seconds, now)
+            policy.fetch_result(request_id, travelled, nbytes, seconds, now)
         else:  # no room for them: it recomputes
             policy.fetch_result(request_id, 0, 0, 0.0, now)
         admit(worker, request_id, prompt, rec.output_length, now)

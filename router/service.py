@@ -229,7 +229,7 @@ class _CoreFacts(FleetFacts):
                          "router has no --kv-transfer-secret-file", info.url)
             return None
         return FetchAbility(info.kv_fetch_serve, info.kv_fetch_receive,
-                            info.kv_bytes_per_token)
+                            info.kv_bytes_per_token, info.kv_fetch_device)
 
     def left(self, worker: int) -> None:
         self._described()
@@ -609,7 +609,10 @@ class RouterService:
         ``x-kvroute-fetch-result``, None when absent: it did not fetch, which teaches
         nothing): the pair's link learns, or is backed off."""
         fetch = route.fetch_from(worker)
-        if fetch is None or result is None:
+        if fetch is None:
+            return
+        if result is None:
+            self.core.fetch_answered(route.request_id, None)
             return
         source = fetch[0]
         try:
@@ -618,16 +621,17 @@ class RouterService:
             self.counters["fetch_results_malformed"] = (
                 self.counters.get("fetch_results_malformed", 0) + 1)
             log.warning("worker %s: %s", worker.url, exc)
+            self.core.fetch_answered(route.request_id, None)
             return
         if parsed is None:
             self.counters["fetch_failed"] = self.counters.get("fetch_failed", 0) + 1
-            terms = route.decision.terms(worker.id)
-            backoff = self.core.fetch_failed(source.id, worker.id, time.monotonic(),
-                                             terms.fetch_blocks - terms.matched_blocks)
+            self.core.fetch_answered(route.request_id, None)
+            backoff = self.core.fetch_failed(source.id, worker.id, time.monotonic())
             log.info("peer fetch from %s to %s failed (%s); not priced for %.0f s",
                      source.url, worker.url, result[:80], backoff)
             return
-        _, nbytes, seconds = parsed
+        blocks, nbytes, seconds = parsed
+        self.core.fetch_answered(route.request_id, blocks)
         self.counters["fetch_fetched"] = self.counters.get("fetch_fetched", 0) + 1
         self.counters["fetch_bytes"] = self.counters.get("fetch_bytes", 0) + nbytes
         self.core.fetched(source.id, worker.id, nbytes, seconds)

@@ -153,8 +153,9 @@ class Policy(ABC):
 
     def fetch_result(self, request_id: str, blocks: int, nbytes: int,  # noqa: B027
                      seconds: float, now: float) -> None:
-        """The fetch :meth:`fetch_for` named ended: ``blocks`` blocks, ``nbytes`` bytes in
-        ``seconds`` (0 blocks: it failed, and the worker recomputes)."""
+        """The fetch :meth:`fetch_for` named ended, and its request joins its worker's
+        queue: ``blocks`` blocks received, ``nbytes`` bytes in ``seconds`` (0 blocks: it
+        failed, and the worker recomputes), as a worker's ``x-kvroute-fetch-result`` says."""
 
     def dispatch(self, now: float) -> tuple[list[tuple[str, int]], list[str]]:
         """A policy that holds requests (:meth:`route` answered :data:`HELD`): those that

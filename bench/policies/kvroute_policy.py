@@ -87,8 +87,8 @@ class KvroutePolicy(Policy):
         self._prefill_of: dict[str, int] = {}
         self._prefill_link = self.settings.prefill_link()
         #: Each request told to fetch: its source, blocks and worker.
-        self._fetch_of: dict[str, tuple[int, int, int, int]] = {}  # and its own hit
-        self._fetching: dict[str, tuple[int, int, int]] = {}  # sent: source, worker, blocks
+        self._fetch_of: dict[str, tuple[int, int, int]] = {}
+        self._fetching: dict[str, tuple[int, int]] = {}  # sent: source, worker
 
     def route(self, request: RouteRequest, now: float) -> int:
         hashes = request.hashes
@@ -118,14 +118,14 @@ class KvroutePolicy(Policy):
                          routed.continued, tokens, predicted)
         if terms.fetch_source is not None and predicted is None:
             self._fetch_of[request.request_id] = (terms.fetch_source, terms.fetch_blocks,
-                                                  decision.worker, terms.matched_blocks)
+                                                  decision.worker)
         return decision.worker
 
     def fetch_for(self, request_id: str) -> tuple[int, int] | None:
         told = self._fetch_of.pop(request_id, None)
         if told is None:
             return None
-        self._fetching[request_id] = (told[0], told[2], told[1] - told[3])
+        self._fetching[request_id] = (told[0], told[2])
         return told[0], told[1]
 
     def fetch_result(self, request_id: str, blocks: int, nbytes: int, seconds: float,
@@ -133,10 +133,11 @@ class KvroutePolicy(Policy):
         pair = self._fetching.pop(request_id, None)
         if pair is None:
             return
+        self.core.fetch_answered(request_id, blocks if blocks else None)
         if blocks:
             self.core.fetched(pair[0], pair[1], float(nbytes), seconds)
         else:
-            self.core.fetch_failed(pair[0], pair[1], now, pair[2])
+            self.core.fetch_failed(pair[0], pair[1], now)
 
     def prefill_for(self, request_id: str) -> int | None:
         return self._prefill_of.pop(request_id, None)

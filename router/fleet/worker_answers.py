@@ -40,11 +40,22 @@ class _Capacity(msgspec.Struct):
     max_num_seqs: _Count = 0
 
 
+_Name = Annotated[str, msgspec.Meta(min_length=1, max_length=128)]
+
+
+class _Device(msgspec.Struct):
+    host: _Name
+    gpu: _Name
+
+
 class _KvFetch(msgspec.Struct):
     serve: bool = False
     receive: bool = False
     kv_bytes_per_token: Annotated[int, msgspec.Meta(ge=0, le=1 << 30)] = 0
     transfer: str = "http"
+    transfers: Annotated[list[str], msgspec.Meta(max_length=16)] = msgspec.field(
+        default_factory=list)
+    cuda_ipc: _Device | None = None
 
 
 class _ModelInfo(msgspec.Struct):
@@ -103,6 +114,9 @@ def parse_model_info(url: str, raw: bytes) -> WorkerInfo:
     fetch = body.kv_fetch
     if fetch is not None and (fetch.transfer != "http" or fetch.kv_bytes_per_token <= 0):
         fetch = None
+    # Where its KV is, when it also copies fetched blocks over CUDA IPC: a peer of the same
+    # GPU is priced at that path's bandwidth.
+    ipc = fetch.cuda_ipc if fetch is not None and "cuda_ipc" in fetch.transfers else None
     return WorkerInfo(
         url=url,
         model=body.model,
@@ -125,6 +139,7 @@ def parse_model_info(url: str, raw: bytes) -> WorkerInfo:
         kv_fetch_serve=fetch is not None and fetch.serve,
         kv_fetch_receive=fetch is not None and fetch.receive,
         kv_bytes_per_token=fetch.kv_bytes_per_token if fetch is not None else 0,
+        kv_fetch_device=(ipc.host, ipc.gpu) if ipc is not None else None,
     )
 
 

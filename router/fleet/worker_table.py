@@ -60,6 +60,9 @@ class WorkerInfo:
     kv_fetch_serve: bool = False
     kv_fetch_receive: bool = False
     kv_bytes_per_token: int = 0
+    #: The machine and GPU its KV is on, when it also fetches over CUDA IPC (``kv_fetch``'s
+    #: ``cuda_ipc``; None: it does not).
+    kv_fetch_device: tuple[str, str] | None = None
 
     def serves(self, model: str) -> bool:
         """Whether ``model`` names this worker's base model or one of its LoRA adapters."""

@@ -35,7 +35,7 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from indexer.events import Cleared, Event
-from router.routing.fetch_links import FETCH_READ_S, FetchAbility, FetchLinks
+from router.routing.fetch_links import FETCH_READ_S, IPC_BANDWIDTH, FetchAbility, FetchLinks
 from router.routing.load import LoadTracker, ReportedLoad
 from router.routing.load_groups import LoadGroups, LoadKey, choose_fast
 from router.routing.policy import BASELINES, POLICIES, Policy, policy_named
@@ -49,6 +49,7 @@ from router.routing.scheduler import (
     WorkerCost,
     choose,
     cost_of,
+    prefill_seconds,
     price,
 )
 from router.routing.sessions import Continuation, SessionTracker
@@ -147,6 +148,18 @@ class _Booked:
     hashes: Sequence[int] = ()
 
 
+@dataclass(frozen=True, slots=True)
+class _Fetch:
+    """A request told to fetch, until its worker answers: where it went, and its booking
+    should it compute the fetch's blocks after all (blocks, unscaled seconds, and the
+    seconds a stored block is done at before attention, as the load books take them)."""
+
+    worker: int
+    recompute_blocks: int
+    recompute_s: float
+    recompute_lin: float
+
+
 @dataclass(slots=True)
 class Routed:
     """A decision and the session the request continues (consumed when it is booked)."""
@@ -190,10 +203,13 @@ class RoutingCore:
         # each pair's link.
         self._fetch: dict[int, FetchAbility] = {}
         self._no_receive: set[int] = set()
+        self._on_device: dict[tuple[str, str], set[int]] = {}  # CUDA IPC peers by GPU
         self._links = FetchLinks(settings.fetch_bandwidth, settings.block_size)
-        # Per worker, the blocks its fetches in flight will store (not its prefill's); per
+        # Each request told to fetch until its answer; per worker, the blocks each answered
+        # fetch stored whose events are still to come (not its prefill's), oldest first; per
         # source, the seconds of reads it serves, and each fetching request's read.
-        self._fetching: dict[int, int] = {}
+        self._fetches: dict[str, _Fetch] = {}
+        self._fetching: dict[int, dict[str, int]] = {}
         self._reading: dict[int, float] = {}
         self._reads: dict[str, tuple[int, float]] = {}
 
@@ -224,10 +240,13 @@ class RoutingCore:
         if not self._load.tracked(worker):
             return
         self._tracked[worker] = approximate
+        self._leave_device(worker)
         if fetch is None or not (fetch.serve or fetch.receive):
             self._fetch.pop(worker, None)
         else:
             self._fetch[worker] = fetch
+            if fetch.device is not None:
+                self._on_device.setdefault(fetch.device, set()).add(worker)
         if fetch is not None and fetch.receive:
             self._no_receive.discard(worker)
         else:
@@ -242,10 +261,12 @@ class RoutingCore:
         in_flight = self._load.remove_worker(worker)
         for rid in in_flight:
             self._booked.pop(rid, None)
+            self._fetches.pop(rid, None)
         self._tracked.pop(worker, None)
         self._capacity_total -= self._capacity.pop(worker, 0.0)
         self._kind.pop(worker, None)
         self._rates.pop(worker, None)
+        self._leave_device(worker)
         self._fetch.pop(worker, None)
         self._no_receive.discard(worker)
         self._links.forget(worker)
@@ -257,6 +278,17 @@ class RoutingCore:
         self._pressure.forget(worker)
         self._refresh(worker)
         return in_flight
+
+    def _leave_device(self, worker: int) -> None:
+        """``worker`` is no longer listed among the CUDA IPC peers of its GPU."""
+        ability = self._fetch.get(worker)
+        if ability is None or ability.device is None:
+            return
+        peers = self._on_device.get(ability.device)
+        if peers is not None:
+            peers.discard(worker)
+            if not peers:
+                del self._on_device[ability.device]
 
     def cache_cleared(self, worker: int, now: float) -> None:
         """``worker``'s cached blocks were cleared (restarted, reset, or unhealthy too long):
@@ -283,17 +315,22 @@ class RoutingCore:
         stored by then, and the index, now current, says so and will say when they go). The
         device blocks stored are the progress of the worker's head prefill
         (:mod:`router.routing.load`); Dynamo's rule queues a prefill whole until its first
-        token. Blocks a fetch told it to insert are stored too, and are no prefill: the
-        blocks of its fetches in flight are taken off first."""
+        token. Blocks a fetch inserted are stored too, and are no prefill: the blocks each
+        answered fetch received (:meth:`fetch_answered`) are taken off first."""
         stored = self._pressure.observe(worker, events, now)
-        credit = self._fetching.get(worker)
-        if stored and credit:
-            used = min(credit, stored)
-            stored -= used
-            if credit == used:
+        credits = self._fetching.get(worker)
+        if stored and credits:
+            for rid, credit in list(credits.items()):
+                used = credit if credit < stored else stored
+                stored -= used
+                if used == credit:
+                    del credits[rid]
+                else:
+                    credits[rid] = credit - used
+                if not stored:
+                    break
+            if not credits:
                 del self._fetching[worker]
-            else:
-                self._fetching[worker] = credit - used
         if stored and self._rule.tracks_prefill:
             self._load.stored(worker, stored)
             self._refresh(worker)
@@ -496,20 +533,33 @@ class RoutingCore:
             if s.worker == worker or links.backed_off(s.worker, worker, now):
                 continue
             per_token = self._fetch[s.worker].kv_bytes_per_token
-            block_s = max(links.block_s(s.worker, worker, per_token), floor)
+            block_s = max(links.block_s(s.worker, worker, per_token,
+                                        self._advertised(s.worker, worker)), floor)
             out.append(s if block_s == s.block_s else FetchSource(s.worker, s.blocks, block_s,
                                                                   s.read_s))
         return tuple(out)
 
+    def _advertised(self, source: int, receiver: int) -> float | None:
+        """The bandwidth a pair with no result is priced at, when it advertises one of its
+        own (CUDA IPC on one GPU, :data:`~router.routing.fetch_links.IPC_BANDWIDTH`); None:
+        the default link."""
+        a, b = self._fetch.get(source), self._fetch.get(receiver)
+        return IPC_BANDWIDTH if a is not None and b is not None and a.shares_device(b) \
+            else None
+
     def _own_links(self, sources: Sequence[FetchSource]) -> set[int]:
         """The tracked workers a group's default links would misprice for ``sources``: those
-        that receive no fetches, those with a link of their own from one of them (learned or
-        backed off), and those whose host copy is dearer than a source's default block."""
+        that receive no fetches, those with a link of their own from one of them (learned,
+        backed off, or advertised: CUDA IPC on its GPU), and those whose host copy is dearer
+        than a source's default block."""
         if not sources:
             return set()
         own = set(self._no_receive)
         for s in sources:
             own.update(w for w in self._links.known(s.worker) if w in self._tracked)
+            device = self._fetch[s.worker].device
+            if device is not None:
+                own.update(w for w in self._on_device.get(device, ()) if w in self._tracked)
         cheapest = min(s.block_s for s in sources)
         if any(self._scaled(kind).onboard_s > cheapest for kind in self._base):
             for w, r in self._rates.items():
@@ -617,18 +667,23 @@ class RoutingCore:
         blocks = len(hashes)
         factor = self.rate_factor(worker)
         r = self.rates(worker)
+        fetching = terms.fetch_source is not None
         # Its prefill as its blocks are stored, at the rates it was priced at (unscaled, as
         # the booked seconds are): p blocks after ``matched`` cost prefill_s * p + context_s
-        # * p * (matched + p / 2).
+        # * p * (matched + p / 2). A fetch joins the worker's queue when its answer comes.
         self._load.routed(request_id, worker, float(terms.prefill_blocks), max(blocks, 1),
                           terms.prefill_s / factor,
                           (r.prefill_s + r.context_s * terms.computed_after) / factor,
-                          0.5 * r.context_s / factor)
+                          0.5 * r.context_s / factor, fetching=fetching)
         first = r.first_s
-        if terms.fetch_source is not None:
-            # The blocks it fetches will be stored there without being prefilled.
-            self._fetching[worker] = (self._fetching.get(worker, 0) + terms.fetch_blocks
-                                      - terms.matched_blocks)
+        if fetching:
+            # Should the fetch fail, it computes the blocks itself: the recompute's booking.
+            matched = terms.matched_blocks
+            recompute = prefill_seconds(r.prefill_s, r.context_s, r.onboard_s, blocks - matched,
+                                        matched, matched - terms.device_matched_blocks)
+            self._fetches[request_id] = _Fetch(worker, blocks - matched,
+                                               recompute / factor,
+                                               (r.prefill_s + r.context_s * matched) / factor)
             # The source serves the read: its device copies the blocks out beside its
             # passes, for as long as the transfer, priced as work queued there until the
             # request's first token.
@@ -700,11 +755,11 @@ class RoutingCore:
         return self._fetch.get(worker)
 
     def fetch_link_s(self, source: int, receiver: int) -> float:
-        """Seconds a block takes from ``source`` to ``receiver`` as priced now (learned or
-        the default), before the receiver's copy floor."""
+        """Seconds a block takes from ``source`` to ``receiver`` as priced now (learned, or
+        what the pair advertises, or the default), before the receiver's copy floor."""
         ability = self._fetch.get(source)
         return self._links.block_s(source, receiver, ability.kv_bytes_per_token
-                                   if ability else 0)
+                                   if ability else 0, self._advertised(source, receiver))
 
     def fetched(self, source: int, receiver: int, nbytes: float, seconds: float) -> None:
         """A fetch from ``source`` to ``receiver`` moved ``nbytes`` in ``seconds``: the
@@ -712,19 +767,39 @@ class RoutingCore:
         if source in self._tracked and receiver in self._tracked:
             self._links.fetched(source, receiver, nbytes, seconds)
 
-    def fetch_failed(self, source: int, receiver: int, now: float, blocks: int = 0) -> float:
-        """A fetch from ``source`` to ``receiver`` of ``blocks`` blocks failed (the receiver
-        recomputed them): the pair is no source for a while, and the blocks, computed after
-        all, are its prefill's progress. Returns the seconds of the backoff (0: unknown
+    def fetch_failed(self, source: int, receiver: int, now: float) -> float:
+        """A fetch from ``source`` to ``receiver`` failed (the receiver recomputed): the pair
+        is no source for a while. Returns the seconds of the backoff (0: unknown
         workers)."""
         if source not in self._tracked or receiver not in self._tracked:
             return 0.0
-        credit = self._fetching.get(receiver, 0) - blocks
-        if credit > 0:
-            self._fetching[receiver] = credit
-        else:
-            self._fetching.pop(receiver, None)
         return self._links.failed(source, receiver, now)
+
+    def fetch_answered(self, request_id: str, received: int | None) -> None:
+        """The worker told to fetch for ``request_id`` began its answer: the fetch is over,
+        and the request is in the worker's queue, behind those there before it (its booking
+        joins the queue, :mod:`router.routing.load`). ``received``: the blocks the fetch
+        stored there (0: it had them all), taken off the worker's next stores; None: it
+        fetched nothing and computes them itself, so its booking becomes the recompute's.
+        Idempotent; a request not told to fetch, or ended, is ignored."""
+        fetch = self._fetches.pop(request_id, None)
+        if fetch is None:
+            return
+        worker = fetch.worker
+        if received:
+            # Its blocks are stored now (their events come next, or came just before the
+            # answer, in which case the next stores taken off make up for them).
+            self._fetching.setdefault(worker, {})[request_id] = received
+        rebooked = None if received is not None else (
+            float(fetch.recompute_blocks), fetch.recompute_s, fetch.recompute_lin)
+        self._load.queued(request_id, rebooked)
+        self._refresh(worker)
+
+    def _credit_done(self, worker: int, request_id: str) -> None:
+        """``request_id``'s fetch will store no more blocks on ``worker``."""
+        credits = self._fetching.get(worker)
+        if credits is not None and credits.pop(request_id, None) is not None and not credits:
+            del self._fetching[worker]
 
     def _read_done(self, request_id: str) -> None:
         """A fetching request's read is over (its first token came, or it ended): its
@@ -745,7 +820,10 @@ class RoutingCore:
         Returns its worker (None: it was not in flight)."""
         self._read_done(request_id)
         self._booked.pop(request_id, None)
+        fetch = self._fetches.pop(request_id, None)
         worker = self._load.finished(request_id)
+        if fetch is not None:
+            self._credit_done(fetch.worker, request_id)
         if worker is not None:
             self._refresh(worker)
         return worker

@@ -7,9 +7,12 @@ that inserted blocks, or a failure (D then recomputed). :class:`FetchLinks` turn
 the seconds a block takes over the pair's link, which the rule prices a fetch with
 (:class:`router.routing.scheduler.FetchSource`):
 
-- Until a pair has a result, its bandwidth is the default (the router's
-  ``--pd-transfer-bandwidth``, the same network a disaggregated prefill's KV crosses), and a
-  block's bytes are the source's advertised ``kv_bytes_per_token`` times the block size.
+- Until a pair has a result, its bandwidth is what the pair advertises: :data:`IPC_BANDWIDTH`
+  between two workers whose KV is on one GPU and that both copy fetched blocks over CUDA
+  IPC (``cuda_ipc`` in their ``/model_info``'s ``kv_fetch``, with one device identity), else
+  the default (the router's ``--pd-transfer-bandwidth``, the same network a disaggregated
+  prefill's KV crosses). A block's bytes are the source's advertised
+  ``kv_bytes_per_token`` times the block size.
 - Each fetched result folds in: the pair's bandwidth is its bytes over its seconds, summed
   over its results with weights decaying by ``decay`` a result (as the rate factor's pairs
   are, :class:`router.routing.rates.RateScale`), so it follows a link that slows down.
@@ -25,11 +28,16 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["FETCH_READ_S", "FetchAbility", "FetchLinks"]
+__all__ = ["FETCH_READ_S", "IPC_BANDWIDTH", "FetchAbility", "FetchLinks"]
 
 #: Seconds a fetch costs besides its blocks: a request to the source and its lookup of the
 #: blocks (an HTTP round trip on one host or rack).
 FETCH_READ_S = 0.002
+
+#: Bytes a second a fetch moves over CUDA IPC between two workers on one GPU: 49.1 GB/s,
+#: the median of a 1,023-block fetch of ``llama-1b``'s 1 MiB blocks on an H200
+#: (``docs/gpu.md``, "Peer KV fetch between workers on one GPU"; over HTTP there 0.3 GB/s).
+IPC_BANDWIDTH = 49.1e9
 
 
 @dataclass(frozen=True, slots=True)
@@ -43,6 +51,13 @@ class FetchAbility:
     receive: bool = False
     #: Bytes of KV one token of its cache takes.
     kv_bytes_per_token: int = 0
+    #: The machine and GPU its KV is on, when it copies fetched blocks over CUDA IPC
+    #: (None: it does not): two workers of one device are priced at :data:`IPC_BANDWIDTH`.
+    device: tuple[str, str] | None = None
+
+    def shares_device(self, other: FetchAbility) -> bool:
+        """Whether fetches between this worker and ``other`` may go over CUDA IPC."""
+        return self.device is not None and self.device == other.device
 
 
 class _Link:
@@ -81,16 +96,19 @@ class FetchLinks:
         self.max_backoff_s = max_backoff_s
         self._by_source: dict[int, dict[int, _Link]] = {}
 
-    def default_block_s(self, kv_bytes_per_token: int) -> float:
+    def default_block_s(self, kv_bytes_per_token: int, bandwidth: float | None = None
+                        ) -> float:
         """Seconds a block of a source with ``kv_bytes_per_token`` takes over a pair with no
-        result yet."""
-        return self.block_size * kv_bytes_per_token / self.bandwidth
+        result yet: at ``bandwidth``, what the pair advertises (None: the default link)."""
+        return self.block_size * kv_bytes_per_token / (bandwidth or self.bandwidth)
 
-    def block_s(self, source: int, receiver: int, kv_bytes_per_token: int) -> float:
-        """Seconds a block takes from ``source`` to ``receiver``: learned, or the default."""
+    def block_s(self, source: int, receiver: int, kv_bytes_per_token: int,
+                bandwidth: float | None = None) -> float:
+        """Seconds a block takes from ``source`` to ``receiver``: learned, or before any
+        result at ``bandwidth`` (:meth:`default_block_s`)."""
         link = self._by_source.get(source, {}).get(receiver)
         if link is None or link.bytes <= 0 or link.seconds <= 0:
-            return self.default_block_s(kv_bytes_per_token)
+            return self.default_block_s(kv_bytes_per_token, bandwidth)
         return self.block_size * kv_bytes_per_token * link.seconds / link.bytes
 
     def backed_off(self, source: int, receiver: int, now: float) -> bool:

@@ -2,7 +2,10 @@
 
 Own accounting, updated as requests move (the router sees every byte it forwards):
 
-- routed: the request's uncached blocks become pending prefill; it counts as active.
+- routed: the request's uncached blocks become pending prefill; it counts as active. A
+  request told to fetch its prefix from a peer is *fetching*: booked, but not yet in its
+  worker's queue (the worker runs it once the blocks are in) until :meth:`LoadTracker.
+  queued` says its fetch is over; it then joins the queue behind the requests there.
 - first token: its prefill is done; its blocks (prompt + expected output) count as decode.
 - finished (or failed, or cancelled): everything it held is released.
 
@@ -13,6 +16,14 @@ blocks its KV events store (:meth:`LoadTracker.stored`) are the head's progress;
 seconds less the seconds of those blocks are what is left of it. A head that gives its first
 token leaves the blocks stored past its own to the next head (the iteration that finished it
 computed the next one's first chunk); the count is 0 whenever nothing is prefilling.
+
+A request told to fetch its prompt's leading blocks from a peer reaches its worker's engine
+only when they are in: until its fetch is over (:meth:`LoadTracker.queued`) it is booked,
+and counted as prefilling, but is no part of the queue, so it is never the head. Queued at
+once, a fetching request ahead in the books took the stores of the request the engine ran
+meanwhile as its own, and that request, giving its first token behind it, left them in the
+count, which carried them from head to head: on the trace's tail at x4.4, 1,539 blocks past
+a 191k-token prompt's, so its worker was priced 3.5 s short for 6 s and took more requests.
 
 Correction: each worker's ``GET /load`` reports what it really has (running, waiting, pending
 prefill tokens, KV blocks in use). Requests sent by other router replicas, or straight to the
@@ -84,6 +95,8 @@ class _Books:
     requests: set[str] = field(default_factory=set)
     #: Our requests still prefilling, in the order they were routed (the first: the head).
     queue: dict[str, _Request] = field(default_factory=dict)
+    #: Our requests still fetching their prefix, not yet queued.
+    fetching: dict[str, _Request] = field(default_factory=dict)
     #: Device blocks the worker stored since the head became the head.
     progress: int = 0
     report: ReportedLoad | None = None
@@ -118,16 +131,17 @@ class LoadTracker:
             return []
         for rid in books.requests:
             self._requests.pop(rid, None)
-        self._prefilling -= len(books.queue)
+        self._prefilling -= len(books.queue) + len(books.fetching)
         return sorted(books.requests)
 
     def routed(self, request_id: str, worker: int, prefill_blocks: float,
                decode_blocks: float, prefill_s: float = 0.0, lin: float = 0.0,
-               quad: float = 0.0) -> None:
+               quad: float = 0.0, fetching: bool = False) -> None:
         """A request was sent to ``worker``: ``prefill_blocks`` uncached blocks to prefill
         (``prefill_s`` seconds of work), then ``decode_blocks`` held while it decodes. ``lin``
         and ``quad`` give the seconds of its prefill done once p blocks are stored, ``lin * p
-        + quad * p * p`` (attention makes later blocks dearer).
+        + quad * p * p`` (attention makes later blocks dearer). ``fetching``: it fetches its
+        prefix first, and joins the queue at :meth:`queued`.
 
         Raises:
             ValueError: the request id is already in flight, or the worker is unknown.
@@ -140,11 +154,36 @@ class LoadTracker:
         req = _Request(worker, prefill_blocks, decode_blocks, prefill_s, lin, quad)
         self._requests[request_id] = req
         books.requests.add(request_id)
-        books.queue[request_id] = req
+        if fetching:
+            books.fetching[request_id] = req
+        else:
+            books.queue[request_id] = req
         self._prefilling += 1
         books.active += 1
         books.prefill += prefill_blocks
         books.prefill_s += prefill_s
+
+    def queued(self, request_id: str, rebooked: tuple[float, float, float] | None = None
+               ) -> int | None:
+        """A fetching request's fetch is over: it joins its worker's queue, last. Given
+        ``rebooked``, ``(prefill_blocks, prefill_s, lin)`` as :meth:`routed` takes them (a
+        fetch that failed: its blocks to compute after all), its booking becomes that.
+        Returns its worker, or None when nothing changed (unknown, or not fetching)."""
+        req = self._requests.get(request_id)
+        if req is None:
+            return None
+        books = self._books[req.worker]
+        if books.fetching.pop(request_id, None) is None:
+            return None
+        if rebooked is not None:
+            blocks, seconds, req.lin = rebooked
+            books.prefill += blocks - req.prefill_blocks
+            books.prefill_s += seconds - req.prefill_s
+            req.prefill_blocks, req.prefill_s = blocks, seconds
+        if not books.queue:
+            books.progress = 0
+        books.queue[request_id] = req
+        return req.worker
 
     def first_token(self, request_id: str) -> int | None:
         """The request produced its first token: prefill done, decode begins. Returns its
@@ -182,9 +221,12 @@ class LoadTracker:
         return req.worker
 
     def _dequeue(self, books: _Books, request_id: str) -> None:
-        """Take a request off ``books``' prefill queue; a head leaves the blocks stored
-        beyond its own to the next head (its first chunk, computed in the iteration that
-        finished the head, came in the same events)."""
+        """Take a request off ``books``' prefill queue (or its fetches); a head leaves the
+        blocks stored beyond its own to the next head (its first chunk, computed in the
+        iteration that finished the head, came in the same events)."""
+        if books.fetching.pop(request_id, None) is not None:
+            self._prefilling -= 1
+            return
         queue = books.queue
         head = next(iter(queue), None) == request_id
         req = queue.pop(request_id, None)
@@ -240,7 +282,7 @@ class LoadTracker:
                           max(0.0, books.prefill) + books.external_prefill,
                           max(0.0, books.decode) + books.external_decode,
                           max(0.0, books.prefill_s - self._head_done(books)),
-                          books.external_prefill, len(books.queue))
+                          books.external_prefill, len(books.queue) + len(books.fetching))
 
     def figures(self, worker: int) -> tuple[int, float, float, float, float, int]:
         """:meth:`load`'s figures as a plain tuple, in its fields' order (active requests,
@@ -256,7 +298,7 @@ class LoadTracker:
                 (prefill if prefill > 0.0 else 0.0) + books.external_prefill,
                 (decode if decode > 0.0 else 0.0) + books.external_decode,
                 prefill_s if prefill_s > 0.0 else 0.0, books.external_prefill,
-                len(books.queue))
+                len(books.queue) + len(books.fetching))
 
     def prefilling(self) -> int:
         """Our requests that have not given their first token yet, over every worker."""

@@ -285,6 +285,12 @@ class Batcher:
         return running + sum(len(s.prompt.token_ids) for s in self._waiting)
 
     @property
+    def waiting_prompt_tokens(self) -> int:
+        """Prompt positions of the requests waiting for admission: what they will allocate
+        (a running request took its whole prompt's blocks when it was admitted)."""
+        return sum(len(s.prompt.token_ids) for s in self._waiting)
+
+    @property
     def decode_blocks(self) -> int:
         """Blocks held by running requests past their prefill (the router's decode load)."""
         return sum(

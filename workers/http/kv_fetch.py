@@ -29,9 +29,12 @@ Every failure costs only time: the request computes what was not fetched. Each i
 ``untrusted``       the instruction is not authenticated (:mod:`workers.http.transfer_auth`)
 ``bad_instruction`` malformed instruction headers
 ``unreachable``     the holder cannot be reached, or its answer was cut off
-``status_<code>``   the holder answered an HTTP error (401: another secret; 503: read slots)
+``status_<code>``   the holder answered an HTTP error (401: another secret; 503: its read slots
+                    are busy, or it holds the blocks but may pin none without those its waiting
+                    requests need)
 ``bad_message``     an answer that does not decode (another block layout, cut short, too long)
-``missing``         the holder holds none of the named blocks
+``missing``         the holder holds none of the named blocks on its device (evicted since the
+                    router heard of them, say)
 ``timeout``         the fetch outlived ``kv_fetch_timeout`` (waiting for one of
                     ``kv_fetch_concurrency`` slots included)
 ``no_free_blocks``  too few free blocks here to take the KV

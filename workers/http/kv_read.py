@@ -17,7 +17,8 @@ holds on the device (it stops at the first one it does not):
 
 The blocks are pinned while they are read (:meth:`workers.engine.loop.Engine.pin_blocks`):
 nothing is taken, evicted or copied for a read, and a pin never takes an evictable block the
-holder's queued prefills would need (the run stops short instead). At most
+holder's waiting requests would need (:func:`reserve_blocks`: the run stops short instead,
+and a read that could pin none of the blocks held is answered 503, ``no_room``). At most
 ``kv_read_concurrency`` reads run at once; one past them is answered 503 at once, costing the
 holder nothing, and the reader computes the prompt itself. A pin whose answer is never read
 to its end (a reader that left) is let go when its answer ends or, at the latest,
@@ -47,7 +48,7 @@ from workers.http.kv_ipc import HolderIpc
 from workers.torch.kv_wire import header_bytes
 
 __all__ = ["MAX_READ_BLOCKS", "READ_BODY_BYTES", "READ_LEASE_S", "TRANSFERS", "BlockReads",
-           "parse_keys", "parse_transfer"]
+           "parse_keys", "parse_transfer", "reserve_blocks"]
 
 #: The most keys one read may name (a prompt of 2 M tokens at block size 16).
 MAX_READ_BLOCKS = 1 << 17
@@ -105,10 +106,13 @@ def _device_run(engine: Engine, keys: Sequence[BlockKey]) -> int:
     return len(keys)
 
 
-def _reserve(engine: Engine) -> int:
-    """Blocks to keep free for the holder's own queued prefills."""
+def reserve_blocks(engine: Engine) -> int:
+    """Blocks a read must leave free for the holder's own waiting requests: their prompts'
+    (a running prefill took its blocks at admission). Counted with the running prefills'
+    rest too, a holder part way through a long prompt pinned nothing however much was free,
+    and its readers were told it held none of the blocks."""
     bs = engine.cache.block_size
-    return -(-engine.batcher.pending_prefill_tokens // bs)
+    return -(-engine.batcher.waiting_prompt_tokens // bs)
 
 
 class BlockReads:
@@ -161,7 +165,9 @@ class BlockReads:
             pinned, and :meth:`finish` is a no-op).
 
         Raises:
-            ApiError: 503 when :attr:`concurrency` reads are being served already.
+            ApiError: 503 when :attr:`concurrency` reads are being served already (``busy``),
+                or when the first block is held but pinning it would take a block the
+                waiting requests need (``no_room``, :func:`reserve_blocks`).
         """
         self.expire()
         if len(self._pinned) >= self._concurrency:
@@ -169,7 +175,11 @@ class BlockReads:
                            "compute the prompt instead", "server_error", code="busy")
         engine = max(self._engines, key=lambda e: _device_run(e, keys))
         pin_id = f"read-{uuid.uuid4().hex}"
-        block_ids = engine.pin_blocks(pin_id, keys, keep_free=_reserve(engine))
+        block_ids = engine.pin_blocks(pin_id, keys, keep_free=reserve_blocks(engine))
+        if not block_ids and _device_run(engine, keys[:1]):
+            raise ApiError(503, "this worker holds the blocks but keeps its free blocks for "
+                           "its waiting requests; compute the prompt instead", "server_error",
+                           code="no_room")
         if block_ids:
             self._leases.grant(pin_id, self._clock())
             self._pinned[pin_id] = engine

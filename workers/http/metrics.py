@@ -75,7 +75,8 @@ class WorkerMetrics:
         self.kv_reads = Counter(
             "kvroute_worker_kv_reads",
             "Block reads by peers, by outcome: served (some blocks sent), missing (none "
-            "held), refused (auth, a bad body, or every read slot busy)", ["outcome"],
+            "held), refused (auth, a bad body, every read slot busy, or no room to pin the "
+            "blocks held)", ["outcome"],
             registry=self.registry)
         for outcome in ("fetched", "skipped", "failed"):
             self.kv_fetch.labels(outcome)

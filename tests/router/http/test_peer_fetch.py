@@ -16,6 +16,7 @@ import pytest
 from indexer.events import Stored
 from router.http.app import create_app
 from router.http.request_path import without_fetch
+from router.routing.fetch_links import IPC_BANDWIDTH
 from router.service import RouterService, parse_fetch_result
 from router.settings import RouterSettings, SettingsError, load_settings
 from tests.router.http.test_request_metrics import samples, value
@@ -97,6 +98,35 @@ async def test_an_idle_worker_is_told_to_fetch_what_a_busy_holder_holds() -> Non
     assert value(found, "kvroute_fetch_results_total", outcome="fetched") == 1
     assert value(found, "kvroute_fetch_bytes_total") == 1310720000
     # The pair's link: 1.31 GB in 0.5 s is 2.6 GB/s, 32 KiB x 32 tokens a block.
+    assert learned == pytest.approx(32 * 32768 * 0.5 / 1310720000)
+
+
+def _on_gpu(gpu: str) -> dict[str, Any]:
+    """``FETCH`` as a worker that also copies fetched blocks over CUDA IPC advertises it."""
+    return {"kv_fetch": {**FETCH["kv_fetch"], "transfers": ["http", "cuda_ipc"],
+                         "cuda_ipc": {"host": "h1", "gpu": gpu}}}
+
+
+@pytest.mark.parametrize(("holder_gpu", "taker_gpu", "bandwidth"), [
+    ("GPU-a", "GPU-a", IPC_BANDWIDTH), ("GPU-a", "GPU-b", 25e9), ("GPU-a", None, 25e9)])
+async def test_a_pair_on_one_gpu_is_priced_at_cuda_ipc_until_it_learns(
+        holder_gpu: str, taker_gpu: str | None, bandwidth: float) -> None:
+    """Before any result, a pair whose /model_info both advertise CUDA IPC on one GPU is
+    priced at the IPC path's bandwidth; on two GPUs, or with one worker over HTTP alone, at
+    the default link. A result then teaches the pair's own."""
+    async with ScriptedWorker() as holder, ScriptedWorker() as taker:
+        holder.model_info_extra = _on_gpu(holder_gpu)
+        taker.model_info_extra = FETCH if taker_gpu is None else _on_gpu(taker_gpu)
+        taker.answer_headers = {"x-kvroute-fetch-result": RESULT}
+        async with fleet(holder, taker) as (client, service):
+            source, receiver = _ids(service, holder, taker)
+            prior = service.core.fetch_link_s(source, receiver)
+            explained = (await client.post("/debug/route", json=BODY)).json()
+            await client.post("/v1/completions", json=BODY)
+            learned = service.core.fetch_link_s(source, receiver)
+    assert prior == pytest.approx(32 * 32768 / bandwidth)
+    took = {row["url"]: row for row in explained["workers"]}[taker.url]
+    assert took["fetch_s"] == pytest.approx(0.002 + 1250 * max(prior, 32 * 32768 / 50e9))
     assert learned == pytest.approx(32 * 32768 * 0.5 / 1310720000)
 
 
@@ -205,3 +235,17 @@ def test_model_info_kv_fetch_is_read_checked_and_ignored_unless_usable() -> None
         assert not (info.kv_fetch_serve or info.kv_fetch_receive)
     with pytest.raises(MalformedAnswer, match="kv_fetch"):
         parse_model_info("http://127.0.0.1:1", b"{" + base + b', "kv_fetch": "yes"}')
+    # CUDA IPC: the device a worker's KV is on, when it lists the path among its transfers.
+    usable = b', "kv_fetch": {"serve": true, "receive": true, "kv_bytes_per_token": 9'
+    device = b', "cuda_ipc": {"host": "h", "gpu": "GPU-1"}'
+    info = parse_model_info("http://127.0.0.1:1", b"{" + base + usable
+                            + b', "transfers": ["http", "cuda_ipc"]' + device + b"}}")
+    assert info.kv_fetch_device == ("h", "GPU-1") and info.kv_fetch_receive
+    for elsewhere in (usable + device + b"}", usable + b', "transfers": ["http"]' + device + b"}",
+                      usable + b"}"):
+        info = parse_model_info("http://127.0.0.1:1", b"{" + base + elsewhere + b"}")
+        assert info.kv_fetch_device is None and info.kv_fetch_receive
+    for bad in (b', "cuda_ipc": {"host": "", "gpu": "GPU-1"}', b', "cuda_ipc": {"host": "h"}',
+                b', "transfers": "cuda_ipc"'):
+        with pytest.raises(MalformedAnswer, match="kv_fetch"):
+            parse_model_info("http://127.0.0.1:1", b"{" + base + usable + bad + b"}}")

@@ -111,6 +111,38 @@ def test_a_head_that_ends_before_its_blocks_are_stored_leaves_nothing_over() -> 
     assert t.load(0).pending_prefill_s == pytest.approx(0.4)
 
 
+def test_a_fetching_request_joins_the_queue_when_its_fetch_is_over() -> None:
+    t = LoadTracker()
+    t.add_worker(0)
+    # f fetches its prefix first; b, sent after it, is what the worker prefills meanwhile.
+    t.routed("f", 0, 2, 8, prefill_s=0.2, lin=0.1, fetching=True)
+    t.routed("b", 0, 10, 20, prefill_s=1.0, lin=0.1)
+    assert t.load(0).pending_prefill_s == pytest.approx(1.2)  # both booked
+    assert t.load(0).prefilling == 2
+    t.stored(0, 4)  # b's first blocks: b is the head, f is not queued
+    assert t.load(0).pending_prefill_s == pytest.approx(0.8)
+    assert t.queued("f") == 0 and t.queued("f") is None  # behind b now; once
+    t.stored(0, 8)  # b done, 2 past it
+    assert t.load(0).pending_prefill_s == pytest.approx(0.2)
+    t.first_token("b")  # f is the head, with the 2 blocks stored past b's
+    assert t.load(0).pending_prefill_s == pytest.approx(0.0)
+    t.first_token("f")
+    assert t.load(0).prefilling == 0 and t.prefilling() == 0
+
+
+def test_a_failed_fetch_is_booked_as_the_prefill_it_now_is() -> None:
+    t = LoadTracker()
+    t.add_worker(0)
+    t.routed("f", 0, 2, 8, prefill_s=0.2, lin=0.1, fetching=True)
+    t.queued("f", (12.0, 1.5, 0.125))  # it computes the 10 blocks it was to fetch too
+    load = t.load(0)
+    assert (load.pending_prefill_blocks, load.pending_prefill_s) == (12.0, pytest.approx(1.5))
+    t.stored(0, 4)
+    assert t.load(0).pending_prefill_s == pytest.approx(1.0)
+    t.finished("f")
+    assert t.load(0) == WorkerLoad(0, 0.0, 0.0)
+
+
 def test_blocks_stored_with_nothing_prefilling_are_not_banked() -> None:
     t = LoadTracker()
     t.add_worker(0)

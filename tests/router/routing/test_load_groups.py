@@ -11,6 +11,7 @@ from collections.abc import Callable
 
 import pytest
 
+from indexer.events import Stored
 from router.routing.core import CoreSettings, RoutingCore
 from router.routing.fetch_links import FetchAbility
 from router.routing.load import ReportedLoad
@@ -29,7 +30,12 @@ KINDS = {"kvroute": Rates(prefill_s=2e-6, context_s=4e-10, decode_s=2e-8, onboar
 #: neither (a stock engine); KV of a small, a large and an absurd model a token.
 ABILITIES = [FetchAbility(True, True, 32768)] * 4 + [
     FetchAbility(True, True, 1 << 20), FetchAbility(True, False, 32768),
-    FetchAbility(False, True, 32768), None]
+    FetchAbility(False, True, 32768), None,
+    # CUDA IPC peers of two GPUs: their pairs are priced at the IPC path's bandwidth.
+    FetchAbility(True, True, 32768, ("h", "GPU-0")),
+    FetchAbility(True, True, 32768, ("h", "GPU-0")),
+    FetchAbility(True, False, 32768, ("h", "GPU-0")),
+    FetchAbility(True, True, 32768, ("h", "GPU-1"))]
 #: Default links: slow, the default, and one faster than a host copy (the copy floor).
 BANDWIDTHS = (1e9, 25e9, 1e13)
 
@@ -84,6 +90,13 @@ def _step(core: RoutingCore, rng: random.Random, step: int, workers: int,
     core.routed(rid, routed.decision.worker, hashes, routed.decision.chosen, now,
                 routed.continued, len(hashes) * 32 + rng.randrange(2))
     in_flight.append(rid)
+    chosen = routed.decision.chosen
+    if chosen.fetch_source is not None and rng.random() < 0.7:  # its answer, some day
+        core.fetch_answered(rid, rng.choice([None, 0, chosen.fetch_blocks]))
+    if rng.random() < 0.2:  # some fetch's stores, or a prefill's
+        core.events_applied(rng.randrange(workers), [Stored(
+            block_hashes=[rng.getrandbits(32) for _ in range(n)], parent_block_hash=None,
+            token_ids=[1] * (32 * n), block_size=32) for n in [rng.randint(1, 12)]], now)
     for r in rng.sample(in_flight, min(len(in_flight), rng.randint(0, 2))):
         core.first_token(r, now + rng.random())
     if in_flight and rng.random() < 0.4:
@@ -97,7 +110,6 @@ def _step(core: RoutingCore, rng: random.Random, step: int, workers: int,
     if rng.random() < 0.1:  # caches turning over: a busy fleet prices a fetched copy
         core.record_resident(rng.randrange(workers), rng.randint(0, 40), rng.randint(0, 30),
                              now)
-    chosen = routed.decision.chosen
     pair = None
     if chosen.fetch_source is not None and rng.random() < 0.5:  # its result, learned
         pair = (chosen.fetch_source, chosen.worker)
@@ -232,6 +244,29 @@ def test_the_groups_follow_the_books() -> None:
 def test_an_empty_fleet_is_a_caller_error() -> None:
     with pytest.raises(ValueError, match="no candidate"):
         choose_fast(1, [], LoadGroups(), random.Random(0))
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_cuda_ipc_peers_of_a_source_are_priced_on_their_own_link(seed: int) -> None:
+    # A 1 GB/s default link (a fetch of 400 blocks: 0.4 s, dearer than recomputing them),
+    # six workers, 0-2 on one GPU and 3-5 on another, each holder of a long prompt busy. A
+    # worker holding nothing on its holder's GPU fetches over CUDA IPC (20 us a block, the
+    # copy floor), one elsewhere at the default link: the groups' one default link would
+    # misprice the first, so the fast path prices it on its own, as the scan does.
+    rng = random.Random(seed)
+    core = RoutingCore(CoreSettings(fetch_bandwidth=1e9))
+    for w in range(6):
+        core.worker_joined(w, fetch=FetchAbility(True, True, 32768, ("h", f"GPU-{w // 3}")))
+    prompts = [[rng.getrandbits(32) for _ in range(rng.randint(300, 500))] for _ in range(3)]
+    for i, prompt in enumerate(prompts):
+        holder = rng.randrange(6)
+        busy = [rng.getrandbits(32) for _ in range(2000)]
+        core.routed(f"busy{i}", holder, busy, core.decide(busy, {}, 0.0, rng, workers=[
+            holder], fetch=False).decision.chosen, 0.0)
+        matches = {holder: (len(prompt) - 8, len(prompt) - 8)}
+        _agree(core, rng, prompt, matches, 0.1)
+        chosen = core.decide(prompt, matches, 0.1, random.Random(0)).decision.chosen
+        assert chosen.fetch_source == holder and chosen.worker // 3 == holder // 3
 
 
 def test_a_fleet_with_a_worker_left_out_is_priced_in_full() -> None:

@@ -246,44 +246,98 @@ def test_a_booking_with_a_prediction_of_its_own_reports_it_and_teaches_no_rate()
     assert factors[0] > 2 and factors[1] == 1.0
 
 
+def _stored(first: int, blocks: int) -> Stored:
+    return Stored(block_hashes=list(range(first, first + blocks)), parent_block_hash=None,
+                  token_ids=[7] * (blocks * 32), block_size=32)
+
+
+def _terms_on(core: RoutingCore, worker: int, hashes: list[int]) -> WorkerCost:
+    """The terms of recomputing ``hashes`` on ``worker`` (it holds none of them)."""
+    return core.decide(hashes, {}, 0.0, random.Random(0), workers=[worker],
+                       fetch=False).decision.chosen
+
+
+def _done(core: RoutingCore, worker: int, blocks: int, matched: int) -> float:
+    """Seconds of a prefill done once ``blocks`` of it after ``matched`` held are stored."""
+    r = core.rates(worker)
+    return r.prefill_s * blocks + r.context_s * blocks * (matched + 0.5 * blocks)
+
+
+def _fetch_pair() -> RoutingCore:
+    """Worker 0 holds blocks behind a long foreign queue; worker 1, idle, fetches them."""
+    core = RoutingCore(CoreSettings())
+    for w in range(2):
+        core.worker_joined(w, fetch=FetchAbility(True, True, 32768))
+    core.load_reported(0, ReportedLoad(running=1, pending_prefill_blocks=50000.0))
+    return core
+
+
 def test_blocks_a_fetch_stores_are_not_its_workers_prefill_progress() -> None:
     """A worker told to fetch 900 blocks stores them before it prefills anything: its
     events' stores are taken off the fetch's blocks first, so the head's booked prefill
     stays; once the fetch's blocks are in, further stores are the prefill's progress. A
-    failed fetch's blocks are computed after all: their stores count again."""
-    core = RoutingCore(CoreSettings())
-    ability = FetchAbility(True, True, 32768)
-    for w in range(2):
-        core.worker_joined(w, fetch=ability)
+    failed fetch is booked as the recompute it is, and its blocks are that prefill's."""
+    core = _fetch_pair()
     hashes = list(range(1, 1001))
-    # Worker 0 holds 900 blocks behind a long queue; worker 1 is idle: it fetches them.
-    core.load_reported(0, ReportedLoad(running=1, pending_prefill_blocks=50000.0))
     routed = core.decide(hashes, {0: (900, 900)}, 0.0, random.Random(0))
     terms = routed.decision.chosen
     assert (routed.decision.worker, terms.fetch_source, terms.fetch_blocks) == (1, 0, 900)
     core.routed("r", 1, hashes, terms, 0.0)
     booked = core.wait(1)
-    stored = Stored(block_hashes=list(range(900)), parent_block_hash=None,
-                    token_ids=[7] * (900 * 32), block_size=32)
-    core.events_applied(1, [stored], 0.1)
+    core.fetch_answered("r", 900)
+    core.events_applied(1, [_stored(0, 900)], 0.1)
     assert core.wait(1) == booked  # the fetch's blocks: no prefill done
-    more = Stored(block_hashes=list(range(900, 950)), parent_block_hash=899,
-                  token_ids=[8] * (50 * 32), block_size=32)
-    core.events_applied(1, [more], 0.2)
+    core.events_applied(1, [_stored(900, 50)], 0.2)
     assert core.wait(1) < booked  # the prefill's own blocks
-    # A second fetch that fails: its blocks, recomputed, are progress at once.
+    # A second fetch that fails: it prefills the 1000 blocks, and its stores are progress.
     core.finished("r")
     other = list(range(5001, 6001))
     routed = core.decide(other, {0: (900, 900)}, 1.0, random.Random(0))
-    assert (routed.decision.worker, routed.decision.chosen.fetch_source) == (1, 0)
-    core.routed("s", 1, other, routed.decision.chosen, 1.0)
-    core.fetch_failed(0, 1, 1.0, routed.decision.chosen.fetch_blocks)
+    fetch = routed.decision.chosen
+    assert (routed.decision.worker, fetch.fetch_source) == (1, 0)
+    core.routed("s", 1, other, fetch, 1.0)
+    assert core.wait(1) == pytest.approx(fetch.prefill_s)
+    core.fetch_answered("s", None)
+    assert core.wait(1) == pytest.approx(fetch.recompute_cost - fetch.wait_s
+                                         - core.rates(1).first_s)
     before = core.wait(1)
-    assert before > 0
-    again = Stored(block_hashes=list(range(2000, 2100)), parent_block_hash=None,
-                   token_ids=[9] * (100 * 32), block_size=32)
-    core.events_applied(1, [again], 1.1)
+    core.events_applied(1, [_stored(2000, 100)], 1.1)
     assert core.wait(1) < before
+
+
+def test_a_fetch_in_flight_is_not_its_workers_head() -> None:
+    """The trace's tail at x4.4: a request fetching 1,696 blocks is sent to worker 1, then
+    a 1,130-block prompt the worker prefills while the fetch is on the wire; the fetch's
+    request runs after it. Its stores are its own prefill's progress, not the fetching
+    request's, and once both have answered nothing stored is left over for the next: a
+    66k-token prompt queued behind them is priced whole. (Counted as the fetching
+    request's, the 1,130 blocks and the 408 the fetch's count had taken from earlier
+    prefills were carried from head to head, and a 191k-token prompt's worker was priced
+    3.5 s short.)"""
+    core = _fetch_pair()
+    held = list(range(1, 1708))
+    routed = core.decide(held, {0: (1696, 1696)}, 0.0, random.Random(0))
+    fetch = routed.decision.chosen
+    assert (routed.decision.worker, fetch.fetch_source, fetch.fetch_blocks) == (1, 0, 1696)
+    core.routed("fetching", 1, held, fetch, 0.0)
+    cold = list(range(10_000, 11_130))
+    core.routed("cold", 1, cold, _terms_on(core, 1, cold), 0.0)
+    booked = core.wait(1)
+    core.events_applied(1, [_stored(10_000, 255)], 0.05)  # cold's first chunk
+    assert core.wait(1) < booked
+    core.fetch_answered("fetching", 1696)  # it joins the queue behind cold
+    core.events_applied(1, [_stored(0, 1696), _stored(10_255, 256)], 0.1)
+    for i in range(2):
+        core.events_applied(1, [_stored(10_511 + 256 * i, 256)], 0.2 + 0.1 * i)
+    assert core.wait(1) == pytest.approx(booked - _done(core, 1, 1023, 0), rel=1e-6)
+    core.events_applied(1, [_stored(11_023, 107), _stored(1696, 11)], 0.4)
+    later = list(range(20_000, 22_076))
+    alone = _terms_on(core, 1, later).prefill_s
+    core.routed("later", 1, later, _terms_on(core, 1, later), 0.4)
+    core.first_token("cold", 0.4)
+    core.first_token("fetching", 0.4)
+    decoding = core.rates(1).decode_s * (len(cold) + len(held))
+    assert core.wait(1) == pytest.approx(alone + decoding)
 
 
 def test_a_fetch_books_its_read_on_the_source_until_the_first_token() -> None:

@@ -13,10 +13,17 @@ from typing import Any
 import httpx
 import pytest
 
+from openai_request.bodies import ApiError
 from openai_request.prompts import build_prompt
 from workers.cache.block_keys import Prompt, RequestBlocks, Scope
+from workers.cache.cache_manager import CacheManager
+from workers.cache.event_sink import EventSink
+from workers.engine.batcher import Batcher, EngineRequest
+from workers.engine.executor import SimExecutor
+from workers.engine.loop import Engine
+from workers.engine.timing import DEFAULT_TIMING, TIMING_MODELS
 from workers.http.api import create_app
-from workers.http.kv_read import MAX_READ_BLOCKS
+from workers.http.kv_read import MAX_READ_BLOCKS, BlockReads, reserve_blocks
 from workers.settings import WorkerSettings
 
 SECRET = "s3cret-of-sixteen-bytes"
@@ -191,6 +198,40 @@ async def test_a_read_past_the_read_slots_is_answered_503_at_once() -> None:
         assert state(holder).runtime.cache.num_pins == 0
         assert (await holder.post("/kv_transfer/read", json={"block_keys": named})
                 ).json() == {"blocks": 6}
+
+
+def test_a_holder_part_way_through_a_long_prompt_still_serves_what_it_holds() -> None:
+    # 16 blocks of 4: a 3-block prompt cached and let go (evictable), then a 12-block prompt
+    # admitted and prefilling, its blocks taken at admission: one block is free. Nothing
+    # waits, so a read keeps nothing free for it and pins the 3 blocks; with a request
+    # waiting for 2 blocks, only what leaves those free.
+    cache = CacheManager(num_blocks=16, block_size=4)
+    held = Prompt(tuple(range(1, 14)))
+    cache.allocate("held", held)
+    cache.commit_computed("held", 12)
+    cache.free("held")
+    batcher = Batcher(cache, max_num_batched_tokens=8)
+    engine = Engine(cache, batcher, SimExecutor(TIMING_MODELS[DEFAULT_TIMING], block_size=4),
+                    EventSink(), None)
+    batcher.add(EngineRequest("long", Prompt(tuple(range(100, 148))), 1))
+    assert batcher.schedule() is not None and batcher.pending_prefill_tokens == 48
+    assert (cache.pool.num_free_blocks, reserve_blocks(engine)) == (4, 0)  # 1 + 3 evictable
+    named = [RequestBlocks(held, 4).block(i).key for i in range(3)]
+    reads = BlockReads([engine], concurrency=2)
+    pin, _, blocks = reads.pin(named)
+    assert len(blocks) == 3
+    reads.finish(pin)
+    batcher.add(EngineRequest("next", Prompt(tuple(range(200, 208))), 1))
+    assert reserve_blocks(engine) == 2
+    pin, _, blocks = reads.pin(named)
+    assert len(blocks) == 2  # of 4 free or evictable, 2 kept free
+    reads.finish(pin)
+    # Waiting requests that need every block: it holds them and may pin none, and says so.
+    batcher.add(EngineRequest("more", Prompt(tuple(range(300, 308))), 1))
+    with pytest.raises(ApiError, match="keeps its free blocks") as refused:
+        reads.pin(named)
+    assert (refused.value.status, refused.value.code) == (503, "no_room")
+    assert cache.num_pins == 0
 
 
 async def test_a_read_is_served_by_the_rank_that_holds_the_blocks() -> None:
