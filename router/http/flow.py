@@ -434,7 +434,7 @@ class FlowControl:
             if not future.done():
                 ahead, length = self._joined.get(head.key, (0, 0))
                 route.queued = QueueStay(now - head.arrived, ahead, length)
-                self.rate.started(head.key, now)
+                self.rate.started(route.request_id, now)
                 future.set_result(route)
                 if self.on_wait is not None:
                     self.on_wait(head.priority, head.tenant, now - head.arrived)

@@ -89,6 +89,42 @@ async def test_a_worker_at_its_limit_gets_nothing_more_and_the_queue_leaves_on_a
     await flow.close()
 
 
+async def test_a_request_decided_again_as_it_leaves_the_queue_is_timed_by_its_new_id(
+        ) -> None:
+    # Leaving the queue, a request is decided again, which names it afresh; it ends under
+    # that name. Timed under the old one it never ended: the pace read it as running ever
+    # longer and shed the queue behind it, and its hold was never learned.
+    clock, fleet = Clock(), Fleet(w1=1)
+    flow = flow_control(clock, urgent_share=0.0)
+
+    left: list[str] = []  # the name each request left under, in order
+
+    async def send(rid: str) -> Route:
+        again = iter(range(1, 100))
+        route = await flow.admit(fleet.route(rid), Ask(5),
+                                 lambda: fleet.route(f"{rid}-{next(again)}"))
+        fleet.in_flight[1] += 1
+        left.append(route.request_id)
+        return route
+
+    tasks = [asyncio.create_task(send(f"r{i}")) for i in range(5)]
+    await settle()
+    assert left == ["r0"] and len(flow.queue) == 4  # r0 went at once, under its own name
+    for t in range(1, 6):  # each holds the one sequence 1 s; the next leaves as it ends
+        clock.now = float(t)
+        fleet.in_flight[1] -= 1
+        flow.ended(left[-1])
+        await settle()
+        assert len(left) == min(t + 1, 5)
+    await asyncio.gather(*tasks)
+    assert [name.split("-")[0] for name in left] == ["r0", "r1", "r2", "r3", "r4"]
+    assert all("-" in name for name in left[1:])  # decided again: named afresh
+    # 5 ends over 4 s: 1.25 a second; 10 sequences each held 1 s: 10 a second.
+    assert flow.rate.per_second(5.0) == pytest.approx(5 / 4)
+    assert flow.rate.per_second(5.0, sequences=10) == pytest.approx(10.0)
+    await flow.close()
+
+
 async def test_an_urgent_request_jumps_the_queue_and_takes_the_room_kept_for_it() -> None:
     clock, fleet = Clock(), Fleet(w1=4)  # 4 sequences, one kept (a 1/16 share, at least 1)
     flow = flow_control(clock)
