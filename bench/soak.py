@@ -31,6 +31,8 @@ Each flood request carries its own ``x-request-id`` and the router logs at level
 file, so each request lost before its first byte is told with the stage the router's lines
 for it name (:meth:`Flood.stages`): how long it waited in flow control's queue and how long
 it was then at its workers, which worker failed it, or that the router said nothing of it.
+Each answer cut after it began is printed with the worker that gave it (the router's
+``x-kvroute-worker`` header), when it was sent, and when its bytes stopped.
 
 With ``--hostile``, hostile clients and peers run beside the traffic
 (:mod:`bench.soak_hostile`): slow bodies, 2 MB headers, 16-image fan-out, and a stock-engine
@@ -90,8 +92,18 @@ class Flood:
     #: Each request lost before its first byte: (its id, why, monotonic seconds it was sent,
     #: seconds until it was given up).
     lost_requests: list[tuple[str, str, float, float]] = field(default_factory=list)
+    #: Each answer cut after it began: (its id, the worker that answered, monotonic seconds
+    #: it was sent, seconds until its last byte, seconds until it was cut, bytes received).
+    cut: list[tuple[str, str, float, float, float, int]] = field(default_factory=list)
     #: Requests sent, for their ids.
     sent: int = 0
+
+    def cuts(self, started: float, names: dict[str, str]) -> list[str]:
+        """Each answer cut after it began, when it was sent (``started``: the run's start),
+        the worker that answered (by ``names``, its URL's name) and when its bytes stopped."""
+        return [f"  {rid}, sent at {sent - started:.1f} s, answered by {names.get(url, url)}: "
+                f"{size} bytes, the last {last:.1f} s after sending, cut at {took:.1f} s"
+                for rid, url, sent, last, took, size in self.cut]
 
     def stages(self, router_log: str, started: float) -> list[str]:
         """Each lost request with the router's lines for it (``router_log``: the router's
@@ -137,6 +149,8 @@ class Tally:
     #: The router's log (level info) and the run's start, monotonic seconds.
     router_log: str = ""
     started: float = 0.0
+    #: Each worker's name by its URL.
+    worker_names: dict[str, str] = field(default_factory=dict)
 
     @property
     def requests(self) -> int:
@@ -321,15 +335,21 @@ async def _flood_one(session: aiohttp.ClientSession, base: str, body: bytes, cls
     rid = f"flood-{cls}-{flood.sent}"
     status: int | None = None
     first: float | None = None
+    last = 0.0
+    size = 0
+    worker = ""
     try:
         async with session.post(base + "/v1/chat/completions", data=body,
                                 headers={"Content-Type": "application/json",
                                          "x-request-id": rid}) as r:
             status = r.status
             retry = r.headers.get("Retry-After")
-            async for _chunk in r.content.iter_any():
+            worker = r.headers.get("x-kvroute-worker", "")
+            async for chunk in r.content.iter_any():
+                last = time.perf_counter() - sent
+                size += len(chunk)
                 if first is None:
-                    first = time.perf_counter() - sent
+                    first = last
             if status == 200 and cls == "high" and first is not None:
                 flood.high_ttft_s.append(first)
     except (aiohttp.ClientError, TimeoutError) as exc:
@@ -340,6 +360,7 @@ async def _flood_one(session: aiohttp.ClientSession, base: str, body: bytes, cls
                                         time.perf_counter() - sent))
         else:  # answered, then cut short (a worker paused or killed mid-answer)
             flood.answers[(cls, f"{status}, then cut: {type(exc).__name__}")] += 1
+            flood.cut.append((rid, worker, sent_at, last, time.perf_counter() - sent, size))
         return
     refusal = status == 503 or (status == 429 and retry is not None)
     flood.answers[(cls, str(status) if status != 429 or retry else "429 no Retry-After")] += 1
@@ -410,6 +431,9 @@ def report(tally: Tally, seconds: float) -> str:
         if tally.flood.lost_requests:
             lines += ["flood lost before first byte, by the router's lines for each:",
                       *tally.flood.stages(tally.router_log, tally.started)]
+        if tally.flood.cut:
+            lines += ["flood answers cut after they began:",
+                      *tally.flood.cuts(tally.started, tally.worker_names)]
     if tally.hostile is not None:
         lines += ["", *tally.hostile.report()]
     return "\n".join(lines)
@@ -431,6 +455,7 @@ async def soak(seconds: float, concurrency: int, faults: bool, seed: int,
         worker_args = [*worker_args, "--allow-image-hosts", "127.0.0.1"]
         router_args = [*router_args, "--worker", peers.stock_worker]
     workers = [Worker(i, worker_args) for i in range(3)]
+    tally.worker_names = {w.url: w.name for w in workers}
     router: subprocess.Popen[bytes] | None = None
     logs = tempfile.TemporaryDirectory(prefix="kvroute-soak-")
     router_log = os.path.join(logs.name, "router.log")

@@ -116,3 +116,15 @@ async def test_a_lost_request_is_told_by_its_id_with_the_routers_lines_for_it() 
         "30.1 s sent to http://w1 (and any tried after it) with no answer begun",
         "    router: worker http://w1 failed before answering (hung): no first byte"]
     assert flood.stages("", sent)[1].startswith("    router: the router logged nothing for it")
+
+
+async def test_a_cut_answer_is_told_with_its_worker_and_when_its_bytes_stopped() -> None:
+    flood = await _one(200, "low", cut=True)
+    [(rid, worker, sent, last, took, size)] = flood.cut
+    assert rid == "flood-low-1" and worker == "" and size == len(b"data: {}\n\n")
+    assert 0 <= last <= took
+    [line] = flood.cuts(sent - 2.0, {"http://w1": "worker-1"})
+    assert line.startswith(f"  flood-low-1, sent at 2.0 s, answered by : {size} bytes, the "
+                           f"last {last:.1f} s after sending, cut at {took:.1f} s")
+    flood.cut[0] = (rid, "http://w1", sent, last, took, size)
+    assert "answered by worker-1:" in flood.cuts(sent, {"http://w1": "worker-1"})[0]
