@@ -129,21 +129,25 @@ def process_cpu_seconds(pid: int) -> float:
 
 
 def spawn(args: list[str], url: str, health: str = "/health", timeout: float = 30.0,
-          niceness: int = 0) -> subprocess.Popen[bytes]:
+          niceness: int = 0, log: str | None = None) -> subprocess.Popen[bytes]:
     """Start ``kvroute <args>`` (under ``nice -n niceness`` when not 0) and wait until
-    ``url + health`` answers 200."""
-    return wait_ready(launch(args, niceness), url + health, f"kvroute {' '.join(args)}",
+    ``url + health`` answers 200; ``log``: :func:`launch`'s."""
+    return wait_ready(launch(args, niceness, log), url + health, f"kvroute {' '.join(args)}",
                       timeout)
 
 
-def launch(args: list[str], niceness: int = 0) -> subprocess.Popen[bytes]:
+def launch(args: list[str], niceness: int = 0, log: str | None = None
+           ) -> subprocess.Popen[bytes]:
     """Start ``kvroute <args>`` in a session of its own (under ``nice -n niceness`` when not
-    0), its output discarded; :func:`wait_ready` waits for it, :func:`stop` stops it."""
+    0), its output discarded, or, given a ``log`` path, its log at level info appended there;
+    :func:`wait_ready` waits for it, :func:`stop` stops it."""
     nice = ["nice", "-n", str(niceness)] if niceness else []
-    return subprocess.Popen([*nice, sys.executable, "-m", "kvroute.cli", *args,
-                             "--log-level", "warning"],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True)
+    level = "warning" if log is None else "info"
+    with open(log or os.devnull, "ab") as out:
+        return subprocess.Popen([*nice, sys.executable, "-m", "kvroute.cli", *args,
+                                 "--log-level", level],
+                                stdout=subprocess.DEVNULL, stderr=out,
+                                start_new_session=True)
 
 
 def wait_ready(proc: subprocess.Popen[bytes], url: str, name: str, timeout: float

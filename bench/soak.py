@@ -27,6 +27,12 @@ class's answers, the high-priority TTFT p50/p99, and the requests **lost before 
 byte**: no answer at all (a client timeout or a dropped connection before the status line)
 or an answer that is neither 200 nor such a refusal. An answer that began and was then cut
 short (its worker paused or killed mid-answer, past the router's reach) is counted apart.
+Each flood request carries its own ``x-request-id`` and the router logs at level info to a
+file, so each request lost before its first byte is told with the stage the router's lines
+for it name (:meth:`Flood.stages`): how long it waited in flow control's queue and how long
+it was then at its workers, which worker failed it, or that the router said nothing of it.
+Each answer cut after it began is printed with the worker that gave it (the router's
+``x-kvroute-worker`` header), when it was sent, and when its bytes stopped.
 
 With ``--hostile``, hostile clients and peers run beside the traffic
 (:mod:`bench.soak_hostile`): slow bodies, 2 MB headers, 16-image fan-out, and a stock-engine
@@ -41,12 +47,14 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import random
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from collections import Counter
 from dataclasses import dataclass, field
@@ -81,6 +89,38 @@ class Flood:
     answers: Counter[tuple[str, str]] = field(default_factory=Counter)
     high_ttft_s: list[float] = field(default_factory=list)
     lost: Counter[str] = field(default_factory=Counter)
+    #: Each request lost before its first byte: (its id, why, monotonic seconds it was sent,
+    #: seconds until it was given up).
+    lost_requests: list[tuple[str, str, float, float]] = field(default_factory=list)
+    #: Each answer cut after it began: (its id, the worker that answered, monotonic seconds
+    #: it was sent, seconds until its last byte, seconds until it was cut, bytes received).
+    cut: list[tuple[str, str, float, float, float, int]] = field(default_factory=list)
+    #: Requests sent, for their ids.
+    sent: int = 0
+
+    def cuts(self, started: float, names: dict[str, str]) -> list[str]:
+        """Each answer cut after it began, when it was sent (``started``: the run's start),
+        the worker that answered (by ``names``, its URL's name) and when its bytes stopped."""
+        return [f"  {rid}, sent at {sent - started:.1f} s, answered by {names.get(url, url)}: "
+                f"{size} bytes, the last {last:.1f} s after sending, cut at {took:.1f} s"
+                for rid, url, sent, last, took, size in self.cut]
+
+    def stages(self, router_log: str, started: float) -> list[str]:
+        """Each lost request with the router's lines for it (``router_log``: the router's
+        log at level info), sent ``t`` seconds into the run (``started``: its start)."""
+        lines: dict[str, list[str]] = {}
+        for line in router_log.splitlines():
+            tag = line.rsplit(" [request ", 1)
+            if len(tag) == 2 and tag[1].endswith("]"):
+                lines.setdefault(tag[1][:-1], []).append(tag[0])
+        out = []
+        for rid, why, sent, took in self.lost_requests:
+            said = [_after_name(line) for line in lines.get(rid, [])] or [
+                "the router logged nothing for it (it did not see the client leave: still "
+                "queued, or deciding)"]
+            out.append(f"  {rid}, sent at {sent - started:.1f} s, {why} after {took:.1f} s:")
+            out += [f"    router: {line}" for line in said]
+        return out
 
     def report(self) -> list[str]:
         h = self.high_ttft_s
@@ -106,6 +146,11 @@ class Tally:
     faults: list[tuple[float, str]] = field(default_factory=list)
     hostile: soak_hostile.Hostile | None = None
     flood: Flood | None = None
+    #: The router's log (level info) and the run's start, monotonic seconds.
+    router_log: str = ""
+    started: float = 0.0
+    #: Each worker's name by its URL.
+    worker_names: dict[str, str] = field(default_factory=dict)
 
     @property
     def requests(self) -> int:
@@ -276,32 +321,53 @@ def _flood_body(rng: random.Random, high: bool) -> bytes:
                        "priority": 10, "stream": True}).encode()
 
 
+def _after_name(line: str) -> str:
+    """A log line from its message on (the time, level and logger name dropped)."""
+    head, sep, message = line.partition(": ")
+    return message if sep and " " in head else line
+
+
 async def _flood_one(session: aiohttp.ClientSession, base: str, body: bytes, cls: str,
                      flood: Flood) -> None:
     sent = time.perf_counter()
+    sent_at = time.monotonic()
+    flood.sent += 1
+    rid = f"flood-{cls}-{flood.sent}"
     status: int | None = None
     first: float | None = None
+    last = 0.0
+    size = 0
+    worker = ""
     try:
         async with session.post(base + "/v1/chat/completions", data=body,
-                                headers={"Content-Type": "application/json"}) as r:
+                                headers={"Content-Type": "application/json",
+                                         "x-request-id": rid}) as r:
             status = r.status
             retry = r.headers.get("Retry-After")
-            async for _chunk in r.content.iter_any():
+            worker = r.headers.get("x-kvroute-worker", "")
+            async for chunk in r.content.iter_any():
+                last = time.perf_counter() - sent
+                size += len(chunk)
                 if first is None:
-                    first = time.perf_counter() - sent
+                    first = last
             if status == 200 and cls == "high" and first is not None:
                 flood.high_ttft_s.append(first)
     except (aiohttp.ClientError, TimeoutError) as exc:
         if status is None:  # nothing came back: lost before its first byte
             flood.answers[(cls, "no answer")] += 1
             flood.lost[f"{cls}: {type(exc).__name__}"] += 1
+            flood.lost_requests.append((rid, type(exc).__name__, sent_at,
+                                        time.perf_counter() - sent))
         else:  # answered, then cut short (a worker paused or killed mid-answer)
             flood.answers[(cls, f"{status}, then cut: {type(exc).__name__}")] += 1
+            flood.cut.append((rid, worker, sent_at, last, time.perf_counter() - sent, size))
         return
     refusal = status == 503 or (status == 429 and retry is not None)
     flood.answers[(cls, str(status) if status != 429 or retry else "429 no Retry-After")] += 1
     if status != 200 and not refusal:
         flood.lost[f"{cls}: status {status}"] += 1
+        flood.lost_requests.append((rid, f"status {status}", sent_at,
+                                    time.perf_counter() - sent))
 
 
 async def _flood(base: str, deadline: float, interval: float, seed: int, flood: Flood) -> None:
@@ -362,6 +428,12 @@ def report(tally: Tally, seconds: float) -> str:
               f"max {max(h, default=float('nan')) * 1e3:.1f} ms"]
     if tally.flood is not None:
         lines += ["", *tally.flood.report()]
+        if tally.flood.lost_requests:
+            lines += ["flood lost before first byte, by the router's lines for each:",
+                      *tally.flood.stages(tally.router_log, tally.started)]
+        if tally.flood.cut:
+            lines += ["flood answers cut after they began:",
+                      *tally.flood.cuts(tally.started, tally.worker_names)]
     if tally.hostile is not None:
         lines += ["", *tally.hostile.report()]
     return "\n".join(lines)
@@ -383,7 +455,10 @@ async def soak(seconds: float, concurrency: int, faults: bool, seed: int,
         worker_args = [*worker_args, "--allow-image-hosts", "127.0.0.1"]
         router_args = [*router_args, "--worker", peers.stock_worker]
     workers = [Worker(i, worker_args) for i in range(3)]
+    tally.worker_names = {w.url: w.name for w in workers}
     router: subprocess.Popen[bytes] | None = None
+    logs = tempfile.TemporaryDirectory(prefix="kvroute-soak-")
+    router_log = os.path.join(logs.name, "router.log")
     try:
         for w in workers:
             await asyncio.to_thread(w.start)
@@ -392,8 +467,8 @@ async def soak(seconds: float, concurrency: int, faults: bool, seed: int,
         args = ["router", "--port", str(port), *router_args]
         for w in workers:
             args += ["--worker", w.url]
-        router = await asyncio.to_thread(spawn, args, base)
-        started = time.monotonic()
+        router = await asyncio.to_thread(spawn, args, base, log=router_log)
+        started = tally.started = time.monotonic()
         deadline = started + seconds
         tasks = [_clients(base, concurrency, deadline, seed, tally),
                  _health(base, deadline, tally),
@@ -419,6 +494,9 @@ async def soak(seconds: float, concurrency: int, faults: bool, seed: int,
         for proc in [router, *(w.proc for w in workers)]:
             if proc is not None:
                 stop(proc)
+        with contextlib.suppress(OSError), open(router_log, errors="replace") as f:
+            tally.router_log = f.read()
+        logs.cleanup()
     return tally
 
 

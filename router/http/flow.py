@@ -22,8 +22,10 @@ What a request asks of flow control (:func:`ask_of`): its priority (the
 Extension ``InferenceObjective`` its ``x-gateway-inference-objective`` header names; else the
 body's ``priority``, an integer as vLLM takes it, lower first), its tenant (the
 ``x-kvroute-tenant`` header, else the gateway's ``x-gateway-inference-fairness-id``, else the
-body's ``cache_salt``, else a hash of its API key), and a deadline for its first token
-(``x-kvroute-ttft-deadline-ms``, else its priority's configured one).
+body's ``cache_salt``, else a hash of its API key), a deadline for its first token
+(``x-kvroute-ttft-deadline-ms``, else its priority's configured one), and the output tokens
+it asks for at most (the body's ``max_completion_tokens``, ``max_tokens`` or
+``max_output_tokens``), which tell the pace the queue drains at before requests like it end.
 """
 
 from __future__ import annotations
@@ -94,6 +96,9 @@ class Ask:
     priority: int = 0
     #: Seconds from arrival its first token is due by (None: its priority's, if any).
     deadline_s: float | None = None
+    #: The output tokens it asks for at most (0: it names no limit): how long it will hold
+    #: its sequence, for the pace the queue drains at (:class:`CompletionRate`).
+    output_tokens: int = 0
 
 
 def ask_of(body: Mapping[str, Any], headers: Mapping[str, str],
@@ -133,7 +138,17 @@ def ask_of(body: Mapping[str, Any], headers: Mapping[str, str],
             raise ApiError(400, "the x-kvroute-ttft-deadline-ms header must be a positive "
                            f"number of milliseconds, got {raw!r}")
         deadline_s = ms / 1000
-    return Ask(priority, deadline_s)
+    return Ask(priority, deadline_s, _output_limit(body))
+
+
+def _output_limit(body: Mapping[str, Any]) -> int:
+    """The output tokens ``body`` asks for at most (0: none named, or not a positive integer:
+    the request's own check refuses that)."""
+    for name in ("max_completion_tokens", "max_tokens", "max_output_tokens"):
+        value = body.get(name)
+        if type(value) is int and value > 0:
+            return value
+    return 0
 
 
 def tenant_of(body: Mapping[str, Any], headers: Mapping[str, str]) -> str:
@@ -208,6 +223,8 @@ class FlowControl:
         self.dispatched = 0
         #: Each waiting request's place when it joined: (requests ahead, queue length).
         self._joined: dict[str, tuple[int, int]] = {}
+        #: Each waiting request's output tokens asked (:attr:`Ask.output_tokens`).
+        self._asked: dict[str, int] = {}
         #: When the waiting requests' waits are next checked at the pace of that moment.
         self._next_recheck = -math.inf
         self._waiting: dict[str, tuple[asyncio.Future[Route], Callable[[], Route]]] = {}
@@ -326,7 +343,7 @@ class FlowControl:
             raise self._refuse(Shed(route.request_id, "deadline", 1,
                                     f"the first token is predicted in {ttft:.3g} s, past "
                                     "the request's deadline", ask.priority, tenant()))
-        self.rate.started(route.request_id, now)
+        self.rate.started(route.request_id, now, ask.output_tokens)
         return route if free == route.decision.worker else _rebound(route, free)
 
     async def admit(self, route: Route, ask: Ask, decide_again: Callable[[], Route],
@@ -355,6 +372,7 @@ class FlowControl:
         future: asyncio.Future[Route] = asyncio.get_running_loop().create_future()
         self._joined[item.key] = (self.queue.requests_ahead(item.priority, item.finish),
                                   len(self.queue) - 1)
+        self._asked[item.key] = ask.output_tokens
         self._waiting[item.key] = (future, decide_again)
         self._wake.set()
         if self._task is None or self._task.done():
@@ -367,6 +385,7 @@ class FlowControl:
             raise
         finally:
             self._joined.pop(item.key, None)
+            self._asked.pop(item.key, None)
 
     def _pace(self, route: Route, now: float) -> float | None:
         """Seconds between requests leaving the queue while the gate holds them: one per
@@ -434,7 +453,7 @@ class FlowControl:
             if not future.done():
                 ahead, length = self._joined.get(head.key, (0, 0))
                 route.queued = QueueStay(now - head.arrived, ahead, length)
-                self.rate.started(head.key, now)
+                self.rate.started(route.request_id, now, self._asked.get(head.key, 0))
                 future.set_result(route)
                 if self.on_wait is not None:
                     self.on_wait(head.priority, head.tenant, now - head.arrived)

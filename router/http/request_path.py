@@ -35,6 +35,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import functools
+import logging
 import re
 import time
 from collections.abc import Callable, Mapping
@@ -62,6 +63,8 @@ from router.http.proxy import UpstreamUnavailable
 from router.http.state import RouterState
 from router.routing.dispatch_gate import QueueStay
 from router.service import Route
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Forward", "decide", "route_of", "without_fetch"]
 
@@ -119,6 +122,7 @@ class Forward:
         watcher.add_done_callback(lambda w: w.cancelled() or this.cancel())
         answering = False
         timer.sending()
+        sending_at = time.monotonic()
         try:
             if body is None and route.prefill is not None:
                 await incoming.ended()  # the prefill step rewrites the body: all of it first
@@ -166,6 +170,8 @@ class Forward:
                             metrics.request(path, failure.status)
                         raise failure from None
                     state.client_gone("answer")
+                    log.info("the client left before its answer: %s",
+                             _where(route, time.monotonic() - sending_at))
                     await send({"type": "http.response.start", "status": CLIENT_GONE_STATUS,
                                 "headers": [(b"content-length", b"0")]})
                     await send({"type": "http.response.body", "body": b""})
@@ -256,6 +262,14 @@ async def route_of(state: RouterState, body: dict[str, Any], kind: str, size: in
     if service.tokenizes_off_loop(size):
         prompt = await asyncio.to_thread(service.tokenize, body, kind)
     return service.decide(body, kind, prompt)
+
+
+def _where(route: Route, at_workers_s: float) -> str:
+    """Where a request whose client left before its answer spent its time: in flow
+    control's queue, then sent to its workers with no answer begun (a log line)."""
+    queued = route.queued.waited_s if route.queued is not None else 0.0
+    return (f"{queued:.1f} s queued in flow control, then {at_workers_s:.1f} s sent to "
+            f"{route.worker.url} (and any tried after it) with no answer begun")
 
 
 def _queue_headers(stay: QueueStay) -> list[tuple[bytes, bytes]]:

@@ -28,7 +28,11 @@ sequences over the mean time a request holds one, when that is more. While the g
 requests, each end frees a sequence, so a request with ``n`` requests leaving before it waits
 about ``n / rate`` seconds;
 with its predicted TTFT added, that is what flow control compares with what the client can be
-served within (:mod:`router.routing.admission`).
+served within (:mod:`router.routing.admission`). The time a request holds a sequence is read
+from those that ended, from the age of those running, and from the output tokens the running
+ones asked for (``max_tokens``) at the seconds per asked token the ended ones took: at a
+flood's onset the first is the load before it and the second grows only as the flood ages, so
+without the third a request refused later was let wait first (docs/flow_control.md).
 
 Pure: the caller passes ``now`` (monotonic seconds) and the counts.
 """
@@ -154,51 +158,88 @@ class CompletionRate:
 
     The second is what a flood's onset needs: the ends seen then are those of the load before
     it, far fewer than a full fleet gives, while the requests it started have not ended yet.
-    So a request's time holding a sequence is the mean of the window's ended ones, or, when
-    larger, the mean age of those still running (each has held its sequence that long at
-    least).
+    So a request's time holding a sequence is the longest of: the mean of the window's ended
+    ones; the mean age of those still running (each has held its sequence that long at
+    least); and, for the running ones that named an output limit, the mean of the tokens
+    they asked for times the seconds per asked token of the window's ended ones that named
+    one. The last is what the fleet can know before the flood's first request ends: a flood
+    of 400-token chats after a load of 16-token ones holds each sequence 25 times as long,
+    which neither the ends nor the young ages show. Calibrated on what the ended ones took of
+    what they asked, requests that stop short of their limit count as short.
 
-    Invariant: ``_start_sum`` is the sum of ``_running``'s start times.
+    Invariants: ``_start_sum`` is the sum of ``_running``'s start times, ``_running_asked``
+    and ``_running_asking`` the sum and count of its asked tokens that are above 0;
+    ``_held_sum`` is the sum of ``_held``'s seconds, ``_asked_held_sum`` and ``_asked_sum``
+    the sums of its seconds and tokens where tokens are above 0.
     """
 
     def __init__(self, window: int = RATE_WINDOW) -> None:
         if window < 2:
             raise ValueError(f"the window must hold at least 2 ends, got {window}")
         self._ends: deque[float] = deque(maxlen=window)
-        self._held: deque[float] = deque(maxlen=window)
+        #: The window's ended requests: (seconds held, output tokens asked; 0: none named).
+        self._held: deque[tuple[float, int]] = deque(maxlen=window)
         self._held_sum = 0.0
-        self._running: dict[str, float] = {}
+        self._asked_held_sum = 0.0
+        self._asked_sum = 0
+        #: Running requests: (start, output tokens asked).
+        self._running: dict[str, tuple[float, int]] = {}
         self._start_sum = 0.0
+        self._running_asked = 0
+        self._running_asking = 0
 
-    def started(self, key: str, now: float) -> None:
-        """Request ``key`` went to a worker at ``now``."""
+    def started(self, key: str, now: float, asked: int = 0) -> None:
+        """Request ``key`` went to a worker at ``now``, asking for at most ``asked`` output
+        tokens (0: it named no limit)."""
         if key in self._running:
             return
         if len(self._running) >= _MAX_RUNNING:  # one never told to have ended: forget it
-            oldest = next(iter(self._running))
-            self._start_sum -= self._running.pop(oldest)
-        self._running[key] = now
+            self._stop(next(iter(self._running)))
+        asked = max(asked, 0)
+        self._running[key] = (now, asked)
         self._start_sum += now
+        if asked:
+            self._running_asked += asked
+            self._running_asking += 1
+
+    def _stop(self, key: str) -> tuple[float, int] | None:
+        """Take ``key`` out of the running ones; its start and asked tokens (None: unknown)."""
+        run = self._running.pop(key, None)
+        if run is None:
+            return None
+        self._start_sum -= run[0]
+        if run[1]:
+            self._running_asked -= run[1]
+            self._running_asking -= 1
+        if not self._running:
+            self._start_sum = 0.0  # no float residue
+        return run
 
     def ended(self, now: float, key: str | None = None) -> None:
         """A request (``key``, when known) ended at ``now``."""
         self._ends.append(now)
-        start = self._running.pop(key, None) if key is not None else None
-        if start is None:
+        run = self._stop(key) if key is not None else None
+        if run is None:
             return
-        self._start_sum -= start
-        if not self._running:
-            self._start_sum = 0.0  # no float residue
+        start, asked = run
         if len(self._held) == self._held.maxlen:
-            self._held_sum -= self._held[0]
-        self._held.append(now - start)
-        self._held_sum += now - start
+            old_held, old_asked = self._held[0]
+            self._held_sum -= old_held
+            if old_asked:
+                self._asked_held_sum -= old_held
+                self._asked_sum -= old_asked
+        held = now - start
+        self._held.append((held, asked))
+        self._held_sum += held
+        if asked:
+            self._asked_held_sum += held
+            self._asked_sum += asked
 
     def per_second(self, now: float, sequences: int = 0) -> float | None:
         """Requests a second the fleet ends: the greater of the window's ends per second
         (from its oldest to ``now``, so a fleet that stops answering drains ever slower) and,
-        given the ``sequences`` that are all taken, those over the mean time a request holds
-        one. None before :data:`_MIN_ENDS` ends."""
+        given the ``sequences`` that are all taken, those over the time a request holds one
+        (the class docstring). None before :data:`_MIN_ENDS` ends."""
         if len(self._ends) < _MIN_ENDS:
             return None
         span = now - self._ends[0]
@@ -207,6 +248,9 @@ class CompletionRate:
             held = self._held_sum / len(self._held)
             if self._running:
                 held = max(held, now - self._start_sum / len(self._running))
+            if self._running_asking and self._asked_sum:
+                per_token = self._asked_held_sum / self._asked_sum
+                held = max(held, per_token * self._running_asked / self._running_asking)
             if held > 0:
                 rate = max(rate or 0.0, sequences / held)
         return rate

@@ -92,3 +92,39 @@ def test_flood_bodies_carry_their_priority() -> None:
     high, low = json.loads(_flood_body(rng, True)), json.loads(_flood_body(rng, False))
     assert (high["priority"], low["priority"]) == (0, 10)
     assert len(low["messages"][0]["content"]) > 10 * len(high["messages"][0]["content"])
+
+
+async def test_a_lost_request_is_told_by_its_id_with_the_routers_lines_for_it() -> None:
+    flood = await _one(200, "low", close=True)
+    [(rid, why, sent, took)] = flood.lost_requests
+    assert rid == "flood-low-1" and why in {"ServerDisconnectedError", "ClientOSError"}
+    assert took >= 0
+    log = "\n".join([
+        "2026-12-02 10:00:00,000 INFO router.http.request_path: the client left before its "
+        "answer: 29.9 s queued in flow control, then 30.1 s sent to http://w1 (and any tried "
+        "after it) with no answer begun [request flood-low-1]",
+        "2026-12-02 10:00:00,000 WARNING router.http.failover: worker http://w1 failed before "
+        "answering (hung): no first byte [request flood-low-1]",
+        "2026-12-02 10:00:00,000 INFO router.http.request_path: the client left before its "
+        "answer: 1.0 s queued in flow control, then 0.0 s sent to http://w2 (and any tried "
+        "after it) with no answer begun [request flood-low-10]",
+    ])
+    lines = flood.stages(log, sent - 5.0)
+    assert lines[0] == f"  flood-low-1, sent at 5.0 s, {why} after {took:.1f} s:"
+    assert lines[1:] == [
+        "    router: the client left before its answer: 29.9 s queued in flow control, then "
+        "30.1 s sent to http://w1 (and any tried after it) with no answer begun",
+        "    router: worker http://w1 failed before answering (hung): no first byte"]
+    assert flood.stages("", sent)[1].startswith("    router: the router logged nothing for it")
+
+
+async def test_a_cut_answer_is_told_with_its_worker_and_when_its_bytes_stopped() -> None:
+    flood = await _one(200, "low", cut=True)
+    [(rid, worker, sent, last, took, size)] = flood.cut
+    assert rid == "flood-low-1" and worker == "" and size == len(b"data: {}\n\n")
+    assert 0 <= last <= took
+    [line] = flood.cuts(sent - 2.0, {"http://w1": "worker-1"})
+    assert line.startswith(f"  flood-low-1, sent at 2.0 s, answered by : {size} bytes, the "
+                           f"last {last:.1f} s after sending, cut at {took:.1f} s")
+    flood.cut[0] = (rid, "http://w1", sent, last, took, size)
+    assert "answered by worker-1:" in flood.cuts(sent, {"http://w1": "worker-1"})[0]

@@ -248,13 +248,20 @@ async def _leave_after_sending(port: int, body: dict[str, Any], read_until: byte
 
 @pytest.mark.parametrize("lean", ["1", "0"])
 async def test_a_client_that_leaves_ends_its_upstream_request(
-        lean: str, monkeypatch: pytest.MonkeyPatch) -> None:
+        lean: str, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture) -> None:
     monkeypatch.setenv(LEAN_ENV, lean)
+    caplog.set_level(logging.INFO, "router.http.request_path")
     async with ScriptedWorker("slow") as worker, router(worker) as (server, client):
-        # before the answer began (the worker takes 10 s): counted at once
+        # before the answer began (the worker takes 10 s): counted at once, and logged with
+        # where it was (not queued: sent to its worker)
         await _leave_after_sending(server.port, BODY, b"")
         await eventually(lambda: metric(client, "kvroute_client_disconnects_total",
                                         'stage="answer"'), "the disconnect counted")
+        said = [r.getMessage() for r in caplog.records if r.name == "router.http.request_path"]
+        assert len(said) == 1 and re.fullmatch(
+            rf"the client left before its answer: 0\.0 s queued in flow control, then "
+            rf"\d+\.\d s sent to {re.escape(worker.url)} \(and any tried after it\) with no "
+            rf"answer begun", said[0]), said
         # mid-stream: the upstream stream is closed
         await _leave_after_sending(server.port, {**BODY, "stream": True}, b"data: ")
         await eventually(worker.cancelled.is_set, "the worker to see the stream closed")

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 from openai_request.bodies import ApiError
-from router.http.flow import Ask, FlowControl, Refused
+from router.http.flow import Ask, FlowControl, Refused, ask_of
 from router.routing.admission import FlowSettings
 from router.routing.scheduler import Decision, WorkerCost
 from router.service import Route
@@ -89,6 +89,42 @@ async def test_a_worker_at_its_limit_gets_nothing_more_and_the_queue_leaves_on_a
     await flow.close()
 
 
+async def test_a_request_decided_again_as_it_leaves_the_queue_is_timed_by_its_new_id(
+        ) -> None:
+    # Leaving the queue, a request is decided again, which names it afresh; it ends under
+    # that name. Timed under the old one it never ended: the pace read it as running ever
+    # longer and shed the queue behind it, and its hold was never learned.
+    clock, fleet = Clock(), Fleet(w1=1)
+    flow = flow_control(clock, urgent_share=0.0)
+
+    left: list[str] = []  # the name each request left under, in order
+
+    async def send(rid: str) -> Route:
+        again = iter(range(1, 100))
+        route = await flow.admit(fleet.route(rid), Ask(5),
+                                 lambda: fleet.route(f"{rid}-{next(again)}"))
+        fleet.in_flight[1] += 1
+        left.append(route.request_id)
+        return route
+
+    tasks = [asyncio.create_task(send(f"r{i}")) for i in range(5)]
+    await settle()
+    assert left == ["r0"] and len(flow.queue) == 4  # r0 went at once, under its own name
+    for t in range(1, 6):  # each holds the one sequence 1 s; the next leaves as it ends
+        clock.now = float(t)
+        fleet.in_flight[1] -= 1
+        flow.ended(left[-1])
+        await settle()
+        assert len(left) == min(t + 1, 5)
+    await asyncio.gather(*tasks)
+    assert [name.split("-")[0] for name in left] == ["r0", "r1", "r2", "r3", "r4"]
+    assert all("-" in name for name in left[1:])  # decided again: named afresh
+    # 5 ends over 4 s: 1.25 a second; 10 sequences each held 1 s: 10 a second.
+    assert flow.rate.per_second(5.0) == pytest.approx(5 / 4)
+    assert flow.rate.per_second(5.0, sequences=10) == pytest.approx(10.0)
+    await flow.close()
+
+
 async def test_an_urgent_request_jumps_the_queue_and_takes_the_room_kept_for_it() -> None:
     clock, fleet = Clock(), Fleet(w1=4)  # 4 sequences, one kept (a 1/16 share, at least 1)
     flow = flow_control(clock)
@@ -157,6 +193,60 @@ async def test_a_request_predicted_past_the_budget_is_refused_at_once_with_a_ret
     for t in [*waiting, ninth, urgent]:
         with pytest.raises(ApiError):
             await t
+
+
+async def test_behind_a_flood_of_long_requests_a_request_is_refused_at_arrival() -> None:
+    # The load before: short requests (16 tokens asked) held 0.5 s each, one every 5 s (their
+    # ends, 4 over 16 s by then, say a quarter a second). Then 4 long ones (400 tokens asked)
+    # take the 4 sequences, and more queue behind them. No long one has ended; their ages
+    # (1 s) alone say the queue leaves 4 a second. What they asked says each holds its
+    # sequence 400 / 16 * 0.5 = 12.5 s: one leaves every 3.125 s.
+    clock, fleet = Clock(), Fleet(w1=4)
+    flow = flow_control(clock, urgent_share=0.0, ttft_budget_s=30.0)
+
+    async def send(rid: str, tokens: int) -> Route:
+        route = await flow.admit(fleet.route(rid), Ask(5, output_tokens=tokens),
+                                 lambda: fleet.route(rid))
+        fleet.in_flight[1] += 1
+        return route
+
+    for i in range(4):
+        clock.now = 5.0 * i
+        await send(f"short{i}", 16)
+        clock.now += 0.5
+        fleet.in_flight[1] -= 1
+        flow.ended(f"short{i}")
+    start = clock.now
+    for i in range(4):
+        await send(f"long{i}", 400)
+    clock.now = start + 1.0
+    waiting = [asyncio.create_task(send(f"wait{i}", 400)) for i in range(8)]
+    await settle()
+    # The 8th waits 8 leavings, 25 s, and 0.05 s of TTFT: within 30 s. A 9th waits 28.2 s:
+    # within. A 10th would wait 31.3 s: refused now, not after waiting 20 s to learn it.
+    assert len(flow.queue) == 8
+    ninth = asyncio.create_task(send("ninth", 400))
+    await settle()
+    assert len(flow.queue) == 9
+    tenth = asyncio.create_task(send("tenth", 400))
+    await settle()
+    assert tenth.done(), "the tenth was let wait"
+    with pytest.raises(Refused) as refused:
+        await tenth
+    assert refused.value.reason == "deadline" and refused.value.headers["retry-after"] == "32"
+    await flow.close()
+    for t in [*waiting, ninth]:
+        with pytest.raises(ApiError):
+            await t
+
+
+def test_a_request_asks_for_the_output_limit_its_body_names() -> None:
+    assert ask_of({"max_tokens": 400}, {}).output_tokens == 400
+    assert ask_of({"max_completion_tokens": 64, "max_tokens": 400}, {}).output_tokens == 64
+    assert ask_of({"max_output_tokens": 32}, {}).output_tokens == 32
+    for body in ({}, {"max_tokens": None}, {"max_tokens": "400"}, {"max_tokens": -1},
+                 {"max_tokens": True}, {"max_tokens": 4.5}):
+        assert ask_of(body, {}).output_tokens == 0  # none (a bad one is the body check's)
 
 
 async def test_no_worker_healthy_answers_every_waiting_request_503() -> None:

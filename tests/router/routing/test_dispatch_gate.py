@@ -149,3 +149,31 @@ def test_a_waiting_request_whose_wait_grew_past_its_deadline_is_shed_before_it()
     # Without a pace only the deadline itself sheds.
     assert q.offer(_low("x", deadline=10.0), 2.0, 1.0, 1e-6).refused is None
     assert q.expire(2.0, 1.0) == [] and q.expire(9.5, 1.0)[0].key == "x"
+
+
+def test_a_flood_of_long_requests_is_paced_by_the_tokens_they_ask_before_any_ends() -> None:
+    rate = CompletionRate(window=8)
+    for i in range(4):  # the load before the flood: 16-token chats, each held 0.25 s
+        rate.started(f"s{i}", 0.0, asked=16)
+        rate.ended(0.25, f"s{i}")
+    # 0.25 s for 16 tokens asked: 1/64 s a token. 60 chats of 400 tokens take the 60
+    # sequences at 1 s; at 2 s none has ended, and none is older than 1 s.
+    for i in range(60):
+        rate.started(f"long{i}", 1.0, asked=400)
+    # Their ages say 60 a second; what they asked says 400 / 64 = 6.25 s each: 9.6 a second.
+    assert rate.per_second(2.0, sequences=60) == pytest.approx(60 / 6.25)
+    # Requests that name no limit are paced by their ages alone, as before.
+    plain = CompletionRate(window=8)
+    for i in range(4):
+        plain.started(f"s{i}", 0.0)
+        plain.ended(0.25, f"s{i}")
+    for i in range(60):
+        plain.started(f"long{i}", 1.0)
+    assert plain.per_second(2.0, sequences=60) == pytest.approx(60 / 1.0)
+    # Calibrated on what the ended ones took of what they asked: chats asking 400 that end
+    # after 0.5 s (they stopped short) teach 1/800 s a token, and the pace follows.
+    for i in range(60):
+        rate.ended(1.5, f"long{i}")
+    for i in range(60):
+        rate.started(f"next{i}", 1.5, asked=400)
+    assert rate.per_second(1.6, sequences=60) == pytest.approx(60 / 0.5)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import asyncio
+import gc
+import weakref
 from collections.abc import Callable
 
 import pytest
@@ -352,6 +354,22 @@ async def test_sim_tokens_are_deterministic_in_the_prompt() -> None:
     # Pinned: the same in every process and release (workers must agree with each other).
     assert run_a[:4] == [67, 45, 110, 64]
     assert SimExecutor(vocab=range(5, 6)).token(Prompt(A), 3) == 5
+
+
+async def test_the_sim_holds_no_prompt_once_its_request_is_gone() -> None:
+    # The seed cache outlives requests (4,096 entries); holding their prompts grew a worker
+    # by 65 KiB per request of 8,000 tokens.
+    sim = SimExecutor(speedup=1e12)
+    plan = mixed_plan()
+    sampled, _ = await sim.execute(plan)
+    prompts = [weakref.ref(c.prompt) for c in plan.prefill]
+    prompts += [weakref.ref(d.prompt) for d in plan.decode]
+    assert len(prompts) == 2
+    del plan
+    gc.collect()  # whatever else held the plan's requests
+    assert [p() for p in prompts] == [None, None]
+    again, _ = await sim.execute(mixed_plan())  # same request ids, new prompts: same tokens
+    assert again == sampled
 
 
 async def test_sim_time_is_the_model_over_the_speedup() -> None:

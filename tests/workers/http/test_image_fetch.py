@@ -4,11 +4,13 @@ image."""
 
 from __future__ import annotations
 
+import gc
 import http.server
 import threading
 from collections.abc import Iterator
 from typing import Any
 
+import httpcore
 import httpx
 import pytest
 
@@ -275,3 +277,31 @@ def test_fan_out_limits_must_be_positive() -> None:
     for name in ("max_images_per_request", "max_image_request_bytes", "max_image_fetch_bytes"):
         with pytest.raises(WorkerSettingsError, match=f"^{name} must be positive, got 0$"):
             WorkerSettings(**{name: 0})
+
+
+
+def connections_alive() -> int:
+    # By exact type: isinstance would read attributes of every object (torch's deprecated
+    # ones warn).
+    return sum(type(o) is httpcore.AsyncHTTP11Connection for o in gc.get_objects())
+
+
+async def test_refused_fetches_do_not_leave_their_connections_to_the_cycle_collector(
+        server: Server) -> None:
+    # A connection holds what its socket read ahead of the fetch, and a fetch stopped early
+    # leaves its connections in reference cycles; a worker's collector runs rarely
+    # (kvroute.serve). With the automatic collector off, each refused fetch must free those
+    # of the fetches refused before it (its own are still closing).
+    for i in range(4):
+        server.routes[f"/big{i}.png"] = (200, {}, big_png(400, i))
+    s = WorkerSettings(allow_image_hosts=("127.0.0.1",), max_image_request_bytes=1000)
+    urls = [server.url(f"/big{i}.png") for i in range(4)]
+    gc.collect()
+    gc.disable()
+    try:
+        for _ in range(3):
+            assert (await limited(body(*urls), s, 400)).limit == "max_image_request_bytes"
+        alive = connections_alive()
+    finally:
+        gc.enable()
+    assert alive <= len(urls), f"{alive} connections of 3 refused fetches of 4 images alive"
