@@ -37,7 +37,7 @@ from collections.abc import AsyncGenerator, AsyncIterable, Callable, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from router.fleet.first_byte_waits import FirstByteWaits
+from router.fleet.first_byte_waits import FirstByteWait, FirstByteWaits
 from router.http.deadlines import Deadlines
 from router.http.incoming_body import IncomingBody
 from router.http.upstream import ConnectionPool, Exchange
@@ -181,13 +181,15 @@ class Proxy:
         self._max_connections = max_connections
         self._pool: ConnectionPool | None = None
         self._deadlines: Deadlines | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         #: url -> (host, port, TLS context, the request line and Host header)
         self._targets: dict[str, tuple[str, int, ssl.SSLContext | None, bytes]] = {}
 
     async def start(self) -> None:
         """Open the connection pool."""
         self._pool = ConnectionPool(self._max_connections, IDLE_KEEPALIVE_S)
-        self._deadlines = Deadlines(asyncio.get_running_loop())
+        self._loop = asyncio.get_running_loop()
+        self._deadlines = Deadlines(self._loop)
 
     async def close(self) -> None:
         """Close the pool; safe to call twice."""
@@ -280,11 +282,11 @@ class Proxy:
         first = b""
         streamed = False
         try:
-            # Entered unarmed: the deadline is kept with every other wait's, by one timer.
-            async with asyncio.timeout(None) as timeout:
-                deadlines.add(timeout, limit)
+            # The deadline is kept with every other wait's, by one timer.
+            with FirstByteWait(asyncio.current_task(self._loop)) as wait:
+                deadlines.add(wait, limit)
                 if waits is not None:
-                    waits.add(timeout)
+                    waits.add(wait)
                 try:
                     exchange = pool.take_idle(host, port)
                     reused = exchange is not None
@@ -315,9 +317,9 @@ class Proxy:
                     if streamed and exchange.status == 200:
                         first = await exchange.chunk()
                 finally:
-                    deadlines.discard(timeout)
+                    deadlines.discard(wait)
                     if waits is not None:
-                        waits.discard(timeout)
+                        waits.discard(wait)
         except (OSError, TimeoutError) as exc:  # ConnectionError is an OSError
             if exchange is not None:
                 exchange.close()
