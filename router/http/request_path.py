@@ -108,14 +108,14 @@ class Forward:
             metrics.request(path, exc.status)
             raise
         metrics.decided(route)
-        this = asyncio.current_task()
+        this = asyncio.current_task(state.loop)  # the loop given: no system call to find it
         assert this is not None, "a request handler runs in a task"
         # The pump reads what is left of the body, then waits for the client to leave; its
         # end (the client left, or the body failed) cancels the handler. Once the body is
         # whole, the server's own notice of a client that left does it, where it gives one.
         departure = scope.get(DEPARTURE)
         watcher = pump or (departure() if departure is not None
-                           else asyncio.get_running_loop().create_task(incoming.pump()))
+                           else state.loop.create_task(incoming.pump()))
         watcher.add_done_callback(lambda w: w.cancelled() or this.cancel())
         answering = False
         timer.sending()
@@ -197,7 +197,7 @@ class Forward:
                 # Checked again once whole, before its end goes upstream (client_fields).
                 incoming.check = whole_body_check(state.settings.max_body_bytes,
                                                   state.settings.allow_client_transfer_fields)
-                pump = asyncio.get_running_loop().create_task(incoming.pump())
+                pump = state.loop.create_task(incoming.pump())
                 try:
                     route = await decide(state, tries[1], kind,
                                          incoming.declared or incoming.size, headers, trusted)
