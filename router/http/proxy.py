@@ -110,6 +110,15 @@ class UpstreamAnswer:
         """:attr:`raw_headers`, decoded."""
         return {k.decode("latin-1"): v.decode("latin-1") for k, v in self.raw_headers}
 
+    def header(self, name: str) -> str | None:
+        """The value of the header ``name`` (lower case; the last one sent), decoded; None
+        when absent."""
+        wanted, found = name.encode("latin-1"), None
+        for k, v in self.raw_headers:
+            if k.lower() == wanted:
+                found = v
+        return None if found is None else found.decode("latin-1")
+
     async def read(self) -> bytes:
         """Read the whole body (non-streaming answers), then release the connection.
 
