@@ -47,6 +47,8 @@ log = logging.getLogger("uvicorn.error")
 DEPARTURE = "kvroute.departure"
 
 _REQUEST_ID = REQUEST_ID_HEADER.encode()
+#: The answer's headers the cycle reads as it writes them.
+_READ_HEADERS = frozenset({_REQUEST_ID, b"content-length", b"transfer-encoding", b"connection"})
 _500 = [(b"content-type", b"text/plain; charset=utf-8"), (b"content-length", b"21"),
         (b"connection", b"close")]
 
@@ -242,18 +244,19 @@ class LeanCycle:
         closing = False
         for name, value in headers:
             name = name.lower()
-            if name == _REQUEST_ID:
-                continue
-            if name == b"content-length" and self._chunked is None:
-                self._left = int(value)
-                self._chunked = False
-            elif name == b"transfer-encoding" and value.lower() == b"chunked":
-                self._left = 0
-                self._chunked = True
-            elif name == b"connection" and b"close" in [
-                    t.strip().lower() for t in value.split(b",")]:
-                self.keep_alive = False
-                closing = True
+            if name in _READ_HEADERS:  # most headers are none of these: one lookup each
+                if name == _REQUEST_ID:
+                    continue
+                if name == b"content-length" and self._chunked is None:
+                    self._left = int(value)
+                    self._chunked = False
+                elif name == b"transfer-encoding" and value.lower() == b"chunked":
+                    self._left = 0
+                    self._chunked = True
+                elif name == b"connection" and b"close" in [
+                        t.strip().lower() for t in value.split(b",")]:
+                    self.keep_alive = False
+                    closing = True
             content += (name, b": ", value, b"\r\n")
         content += (_REQUEST_ID, b": ", self._request_id, b"\r\n")
         if not self.keep_alive and not closing:

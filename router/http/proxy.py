@@ -265,15 +265,16 @@ class Proxy:
         if pool is None or deadlines is None:
             raise RuntimeError("proxy is not started")
         host, port, tls, line = self._target(url)
-        head = [line]
         hop = headers.get("connection")
         # The fields a Connection header names are for the client's hop only (RFC 9110
         # 7.6.1), like the hop-by-hop ones always dropped.
         drop = (_DROP_HEADERS if hop is None else _DROP_HEADERS | {
             t.strip().lower() for t in hop.split(",")})
+        fields = []
         for k, v in headers.items():
             if k.lower() not in drop:
-                head.append(f"{k}: {v}\r\n".encode("latin-1"))
+                fields.append(f"{k}: {v}\r\n")
+        head = [line, "".join(fields).encode("latin-1")]  # one encode for every field
         incoming = body if isinstance(body, IncomingBody) else None
         if incoming is not None:
             length = incoming.declared
