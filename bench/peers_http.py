@@ -1,5 +1,5 @@
 """kvroute beside the Rust routers on short requests: ``python -m bench.peers_http [--rounds 3]
-[--seconds 5] [--router-cpu 1] [--kvroute DIR ...] [--json]``.
+[--seconds 5] [--router-cpu 1] [--kvroute DIR ...] [--paired] [--json]``.
 
 Every router forwards to the same two backends, one nginx process answering each
 ``/v1/completions`` with a fixed completion (so the backend costs next to nothing), and
@@ -19,26 +19,70 @@ The table gives the median over rounds, and the range where rounds differ by mor
 tenth. ``--kvroute DIR`` (repeatable) runs kvroute from each checkout named, as
 ``python -m kvroute.cli`` in that folder, to compare two versions in one run.
 
-On the 2-core VM (load average 2-4 from other jobs), ``python -m bench.peers_http --rounds 5
---seconds 5 --kvroute CHECKOUT-BEFORE --kvroute .`` printed (kvroute at main's c121843, and
-with one timer for every first-byte deadline, the core's regrouping from plain figures and
-the request id added in place; medians over 5 rounds):
+``--paired`` runs two or more ``--kvroute`` checkouts at the same time instead, all pinned
+to the router core, each under its own wrk (32 connections), and prints each one's CPU per
+request and its ratio to the first's, round by round (no peers, no latency). Whatever else
+the machine runs then slows every checkout alike within a round: on this shared VM the
+alternated table's rounds move by 10-40% from round to round, the paired ratio by 1-3%
+(``--paired --rounds 6 --seconds 4 --kvroute A --kvroute A/``, one tree against itself:
+0.997, 0.991-1.005). Its absolute figures are higher than the table's (the checkouts share
+the core's caches); compare versions by the ratio, and the peers by the table.
 
-| router | added p50 (ms) | req/s, 64 connections | CPU per request (µs) |
-|---|---|---|---|
-| nginx direct | - | 79,018 (59,878-85,419) | - |
-| kvroute --policy kv, before | 0.47 (0.35-1.21) | 2,813 (1,745-2,960) | 248 (235-268) |
-| kvroute --policy kv | 0.39 (0.36-1.21) | 2,834 (2,087-3,542) | 243 |
-| sglang-router 0.3.2 cache_aware | 0.23 (0.21-0.43) | 6,862 (5,265-8,046) | 94 |
-| vllm-router 0.1.17 cache_aware | 0.33 (0.30-0.38) | 4,480 (3,482-5,337) | 149 |
+On the 2-core VM (load average 1-4 from other jobs), ``python -m bench.peers_http --rounds 5
+--seconds 5 --kvroute CHECKOUT-BEFORE --kvroute . --json`` printed, in two runs (kvroute at
+main's 4e6bca1 against the cuts listed below; medians over 5 rounds, rounds' range):
 
-The before and after differ by less than the rounds' spread (``bench/router.py``'s docstring
-has each cut's own figure). docs/experiments.md keeps the earlier runs (kvroute 767 -> 424 µs at
-load 2.5-5, 738 -> 370 at load 9-10, 323 -> 258 at load 7 with the server's own request
-cycle, and two more of that pair: 373 -> 261 at load 7, 363 -> 287 at load 5).
-On a loaded machine the figures move by a tenth or more between rounds; compare within one
-run. The added p50 is measured on one connection, so it is the router's own latency, not
-queueing at 64 connections.
+| router | CPU per request (µs), run 1 | run 2 | req/s, run 1 / run 2 | added p50 (ms), run 2 |
+|---|---|---|---|---|
+| kvroute --policy kv, before | 400 (355-418) | 351 (308-421) | 2,358 / 2,507 | 0.54 |
+| kvroute --policy kv | 354 (335-372) | 307 (289-414) | 2,670 / 3,045 | 0.45 |
+| sglang-router 0.3.2 cache_aware | 170 (159-183) | 160 (131-179) | 5,486 / 4,837 | 0.27 |
+| vllm-router 0.1.17 cache_aware | 261 (208-279) | 224 (211-275) | 3,660 / 3,326 | 0.38 |
+
+kvroute costs 2.1 and 1.9 times sglang-router's CPU per request (2.35 and 2.2 before), short
+of the 1.5 aimed at. Paired, ``--paired --rounds 8 --seconds 4``, the cuts take 0.90 of the
+CPU (0.885-0.918; 464 -> 414 µs medians, load 1-1.5). The machine was slower than when the
+older figures below were printed (sglang-router then 88-94 µs): compare within one run.
+
+What the cuts were, each measured paired against the commit before or after them in a
+group, and what a profile of the rest says:
+
+- The proxy's first-byte wait is a plain block (``router.fleet.first_byte_waits.FirstByteWait``)
+  instead of an unarmed ``asyncio.timeout``: no Timeout object, coroutine enter and exit.
+- ``asyncio.get_running_loop()`` and ``asyncio.current_task()`` without a loop ask the kernel
+  for the process id each time (CPython 3.11 checks it against a fork): ``strace -c`` counted
+  about 8 ``getpid`` calls a forwarded request (``timeit``: 0.9 µs each on this VM). The loop
+  is kept (``RouterState.loop``, each upstream exchange, the lean cycle): 0.4 a request
+  after, health polls included.
+- The lean cycle's body signal is a flag (no ``asyncio.Event`` a request), the head's fields
+  are counted for the size and framing rules in one ``on_header`` call, the lingering
+  transport keeps the methods it forwards, an answer's fetch result is read only when the
+  worker was told to fetch, ``Decision.chosen`` is an attribute (read ~10 times a request),
+  the client's headers are decoded and stripped in one pass.
+  Together with the two above: 0.912 (0.905-0.922) paired, 8 rounds.
+- Where the rest goes (ablations run paired as ``--paired`` runs them, each against the same
+  tree, 6-8 rounds): the request-path metrics (timer, counters, decision histogram, prefill
+  demand) 0.93 of the CPU when made no-ops; sessions off (``--sessions off``; shown, not
+  priced) 0.95; flow control off 0.99. A forwarding path with no decision, parse, metrics or
+  booking, through the same server, lean cycle and proxy (a scratch build), cost 111-135 µs
+  where the whole router cost 340-400 (alternated, load 7-8): the two socket writes, the
+  server's parse and the proxy's exchange are about a third of the router's CPU; the
+  decision, its booking and release, the body's parse and the metrics the rest. In process,
+  warm (2 workers, 64 in flight, the bench's prompts, load 3-5): ``RouterService.decide``
+  47 µs, of it tokenizing the 1,000-byte prompt 11 (the byte tokenizer's list of 1,000 ids);
+  booking and release 27 (predicted residency's per-block refresh a quarter, the load
+  groups' regrouping, twice, a fifth); the body's parse 7; the metrics 8. Under the bench's
+  load each costs about twice its warm figure. Tried and dropped: predicted residency's
+  per-block loops as C-level ``map``/``update`` over the ``OrderedDict`` (2.1 -> 2.1 µs for
+  a prompt's 31 blocks on the lookup, 3.5 -> 6.5 µs on the refresh, timeit alternated 7
+  times).
+
+The earlier runs, at older commits (the machine quicker then): kvroute 248 -> 243 µs (load
+2-4; sglang-router 94, vllm-router 149; one timer for every first-byte deadline, the core's
+regrouping from plain figures, the request id added in place), and docs/experiments.md's
+table before that (767 -> 424 µs at load 2.5-5, 738 -> 370 at load 9-10, 323 -> 258 at
+load 7 with the server's own request cycle). The added p50 is measured on one connection,
+so it is the router's own latency, not queueing at 64 connections.
 """
 
 from __future__ import annotations
@@ -53,6 +97,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -66,6 +111,8 @@ NGINX = "/usr/sbin/nginx"
 PEERS_BIN = Path(".venv-peers/bin")
 PROMPT_BYTES = 1000
 PROMPTS = 16
+#: Each checkout's wrk connections under ``--paired``.
+PAIRED_CONNECTIONS = 32
 MODEL = "bench-model"
 
 #: The answer nginx gives to every completion, as a vLLM server would shape it.
@@ -252,18 +299,7 @@ def run(args: argparse.Namespace) -> list[Target]:
     with nginx(ports, others), tempfile.TemporaryDirectory() as d:
         script = _wrk_script(Path(d))
         try:
-            for name, cmd, cwd, health in _router_commands(args, backends):
-                url = f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
-                log = Path(d) / f"router{len(targets)}.log"
-                with log.open("wb") as sink:
-                    proc = subprocess.Popen(["taskset", "-c", cpu, *cmd], cwd=cwd,
-                                            stdout=sink, stderr=subprocess.STDOUT,
-                                            start_new_session=True)
-                try:
-                    targets.append(Target(name, url, wait_ready(proc, url + health, name, 60)))
-                except RuntimeError:
-                    print(log.read_text()[-2000:], file=sys.stderr)
-                    raise
+            _start_routers(args, backends, cpu, Path(d), targets)
             time.sleep(2)  # every router has polled its workers once
             for r in range(args.rounds):
                 turn = r % len(targets)
@@ -279,6 +315,87 @@ def run(args: argparse.Namespace) -> list[Target]:
     return targets
 
 
+def _start_routers(args: argparse.Namespace, backends: list[str], cpu: str, folder: Path,
+                   targets: list[Target]) -> None:
+    """Start each router of :func:`_router_commands` on ``cpu``, appending it to ``targets``
+    once it answers its health path."""
+    for name, cmd, cwd, health in _router_commands(args, backends):
+        url = f"http://127.0.0.1:{cmd[cmd.index('--port') + 1]}"
+        log = folder / f"router{len(targets)}.log"
+        with log.open("wb") as sink:
+            proc = subprocess.Popen(["taskset", "-c", cpu, *cmd], cwd=cwd, stdout=sink,
+                                    stderr=subprocess.STDOUT, start_new_session=True)
+        targets.append(Target(name, url, proc))
+        try:
+            wait_ready(proc, url + health, name, 60)
+        except RuntimeError:
+            print(log.read_text()[-2000:], file=sys.stderr)
+            raise
+
+
+def paired_ratios(first: list[float], other: list[float]) -> list[float]:
+    """Each round's figure of ``other`` over the same round's of ``first``, sorted."""
+    return sorted(b / a for a, b in zip(first, other, strict=True))
+
+
+def run_paired(args: argparse.Namespace) -> list[Target]:
+    """``--paired``: every kvroute checkout on the router core at the same time, each under
+    its own wrk (``PAIRED_CONNECTIONS``) for ``args.seconds``, ``args.rounds`` times; each
+    one's CPU per request per round. Whatever else runs on the machine then slows all of
+    them alike, round by round."""
+    cpu = str(args.router_cpu)
+    others = ",".join(str(c) for c in sorted(os.sched_getaffinity(0)) if c != args.router_cpu)
+    others = others or cpu
+    ports = [free_port(), free_port()]
+    backends = [f"http://127.0.0.1:{p}" for p in ports]
+    targets: list[Target] = []
+    with nginx(ports, others), tempfile.TemporaryDirectory() as d:
+        script = _wrk_script(Path(d))
+        try:
+            _start_routers(args, backends, cpu, Path(d), targets)
+            time.sleep(2)
+            for _ in range(args.rounds):
+                done: dict[int, int] = {}
+                before = [_group_cpu_seconds(t.proc.pid) for t in targets if t.proc]
+
+                threads = [threading.Thread(target=_wrk_into, args=(
+                    done, i, t.url, script, args.seconds, others)) for i, t in enumerate(targets)]
+                for thread in threads:
+                    thread.start()
+                for thread in threads:
+                    thread.join()
+                if len(done) != len(targets):
+                    raise RuntimeError("a wrk run failed (its error is printed above)")
+                for i, t in enumerate(targets):
+                    assert t.proc is not None
+                    t.cpu_us.append((_group_cpu_seconds(t.proc.pid) - before[i]) / done[i] * 1e6)
+        finally:
+            for target in targets:
+                if target.proc is not None:
+                    stop(target.proc)
+    return targets
+
+
+def _wrk_into(done: dict[int, int], i: int, url: str, script: Path, seconds: float, cpus: str
+              ) -> None:
+    done[i] = _wrk(url, script, PAIRED_CONNECTIONS, seconds, cpus)[0]
+
+
+def _print_paired(targets: list[Target], as_json: bool) -> None:
+    first = targets[0]
+    ratios = {t.name: paired_ratios(first.cpu_us, t.cpu_us) for t in targets[1:]}
+    if as_json:
+        print(json.dumps({"cpu_us_per_request": {t.name: t.cpu_us for t in targets},
+                          "ratio_to_first": ratios}))
+        return
+    print(f"load average {os.getloadavg()[0]:.1f}; {len(first.cpu_us)} rounds, every checkout "
+          "at once on one core")
+    for t in targets:
+        print(f"{t.name}: CPU per request (µs) {_cell(t.cpu_us, ',.0f')}")
+    for name, r in ratios.items():
+        print(f"{name} / {first.name}: {percentile(r, 50):.3f} ({r[0]:.3f}-{r[-1]:.3f})")
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3, help="alternating rounds (default 3)")
@@ -291,11 +408,21 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--no-peers", action="store_true",
                         help="kvroute only, even where .venv-peers has the Rust routers")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--paired", action="store_true",
+                        help="the --kvroute checkouts (two or more) at the same time on one "
+                             "core, each under its own wrk: CPU per request and each one's "
+                             "ratio to the first, round by round (no peers)")
     args = parser.parse_args(argv)
+    if args.paired and len(args.kvroute or []) < 2:
+        raise SystemExit("--paired compares two or more --kvroute checkouts")
     if shutil.which("wrk") is None or not os.path.exists(NGINX):
         raise SystemExit("bench.peers_http needs wrk and nginx (apt-get install wrk nginx)")
     if args.router_cpu not in os.sched_getaffinity(0):
         raise SystemExit(f"--router-cpu {args.router_cpu} is not a core this process may use")
+    if args.paired:
+        args.no_peers = True
+        _print_paired(run_paired(args), args.json)
+        return
     targets = run(args)
     if args.json:
         print(json.dumps({t.name: {"added_p50_ms": t.p50_ms, "rps": t.rps,

@@ -167,11 +167,12 @@ What the measurements taught (all on this 2-core machine, other jobs running at 
     unless the rates change: decide, book and release a 1k-token prompt in process (2
     workers, 64 in flight) 29.3-32.9 -> 25.2-29.3 µs.
   * The proxy armed an ``asyncio.timeout(limit)`` per send (a loop timer made and cancelled
-    each request, the first byte nearly always long before the deadline). The timeouts are
-    entered unarmed now and one timer keeps every send's deadline
-    (:mod:`router.http.deadlines`): it fires at the earliest, expires exactly the waits past
-    theirs through ``Timeout.reschedule`` (so ``FirstByteWaits.give_up`` still ends them) and
-    moves on to the earliest left: 4.0-4.3 -> 2.4 µs per wait in process under uvloop.
+    each request, the first byte nearly always long before the deadline). One timer keeps
+    every send's deadline (:mod:`router.http.deadlines`): it fires at the earliest, expires
+    exactly the waits past theirs (so ``FirstByteWaits.give_up`` still ends them too) and
+    moves on to the earliest left: 4.0-4.3 -> 2.4 µs per wait in process under uvloop. The
+    waits were unarmed ``asyncio.timeout`` blocks then; they are plain ``FirstByteWait``
+    blocks now (``bench/peers_http.py``'s docstring has that cut).
   * The server's own cycle gave each request its id on a copy of the scope and of its header
     list; the list is the request's own, so the id is appended to it (``RequestIds.named``,
     ``in_place``): about 1% of the profile.

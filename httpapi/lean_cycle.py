@@ -47,6 +47,8 @@ log = logging.getLogger("uvicorn.error")
 DEPARTURE = "kvroute.departure"
 
 _REQUEST_ID = REQUEST_ID_HEADER.encode()
+#: The answer's headers the cycle reads as it writes them.
+_READ_HEADERS = frozenset({_REQUEST_ID, b"content-length", b"transfer-encoding", b"connection"})
 _500 = [(b"content-type", b"text/plain; charset=utf-8"), (b"content-length", b"21"),
         (b"connection", b"close")]
 
@@ -70,10 +72,11 @@ class LeanCycle:
         ids: names the request.
         body_timeout: the whole body's deadline, seconds from the start.
         body_idle_timeout: the longest pause within the body, seconds.
+        loop: the event loop the connection is served on.
     """
 
     __slots__ = ("_body_done", "_body_idle_timeout", "_body_timeout", "_chunked", "_deadline",
-                 "_departed", "_head", "_ids", "_left", "_request_id", "body",
+                 "_departed", "_head", "_ids", "_left", "_loop", "_request_id", "body",
                  "default_headers", "disconnected", "flow", "keep_alive", "message_event",
                  "more_body", "on_response", "response_complete", "response_started", "scope",
                  "transport", "waiting_for_100_continue")
@@ -81,12 +84,13 @@ class LeanCycle:
     def __init__(self, scope: MutableMapping[str, Any], transport: asyncio.Transport, flow: Any,
                  default_headers: list[tuple[bytes, bytes]], keep_alive: bool,
                  expect_100_continue: bool, on_response: Callable[[], None], ids: RequestIds,
-                 body_timeout: float, body_idle_timeout: float) -> None:
+                 body_timeout: float, body_idle_timeout: float,
+                 loop: asyncio.AbstractEventLoop) -> None:
         self.scope = scope
         self.transport = transport
         self.flow = flow
         self.default_headers = default_headers
-        self.message_event = asyncio.Event()
+        self.message_event = _Signal()
         self.on_response = on_response
         self.disconnected = False
         self.keep_alive = keep_alive
@@ -105,6 +109,7 @@ class LeanCycle:
         self._chunked: bool | None = None
         self._left = 0
         self._head: bytes | None = None
+        self._loop = loop
 
     async def run_asgi(self, app: App) -> None:
         """Serve the request with ``app`` (uvicorn's name: its protocol starts a pipelined
@@ -139,7 +144,7 @@ class LeanCycle:
         """A future that completes when the client has left (rule 4); cancel it to stop
         caring."""
         if self._departed is None:
-            self._departed = asyncio.get_running_loop().create_future()
+            self._departed = self._loop.create_future()
             if self.disconnected:
                 self._departed.set_result(None)
         return self._departed
@@ -157,21 +162,23 @@ class LeanCycle:
             self.waiting_for_100_continue = False
         event = self.message_event
         if not self.disconnected and not self.response_complete:
-            self.flow.resume_reading()
+            flow = self.flow
+            if flow.read_paused:
+                flow.resume_reading()
             if self._body_done:
                 await event.wait()
             else:
                 left = self._deadline - time.monotonic()
                 if left <= 0:
                     raise too_slow(True, self._body_timeout, self._body_idle_timeout)
-                if not event.is_set():
+                if not event.is_set:
                     try:
                         async with asyncio.timeout(min(left, self._body_idle_timeout)):
                             await event.wait()
                     except TimeoutError:
                         raise too_slow(left <= self._body_idle_timeout, self._body_timeout,
                                        self._body_idle_timeout) from None
-            event.clear()
+            event.is_set = False
         elif not self._body_done and self._deadline - time.monotonic() <= 0:
             raise too_slow(True, self._body_timeout, self._body_idle_timeout)
         if self.disconnected or self.response_complete:
@@ -237,18 +244,19 @@ class LeanCycle:
         closing = False
         for name, value in headers:
             name = name.lower()
-            if name == _REQUEST_ID:
-                continue
-            if name == b"content-length" and self._chunked is None:
-                self._left = int(value)
-                self._chunked = False
-            elif name == b"transfer-encoding" and value.lower() == b"chunked":
-                self._left = 0
-                self._chunked = True
-            elif name == b"connection" and b"close" in [
-                    t.strip().lower() for t in value.split(b",")]:
-                self.keep_alive = False
-                closing = True
+            if name in _READ_HEADERS:  # most headers are none of these: one lookup each
+                if name == _REQUEST_ID:
+                    continue
+                if name == b"content-length" and self._chunked is None:
+                    self._left = int(value)
+                    self._chunked = False
+                elif name == b"transfer-encoding" and value.lower() == b"chunked":
+                    self._left = 0
+                    self._chunked = True
+                elif name == b"connection" and b"close" in [
+                        t.strip().lower() for t in value.split(b",")]:
+                    self.keep_alive = False
+                    closing = True
             content += (name, b": ", value, b"\r\n")
         content += (_REQUEST_ID, b": ", self._request_id, b"\r\n")
         if not self.keep_alive and not closing:
@@ -266,3 +274,40 @@ class LeanCycle:
 
 def _nothing() -> None:
     pass
+
+
+class _Signal:
+    """What the protocol sets when the request's body grows or the connection goes
+    (:attr:`LeanCycle.message_event`): ``asyncio.Event``'s ``set`` and ``wait``, with its
+    flag a plain attribute, and no future or waiter list made until something waits (a
+    body that came with its headers is never waited for)."""
+
+    __slots__ = ("_waiters", "is_set")
+
+    def __init__(self) -> None:
+        self.is_set = False
+        self._waiters: list[asyncio.Future[None]] | None = None
+
+    def set(self) -> None:
+        """Set the flag and wake every waiter."""
+        self.is_set = True
+        waiters = self._waiters
+        if waiters:
+            self._waiters = None
+            for waiter in waiters:
+                if not waiter.done():
+                    waiter.set_result(None)
+
+    async def wait(self) -> None:
+        """Return once the flag is set."""
+        if self.is_set:
+            return
+        waiter = asyncio.get_running_loop().create_future()
+        if self._waiters is None:
+            self._waiters = []
+        self._waiters.append(waiter)
+        try:
+            await waiter
+        finally:
+            if self._waiters is not None and waiter in self._waiters:
+                self._waiters.remove(waiter)

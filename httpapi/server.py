@@ -118,7 +118,10 @@ class _LingeringTransport:
         self._protocol = protocol
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
+        value = getattr(self._transport, name)
+        if callable(value):  # kept: the next call finds the transport's own method at once
+            setattr(self, name, value)
+        return value
 
     def close(self) -> None:
         protocol = self._protocol
@@ -154,6 +157,10 @@ class _GuardedProtocol(HttpToolsProtocol):
     #: Whether a request began in the read being parsed (rule 5 counts no bytes of that read
     #: while its head is open: some of them may belong to the request before).
     _began_in_read = False
+    #: The current head's fields' bytes as rule 5 counts them (name, value and 4 a field),
+    #: and its ``Transfer-Encoding`` values (rule 8), counted as they arrive.
+    _field_bytes = 0
+    _codings: list[bytes] | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(_LingeringTransport(transport, self))  # type: ignore[arg-type]
@@ -205,23 +212,36 @@ class _GuardedProtocol(HttpToolsProtocol):
             return
         super().on_message_begin()
         self._head_done, self._head_bytes, self._began_in_read = False, 0, True
+        self._field_bytes, self._codings = 0, None
         if self._header_timer is None:
             self._arm_header_timer()
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        if not self._head_done:  # a trailer field once the head is done (rule 8): dropped
-            super().on_header(name, value)
+        if self._head_done:  # a trailer field once the head is done (rule 8): dropped
+            return
+        # uvicorn's own on_header (``HttpToolsProtocol.on_header``), in this one call (a
+        # call per header less), counting the head's bytes (rule 5) and its codings (rule 8)
+        # as the fields arrive.
+        name = name.lower()
+        value = value.rstrip(b" \t")
+        if name == b"expect" and value.lower() == b"100-continue":
+            self.expect_100_continue = True
+        elif name == b"transfer-encoding":
+            if self._codings is None:
+                self._codings = []
+            self._codings.append(value)
+        self._field_bytes += len(name) + len(value) + 4
+        self.headers.append((name, value))
 
     def on_headers_complete(self) -> None:
         if self._refused:
             return
         self._disarm_header_timer()
         self._head_done = True
-        head = len(self.url) + sum(len(k) + len(v) + 4 for k, v in self.headers)
-        if head > self.limits.max_header_bytes:
+        if len(self.url) + self._field_bytes > self.limits.max_header_bytes:
             self._refuse_head()
             return
-        codings = [v for k, v in self.headers if k == b"transfer-encoding"]
+        codings = self._codings
         if codings and b",".join(codings).strip(b" \t").lower() != b"chunked":
             self._refuse_head(_BAD_FRAMING, "bad_framing")
             return
@@ -241,7 +261,7 @@ class _GuardedProtocol(HttpToolsProtocol):
         if limit is not None and (len(self.connections) >= limit or len(self.tasks) >= limit):
             return False
         version = parser.get_http_version()
-        scope = cast(dict[str, Any], self.scope)
+        scope: dict[str, Any] = self.scope  # type: ignore[assignment]
         scope["method"] = "POST"
         if version != "1.1":
             scope["http_version"] = version
@@ -254,7 +274,7 @@ class _GuardedProtocol(HttpToolsProtocol):
             scope, self.transport, self.flow, self.server_state.default_headers,
             version != "1.0" and parser.should_keep_alive(), self.expect_100_continue,
             self.on_response_complete, self.lean_ids, self.limits.body_timeout,
-            self.limits.body_idle_timeout)
+            self.limits.body_idle_timeout, self.loop)
         if existing is None or existing.response_complete:
             task = self.loop.create_task(cycle.run_asgi(route))
             task.add_done_callback(self.tasks.discard)

@@ -114,11 +114,11 @@ async def send_with_failover(service: RouterService, proxy: Proxy, clock: FirstB
         ahead = service.queued_prefill(worker)
         deadline = clock.deadline(worker.id, ahead) if stream is True and attempt == 0 else None
         started = time.monotonic()
+        fetch = service.fetch_headers(route, worker)
         try:
             answer = await proxy.send(f"{worker.url}{path}", body,
-                                      traced_headers(pinned(instructed(
-                                          headers, service.fetch_headers(route, worker)),
-                                          worker), worker, attempt, path),
+                                      traced_headers(pinned(instructed(headers, fetch),
+                                                            worker), worker, attempt, path),
                                       stream=stream,
                                       first_byte=deadline, waits=worker.waits)
         except UpstreamUnavailable as exc:
@@ -128,7 +128,8 @@ async def send_with_failover(service: RouterService, proxy: Proxy, clock: FirstB
             log.warning("worker %s failed before answering (%s): %s", worker.url, exc.cause,
                         exc)
             continue
-        service.fetch_answered(route, worker, answer.headers.get(FETCH_RESULT))
+        if fetch:  # told to fetch: its answer says how that went (none else does)
+            service.fetch_answered(route, worker, answer.header(FETCH_RESULT))
         worker.liveness.progressed()  # an answer began: alive, whatever its probe says
         answer.on_progress = worker.liveness.progressed
         if (stream() if callable(stream) else stream) and answer.status == 200:

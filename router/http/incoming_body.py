@@ -64,7 +64,8 @@ class IncomingBody:
         self._receive = receive
         self._max_bytes = max_bytes
         self._chunks: list[bytes] = []
-        self._grew = asyncio.Event()
+        # Made when something waits for the body to grow (a body that came whole never is).
+        self._grew: asyncio.Event | None = None
         self.size = 0
         self.complete = False
         self.completed_at: float | None = None
@@ -132,6 +133,8 @@ class IncomingBody:
         sent = 0
         while True:
             grew = self._grew
+            if grew is None:
+                grew = self._grew = asyncio.Event()
             while sent < len(self._chunks):
                 yield self._chunks[sent]
                 sent += 1
@@ -140,5 +143,7 @@ class IncomingBody:
             await grew.wait()
 
     def _wake(self) -> None:
-        self._grew.set()
-        self._grew = asyncio.Event()
+        grew = self._grew
+        if grew is not None:
+            self._grew = None
+            grew.set()

@@ -37,7 +37,7 @@ from collections.abc import AsyncGenerator, AsyncIterable, Callable, Mapping
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
-from router.fleet.first_byte_waits import FirstByteWaits
+from router.fleet.first_byte_waits import FirstByteWait, FirstByteWaits
 from router.http.deadlines import Deadlines
 from router.http.incoming_body import IncomingBody
 from router.http.upstream import ConnectionPool, Exchange
@@ -110,6 +110,15 @@ class UpstreamAnswer:
         """:attr:`raw_headers`, decoded."""
         return {k.decode("latin-1"): v.decode("latin-1") for k, v in self.raw_headers}
 
+    def header(self, name: str) -> str | None:
+        """The value of the header ``name`` (lower case; the last one sent), decoded; None
+        when absent."""
+        wanted, found = name.encode("latin-1"), None
+        for k, v in self.raw_headers:
+            if k.lower() == wanted:
+                found = v
+        return None if found is None else found.decode("latin-1")
+
     async def read(self) -> bytes:
         """Read the whole body (non-streaming answers), then release the connection.
 
@@ -181,13 +190,15 @@ class Proxy:
         self._max_connections = max_connections
         self._pool: ConnectionPool | None = None
         self._deadlines: Deadlines | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
         #: url -> (host, port, TLS context, the request line and Host header)
         self._targets: dict[str, tuple[str, int, ssl.SSLContext | None, bytes]] = {}
 
     async def start(self) -> None:
         """Open the connection pool."""
         self._pool = ConnectionPool(self._max_connections, IDLE_KEEPALIVE_S)
-        self._deadlines = Deadlines(asyncio.get_running_loop())
+        self._loop = asyncio.get_running_loop()
+        self._deadlines = Deadlines(self._loop)
 
     async def close(self) -> None:
         """Close the pool; safe to call twice."""
@@ -254,15 +265,16 @@ class Proxy:
         if pool is None or deadlines is None:
             raise RuntimeError("proxy is not started")
         host, port, tls, line = self._target(url)
-        head = [line]
         hop = headers.get("connection")
         # The fields a Connection header names are for the client's hop only (RFC 9110
         # 7.6.1), like the hop-by-hop ones always dropped.
         drop = (_DROP_HEADERS if hop is None else _DROP_HEADERS | {
             t.strip().lower() for t in hop.split(",")})
+        fields = []
         for k, v in headers.items():
             if k.lower() not in drop:
-                head.append(f"{k}: {v}\r\n".encode("latin-1"))
+                fields.append(f"{k}: {v}\r\n")
+        head = [line, "".join(fields).encode("latin-1")]  # one encode for every field
         incoming = body if isinstance(body, IncomingBody) else None
         if incoming is not None:
             length = incoming.declared
@@ -280,11 +292,11 @@ class Proxy:
         first = b""
         streamed = False
         try:
-            # Entered unarmed: the deadline is kept with every other wait's, by one timer.
-            async with asyncio.timeout(None) as timeout:
-                deadlines.add(timeout, limit)
+            # The deadline is kept with every other wait's, by one timer.
+            with FirstByteWait(asyncio.current_task(self._loop)) as wait:
+                deadlines.add(wait, limit)
                 if waits is not None:
-                    waits.add(timeout)
+                    waits.add(wait)
                 try:
                     exchange = pool.take_idle(host, port)
                     reused = exchange is not None
@@ -315,9 +327,9 @@ class Proxy:
                     if streamed and exchange.status == 200:
                         first = await exchange.chunk()
                 finally:
-                    deadlines.discard(timeout)
+                    deadlines.discard(wait)
                     if waits is not None:
-                        waits.discard(timeout)
+                        waits.discard(wait)
         except (OSError, TimeoutError) as exc:  # ConnectionError is an OSError
             if exchange is not None:
                 exchange.close()

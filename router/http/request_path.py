@@ -76,9 +76,24 @@ _JSON = b"application/json"
 def without_fetch(headers: dict[str, str]) -> dict[str, str]:
     """``headers`` less any peer fetch instruction a client sent (``x-kvroute-fetch-*``,
     ``x-kvroute-transfer-token``): only the router instructs a worker to fetch."""
-    for name in [k for k in headers if k.startswith("x-kvroute-") and (
-            k.startswith("x-kvroute-fetch-") or k == "x-kvroute-transfer-token")]:
+    for name in [k for k in headers if _instructs_fetch(k)]:
         del headers[name]
+    return headers
+
+
+def _instructs_fetch(name: str) -> bool:
+    return name.startswith("x-kvroute-") and (name.startswith("x-kvroute-fetch-")
+                                              or name == "x-kvroute-transfer-token")
+
+
+def _client_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
+    """The request's headers (an ASGI scope's), decoded and :func:`without_fetch`, in one
+    pass."""
+    headers = {}
+    for k, v in raw:
+        name = k.decode("latin-1")
+        if not (name.startswith("x-kvroute-") and _instructs_fetch(name)):
+            headers[name] = v.decode("latin-1")
     return headers
 
 
@@ -96,8 +111,7 @@ class Forward:
         state, path = self.state, self.path
         metrics = state.metrics
         timer = metrics.timer(time.perf_counter())
-        headers = without_fetch({k.decode("latin-1"): v.decode("latin-1")
-                                 for k, v in scope["headers"]})
+        headers = _client_headers(scope["headers"])
         max_bytes = state.settings.max_body_bytes
         if not state.settings.allow_client_transfer_fields:
             headers = without_rank_header(headers)
@@ -111,14 +125,14 @@ class Forward:
             metrics.request(path, exc.status)
             raise
         metrics.decided(route)
-        this = asyncio.current_task()
+        this = asyncio.current_task(state.loop)  # the loop given: no system call to find it
         assert this is not None, "a request handler runs in a task"
         # The pump reads what is left of the body, then waits for the client to leave; its
         # end (the client left, or the body failed) cancels the handler. Once the body is
         # whole, the server's own notice of a client that left does it, where it gives one.
         departure = scope.get(DEPARTURE)
         watcher = pump or (departure() if departure is not None
-                           else asyncio.get_running_loop().create_task(incoming.pump()))
+                           else state.loop.create_task(incoming.pump()))
         watcher.add_done_callback(lambda w: w.cancelled() or this.cancel())
         answering = False
         timer.sending()
@@ -203,7 +217,7 @@ class Forward:
                 # Checked again once whole, before its end goes upstream (client_fields).
                 incoming.check = whole_body_check(state.settings.max_body_bytes,
                                                   state.settings.allow_client_transfer_fields)
-                pump = asyncio.get_running_loop().create_task(incoming.pump())
+                pump = state.loop.create_task(incoming.pump())
                 try:
                     route = await decide(state, tries[1], kind,
                                          incoming.declared or incoming.size, headers, trusted)

@@ -44,6 +44,8 @@ class RouterState:
            object is dropped (a stream still relaying while the server stops may read them).
     """
 
+    #: The event loop the lifespan (and so every request) runs on.
+    loop: asyncio.AbstractEventLoop
     service: RouterService
     proxy: Proxy
     metrics: RouterMetrics
@@ -65,6 +67,7 @@ class RouterState:
     async def lifespan(self, _: FastAPI) -> AsyncIterator[None]:
         """Make the parts, start the fleet's registry; stop and close them at the end."""
         settings = self.settings
+        self.loop = asyncio.get_running_loop()
         http = httpx.AsyncClient()
         self.service = RouterService(settings, http)
         self.proxy = Proxy(ProxyTimeouts(connect=settings.connect_timeout,

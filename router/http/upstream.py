@@ -49,6 +49,9 @@ class Exchange(asyncio.Protocol):
     def __init__(self, pool: ConnectionPool, key: tuple[str, int]) -> None:
         self._pool = pool
         self.key = key
+        # Made on the loop it serves (the pool opens it there): each wait's future comes
+        # from it without asking for the running loop (a system call per ask, for its pid).
+        self._loop = asyncio.get_running_loop()
         self.transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
         self.status = 0
@@ -82,7 +85,7 @@ class Exchange(asyncio.Protocol):
 
     def pause_writing(self) -> None:
         if self._drained is None:
-            self._drained = asyncio.get_running_loop().create_future()
+            self._drained = self._loop.create_future()
 
     def resume_writing(self) -> None:
         if self._drained is not None:
@@ -122,9 +125,13 @@ class Exchange(asyncio.Protocol):
         self.head_done = True
         # Read here: once the message completes, the parser no longer says.
         self._keep_alive = self._parser.should_keep_alive()
-        names = {k.lower() for k, _ in self.headers}
-        self._ends_at_close = (b"content-length" not in names
-                               and b"transfer-encoding" not in names)
+        ends_at_close = True
+        for name, _ in self.headers:
+            name = name.lower()
+            if name == b"content-length" or name == b"transfer-encoding":
+                ends_at_close = False
+                break
+        self._ends_at_close = ends_at_close
         self._wake_head()
 
     def on_body(self, body: bytes) -> None:
@@ -192,7 +199,7 @@ class Exchange(asyncio.Protocol):
             ConnectionError: the connection failed first.
         """
         if not self.head_done and self.error is None:
-            self._head = asyncio.get_running_loop().create_future()
+            self._head = self._loop.create_future()
             try:
                 await self._head
             finally:
@@ -212,7 +219,7 @@ class Exchange(asyncio.Protocol):
                 return b""
             if self.error is not None:
                 raise self.error
-            self._waiter = asyncio.get_running_loop().create_future()
+            self._waiter = self._loop.create_future()
             try:
                 await self._waiter
             finally:

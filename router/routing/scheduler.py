@@ -251,9 +251,13 @@ class Decision:
         costs: every candidate's terms, cheapest first; or None with ``explain``.
         chosen: the chosen worker's terms (found in ``costs`` when omitted).
         explain: computes ``costs`` when first read.
+
+    Attributes:
+        worker: the chosen worker.
+        chosen: its cost terms (a plain attribute: a request reads it about ten times).
     """
 
-    __slots__ = ("_chosen", "_costs", "_explain", "worker")
+    __slots__ = ("_costs", "_explain", "chosen", "worker")
 
     def __init__(self, worker: int, costs: tuple[WorkerCost, ...] | None = None, *,
                  chosen: WorkerCost | None = None,
@@ -263,7 +267,9 @@ class Decision:
         self.worker = worker
         self._costs = costs
         self._explain = explain
-        self._chosen = chosen
+        if chosen is None:
+            chosen = next(c for c in self.costs if c.worker == worker)
+        self.chosen = chosen
 
     @property
     def costs(self) -> tuple[WorkerCost, ...]:
@@ -272,13 +278,6 @@ class Decision:
             assert self._explain is not None
             self._costs, self._explain = self._explain(), None
         return self._costs
-
-    @property
-    def chosen(self) -> WorkerCost:
-        """The cost terms of the chosen worker."""
-        if self._chosen is None:
-            self._chosen = next(c for c in self.costs if c.worker == self.worker)
-        return self._chosen
 
     def terms(self, worker: int) -> WorkerCost:
         """The cost terms of ``worker`` (the chosen one, or a fallback)."""

@@ -76,3 +76,14 @@ def test_a_cell_gives_the_median_and_a_range_only_when_rounds_differ() -> None:
     assert peers_http._cell([100, 101, 102], ",.0f") == "101"
     assert peers_http._cell([100, 150, 200], ",.0f") == "150 (100-200)"
     assert peers_http._cell([], ".2f") == "-"
+
+
+def test_paired_ratios_are_each_rounds_figure_over_the_first_checkouts_sorted() -> None:
+    assert peers_http.paired_ratios([400, 200, 300], [360, 190, 240]) == [0.8, 0.9, 0.95]
+    with pytest.raises(ValueError):  # a round missing from one of them
+        peers_http.paired_ratios([400, 200], [360])
+
+
+def test_paired_wants_two_checkouts() -> None:
+    with pytest.raises(SystemExit, match="two or more"):
+        peers_http.main(["--paired", "--kvroute", "."])

@@ -15,6 +15,7 @@ import pytest
 from indexer.index import PrefixIndex
 from router.fleet.entry import FleetSettings
 from router.fleet.facts import FleetFacts
+from router.fleet.first_byte_waits import FirstByteWait
 from router.fleet.registry import Registry
 from router.fleet.worker_table import WorkerState
 from tests.support.eventually import eventually
@@ -84,7 +85,7 @@ async def test_an_unhealthy_worker_keeps_its_entries_for_the_grace_then_loses_th
 
 async def test_a_hung_health_probe_gives_up_the_requests_waiting_for_a_first_byte() -> None:
     # The paused worker never answers, so each probe ends at health_timeout however loaded
-    # the machine is; the waiting request's own deadline (an hour) cannot be what frees it.
+    # the machine is; the waiting request has no deadline of its own: only the poll frees it.
     clock, forgotten = Clock(0.0), []
     async with (
         ScriptedWorker() as worker,
@@ -93,9 +94,8 @@ async def test_a_hung_health_probe_gives_up_the_requests_waiting_for_a_first_byt
         entry = await reg.add(worker.url)
 
         async def wait_for_first_byte() -> None:
-            async with asyncio.timeout(3600) as deadline:
-                with entry.waits.waiting(deadline):
-                    await asyncio.Event().wait()
+            with FirstByteWait() as wait, entry.waits.waiting(wait):  # no deadline of its own
+                await asyncio.Event().wait()
 
         waiting = asyncio.create_task(wait_for_first_byte())
         await eventually(lambda: len(entry.waits) == 1, "the send registered")
@@ -120,9 +120,8 @@ async def test_a_bad_load_answer_takes_a_worker_out_but_gives_up_no_request() ->
         entry = await reg.add(worker.url)
 
         async def wait_for_first_byte() -> None:
-            async with asyncio.timeout(3600) as deadline:
-                with entry.waits.waiting(deadline):
-                    await asyncio.Event().wait()
+            with FirstByteWait() as wait, entry.waits.waiting(wait):  # no deadline of its own
+                await asyncio.Event().wait()
 
         waiting = asyncio.create_task(wait_for_first_byte())
         await eventually(lambda: len(entry.waits) == 1, "the send registered")

@@ -7,7 +7,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 
-from router.fleet.first_byte_waits import FirstByteWaits
+from router.fleet.first_byte_waits import FirstByteWait, FirstByteWaits
 from router.http.deadlines import Deadlines
 
 
@@ -47,16 +47,16 @@ class _Clock:
 
 async def _wait(deadlines: Deadlines, seconds: float, waits: FirstByteWaits | None = None
                 ) -> str:
-    async with asyncio.timeout(None) as timeout:
-        deadlines.add(timeout, seconds)
+    with FirstByteWait() as wait:
+        deadlines.add(wait, seconds)
         if waits is not None:
-            waits.add(timeout)
+            waits.add(wait)
         try:
             await asyncio.Event().wait()
         finally:
-            deadlines.discard(timeout)
+            deadlines.discard(wait)
             if waits is not None:
-                waits.discard(timeout)
+                waits.discard(wait)
     return "answered"
 
 
