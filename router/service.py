@@ -44,7 +44,7 @@ from router.routing.scheduler import Decision
 from router.routing.sessions import Continuation
 from router.settings import RouterSettings
 
-__all__ = ["FETCH_HEADERS", "Route", "RouterService", "parse_fetch_result"]
+__all__ = ["FETCH_HEADERS", "Route", "RouteRequest", "RouterService", "parse_fetch_result"]
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,17 @@ def parse_fetch_result(value: str) -> tuple[int, float, float] | None:
 PromptKind = Literal["completions", "chat"]
 
 
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What a decision was asked: the body, the endpoint's kind (``completions`` or
+    ``chat``), and whether a peer fetch may be chosen. A route carries it, so the request can
+    be decided again (:meth:`RouterService.decide_again`) from the route alone."""
+
+    body: Any
+    kind: str
+    fetch: bool = True
+
+
 @dataclass(slots=True)
 class Route:
     """A decided request: what it is, where it goes, and what the router expects there."""
@@ -112,6 +123,8 @@ class Route:
     predicts_ttft: bool = False
     #: Its stay in flow control's queue (None: it did not wait).
     queued: QueueStay | None = None
+    #: What was decided (None only for a route made by hand, as tests make them).
+    request: RouteRequest | None = None
 
     @property
     def worker(self) -> Target:
@@ -489,10 +502,22 @@ class RouterService:
         request_id = f"{self._id_prefix}-{next(self._ids)}"
         route = Route(request_id, prompt, hashes, routed.decision, by_id, now,
                       time.perf_counter() - started, routed.continued,
-                      predicts_ttft=self.policy.predicts_ttft)
+                      predicts_ttft=self.policy.predicts_ttft,
+                      request=RouteRequest(body, kind, fetch))
         if fleet.prefill:
             self._choose_prefill(route, fleet, matches, now)
         return route
+
+    def decide_again(self, route: Route) -> Route:
+        """``route``'s request decided again now, on its prompt as tokenized the first time
+        (flow control's late binding: the index and loads of the moment it leaves).
+
+        Raises:
+            ApiError: as :meth:`decide` (503: no worker can take it now).
+        """
+        request = route.request
+        assert request is not None, "a route the service decided carries its request"
+        return self.decide(request.body, request.kind, route.prompt, fetch=request.fetch)
 
     def _tokenized(self, body: Any, kind: str, fleet: _Fleet, model: str | None
                    ) -> tuple[PromptTokens, PrefixReach | None]:

@@ -53,7 +53,7 @@ async def test_a_fleet_past_the_bound_exports_at_most_the_bound_plus_other_per_f
             url=f"http://w{w}", model="m", block_size=32, tokenizer="bytes-v1",
             instance_id=f"i{w}", max_model_len=1 << 16)) for w in range(FLEET)]
         metrics = RouterMetrics(service)
-        flow = FlowControl(FlowSettings())
+        flow = FlowControl(FlowSettings(), service.decide_again)
         register_flow_metrics(metrics.registry, flow, metrics.worker_label)
         for e in entries:
             e.counters["health_failures"] = 1
