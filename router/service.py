@@ -25,7 +25,7 @@ from indexer.events import Event
 from indexer.index import PrefixIndex
 from openai_request import tokenize_api
 from openai_request.bodies import ApiError
-from openai_request.prompts import PromptTokens, Reach, build_prompt
+from openai_request.prompts import PromptTokens, PromptWalk, build_prompt, walk_prompt
 from openai_request.segment_cache import SegmentedTokenizer
 from openai_request.tokenizer import HFTokenizer, Tokenizer, load_tokenizer
 from router.fleet.entry import Target, WorkerEntry
@@ -44,7 +44,7 @@ from router.routing.scheduler import Decision
 from router.routing.sessions import Continuation
 from router.settings import RouterSettings
 
-__all__ = ["FETCH_HEADERS", "Route", "RouterService", "parse_fetch_result"]
+__all__ = ["FETCH_HEADERS", "Route", "RouteRequest", "RouterService", "parse_fetch_result"]
 
 log = logging.getLogger(__name__)
 
@@ -86,6 +86,17 @@ def parse_fetch_result(value: str) -> tuple[int, float, float] | None:
 PromptKind = Literal["completions", "chat"]
 
 
+@dataclass(frozen=True, slots=True)
+class RouteRequest:
+    """What a decision was asked: the body, the endpoint's kind (``completions`` or
+    ``chat``), and whether a peer fetch may be chosen. A route carries it, so the request can
+    be decided again (:meth:`RouterService.decide_again`) from the route alone."""
+
+    body: Any
+    kind: str
+    fetch: bool = True
+
+
 @dataclass(slots=True)
 class Route:
     """A decided request: what it is, where it goes, and what the router expects there."""
@@ -112,6 +123,8 @@ class Route:
     predicts_ttft: bool = False
     #: Its stay in flow control's queue (None: it did not wait).
     queued: QueueStay | None = None
+    #: What was decided (None only for a route made by hand, as tests make them).
+    request: RouteRequest | None = None
 
     @property
     def worker(self) -> Target:
@@ -363,10 +376,9 @@ class RouterService:
                 names.update((e.info.model, *e.info.lora_adapters))
         return sorted(names)
 
-    def tokenize(self, body: Any, kind: str, reach: Reach | None = None) -> PromptTokens:
-        """Turn a request body into its prompt tokens, as the workers will (with ``reach``,
-        only as far as it wants). Without ``reach`` it reads only the tokenizer and settings,
-        so it may run in a worker thread for a large body.
+    def tokenize(self, body: Any, kind: str) -> PromptTokens:
+        """Turn a request body into its prompt tokens, as the workers will. It reads only the
+        tokenizer and settings, so it may run in a worker thread for a large body.
 
         Raises:
             ApiError: the body is invalid (400).
@@ -375,7 +387,29 @@ class RouterService:
             return build_prompt(body, kind, self.tokenizer,  # type: ignore[arg-type]
                                 mm_tokens_per_image=self.registry.mm_tokens_per_image or 1,
                                 max_image_bytes=self.settings.max_image_bytes, fetch=None,
-                                check_token_ids=False, reach=reach)
+                                check_token_ids=False)
+        except ValueError as exc:
+            raise ApiError(400, str(exc)) from None
+
+    def _walked(self, body: Any, kind: str, reach: PrefixReach) -> PromptTokens:
+        """:meth:`tokenize`, a text prompt only as far as some worker holds it: its walk goes
+        a step further while every full block hashed so far is held (:meth:`_held`).
+
+        Raises:
+            ApiError: the body is invalid (400).
+        """
+        try:
+            walk = walk_prompt(body, kind, self.tokenizer,  # type: ignore[arg-type]
+                               mm_tokens_per_image=self.registry.mm_tokens_per_image or 1,
+                               max_image_bytes=self.settings.max_image_bytes, fetch=None,
+                               check_token_ids=False)
+            if not isinstance(walk, PromptWalk):
+                return walk
+            while walk.advance():
+                hashes = reach.extend(walk.ids, walk.cache_salt)
+                if hashes and self._held(hashes) < len(hashes):
+                    break
+            return walk.prompt()
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
 
@@ -468,10 +502,22 @@ class RouterService:
         request_id = f"{self._id_prefix}-{next(self._ids)}"
         route = Route(request_id, prompt, hashes, routed.decision, by_id, now,
                       time.perf_counter() - started, routed.continued,
-                      predicts_ttft=self.policy.predicts_ttft)
+                      predicts_ttft=self.policy.predicts_ttft,
+                      request=RouteRequest(body, kind, fetch))
         if fleet.prefill:
             self._choose_prefill(route, fleet, matches, now)
         return route
+
+    def decide_again(self, route: Route) -> Route:
+        """``route``'s request decided again now, on its prompt as tokenized the first time
+        (flow control's late binding: the index and loads of the moment it leaves).
+
+        Raises:
+            ApiError: as :meth:`decide` (503: no worker can take it now).
+        """
+        request = route.request
+        assert request is not None, "a route the service decided carries its request"
+        return self.decide(request.body, request.kind, route.prompt, fetch=request.fetch)
 
     def _tokenized(self, body: Any, kind: str, fleet: _Fleet, model: str | None
                    ) -> tuple[PromptTokens, PrefixReach | None]:
@@ -480,7 +526,7 @@ class RouterService:
         passes the fleet's shortest model length, so that a refusal is told by the exact
         count."""
         reach = self._reach(fleet, model)
-        prompt = self.tokenize(body, kind, reach)
+        prompt = self.tokenize(body, kind) if reach is None else self._walked(body, kind, reach)
         if (fleet.min_model_len and prompt.total_tokens > fleet.min_model_len
                 and prompt.estimated_tokens):
             return self.tokenize(body, kind), None
@@ -513,14 +559,14 @@ class RouterService:
         return booking
 
     def _reach(self, fleet: _Fleet, model: str | None) -> PrefixReach | None:
-        """Under ``--tokenize match``, the reach that stops tokenizing past the index's
-        longest match, for the fleet's first candidate's terms."""
+        """Under ``--tokenize match``, the reach that hashes a prompt's blocks as its walk
+        goes (:meth:`_walked`), in the fleet's first candidate's terms."""
         if self.settings.tokenize != "match" or not isinstance(self.tokenizer, SegmentedTokenizer):
             return None
         first = fleet.entries[0]
         assert first.info is not None, "a candidate always has model info"
         lora = model if model is not None and model != first.info.model else None
-        return PrefixReach(fleet.terms, lora, self._held)
+        return PrefixReach(fleet.terms, lora)
 
     def _held(self, hashes: list[int]) -> int:
         """The longest leading run of ``hashes`` some worker holds, by the index or by the

@@ -68,11 +68,10 @@ class Pick:
 
 @dataclass(frozen=True, slots=True)
 class Held:
-    """A request flow control must hold: what deciding it again and booking it need."""
+    """A request flow control must hold: what deciding it again (its route carries its
+    request) and booking it need."""
 
     route: Route
-    body: Any
-    kind: str
     subset: frozenset[str] | None
     ask: Ask
     tenant: str
@@ -90,7 +89,7 @@ class Picker:
     def __init__(self, service: RouterService, metrics: RouterMetrics | None = None) -> None:
         self.service = service
         self.metrics = metrics if metrics is not None else RouterMetrics(service)
-        self.flow = FlowControl(service.settings.flow_settings())
+        self.flow = FlowControl(service.settings.flow_settings(), service.decide_again)
         service.capacity = self.flow
         self._objectives = service.settings.objectives()
         register_flow_metrics(self.metrics.registry, self.flow, self.metrics.worker_label)
@@ -133,7 +132,7 @@ class Picker:
             self.metrics.request(ENDPOINT, exc.status)
             raise
         if now is None:
-            return Held(route, body, kind, subset, ask, tenant_of(body, headers))
+            return Held(route, subset, ask, tenant_of(body, headers))
         return self._book(now, subset)
 
     async def admit(self, held: Held) -> Pick:
@@ -145,11 +144,7 @@ class Picker:
                 a more urgent request displaced it) or 503 (no worker is healthy).
         """
         try:
-            route = await self.flow.admit(
-                held.route, held.ask,
-                lambda: self.service.decide(held.body, held.kind, held.route.prompt,
-                                            fetch=False),
-                lambda: held.tenant)
+            route = await self.flow.admit(held.route, held.ask, lambda: held.tenant)
         except ApiError as exc:
             self.metrics.request(ENDPOINT, exc.status)
             raise

@@ -204,14 +204,17 @@ class FlowControl:
 
     Args:
         settings: the bounds.
+        decide_again: decides a waiting request again, from the route it was first given
+            (:meth:`router.service.RouterService.decide_again`: the route carries its request).
         clock: monotonic seconds.
         tick_s: seconds between looks at a saturated fleet while requests wait and nothing
             wakes the dispatcher.
     """
 
-    def __init__(self, settings: FlowSettings, *, clock: Callable[[], float] = time.monotonic,
-                 tick_s: float = 0.1) -> None:
+    def __init__(self, settings: FlowSettings, decide_again: Callable[[Route], Route], *,
+                 clock: Callable[[], float] = time.monotonic, tick_s: float = 0.1) -> None:
         self.settings = settings
+        self._decide_again = decide_again
         self.queue = FlowQueue(settings)
         self._clock = clock
         self._tick = tick_s
@@ -227,7 +230,8 @@ class FlowControl:
         self._asked: dict[str, int] = {}
         #: When the waiting requests' waits are next checked at the pace of that moment.
         self._next_recheck = -math.inf
-        self._waiting: dict[str, tuple[asyncio.Future[Route], Callable[[], Route]]] = {}
+        #: Each waiting request's future and the route it was first given.
+        self._waiting: dict[str, tuple[asyncio.Future[Route], Route]] = {}
         self._task: asyncio.Task[None] | None = None
         #: Set by an arrival that joins the queue: it may be the new head.
         self._wake = asyncio.Event()
@@ -346,8 +350,7 @@ class FlowControl:
         self.rate.started(route.request_id, now, ask.output_tokens)
         return route if free == route.decision.worker else _rebound(route, free)
 
-    async def admit(self, route: Route, ask: Ask, decide_again: Callable[[], Route],
-                    tenant: Callable[[], str] = str) -> Route:
+    async def admit(self, route: Route, ask: Ask, tenant: Callable[[], str] = str) -> Route:
         """Let ``route`` go at once, hold it until the fleet has room (and return it decided
         again), or refuse it. ``tenant`` names its tenant, asked only when it waits.
 
@@ -373,7 +376,7 @@ class FlowControl:
         self._joined[item.key] = (self.queue.requests_ahead(item.priority, item.finish),
                                   len(self.queue) - 1)
         self._asked[item.key] = ask.output_tokens
-        self._waiting[item.key] = (future, decide_again)
+        self._waiting[item.key] = (future, route)
         self._wake.set()
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._dispatch())
@@ -422,9 +425,9 @@ class FlowControl:
         while self.queue:
             head = self.queue.head()
             assert head is not None, "a non-empty queue has a head"
-            future, decide_again = self._waiting[head.key]
+            future, first = self._waiting[head.key]
             try:
-                route = decide_again()
+                route = self._decide_again(first)
             except ApiError as exc:  # no healthy worker now: every waiting request hears it
                 for key in list(self._waiting):
                     self.queue.remove(key)

@@ -249,9 +249,7 @@ async def decide(state: RouterState, body: dict[str, Any], kind: str, size: int,
     route = await route_of(state, body, kind, size)
     if state.access is not None:  # the key's quota (router.http.client_quotas): 429
         state.access.charge(headers, route.prompt.total_tokens)
-    return await state.flow.admit(route, ask,
-                                  lambda: state.service.decide(body, kind, route.prompt),
-                                  lambda: tenant_of(asked, seen))
+    return await state.flow.admit(route, ask, lambda: tenant_of(asked, seen))
 
 
 async def route_of(state: RouterState, body: dict[str, Any], kind: str, size: int) -> Route:

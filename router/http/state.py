@@ -77,7 +77,7 @@ class RouterState:
         self.first_byte = FirstByteClock(settings.first_byte_floor, settings.first_byte_factor,
                                          settings.first_byte_timeout)
         self.disconnects = disconnect_counter(self.metrics.registry)
-        self.flow = FlowControl(settings.flow_settings())
+        self.flow = FlowControl(settings.flow_settings(), self.service.decide_again)
         self.service.capacity = self.flow
         register_flow_metrics(self.metrics.registry, self.flow, self.metrics.worker_label)
         ring = settings.client_key_ring()

@@ -15,17 +15,17 @@ workers' events use:
   raw).
 
 Under ``--tokenize match`` the router tokenizes only as far as the index holds the prompt:
-:class:`PrefixReach` is the :data:`openai_request.prompts.Reach` that hashes each block as
-its tokens become known and asks the index whether some worker still holds them all; past the
-first block no worker holds, the rest of the prompt matters only by its length, which the
-tokenizer estimates.
+the service advances the prompt's :class:`openai_request.prompts.PromptWalk` step by step,
+:class:`PrefixReach` hashes each block as its tokens become known, and between steps the
+service asks the index whether some worker still holds them all; past the first block no
+worker holds, the rest of the prompt matters only by its length, which the tokenizer
+estimates.
 """
 
 from __future__ import annotations
 
 import functools
 import logging
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from indexer.hashing import SALT_TAG_HMAC, SALT_TAG_SHA256, salt_tag
@@ -120,40 +120,32 @@ def request_hashes(prompt: PromptTokens, terms: HashingTerms, lora: str | None =
     return block_hashes(tokens, size, seed=seed, mm=mm)
 
 
-#: The longest leading run of the given hashes that some worker holds or is predicted to hold.
-Held = Callable[[list[int]], int]
-
-
 class PrefixReach:
-    """Hashes a text prompt's blocks as they are tokenized and says whether to go on.
+    """Hashes a text prompt's blocks as they are tokenized.
 
-    Call it with the ids known so far (a growing prefix of one prompt's ids, as
-    :func:`openai_request.prompts.build_prompt` does): it hashes the new full blocks after the
-    last ones, asks ``held``, and wants more while some worker holds every block hashed.
-    Only for prompts without images (the walk never runs on those).
+    Give :meth:`extend` the ids known so far after each step of the prompt's walk (a growing
+    prefix of one prompt's ids): it hashes the new full blocks after the last ones. Whether to
+    walk on is the caller's to say, from how many of :attr:`hashes` some worker holds. Only
+    for prompts without images (the walk never runs on those).
 
     Args:
         terms: how the target workers name blocks.
         lora: the LoRA adapter the request selects, if any.
-        held: the index's (and the predictions') longest run.
     """
 
-    def __init__(self, terms: HashingTerms, lora: str | None, held: Held) -> None:
+    def __init__(self, terms: HashingTerms, lora: str | None) -> None:
         self._terms = terms
         self._lora = lora
-        self._held = held
         self._seed: int | None = None
         self.hashes: list[int] = []
-        #: It was called: the prompt's ids came from a walking encode, never from the body.
+        #: It was extended: the prompt's ids came from a walking encode, never from the body.
         self.walked = False
 
-    def __call__(self, ids: list[int], salt: str | None) -> bool:
-        """Whether tokens past ``ids`` are wanted: every full block so far is held."""
+    def extend(self, ids: list[int], salt: str | None) -> list[int]:
+        """The hashes of the full blocks of ``ids`` (those hashed before, then the new)."""
         self.walked = True
         self._extend(ids, salt)
-        if not self.hashes:
-            return True
-        return self._held(self.hashes) == len(self.hashes)
+        return self.hashes
 
     def finish(self, prompt: PromptTokens) -> list[int]:
         """The hashes of all the prompt's full blocks (those hashed so far, then the rest)."""

@@ -10,9 +10,17 @@ import pytest
 from bench.docs_figures import FIGURES, check, main, marked, write
 
 
-# About 6 CPU seconds (the trace's bounds at four cluster sizes); more time on a loaded machine.
+@pytest.fixture(scope="module")
+def computed() -> None:
+    """Every figure computed once for the module (about 12 CPU seconds: the trace's bounds at
+    four cluster sizes, kept by bench.docs_figures for the process); its tests run on one
+    pytest-xdist runner (conftest.py), so they share it."""
+    for figure in FIGURES:
+        figure.compute()
+
+
 @pytest.mark.timeout(600)
-def test_every_quick_figure_in_the_docs_is_true_now() -> None:
+def test_every_quick_figure_in_the_docs_is_true_now(computed: None) -> None:
     assert check() == []
 
 
@@ -35,7 +43,7 @@ def test_the_check_names_a_drifted_figure_an_unknown_marker_and_an_unshown_one(
 
 
 @pytest.mark.timeout(600)
-def test_the_command_prints_every_figure(capsys: object) -> None:
+def test_the_command_prints_every_figure(computed: None, capsys: object) -> None:
     assert main([]) == 0
     out = capsys.readouterr().out  # type: ignore[attr-defined]
     assert [line.split(":")[0] for line in out.splitlines()] == [f.name for f in FIGURES]

@@ -5,6 +5,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+# Where its font cache is missing (a fresh machine) matplotlib lists the fonts with fc-list, a
+# child process, when first imported: done here, as the module is collected, rather than
+# inside the plotting test below, which must start none.
+import matplotlib.font_manager  # noqa: F401
 import pytest
 
 from bench.replay import main

@@ -109,3 +109,27 @@ async def test_a_walk_tokenizes_a_bounded_amount_the_cache_lacks(
         assert len(second.prompt.token_ids) > len(first.prompt.token_ids)
         assert second.hashes == hashes[:len(second.hashes)]
         assert second.decision.chosen.matched_blocks == len(second.hashes)
+
+
+async def test_the_walk_is_driven_by_its_caller_and_ends_as_the_whole_prompt(
+        tmp_path: Path) -> None:
+    # The tokenizer asks nothing of the router: walk_prompt hands back the walk, the caller
+    # advances it, and walked to its end it is build_prompt's prompt.
+    async with httpx.AsyncClient() as http:
+        tokenizer = service_for(tmp_path, http, "match").tokenizer
+    options = {"mm_tokens_per_image": 1, "max_image_bytes": 1 << 20, "fetch": None}
+    walk = prompts.walk_prompt(BODY, "completions", tokenizer, **options)
+    assert isinstance(walk, prompts.PromptWalk)
+    assert len(walk.ids) <= 1  # nothing encoded yet: at most the special-token head
+    steps = 0
+    while walk.advance():
+        steps += 1
+    assert steps == 3  # 4,096, 8,192 and 16,384 characters of ~40 KB; the fourth step ends it
+    assert walk.prompt() == prompts.build_prompt(BODY, "completions", tokenizer, **options)
+    assert not walk.advance()  # done: nothing more
+    short = prompts.walk_prompt(BODY, "completions", tokenizer, **options)
+    assert isinstance(short, prompts.PromptWalk) and short.advance()
+    cut = short.prompt()
+    assert len(cut.token_ids) > 0 and cut.estimated_tokens > 0 and not short.advance()
+    ids = prompts.walk_prompt({"prompt": [5, 6, 7]}, "completions", tokenizer, **options)
+    assert ids == prompts.PromptTokens([5, 6, 7])  # token ids: nothing to walk

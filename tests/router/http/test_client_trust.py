@@ -14,6 +14,7 @@ from httpapi.trusted_peers import TrustedPeers
 from router.http.client_trust import FLOW_HEADERS, flow_view
 from router.http.flow import FlowControl
 from router.routing.admission import FlowSettings, Shed
+from router.service import Route
 from router.settings import RouterSettings, SettingsError
 from tests.router.http.test_app_boundary import BODY, router
 from tests.support.servers import ScriptedWorker
@@ -82,8 +83,12 @@ async def test_an_untrusted_clients_flow_headers_and_priority_are_ignored() -> N
     assert not sent & set(FLOW_HEADERS)
 
 
+def _never(route: Route) -> Route:
+    raise AssertionError("no request waits in this test")
+
+
 def test_refusal_counts_are_bounded_whatever_tenants_clients_name() -> None:
-    flow = FlowControl(FlowSettings(weights={"alice": 2.0}))
+    flow = FlowControl(FlowSettings(weights={"alice": 2.0}), _never)
     for i in range(1000):
         flow._refuse(Shed(f"r{i}", "queue_full", 1, "full", priority=i - 500,
                           tenant=f"tenant-{i}"))

@@ -36,6 +36,8 @@ class Fleet:
         self.limits = {int(w[1:]): n for w, n in limits.items()}
         self.in_flight = dict.fromkeys(self.limits, 0)
         self.sent: list[str] = []
+        #: Some worker is healthy (else deciding again answers 503, as the service does).
+        self.healthy = True
 
     def route(self, rid: str, ttft_s: float = 0.05) -> Route:
         costs = tuple(WorkerCost(worker=w, matched_blocks=0, device_matched_blocks=0,
@@ -48,9 +50,15 @@ class Fleet:
         prompt: Any = SimpleNamespace(token_ids=[0] * 100)
         return Route(rid, prompt, [], Decision(costs[0].worker, costs), entries, 0.0, 0.0)
 
+    def decide_again(self, route: Route) -> Route:
+        """A waiting request decided again, as flow control asks the service."""
+        if not self.healthy:
+            raise ApiError(503, "no worker is healthy", "service_unavailable")
+        return self.route(route.request_id)
+
     async def send(self, flow: FlowControl, rid: str, priority: int) -> Route:
         """Admit ``rid`` as the request path does; book it on its worker once it leaves."""
-        route = await flow.admit(self.route(rid), Ask(priority), lambda: self.route(rid))
+        route = await flow.admit(self.route(rid), Ask(priority))
         self.in_flight[route.decision.worker] += 1
         self.sent.append(rid)
         return route
@@ -66,13 +74,13 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
-def flow_control(clock: Clock, **kw: Any) -> FlowControl:
-    return FlowControl(FlowSettings(**kw), clock=clock, tick_s=NEVER)
+def flow_control(clock: Clock, fleet: Fleet, **kw: Any) -> FlowControl:
+    return FlowControl(FlowSettings(**kw), fleet.decide_again, clock=clock, tick_s=NEVER)
 
 
 async def test_a_worker_at_its_limit_gets_nothing_more_and_the_queue_leaves_on_an_end() -> None:
     clock, fleet = Clock(), Fleet(w1=2)
-    flow = flow_control(clock, urgent_share=0.0)
+    flow = flow_control(clock, fleet, urgent_share=0.0)
     tasks = [asyncio.create_task(fleet.send(flow, f"r{i}", 0)) for i in range(4)]
     await settle()
     # Two run; two wait in the router, not in the engine.
@@ -127,7 +135,7 @@ async def test_a_request_decided_again_as_it_leaves_the_queue_is_timed_by_its_ne
 
 async def test_an_urgent_request_jumps_the_queue_and_takes_the_room_kept_for_it() -> None:
     clock, fleet = Clock(), Fleet(w1=4)  # 4 sequences, one kept (a 1/16 share, at least 1)
-    flow = flow_control(clock)
+    flow = flow_control(clock, fleet)
     lows = [asyncio.create_task(fleet.send(flow, f"low{i}", 10)) for i in range(6)]
     await settle()
     assert fleet.sent == ["low0", "low1", "low2"] and len(flow.queue) == 3
@@ -154,7 +162,7 @@ async def test_an_urgent_request_jumps_the_queue_and_takes_the_room_kept_for_it(
 
 async def test_a_default_priority_request_uses_every_sequence() -> None:
     clock, fleet = Clock(), Fleet(w1=4)
-    flow = flow_control(clock)
+    flow = flow_control(clock, fleet)
     tasks = [asyncio.create_task(fleet.send(flow, f"r{i}", 0)) for i in range(4)]
     await settle()
     assert len(fleet.sent) == 4 and not flow.queue
@@ -165,7 +173,7 @@ async def test_a_default_priority_request_uses_every_sequence() -> None:
 async def test_a_request_predicted_past_the_budget_is_refused_at_once_with_a_retry_after(
         ) -> None:
     clock, fleet = Clock(), Fleet(w1=2)
-    flow = flow_control(clock, urgent_share=0.0, ttft_budget_s=10.0)
+    flow = flow_control(clock, fleet, urgent_share=0.0, ttft_budget_s=10.0)
     for t in range(8):  # 8 ends, one a second up to t = 7: 1 a second at t = 8
         clock.now = float(t)
         flow.ended()
@@ -251,21 +259,14 @@ def test_a_request_asks_for_the_output_limit_its_body_names() -> None:
 
 async def test_no_worker_healthy_answers_every_waiting_request_503() -> None:
     clock, fleet = Clock(), Fleet(w1=1)
-    flow = flow_control(clock, urgent_share=0.0)
+    flow = flow_control(clock, fleet, urgent_share=0.0)
     first = await fleet.send(flow, "first", 0)
     assert first.queued is None
 
-    healthy = True
-
-    def decide() -> Route:
-        if not healthy:
-            raise ApiError(503, "no worker is healthy", "service_unavailable")
-        return fleet.route("w")
-
-    waiting = asyncio.create_task(flow.admit(fleet.route("w"), Ask(0), decide))
+    waiting = asyncio.create_task(flow.admit(fleet.route("w"), Ask(0)))
     await settle()
     assert len(flow.queue) == 1  # the only worker is at its limit
-    healthy = False  # it left: the next look at the queue finds no worker
+    fleet.healthy = False  # it left: the next look at the queue finds no worker
     flow.wake()
     with pytest.raises(ApiError) as err:
         await waiting

@@ -28,10 +28,12 @@ from tests.support.eventually import eventually
 from tests.support.recording_upstream import RecordingUpstream
 from tests.support.servers import UvicornServer
 
-WAIT = 10.0
 BODY = json.dumps({"model": "kvroute-sim", "prompt": "framing " * 8, "max_tokens": 2}
                   ).encode()
 SMUGGLED = b"GET /v1/models HTTP/1.1\r\nHost: x\r\n\r\n"
+#: Sent after the requests under test: answered last, after which the router closes the
+#: connection, so an exchange ends at that close rather than at a silence.
+CLOSING = b"GET /health HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
 N = len(BODY)
 
 
@@ -47,11 +49,11 @@ async def router() -> AsyncIterator[tuple[int, RecordingUpstream]]:
 
 
 async def exchange(port: int, raw: bytes) -> bytes:
-    """Send ``raw`` on a fresh connection and return all the server sends until it closes
-    (or ``WAIT`` passes with nothing more)."""
+    """Send ``raw`` then :data:`CLOSING` on a fresh connection and return all the server
+    sends until it closes (or 2 s pass with nothing more)."""
     reader, writer = await asyncio.open_connection("127.0.0.1", port)
     try:
-        writer.write(raw)
+        writer.write(raw + CLOSING)
         await writer.drain()
         got = b""
         with contextlib.suppress(TimeoutError, ConnectionError):
@@ -138,7 +140,8 @@ TAKEN = {
 async def test_a_request_taken_reaches_the_worker_framed_as_read(raw: bytes) -> None:
     async with router() as (port, upstream):
         answer = await exchange(port, raw + SMUGGLED)
-    assert statuses(answer) == [200, 200], answer[:400]  # the completion, then /v1/models
+    # the completion, /v1/models, then CLOSING's /health
+    assert statuses(answer) == [200, 200, 200], answer[:400]
     (sent,) = upstream.completions
     assert upstream.protocol_errors == []
     assert sent.complete and sent.body == BODY
@@ -155,7 +158,7 @@ async def test_headers_are_forwarded_one_per_line_as_received() -> None:
     raw = head(f"Content-Length: {N}", "X-Note: a, b;c=\"d\"", "X-Empty:") + BODY
     async with router() as (port, upstream):
         answer = await exchange(port, raw)
-    assert statuses(answer) == [200]
+    assert statuses(answer) == [200, 200]  # and CLOSING's
     (sent,) = upstream.completions
     assert sent.header(b"x-note") == [b'a, b;c="d"']
     assert upstream.protocol_errors == []
@@ -167,7 +170,7 @@ async def test_headers_the_connection_header_names_are_not_forwarded() -> None:
                "X-Hop: 1", "X-Kvroute-Note: 2", "X-Kept: 3") + BODY
     async with router() as (port, upstream):
         answer = await exchange(port, raw)
-    assert statuses(answer) == [200]
+    assert statuses(answer) == [200, 200]  # and CLOSING's
     (sent,) = upstream.completions
     assert sent.header(b"x-hop") == [] and sent.header(b"x-kvroute-note") == []
     assert sent.header(b"x-kept") == [b"3"]

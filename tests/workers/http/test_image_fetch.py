@@ -51,7 +51,9 @@ class Server:
 
         self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.port = self.httpd.server_address[1]
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+        # serve_forever looks for shutdown() between polls, every 0.5 s unless told
+        self.thread = threading.Thread(target=self.httpd.serve_forever,
+                                       kwargs={"poll_interval": 0.01}, daemon=True)
 
     def url(self, path: str, host: str = "127.0.0.1") -> str:
         return f"http://{host}:{self.port}{path}"

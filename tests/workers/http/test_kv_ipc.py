@@ -15,6 +15,9 @@ from typing import Any
 import httpx
 import pytest
 
+# Before the torch test module is imported: where torch is missing, it stops part way.
+pytest.importorskip("torch")
+
 from tests.workers.http.test_kv_fetch_torch import FULL, PROMPT, SOURCE, _cached, _worker
 from tests.workers.http.test_kv_fetch_torch import _complete as _plain_complete
 from tests.workers.http.test_kv_pull import _metric
