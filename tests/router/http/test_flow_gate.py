@@ -103,14 +103,19 @@ async def test_a_request_decided_again_as_it_leaves_the_queue_is_timed_by_its_ne
     # that name. Timed under the old one it never ended: the pace read it as running ever
     # longer and shed the queue behind it, and its hold was never learned.
     clock, fleet = Clock(), Fleet(w1=1)
-    flow = flow_control(clock, urgent_share=0.0)
+    renamed: dict[str, int] = {}
+
+    def rename(route: Route) -> Route:  # each decision again gives a fresh name
+        base = route.request_id.split("-")[0]
+        renamed[base] = renamed.get(base, 0) + 1
+        return fleet.route(f"{base}-{renamed[base]}")
+
+    flow = FlowControl(FlowSettings(urgent_share=0.0), rename, clock=clock, tick_s=NEVER)
 
     left: list[str] = []  # the name each request left under, in order
 
     async def send(rid: str) -> Route:
-        again = iter(range(1, 100))
-        route = await flow.admit(fleet.route(rid), Ask(5),
-                                 lambda: fleet.route(f"{rid}-{next(again)}"))
+        route = await flow.admit(fleet.route(rid), Ask(5))
         fleet.in_flight[1] += 1
         left.append(route.request_id)
         return route
@@ -210,11 +215,10 @@ async def test_behind_a_flood_of_long_requests_a_request_is_refused_at_arrival()
     # (1 s) alone say the queue leaves 4 a second. What they asked says each holds its
     # sequence 400 / 16 * 0.5 = 12.5 s: one leaves every 3.125 s.
     clock, fleet = Clock(), Fleet(w1=4)
-    flow = flow_control(clock, urgent_share=0.0, ttft_budget_s=30.0)
+    flow = flow_control(clock, fleet, urgent_share=0.0, ttft_budget_s=30.0)
 
     async def send(rid: str, tokens: int) -> Route:
-        route = await flow.admit(fleet.route(rid), Ask(5, output_tokens=tokens),
-                                 lambda: fleet.route(rid))
+        route = await flow.admit(fleet.route(rid), Ask(5, output_tokens=tokens))
         fleet.in_flight[1] += 1
         return route
 
