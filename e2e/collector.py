@@ -11,6 +11,7 @@ kind, status and every attribute with its type), and :func:`parse_spans` reads t
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 
 from e2e.harness import Process
 from kvroute.up import free_port
@@ -33,6 +35,18 @@ def agent_path() -> Path | None:
         return None
     path = Path(spec.origin).parent / "rotel-agent"
     return path if path.is_file() else None
+
+
+def required_agent() -> Path:
+    """:func:`agent_path`, for a test module: missing, the module is skipped, or fails under
+    ``CI=true`` (rotel is in the dev extra, so CI must have it)."""
+    path = agent_path()
+    if path is None:
+        if os.environ.get("CI") == "true":
+            raise RuntimeError("the rotel package (its rotel-agent binary) is not installed")
+        pytest.skip("the rotel package (an OpenTelemetry collector) is not installed",
+                    allow_module_level=True)
+    return path
 
 
 @dataclass(repr=False)

@@ -14,7 +14,6 @@ worker span shows which worker continued the trace.
 
 from __future__ import annotations
 
-import os
 import secrets
 from pathlib import Path
 from typing import Any
@@ -22,16 +21,11 @@ from typing import Any
 import httpx
 import pytest
 
-from e2e.collector import CollectedSpan, Collector, agent_path
+from e2e.collector import CollectedSpan, Collector, required_agent
 from e2e.harness import NOT_YET, Process, Router, Worker
 from tests.support.eventually import eventually_blocking
 
-AGENT = agent_path()
-if AGENT is None:  # rotel is in the dev extra
-    if os.environ.get("CI") == "true":
-        raise RuntimeError("the rotel package (its rotel-agent binary) is not installed")
-    pytest.skip("the rotel package (an OpenTelemetry collector) is not installed",
-                allow_module_level=True)
+AGENT = required_agent()
 
 SYSTEM = "You are a careful assistant. Answer briefly and cite the source. " * 8  # 520 bytes
 #: The SDK's batch processor exports within 50 ms (its default: 5 s).
@@ -40,7 +34,6 @@ EXPORT_SOON = {"OTEL_BSP_SCHEDULE_DELAY": "50"}
 
 @pytest.fixture
 def collector(tmp_path: Path, processes: list[Process]) -> Collector:
-    assert AGENT is not None
     c = Collector(AGENT, tmp_path)
     c.start()
     processes.append(c)

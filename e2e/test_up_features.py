@@ -6,7 +6,6 @@ environment ``kvroute up`` hands its children) into a real collector (e2e.collec
 
 from __future__ import annotations
 
-import os
 import secrets
 import signal
 import sys
@@ -16,18 +15,13 @@ from pathlib import Path
 import httpx
 import pytest
 
-from e2e.collector import CollectedSpan, Collector, agent_path
+from e2e.collector import CollectedSpan, Collector, required_agent
 from e2e.harness import NOT_YET, Process, metric
 from httpapi.api_keys import hash_line
 from kvroute.up import free_port
 from tests.support.eventually import eventually_blocking
 
-AGENT = agent_path()
-if AGENT is None:  # rotel is in the dev extra
-    if os.environ.get("CI") == "true":
-        raise RuntimeError("the rotel package (its rotel-agent binary) is not installed")
-    pytest.skip("the rotel package (an OpenTelemetry collector) is not installed",
-                allow_module_level=True)
+AGENT = required_agent()
 
 SYSTEM = "You are a careful assistant. Answer briefly and cite the source. " * 8  # 520 bytes
 TEAM, SMALL = "kvr-" + secrets.token_hex(16), "kvr-" + secrets.token_hex(16)
@@ -63,7 +57,6 @@ class Up(Process):
 
 @pytest.fixture
 def fleet(tmp_path: Path, processes: list[Process]) -> Iterator[tuple[Up, Collector]]:
-    assert AGENT is not None
     collector = Collector(AGENT, tmp_path)
     collector.start()
     processes.append(collector)
