@@ -131,7 +131,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             relative = Path(str(item.path)).relative_to(ROOT)
         except ValueError:
             continue
-        if relative.parts[0] in PROCESS_FOLDERS:
+        # A test on the GPU starts processes: Triton builds each kernel's launcher with the
+        # host's C compiler (and probes it with `file`), and the CUDA IPC tests run a peer.
+        if relative.parts[0] in PROCESS_FOLDERS or item.get_closest_marker("gpu") is not None:
             item.add_marker(pytest.mark.process)
         if _engine(item):
             item.add_marker(pytest.mark.engine)

@@ -41,3 +41,12 @@ def test_a_refusal_swallowed_by_the_code_under_test_is_still_remembered() -> Non
         subprocess.run(["/bin/true"], check=False)
     assert attempts == ["/bin/true"]
 
+
+
+
+@pytest.mark.gpu
+def test_a_gpu_test_counts_as_starting_processes(request: pytest.FixtureRequest) -> None:
+    # Marked gpu to be checked, though it needs no device: on a GPU host Triton compiles each
+    # kernel's launcher with the host's C compiler, so every gpu-marked test starts
+    # processes, and make check must leave them out.
+    assert request.node.get_closest_marker("process") is not None
