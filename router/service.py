@@ -36,7 +36,7 @@ from router.fleet.worker_table import WorkerInfo
 from router.routing.core import Prediction, RoutingCore
 from router.routing.disaggregation import choose_prefill, decode_terms
 from router.routing.dispatch_gate import CapacityListener, Deaf, QueueStay
-from router.routing.fetch_links import FetchAbility
+from router.routing.fetch_links import FETCH_STATE_FAILURES, FetchAbility, fetch_failure_reason
 from router.routing.load import ReportedLoad
 from router.routing.policy import Policy
 from router.routing.prompt_path import HashingTerms, PrefixReach, request_hashes
@@ -670,8 +670,15 @@ class RouterService:
             self.core.fetch_answered(route.request_id, None)
             return
         if parsed is None:
+            reason = fetch_failure_reason(result)
             self.counters["fetch_failed"] = self.counters.get("fetch_failed", 0) + 1
+            key = f"fetch_failed_{reason}"
+            self.counters[key] = self.counters.get(key, 0) + 1
             self.core.fetch_answered(route.request_id, None)
+            if reason in FETCH_STATE_FAILURES:  # the link is fine: nothing to back off
+                log.info("peer fetch from %s to %s failed (%s)", source.url, worker.url,
+                         reason)
+                return
             backoff = self.core.fetch_failed(source.id, worker.id, time.monotonic())
             log.info("peer fetch from %s to %s failed (%s); not priced for %.0f s",
                      source.url, worker.url, result[:80], backoff)

@@ -134,10 +134,10 @@ class KvroutePolicy(Policy):
         if pair is None:
             return
         self.core.fetch_answered(request_id, blocks if blocks else None)
+        # A simulated fetch fails only for the caches' state (the holder lost the blocks,
+        # the taker had no room: FETCH_STATE_FAILURES), which backs no link off.
         if blocks:
             self.core.fetched(pair[0], pair[1], float(nbytes), seconds)
-        else:
-            self.core.fetch_failed(pair[0], pair[1], now)
 
     def prefill_for(self, request_id: str) -> int | None:
         return self._prefill_of.pop(request_id, None)

@@ -19,6 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 
 from router.http.tokenize_metrics import tokenize_families
 from router.http.worker_labels import OTHER
+from router.routing.fetch_links import FETCH_FAILURES
 
 if TYPE_CHECKING:
     from router.fleet.entry import WorkerEntry
@@ -112,6 +113,14 @@ class StateCollector:
             results.add_metric([outcome], counters.get(
                 "fetch_results_malformed" if outcome == "malformed" else f"fetch_{outcome}", 0))
         yield results
+        failures = CounterMetricFamily(
+            "kvroute_fetch_failures",
+            "Peer fetch: failed results by the worker's reason (missing, evicted, "
+            "no_free_blocks back no link off; the others back the pair off)",
+            labels=["reason"])
+        for reason in FETCH_FAILURES:
+            failures.add_metric([reason], counters.get(f"fetch_failed_{reason}", 0))
+        yield failures
         fetched = CounterMetricFamily("kvroute_fetch_bytes",
                                       "Peer fetch: KV bytes the instructed workers fetched")
         fetched.add_metric([], counters.get("fetch_bytes", 0))

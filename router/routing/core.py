@@ -767,6 +767,11 @@ class RoutingCore:
         if source in self._tracked and receiver in self._tracked:
             self._links.fetched(source, receiver, nbytes, seconds)
 
+    def fetch_backed_off(self, source: int, receiver: int, now: float) -> bool:
+        """Whether ``receiver`` may not fetch from ``source`` at ``now`` (a recent failure
+        of their link)."""
+        return self._links.backed_off(source, receiver, now)
+
     def fetch_failed(self, source: int, receiver: int, now: float) -> float:
         """A fetch from ``source`` to ``receiver`` failed (the receiver recomputed): the pair
         is no source for a while. Returns the seconds of the backoff (0: unknown

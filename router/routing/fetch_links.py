@@ -16,8 +16,10 @@ the seconds a block takes over the pair's link, which the rule prices a fetch wi
 - Each fetched result folds in: the pair's bandwidth is its bytes over its seconds, summed
   over its results with weights decaying by ``decay`` a result (as the rate factor's pairs
   are, :class:`router.routing.rates.RateScale`), so it follows a link that slows down.
-- A failure backs the pair off: it is no source for that worker for ``backoff_s``, doubled
-  at each failure in a row up to ``max_backoff_s``; a fetched result ends the run.
+- A failure of the link (:data:`FETCH_STATE_FAILURES` are not: the holder had lost the
+  blocks, the receiver had no room) backs the pair off: it is no source for that worker for
+  ``backoff_s``, doubled at each failure in a row up to ``max_backoff_s``; a fetched result
+  ends the run.
 
 Pure: the caller passes ``now`` (monotonic seconds).
 """
@@ -28,7 +30,8 @@ import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-__all__ = ["FETCH_READ_S", "IPC_BANDWIDTH", "FetchAbility", "FetchLinks"]
+__all__ = ["FETCH_FAILURES", "FETCH_READ_S", "FETCH_STATE_FAILURES", "IPC_BANDWIDTH",
+           "FetchAbility", "FetchLinks", "fetch_failure_reason"]
 
 #: Seconds a fetch costs besides its blocks: a request to the source and its lookup of the
 #: blocks (an HTTP round trip on one host or rack).
@@ -38,6 +41,30 @@ FETCH_READ_S = 0.002
 #: the median of a 1,023-block fetch of ``llama-1b``'s 1 MiB blocks on an H200
 #: (``docs/gpu.md``, "Peer KV fetch between workers on one GPU"; over HTTP there 0.3 GB/s).
 IPC_BANDWIDTH = 49.1e9
+
+
+#: Why a worker's fetch failed, as the router counts it (``kvroute_fetch_failures``): the
+#: reasons of ``workers.http.kv_fetch``; any other is counted as ``other``.
+FETCH_FAILURES = ("unreachable", "timeout", "bad_message", "status", "untrusted",
+                  "bad_instruction", "error", "missing", "evicted", "no_free_blocks", "other")
+#: Failures that say nothing of the pair's link: the holder no longer held the blocks, or
+#: the receiver had no room for them (or lost its own meanwhile). They back nothing off;
+#: the rest (the holder unreachable, slow, refusing, answering what does not decode; the
+#: instruction untrusted) would fail the next fetch too, so the pair is backed off.
+FETCH_STATE_FAILURES = frozenset({"missing", "evicted", "no_free_blocks"})
+
+
+def fetch_failure_reason(value: str) -> str:
+    """The reason of a ``failed;reason=R`` fetch result, one of :data:`FETCH_FAILURES`
+    (``status_<code>`` is ``status``; an unknown or absent reason is ``other``)."""
+    for part in value.split(";")[1:]:
+        name, _, reason = part.partition("=")
+        if name.strip() == "reason":
+            reason = reason.strip()
+            reason = "status" if reason.startswith("status_") else reason
+            return reason if reason in FETCH_FAILURES else "other"
+    return "other"
+
 
 
 @dataclass(frozen=True, slots=True)

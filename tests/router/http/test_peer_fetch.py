@@ -6,6 +6,7 @@ the result teaches (a link learned, a failed pair backed off)."""
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -16,7 +17,7 @@ import pytest
 from indexer.events import Stored
 from router.http.app import create_app
 from router.http.request_path import without_fetch
-from router.routing.fetch_links import IPC_BANDWIDTH
+from router.routing.fetch_links import IPC_BANDWIDTH, fetch_failure_reason
 from router.service import RouterService, parse_fetch_result
 from router.settings import RouterSettings, SettingsError, load_settings
 from tests.router.http.test_request_metrics import samples, value
@@ -136,20 +137,50 @@ async def test_a_failed_fetch_backs_the_pair_off_and_the_secret_goes_with_the_in
     secret.write_text("  a shared secret of some length \n")
     async with ScriptedWorker() as holder, ScriptedWorker() as taker:
         holder.model_info_extra = taker.model_info_extra = FETCH
-        taker.answer_headers = {"x-kvroute-fetch-result": "failed;reason=source_refused"}
-        async with fleet(holder, taker, kv_transfer_secret_file=str(secret)) as (client, _):
+        taker.answer_headers = {"x-kvroute-fetch-result": "failed;reason=unreachable"}
+        async with fleet(holder, taker, kv_transfer_secret_file=str(secret)) as (client,
+                                                                                service):
             first = await client.post("/v1/completions", json=BODY)
             again = (await client.post("/debug/route", json=BODY)).json()
             found = samples((await client.get("/metrics")).text)
+            assert service.core.fetch_backed_off(*_ids(service, holder, taker),
+                                                 time.monotonic())
     assert first.headers["x-kvroute-fetch-source"] == holder.url
     sent = {k.lower(): v for k, v in taker.headers[0].items()}
     assert sent["x-kvroute-transfer-token"] == "a shared secret of some length"
     assert value(found, "kvroute_fetch_results_total", outcome="failed") == 1
+    assert value(found, "kvroute_fetch_failures_total", reason="unreachable") == 1
     # Backed off: the pair is no source now; the taker recomputes (or the holder is waited
     # for), and no row prices a fetch from the holder.
     assert again["fetch_source"] is None
     assert all(row["fetch_source"] is None and row["best_fetch_source_id"] is None
                for row in again["workers"])
+
+
+@pytest.mark.parametrize("reason", ["missing", "evicted", "no_free_blocks"])
+async def test_a_fetch_that_failed_for_the_caches_state_backs_no_link_off(reason: str) -> None:
+    """The holder no longer held the blocks, or the taker had no room: the link is fine, so
+    the pair stays a source (counted by reason); a transport failure would back it off."""
+    async with ScriptedWorker() as holder, ScriptedWorker() as taker:
+        holder.model_info_extra = taker.model_info_extra = FETCH
+        taker.answer_headers = {"x-kvroute-fetch-result": f"failed;reason={reason}"}
+        async with fleet(holder, taker) as (client, service):
+            first = await client.post("/v1/completions", json=BODY)
+            found = samples((await client.get("/metrics")).text)
+            backed_off = service.core.fetch_backed_off(*_ids(service, holder, taker),
+                                                       time.monotonic())
+    assert first.headers["x-kvroute-fetch-source"] == holder.url
+    assert value(found, "kvroute_fetch_failures_total", reason=reason) == 1
+    assert value(found, "kvroute_fetch_results_total", outcome="failed") == 1
+    assert not backed_off
+
+
+@pytest.mark.parametrize(("text", "reason"), [
+    ("failed;reason=status_503", "status"), ("failed;reason=timeout", "timeout"),
+    ("failed; reason = missing ", "missing"), ("failed;reason=a-new-one", "other"),
+    ("failed", "other")])
+def test_a_failure_reason_is_one_of_a_bounded_set(text: str, reason: str) -> None:
+    assert fetch_failure_reason(text) == reason
 
 
 async def test_workers_that_advertise_no_fetch_are_never_told_to_fetch() -> None:
