@@ -9,6 +9,7 @@ import hashlib
 from collections.abc import Iterator
 from typing import Any
 
+import httpx
 import pytest
 
 from openai_request.images import image_digest
@@ -130,3 +131,22 @@ def test_the_read_ahead_must_hold_one_image_and_two_reads() -> None:
                                 ).max_image_read_ahead_bytes == 30_000_000
     with pytest.raises(ValueError, match="at least 1131072 bytes for images of 1000000"):
         ReadAhead(1_000_000, 1_000_000)
+
+
+async def test_the_worker_serves_a_chat_whose_images_pass_its_read_ahead(
+        server: Server) -> None:
+    from workers.http.api import create_app
+
+    for i in range(6):
+        server.routes[f"/big{i}.png"] = (200, {}, big_png(IMAGE, i))
+    parts = [{"type": "image_url", "image_url": {"url": server.url(f"/big{i}.png")}}
+             for i in range(6)]
+    chat = {"messages": [{"role": "user", "content": [{"type": "text", "text": "look"},
+                                                      *parts]}], "max_tokens": 1}
+    app = create_app(settings(events_port=None, speedup=1e6, mm_tokens_per_image=4,
+                              max_image_read_ahead_bytes=least_read_ahead(IMAGE)))
+    async with app.router.lifespan_context(app), httpx.AsyncClient(
+            transport=httpx.ASGITransport(app), base_url="http://w") as c:
+        answer = await c.post("/v1/chat/completions", json=chat)
+    assert answer.status_code == 200, answer.text  # 2.4 MiB of images through 528 KiB
+    assert sorted(path for path, _ in server.requests) == [f"/big{i}.png" for i in range(6)]
