@@ -4,8 +4,9 @@ queue at once, with nothing booked, counted as ``stage="queue"`` and answered 49
 First in flow control's shell, driven by hand (the fleet, clock and departure futures of
 :mod:`tests.router.http.test_flow_gate`'s kind), then through a real router on 127.0.0.1 under
 both request cycles (the lean cycle's departure future, uvicorn's ``http.disconnect`` on the
-receive channel), with the only worker's one sequence held by a paced stream the test never
-ends until the departure has been seen: nothing but the departure can take the request out.
+receive channel) and for a long prompt decided before its body ended (its body's pump), with
+the only worker's one sequence held by a paced stream the test never ends until the departure
+has been seen: nothing but the departure can take the request out.
 """
 
 from __future__ import annotations
@@ -13,14 +14,19 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+from pathlib import Path
 
 import httpx
 import pytest
 
 from httpapi.body import BodyTooLarge
 from httpapi.server import LEAN_ENV
+from openai_request.tokenizer import load_tokenizer
 from router.http.flow import Ask, Departed
+from tests.fixtures.tokenizer_files import write_tiny_tokenizer
 from tests.router.http.test_app_boundary import metric
+from tests.router.http.test_early_upstream import body_bytes
+from tests.router.http.test_early_upstream import router as early_router
 from tests.router.http.test_flow_control import SHORT, body, post, queued, router
 from tests.router.http.test_flow_gate import Clock, Fleet, flow_control, settle
 from tests.support.eventually import eventually
@@ -130,3 +136,34 @@ async def test_a_client_that_hangs_up_in_the_queue_is_counted_and_its_request_dr
         w.finish()
         assert (await post(client, body("next", SHORT))).status_code == 200
         assert len(w.requests) == 2
+
+
+async def test_a_client_leaving_mid_body_while_its_early_decided_request_waits(
+        tmp_path: Path) -> None:
+    # A long prompt decided before its body ends waits in the queue (the only worker runs
+    # its one sequence); its body's pump watches the client there, so a client that hangs
+    # up mid-body takes it out of the queue at once.
+    tokenizer = str(write_tiny_tokenizer(tmp_path).parent)
+    identity = load_tokenizer(tokenizer).identity
+    async with ScriptedWorker("paced", tokenizer=identity, max_model_len=1_000_000,
+                              max_num_seqs=1) as w, \
+            early_router(tokenizer, w) as (server, client):
+        held = asyncio.create_task(post(client, body("held", SHORT)))
+        await eventually(lambda: len(w.requests), "the first request sent")
+        _, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        first = body_bytes()[:20_000]
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: test\r\n"
+                     b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+                     + b"%x\r\n%s\r\n" % (len(first), first))
+        await writer.drain()
+        await eventually(lambda: queued(client), "the early-decided request queued",
+                         until=lambda n: n == 1)
+        writer.close()
+        await eventually(lambda: metric(client, "kvroute_client_disconnects_total",
+                                        'stage="queue"'), "the departure counted",
+                         until=lambda n: n == 1)
+        assert await queued(client) == 0
+        assert await metric(client, "kvroute_client_disconnects_total", 'stage="body"') == 0
+        assert len(w.requests) == 1 and w.bodies[1:] == []
+        w.finish()
+        assert (await held).status_code == 200
