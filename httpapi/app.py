@@ -63,7 +63,8 @@ class AppState(Protocol):
         """Note a request refused with ``error`` (rule 1)."""
 
     def client_gone(self, stage: str) -> None:
-        """Count a client that left before its answer, at ``stage`` (``body``, ``answer``)."""
+        """Count a client that left before its answer, at ``stage``
+        (:data:`~httpapi.responses.DISCONNECT_STAGES`)."""
 
     def render_metrics(self) -> tuple[bytes, str]:
         """The Prometheus exposition and its content type."""

@@ -16,8 +16,10 @@ the app (the body deadline, the request ids, the raw-route dispatch). For a raw 
    write for a whole answer instead of two; the server's default headers (``server``,
    ``date``) come first, as uvicorn writes them, the request id last;
 4. a client that leaves is told to the route through :data:`DEPARTURE` in its scope: a
-   function giving a future that completes when the connection is lost, where an ASGI route
-   reads the receive channel in a task of its own to notice it.
+   function giving a future that completes when the connection is lost (the same future at
+   each call, made at the first), where an ASGI route reads the receive channel in a task of
+   its own to notice it. The router asks for it while a request waits in its flow-control
+   queue and again once the request is sent (:mod:`router.http.request_path`).
 
 What the route sends is not checked for characters that would break the framing (uvicorn's
 cycle checks each header): the raw routes send their own headers and ones a worker sent,

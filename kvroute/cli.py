@@ -206,6 +206,9 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     a("--max-image-fetch-bytes", type=int,
       help="fetched image bytes in flight across all requests; a request past them is a "
       "503 (default %(default)s)")
+    a("--max-image-read-ahead-bytes", type=int,
+      help="a request's fetched image bytes not yet hashed, at most; its fetches wait "
+      "beyond them, at least one image and 128 KiB (default %(default)s)")
     a("--no-image-hints", dest="image_hints", action="store_false", default=None,
       help="publish no image UUID routing hints")
     a = events.add_argument

@@ -3,9 +3,11 @@
 The router and the workers both call :func:`build_prompt` on the same body with the same
 tokenizer (equal :attr:`~openai_request.tokenizer.Tokenizer.identity`), so they agree on every token
 id, which is what makes the router's prefix lookups hit. The one thing they may not share is
-the bytes of a remote image: the worker fetches ``http(s)`` images (its ``fetch`` returns the
-bytes) and the router does not (its ``fetch`` returns ``None``). Such an image gets no digest,
-and the router's lookup stops at it (:meth:`PromptTokens.matchable_tokens`).
+the bytes of a remote image: the worker fetches ``http(s)`` images and the router does not
+(its ``fetch`` returns ``None``). Such an image gets no digest, and the router's lookup stops
+at it (:meth:`PromptTokens.matchable_tokens`). The worker hashes each image as it arrives and
+drops its bytes (:mod:`workers.http.image_read_ahead`), so it hands over the digests it made
+(``digests``, for the images and UUIDs :func:`image_refs` lists) instead of the bytes.
 
 Rules:
     1. Completions: ``prompt`` is a string (encoded with the tokenizer's special tokens, as
@@ -42,7 +44,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal, NamedTuple
 
 import msgspec
 
-from openai_request.chat import ImageRef, render_chat_with_images
+from openai_request.chat import ImageRef, normalize_messages, render_chat_with_images
 from openai_request.images import (
     IMAGE_MARKER,
     ImageSpan,
@@ -56,10 +58,13 @@ if TYPE_CHECKING:
     from openai_request.segment_cache import Walk
 
 __all__ = ["FIRST_STEP_CHARS", "WALK_ENCODE_LIMIT_CHARS", "Fetch", "PromptTokens", "PromptWalk",
-           "build_prompt", "walk_prompt"]
+           "RemoteDigests", "build_prompt", "image_refs", "walk_prompt"]
 
 #: Returns a remote image's bytes, or ``None`` when the caller cannot or will not fetch it.
 Fetch = Callable[[str], bytes | None]
+#: Returns the digest (:func:`~openai_request.images.image_digest`) a caller made of the remote
+#: image at a URL with a UUID (or none), or ``None`` when it has none.
+RemoteDigests = Callable[[str, str | None], str | None]
 #: The characters a walking encode takes first (rule 5); each further step doubles.
 FIRST_STEP_CHARS = 4096
 #: The most characters a walking encode tokenizes that the cache did not hold (rule 5).
@@ -115,6 +120,7 @@ def build_prompt(
     max_image_bytes: int,
     fetch: Fetch | None,
     check_token_ids: bool = True,
+    digests: RemoteDigests | None = None,
 ) -> PromptTokens:
     """Turn a request body into its prompt tokens (rules in the module docstring).
 
@@ -130,6 +136,9 @@ def build_prompt(
             this off: it only hashes the ids (the hash refuses anything but ints) and the
             worker, which must validate, answers a bad id with the reason; an 8k-token check
             costs the router ~60 µs of its decision.
+        digests: the digests of the remote images, made by a caller that fetched and checked
+            them itself (non-empty, within ``max_image_bytes``); when given, ``fetch`` is not
+            asked.
 
     Returns:
         The prompt tokens.
@@ -139,7 +148,7 @@ def build_prompt(
             ``kind``, ``mm_tokens_per_image`` or ``max_image_bytes`` is invalid.
     """
     built = _build(body, kind, tokenizer, mm_tokens_per_image, max_image_bytes, fetch,
-                   check_token_ids, walk=False)
+                   check_token_ids, walk=False, digests=digests)
     assert isinstance(built, PromptTokens), "only walk_prompt walks"
     return built
 
@@ -167,7 +176,7 @@ def walk_prompt(
 
 def _build(body: Any, kind: str, tokenizer: Tokenizer, mm_tokens_per_image: int,
            max_image_bytes: int, fetch: Fetch | None, check_token_ids: bool, *,
-           walk: bool) -> PromptTokens | PromptWalk:
+           walk: bool, digests: RemoteDigests | None = None) -> PromptTokens | PromptWalk:
     if kind not in ("completions", "chat"):
         raise ValueError(f"kind must be 'completions' or 'chat', got {kind!r}")
     if mm_tokens_per_image < 1:
@@ -202,7 +211,7 @@ def _build(body: Any, kind: str, tokenizer: Tokenizer, mm_tokens_per_image: int,
         ImageSpan(
             start=start,
             length=mm_tokens_per_image,
-            digest=_digest(k, ref.url, uuid, max_image_bytes, fetch),
+            digest=_digest(k, ref.url, uuid, max_image_bytes, fetch, digests),
             uuid=uuid,
         )
         for k, (ref, start, uuid) in enumerate(zip(refs, starts, uuids, strict=True))
@@ -361,6 +370,18 @@ def _chat_ids(
     return token_ids, refs, starts
 
 
+def image_refs(body: dict[str, Any]) -> list[ImageRef]:
+    """A chat body's image parts in order, each with the UUID :func:`build_prompt` gives it
+    (rule 3): what a caller that hashes the images itself needs to know before fetching.
+
+    Raises:
+        ValueError: the messages or ``mm_uuids`` are malformed, as :func:`build_prompt` says.
+    """
+    _, refs = normalize_messages(body.get("messages"))
+    uuids = _merge_uuids(refs, body.get("mm_uuids"))
+    return [ImageRef(ref.url, uuid) for ref, uuid in zip(refs, uuids, strict=True)]
+
+
 def _merge_uuids(refs: list[ImageRef], listed: Any) -> list[str | None]:
     if listed is None:
         return [ref.uuid for ref in refs]
@@ -382,7 +403,8 @@ def _merge_uuids(refs: list[ImageRef], listed: Any) -> list[str | None]:
     return merged
 
 
-def _digest(k: int, url: str, uuid: str | None, max_bytes: int, fetch: Fetch | None) -> str | None:
+def _digest(k: int, url: str, uuid: str | None, max_bytes: int, fetch: Fetch | None,
+            digests: RemoteDigests | None = None) -> str | None:
     scheme = url.partition(":")[0].lower()
     if scheme == "data":
         try:
@@ -390,6 +412,8 @@ def _digest(k: int, url: str, uuid: str | None, max_bytes: int, fetch: Fetch | N
         except ValueError as e:
             raise ValueError(f"image {k}: {e}") from None
     elif scheme in ("http", "https"):
+        if digests is not None:
+            return digests(url, uuid)
         fetched = fetch(url) if fetch is not None else None
         if fetched is None:
             return None

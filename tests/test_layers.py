@@ -144,12 +144,14 @@ def test_pure_rooms_do_no_io(room: str) -> None:
 #: The worker's rooms and what each may import of ``workers`` (besides itself), as
 #: docs/design.md's map has them: ``cache`` at the bottom; ``engine`` on it; ``torch`` on both
 #: and the settings; ``http`` on everything; ``settings`` reads the engine's timing, the
-#: publisher's limits and the image policy's defaults; ``runtime`` builds the engines.
+#: publisher's limits, the image policy's defaults and the image read-ahead's least bound;
+#: ``runtime`` builds the engines.
 WORKER_ROOMS: dict[str, set[str]] = {
     "cache": set(),
     "engine": {"workers.cache"},
     "torch": {"workers.cache", "workers.engine", "workers.settings"},
-    "settings": {"workers.cache", "workers.engine", "workers.http.image_policy"},
+    "settings": {"workers.cache", "workers.engine", "workers.http.image_policy",
+                 "workers.http.image_read_ahead"},
     "runtime": {"workers.cache", "workers.engine", "workers.torch", "workers.settings"},
     "http": {"workers.cache", "workers.engine", "workers.torch", "workers.runtime",
              "workers.settings"},

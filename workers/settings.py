@@ -21,6 +21,7 @@ from openai_request.tokenizer_source import resolve_tokenizer
 from workers.cache.publisher import CurveServerKeys
 from workers.engine.timing import DEFAULT_TIMING, TIMING_MODELS
 from workers.http.image_policy import ImageHostPolicy
+from workers.http.image_read_ahead import READ_BYTES, least_read_ahead
 
 __all__ = ["WorkerSettings", "WorkerSettingsError", "load_worker_settings"]
 
@@ -95,6 +96,9 @@ class WorkerSettings:
     max_images_per_request: int = 16
     max_image_request_bytes: int = 64 * 1024 * 1024
     max_image_fetch_bytes: int = 256 * 1024 * 1024
+    #: A request's image bytes fetched and not yet used, at most
+    #: (:mod:`workers.http.image_read_ahead`).
+    max_image_read_ahead_bytes: int = 64 * 1024 * 1024
     image_fetch_timeout: float = 5.0
     allow_image_hosts: tuple[str, ...] = ()
     # event-plane security: CURVE on the event sockets, a keyed salt tag
@@ -136,7 +140,8 @@ class WorkerSettings:
         positive = ("port", "block_size", "num_blocks", "max_num_batched_tokens",
                     "max_num_seqs", "max_model_len", "mm_tokens_per_image",
                     "image_hint_capacity", "max_image_bytes", "max_images_per_request",
-                    "max_image_request_bytes", "max_image_fetch_bytes", "replay_buffer",
+                    "max_image_request_bytes", "max_image_fetch_bytes",
+                    "max_image_read_ahead_bytes", "replay_buffer",
                     "max_pending_stored", "max_body_bytes", "kv_fetch_concurrency",
                     "kv_read_concurrency")
         for name in positive:
@@ -188,6 +193,12 @@ class WorkerSettings:
             raise WorkerSettingsError(f"engine must be 'sim' or 'torch', got {self.engine!r}")
         if self.max_num_batched_tokens < self.block_size:
             raise WorkerSettingsError("max_num_batched_tokens must be at least block_size")
+        least = least_read_ahead(self.max_image_bytes)
+        if self.max_image_read_ahead_bytes < least:
+            raise WorkerSettingsError(
+                f"max_image_read_ahead_bytes must hold one whole image (max_image_bytes "
+                f"{self.max_image_bytes}) and two reads of {READ_BYTES}: at least {least}, "
+                f"got {self.max_image_read_ahead_bytes}")
         try:
             ImageHostPolicy.parse(self.allow_image_hosts)
         except ValueError as exc:

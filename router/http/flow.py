@@ -17,6 +17,12 @@ for the urgent). Refusals are
 :class:`~openai_request.bodies.ApiError` 429s carrying ``Retry-After``; no healthy worker is
 the decision's own 503.
 
+A waiting request whose client leaves leaves the queue at once, with no worker booked and no
+sequence counted (:class:`Departed`): :meth:`FlowControl.admit` is given a function that
+makes a future completing when the client has gone, asks it only once the request has joined
+the queue (a request admitted at once asks nothing) and hangs a callback on it, so the wait
+races the client's departure without a task of its own.
+
 What a request asks of flow control (:func:`ask_of`): its priority (the
 ``x-kvroute-priority`` header; else the priority configured for the Gateway API Inference
 Extension ``InferenceObjective`` its ``x-gateway-inference-objective`` header names; else the
@@ -61,8 +67,8 @@ from router.routing.dispatch_gate import (
 from router.routing.scheduler import Decision, WorkerCost
 from router.service import Route
 
-__all__ = ["FAIRNESS_HEADER", "OBJECTIVE_HEADER", "Ask", "FlowControl", "Refused", "ask_of",
-           "tenant_of"]
+__all__ = ["FAIRNESS_HEADER", "OBJECTIVE_HEADER", "Ask", "Departed", "FlowControl", "Refused",
+           "ask_of", "tenant_of"]
 
 #: The Gateway API Inference Extension's request headers: the ``InferenceObjective`` a request
 #: serves, and the flow it shares capacity with.
@@ -87,6 +93,22 @@ class Refused(ApiError):
         self.reason = shed.reason
         self.retry_after_s = shed.retry_after_s
         self.headers = {"retry-after": str(shed.retry_after_s)}
+
+
+class Departed(Exception):
+    """The client of a waiting request left: the request left the queue with nothing booked.
+
+    Attributes:
+        waited_s: seconds it waited in the queue.
+        failure: what the departure future failed with, when it was a body still arriving
+            that failed while the request waited (a :class:`~httpapi.body.ClientGone`, a 413,
+            a 408); None: the client left.
+    """
+
+    def __init__(self, waited_s: float, failure: BaseException | None) -> None:
+        super().__init__(f"the client left after {waited_s:.3g} s in flow control's queue")
+        self.waited_s = waited_s
+        self.failure = failure
 
 
 @dataclass(frozen=True, slots=True)
@@ -350,14 +372,24 @@ class FlowControl:
         self.rate.started(route.request_id, now, ask.output_tokens)
         return route if free == route.decision.worker else _rebound(route, free)
 
-    async def admit(self, route: Route, ask: Ask, tenant: Callable[[], str] = str) -> Route:
+    async def admit(self, route: Route, ask: Ask, tenant: Callable[[], str] = str,
+                    departure: Callable[[], asyncio.Future[Any]] | None = None) -> Route:
         """Let ``route`` go at once, hold it until the fleet has room (and return it decided
         again), or refuse it. ``tenant`` names its tenant, asked only when it waits.
+
+        Args:
+            route: the request, decided.
+            ask: what it asks of flow control.
+            tenant: gives its tenant.
+            departure: gives a future that completes when the client has left (the same
+                one at each call); asked only once the request waits. Its end takes the
+                request out of the queue at once; a cancelled one is not a departure.
 
         Raises:
             Refused: 429, its deadline cannot be met, the queue is full, it waited too long or
                 a more urgent request displaced it.
             ApiError: deciding it again failed (503: no worker is healthy).
+            Departed: the client left while the request waited.
         """
         now_route = self.admit_now(route, ask, tenant)
         if now_route is not None:
@@ -380,15 +412,34 @@ class FlowControl:
         self._wake.set()
         if self._task is None or self._task.done():
             self._task = asyncio.get_running_loop().create_task(self._dispatch())
+        gone = departure() if departure is not None else None
+        if gone is not None:
+            def left(_: asyncio.Future[Any]) -> None:
+                self._left(item, future, gone)
+            gone.add_done_callback(left)
         try:
             return await future
-        except asyncio.CancelledError:  # the client left, or the server stops
+        except asyncio.CancelledError:  # the handler is cancelled: the server stops
             self.queue.remove(item.key)
             self._waiting.pop(item.key, None)
             raise
         finally:
+            if gone is not None:
+                gone.remove_done_callback(left)
             self._joined.pop(item.key, None)
             self._asked.pop(item.key, None)
+
+    def _left(self, item: Waiting, future: asyncio.Future[Route], gone: asyncio.Future[Any]
+              ) -> None:
+        """The client of waiting request ``item`` left (``gone`` completed): out of the queue
+        now, and its handler told. Nothing when it already left the queue, or when ``gone``
+        was cancelled (whoever cancelled it stopped caring)."""
+        if future.done() or gone.cancelled():
+            return
+        self.queue.remove(item.key)
+        self._waiting.pop(item.key, None)
+        future.set_exception(Departed(self._clock() - item.arrived, gone.exception()))
+        self.wake()  # the head may have changed
 
     def _pace(self, route: Route, now: float) -> float | None:
         """Seconds between requests leaving the queue while the gate holds them: one per

@@ -28,6 +28,12 @@ cancels the handler is cheaper than racing two tasks, and cheaper than the task 
 Starlette's ``StreamingResponse`` runs per stream; a future is cheaper than a task. A
 body that fails after it began upstream (413, 408, the client gone) ends the pump the same
 way, and the handler answers that failure instead.
+
+The same watcher is flow control's while the request waits in its queue
+(:meth:`~router.http.flow.FlowControl.admit` asks for it only then, so a request admitted at
+once makes none there): a client that leaves while queued takes its request out of the queue
+at once, with nothing booked, counted as ``stage="queue"`` and answered 499; a body still
+arriving that fails while queued is answered with that failure.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from typing import Any
 
 from starlette.types import Message, Receive, Scope, Send
 
+from httpapi.body import ClientGone
 from httpapi.lean_cycle import DEPARTURE
 from httpapi.responses import CLIENT_GONE_STATUS
 from openai_request.bodies import ApiError, fewest_prompt_tokens, parse_body, validate_request
@@ -56,7 +63,7 @@ from router.http.client_fields import (
 from router.http.client_trust import flow_view
 from router.http.disaggregated import send_disaggregated
 from router.http.failover import Sent, send_with_failover
-from router.http.flow import ask_of, tenant_of
+from router.http.flow import Departed, ask_of, tenant_of
 from router.http.incoming_body import IncomingBody
 from router.http.metrics import RequestTimer
 from router.http.proxy import UpstreamUnavailable
@@ -66,7 +73,10 @@ from router.service import Route
 
 log = logging.getLogger(__name__)
 
-__all__ = ["Forward", "decide", "route_of", "without_fetch"]
+__all__ = ["Departure", "Forward", "decide", "route_of", "without_fetch"]
+
+#: Gives a future that completes when the client has left (the same one at each call).
+Departure = Callable[[], asyncio.Future[None]]
 
 _CACHED = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
 _SSE = b"text/event-stream; charset=utf-8"
@@ -97,6 +107,29 @@ def _client_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
     return headers
 
 
+class _Pump:
+    """The client's departure where the server gives no notice of it: the body's pump
+    (:meth:`IncomingBody.pump`) in a task, started at the first call, the same task after."""
+
+    __slots__ = ("_incoming", "_loop", "task")
+
+    def __init__(self, incoming: IncomingBody, loop: asyncio.AbstractEventLoop) -> None:
+        self._incoming = incoming
+        self._loop = loop
+        self.task: asyncio.Task[None] | None = None
+
+    def __call__(self) -> asyncio.Task[None]:
+        task = self.task
+        if task is None:
+            task = self.task = self._loop.create_task(self._incoming.pump())
+        return task
+
+    def stop(self) -> None:
+        """Cancel the task, if it was started."""
+        if self.task is not None:
+            self.task.cancel()
+
+
 class Forward:
     """The ASGI app that routes and forwards ``kind`` requests arriving at ``path``."""
 
@@ -120,19 +153,29 @@ class Forward:
             headers = dict(flow_view({}, headers, trusted=False)[1])
         try:
             incoming = IncomingBody(receive, headers.get("content-length"), max_bytes)
-            route, body, pump = await self._decided(incoming, headers, trusted)
         except ApiError as exc:
             metrics.request(path, exc.status)
+            raise
+        # Once the body is whole, the server's own notice of a client that left, where it
+        # gives one (the same future at each call); else the body's pump, made when asked.
+        departure: Departure = scope.get(DEPARTURE) or _Pump(incoming, state.loop)
+        try:
+            route, body, pump = await self._decided(incoming, headers, trusted, departure)
+        except Departed as left:  # in flow control's queue: nothing was booked
+            await self._left_queue(left, send)
+            return
+        except BaseException as exc:
+            if isinstance(departure, _Pump):  # a refusal after a wait in the queue
+                departure.stop()
+            if isinstance(exc, ApiError):
+                metrics.request(path, exc.status)
             raise
         metrics.decided(route)
         this = asyncio.current_task(state.loop)  # the loop given: no system call to find it
         assert this is not None, "a request handler runs in a task"
         # The pump reads what is left of the body, then waits for the client to leave; its
-        # end (the client left, or the body failed) cancels the handler. Once the body is
-        # whole, the server's own notice of a client that left does it, where it gives one.
-        departure = scope.get(DEPARTURE)
-        watcher = pump or (departure() if departure is not None
-                           else state.loop.create_task(incoming.pump()))
+        # end (the client left, or the body failed) cancels the handler.
+        watcher = pump or departure()
         watcher.add_done_callback(lambda w: w.cancelled() or this.cancel())
         answering = False
         timer.sending()
@@ -194,16 +237,35 @@ class Forward:
         finally:
             watcher.cancel()
 
-    async def _decided(self, incoming: IncomingBody, headers: Mapping[str, str], trusted: bool
+    async def _left_queue(self, left: Departed, send: Send) -> None:
+        """Answer a request whose client left while it waited in flow control's queue (499,
+        counted); a body that failed while it waited is answered with its failure."""
+        failure = left.failure
+        if failure is not None and not isinstance(failure, ClientGone):
+            if isinstance(failure, ApiError):
+                self.state.metrics.request(self.path, failure.status)
+            raise failure from None
+        self.state.client_gone("queue")
+        log.info("the client left while its request waited %.1f s in flow control's queue",
+                 left.waited_s)
+        await send({"type": "http.response.start", "status": CLIENT_GONE_STATUS,
+                    "headers": [(b"content-length", b"0")]})
+        await send({"type": "http.response.body", "body": b""})
+
+    async def _decided(self, incoming: IncomingBody, headers: Mapping[str, str], trusted: bool,
+                       departure: Departure
                        ) -> tuple[Route, dict[str, Any] | None, asyncio.Future[None] | None]:
         """Read ``incoming`` until the request is decided: at the body's end (the route, the
         parsed body, no pump), or before it, once what arrived settles the match (the route,
         ``None`` and the pump already reading the rest: :mod:`openai_request.early_body` says when a
-        body may be decided early and on what).
+        body may be decided early and on what). ``departure`` gives the client's departure
+        once the body is whole, for flow control's queue (a body decided early gives the
+        pump's end instead).
 
         Raises:
             ApiError: the body's refusals (413, 408, 400) and :func:`decide`'s.
             ClientGone: the client left before the body's end.
+            Departed: the client left while the request waited in flow control's queue.
         """
         state, kind = self.state, self.kind
         service = state.service
@@ -217,10 +279,12 @@ class Forward:
                 # Checked again once whole, before its end goes upstream (client_fields).
                 incoming.check = whole_body_check(state.settings.max_body_bytes,
                                                   state.settings.allow_client_transfer_fields)
-                pump = state.loop.create_task(incoming.pump())
+                reading = _Pump(incoming, state.loop)  # its end is the client's departure
+                pump = reading()
                 try:
                     route = await decide(state, tries[1], kind,
-                                         incoming.declared or incoming.size, headers, trusted)
+                                         incoming.declared or incoming.size, headers, trusted,
+                                         reading)
                 except ApiError:  # refused as it stands: answered as buffered, at its end
                     await _stopped(pump)
                     early = None
@@ -232,24 +296,29 @@ class Forward:
             chunk = await incoming.read_more()
         raw = incoming.whole()
         body = parse_body(raw, state.settings.max_body_bytes)
-        return await decide(state, body, kind, len(raw), headers, trusted), body, None
+        return (await decide(state, body, kind, len(raw), headers, trusted, departure), body,
+                None)
+
 
 async def decide(state: RouterState, body: dict[str, Any], kind: str, size: int,
-                 headers: Mapping[str, str], trusted: bool = True) -> Route:
+                 headers: Mapping[str, str], trusted: bool = True,
+                 departure: Departure | None = None) -> Route:
     """Route ``body`` (:func:`route_of`) through flow control (:mod:`router.http.flow`: it
     may wait while the fleet is saturated), which reads the tenant, priority and deadline
-    a ``trusted`` client gives (:mod:`router.http.client_trust`).
+    a ``trusted`` client gives (:mod:`router.http.client_trust`); ``departure`` gives the
+    client's departure, which ends a wait in its queue.
 
     Raises:
         ApiError: :func:`route_of`'s; flow control's 429s; 400 for a malformed priority or
             deadline.
+        Departed: the client left while the request waited.
     """
     asked, seen = flow_view(body, headers, trusted)
     ask = ask_of(asked, seen)
     route = await route_of(state, body, kind, size)
     if state.access is not None:  # the key's quota (router.http.client_quotas): 429
         state.access.charge(headers, route.prompt.total_tokens)
-    return await state.flow.admit(route, ask, lambda: tenant_of(asked, seen))
+    return await state.flow.admit(route, ask, lambda: tenant_of(asked, seen), departure)
 
 
 async def route_of(state: RouterState, body: dict[str, Any], kind: str, size: int) -> Route:

@@ -18,7 +18,7 @@ from fastapi import FastAPI
 from prometheus_client import Counter
 
 from httpapi.app import Admin
-from httpapi.responses import disconnect_counter
+from httpapi.responses import DISCONNECT_STAGES, disconnect_counter
 from httpapi.tracing import Tracing
 from httpapi.trusted_peers import TrustedPeers
 from openai_request.bodies import ApiError
@@ -76,7 +76,7 @@ class RouterState:
         self.metrics = RouterMetrics(self.service)
         self.first_byte = FirstByteClock(settings.first_byte_floor, settings.first_byte_factor,
                                          settings.first_byte_timeout)
-        self.disconnects = disconnect_counter(self.metrics.registry)
+        self.disconnects = disconnect_counter(self.metrics.registry, DISCONNECT_STAGES)
         self.flow = FlowControl(settings.flow_settings(), self.service.decide_again)
         self.service.capacity = self.flow
         register_flow_metrics(self.metrics.registry, self.flow, self.metrics.worker_label)
@@ -101,7 +101,9 @@ class RouterState:
         """Refusals are counted where they happen, by endpoint (:meth:`RouterMetrics.request`)."""
 
     def client_gone(self, stage: str) -> None:
-        """Count a client that left before its answer."""
+        """Count a client that left before its answer, at ``stage`` (of
+        :data:`~httpapi.responses.DISCONNECT_STAGES`: the label set stays the code's)."""
+        assert stage in DISCONNECT_STAGES, f"an unknown disconnect stage {stage!r}"
         self.disconnects.labels(stage).inc()
 
     def render_metrics(self) -> tuple[bytes, str]:

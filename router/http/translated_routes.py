@@ -24,7 +24,7 @@ from openai_request.bodies import ApiError, parse_body
 from openai_request.translated import chat_of_messages, chat_of_responses
 from router.http.client_fields import refuse_transfer_fields
 from router.http.incoming_body import IncomingBody
-from router.http.request_path import Forward, decide
+from router.http.request_path import Departure, Forward, decide
 from router.http.response_homes import SNIFFED_BYTES, ResponseHomes, response_id
 from router.http.state import RouterState
 from router.routing.scheduler import Decision
@@ -74,7 +74,8 @@ class TranslatedForward(Forward):
 
         await super().__call__(scope, receive, reading)
 
-    async def _decided(self, incoming: IncomingBody, headers: Mapping[str, str], trusted: bool
+    async def _decided(self, incoming: IncomingBody, headers: Mapping[str, str], trusted: bool,
+                       departure: Departure
                        ) -> tuple[Route, dict[str, Any] | None, asyncio.Future[None] | None]:
         """Read the whole body, route its chat conversion; the body returned is the
         client's (its ``stream`` says how the answer comes back), forwarded as sent, so the
@@ -95,7 +96,7 @@ class TranslatedForward(Forward):
             chat = self.translate(body)
         except ValueError as exc:
             raise ApiError(400, str(exc)) from None
-        route = await decide(self.state, chat, "chat", len(raw), headers, trusted)
+        route = await decide(self.state, chat, "chat", len(raw), headers, trusted, departure)
         previous = body.get("previous_response_id")
         if self.homes is not None and isinstance(previous, str):
             home = self.homes.home(previous)

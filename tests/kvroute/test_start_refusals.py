@@ -33,6 +33,8 @@ pytestmark = pytest.mark.process  # starts child processes
     (["worker", "--data-parallel-size", "2", "--engine", "torch"], "sim engines only"),
     (["router", "--body-timeout", "0"], "body_timeout must be positive"),
     (["worker", "--max-header-bytes", "100"], "max_header_bytes must be at least 1024"),
+    (["worker", "--max-image-read-ahead-bytes", "1000000"],
+     "max_image_read_ahead_bytes must hold one whole image (max_image_bytes 20971520)"),
 ])
 def test_a_flag_that_cannot_work_exits_2_with_one_line_naming_it(args: list[str],
                                                                  fragment: str) -> None:

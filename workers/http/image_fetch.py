@@ -1,8 +1,12 @@
 """Fetches the ``http(s)`` images of a chat request, with a size, a time and a host limit.
 
 Runs before tokenization (which is pure and synchronous): every remote image URL in the body is
-fetched concurrently; the bytes are handed to :func:`openai_request.prompts.build_prompt`
-through its ``fetch`` callable.
+fetched concurrently, and each image is used as soon as it and those before it have arrived:
+:func:`remote_image_digests` hashes it under each UUID its parts give it and drops its bytes,
+and the digests go to :func:`openai_request.prompts.build_prompt` (its ``digests``). The bytes
+fetched and not yet used stay within ``max_image_read_ahead_bytes``
+(:mod:`workers.http.image_read_ahead`: a fetch that runs too far ahead waits, nothing is
+refused for it).
 
 Each hop resolves the host once (:data:`Resolver`), checks every address against the
 :class:`~workers.http.image_policy.ImageHostPolicy`, and connects to the first address by IP,
@@ -21,8 +25,9 @@ as ``kvroute_worker_image_limits`` by the HTTP layer):
    one per worker): 503, since the request itself is not at fault; a request gives its bytes
    back when its fetch ends.
 
-So one request holds at most ``max_image_request_bytes`` of images, and all requests together
-at most ``max_image_fetch_bytes``, whatever their URLs answer.
+So one request fetches at most ``max_image_request_bytes`` of images and holds at most
+``max_image_read_ahead_bytes`` of them at once, and all requests together fetch at most
+``max_image_fetch_bytes`` at once, whatever their URLs answer.
 
 A refused or failed fetch is a 400 that says only "image URL not allowed" or "image fetch
 failed": neither the target's status nor its content, nor which check failed, reaches the
@@ -52,19 +57,27 @@ from typing import Any
 import httpx
 
 from openai_request.bodies import ApiError
+from openai_request.images import image_digest
+from openai_request.prompts import image_refs
 from workers.http.image_policy import ImageHostPolicy, IpAddress, image_format
+from workers.http.image_read_ahead import ReadAhead
 from workers.settings import WorkerSettings
 
-__all__ = ["MAX_REDIRECTS", "ImageBudget", "ImageLimit", "Resolver", "fetch_remote_images",
-           "image_part_urls", "remote_image_urls", "system_resolver"]
+__all__ = ["MAX_REDIRECTS", "ImageBudget", "ImageLimit", "Resolver", "Use",
+           "fetch_remote_images", "image_part_urls", "remote_image_digests",
+           "remote_image_urls", "system_resolver"]
 
 log = logging.getLogger(__name__)
 
 #: Resolves ``(host, port)`` to IP address strings; the fetch connects to one of them.
 Resolver = Callable[[str, int], Awaitable[list[str]]]
+#: Uses one fetched image (its URL and bytes); its bytes are dropped once it returns.
+Use = Callable[[str, bytes], Awaitable[None]]
 MAX_REDIRECTS = 5
 NOT_ALLOWED = "image URL not allowed"
 FAILED = "image fetch failed"
+#: Images from this size are hashed in a thread, not on the event loop.
+_HASH_OFF_LOOP_BYTES = 256 * 1024
 
 
 class ImageLimit(ApiError):
@@ -189,7 +202,8 @@ async def _checked_address(url: httpx.URL, policy: ImageHostPolicy, resolver: Re
 
 
 async def _fetch_one(client: httpx.AsyncClient, url: str, max_bytes: int,
-                     policy: ImageHostPolicy, resolver: Resolver, tally: _Tally) -> bytes:
+                     policy: ImageHostPolicy, resolver: Resolver, tally: _Tally,
+                     ahead: ReadAhead, image: int) -> bytes:
     target = httpx.URL(url)
     for _ in range(MAX_REDIRECTS + 1):
         address = await _checked_address(target, policy, resolver)
@@ -197,6 +211,7 @@ async def _fetch_one(client: httpx.AsyncClient, url: str, max_bytes: int,
         headers = {"Host": target.netloc.decode("ascii")}
         extensions = {"sni_hostname": target.host} if target.scheme == "https" else {}
         request = client.build_request("GET", pinned, headers=headers, extensions=extensions)
+        await ahead.may_read(image)  # the answer's head brings its body's first bytes
         response = await client.send(request, stream=True)
         try:
             if response.is_redirect and "location" in response.headers:
@@ -212,7 +227,9 @@ async def _fetch_one(client: httpx.AsyncClient, url: str, max_bytes: int,
                     if size > max_bytes:
                         raise _Failed(f"{target} is over {max_bytes} bytes")
                     tally.add(len(chunk))
+                    ahead.read(image, len(chunk))
                     chunks.append(chunk)
+                    await ahead.may_read(image)  # before each read: nothing until it fits
             except BaseException:
                 # A traceback keeps this frame alive until the cycle collector runs: the
                 # bytes read so far go now, not then.
@@ -220,24 +237,65 @@ async def _fetch_one(client: httpx.AsyncClient, url: str, max_bytes: int,
                 raise
         finally:
             await response.aclose()
+            ahead.ended(image)
         data = b"".join(chunks)
+        chunks.clear()
         if image_format(data) is None:
             raise _Failed(f"{target} is not an image")
         return data
     raise _Failed(f"{url} redirects more than {MAX_REDIRECTS} times")
 
 
-async def fetch_remote_images(body: dict[str, Any], settings: WorkerSettings, *,
+async def remote_image_digests(body: dict[str, Any], settings: WorkerSettings, *,
+                               resolver: Resolver = system_resolver,
+                               budget: ImageBudget | None = None,
+                               ahead: ReadAhead | None = None
+                               ) -> dict[tuple[str, str | None], str]:
+    """The digest of every remote image of ``body`` under each UUID its parts give it
+    (:func:`~openai_request.prompts.image_refs`), by URL and UUID: each image is hashed as
+    soon as it and those before it arrived, and its bytes dropped
+    (:func:`fetch_remote_images`, whose arguments these are).
+
+    Raises:
+        ValueError: the messages or ``mm_uuids`` are malformed (a 400's reason).
+        ApiError: as :func:`fetch_remote_images`.
+    """
+    uuids: dict[str, list[str | None]] = {}
+    if remote_image_urls(body):
+        for ref in image_refs(body):
+            named = uuids.setdefault(ref.url, [])
+            if ref.uuid not in named:
+                named.append(ref.uuid)
+    digests: dict[tuple[str, str | None], str] = {}
+
+    async def use(url: str, data: bytes) -> None:
+        for uuid in uuids.get(url, ()):
+            digests[url, uuid] = (await asyncio.to_thread(image_digest, data, uuid)
+                                  if len(data) >= _HASH_OFF_LOOP_BYTES
+                                  else image_digest(data, uuid))
+
+    await fetch_remote_images(body, settings, use, resolver=resolver, budget=budget,
+                              ahead=ahead)
+    return digests
+
+
+async def fetch_remote_images(body: dict[str, Any], settings: WorkerSettings, use: Use, *,
                               resolver: Resolver = system_resolver,
-                              budget: ImageBudget | None = None) -> dict[str, bytes]:
-    """Fetch every remote image of ``body``; returns url -> bytes.
+                              budget: ImageBudget | None = None,
+                              ahead: ReadAhead | None = None) -> None:
+    """Fetch every remote image of ``body`` and hand each to ``use``, once, in the order of
+    their first parts, as soon as it and those before it arrived; the bytes fetched and not
+    yet used stay within ``settings.max_image_read_ahead_bytes``.
 
     Args:
         body: the chat request.
         settings: the worker's settings (size, count and time limits, allowed hosts).
+        use: called with each image's URL and bytes; the image is used when it returns.
         resolver: resolves host names; the system's by default.
         budget: the worker's bytes in flight across requests (a fresh one of
             ``settings.max_image_fetch_bytes`` when not given).
+        ahead: the request's bytes fetched and not yet used (a fresh one of
+            ``settings.max_image_read_ahead_bytes`` when not given).
 
     Raises:
         ImageLimit: a fan-out limit (module docstring), naming the setting.
@@ -251,7 +309,9 @@ async def fetch_remote_images(body: dict[str, Any], settings: WorkerSettings, *,
                          "images (max_images_per_request)", "max_images_per_request")
     urls = remote_image_urls(body)
     if not urls:
-        return {}
+        return
+    if ahead is None:
+        ahead = ReadAhead(settings.max_image_read_ahead_bytes, settings.max_image_bytes)
     policy = ImageHostPolicy.parse(settings.allow_image_hosts)
     timeout = httpx.Timeout(settings.image_fetch_timeout)
     tally = _Tally(settings.max_image_request_bytes,
@@ -262,8 +322,8 @@ async def fetch_remote_images(body: dict[str, Any], settings: WorkerSettings, *,
                                      trust_env=False) as client:
             try:
                 async with asyncio.timeout(settings.image_fetch_timeout):
-                    tasks = await _fetch_all(client, urls, settings.max_image_bytes, policy,
-                                             resolver, tally)
+                    await _fetch_all(client, urls, settings.max_image_bytes, policy,
+                                     resolver, tally, ahead, use)
             except TimeoutError as exc:
                 log.info("image fetch failed: %s: %s", type(exc).__name__, exc)
                 raise ApiError(400, FAILED) from None
@@ -272,16 +332,25 @@ async def fetch_remote_images(body: dict[str, Any], settings: WorkerSettings, *,
         raise
     finally:
         tally.close()
-    return {u: t.result() for u, t in zip(urls, tasks, strict=True)}
 
 
 async def _fetch_all(client: httpx.AsyncClient, urls: list[str], max_bytes: int,
-                     policy: ImageHostPolicy, resolver: Resolver, tally: _Tally
-                     ) -> list[asyncio.Task[bytes]]:
+                     policy: ImageHostPolicy, resolver: Resolver, tally: _Tally,
+                     ahead: ReadAhead, use: Use) -> None:
     try:
         async with asyncio.TaskGroup() as group:  # one failure cancels the others at once
-            return [group.create_task(_fetch_one(client, u, max_bytes, policy, resolver, tally))
-                    for u in urls]
+            fetches: list[asyncio.Task[bytes] | None] = [
+                group.create_task(_fetch_one(client, u, max_bytes, policy, resolver, tally,
+                                             ahead, i))
+                for i, u in enumerate(urls)]
+            for i, url in enumerate(urls):
+                fetch = fetches[i]
+                assert fetch is not None, "each image is used once"
+                data = await fetch
+                fetches[i] = fetch = None  # the task held the bytes as its result
+                await use(url, data)
+                del data
+                ahead.used(i)
     except* ImageLimit as limits:
         raise _first(limits) from None
     except* _Refused as refused:

@@ -39,7 +39,7 @@ from openai_request.prompts import build_prompt
 from workers.cache.block_keys import Prompt, Scope
 from workers.engine.loop import Engine, RequestFailed, RequestHandle
 from workers.http.dialects import DIALECTS, Dialect, MessagesReply, ResponsesReply
-from workers.http.image_fetch import ImageLimit, fetch_remote_images
+from workers.http.image_fetch import ImageLimit, remote_image_digests
 from workers.http.kv_fetch import RESULT_HEADER, FetchResult, parse_instruction
 from workers.http.kv_transfer import answer_params, parse_transfer, receive
 from workers.http.openai_format import Completion, sse
@@ -107,15 +107,18 @@ async def generate(state: WorkerState, request: Request, chat: bool,
     _check_length(fewest_prompt_tokens(checked, runtime.tokenizer.max_bytes_per_token),
                   max_tokens, settings.max_model_len, at_least=True)
     try:
-        fetched = (await fetch_remote_images(body, settings, budget=state.image_budget)
+        digests = (await remote_image_digests(body, settings, budget=state.image_budget)
                    if chat else {})
     except ImageLimit as exc:
         state.metrics.image_limits.labels(exc.limit).inc()
         raise
+    except ValueError as exc:  # its messages or mm_uuids, read before any fetch
+        raise ApiError(400, str(exc)) from None
     encode = functools.partial(
         build_prompt, body, "chat" if chat else "completions", runtime.tokenizer,
         mm_tokens_per_image=settings.mm_tokens_per_image,
-        max_image_bytes=settings.max_image_bytes, fetch=fetched.get)
+        max_image_bytes=settings.max_image_bytes, fetch=None,
+        digests=lambda url, uuid: digests.get((url, uuid)))
     try:
         tokens = (await asyncio.to_thread(encode) if len(raw) > TOKENIZE_OFF_LOOP_BYTES
                   else encode())

@@ -92,9 +92,21 @@ class StubResolver:
         return list(answer)  # type: ignore[arg-type]
 
 
+async def fetched(b: dict[str, Any], s: WorkerSettings, **kw: Any) -> dict[str, bytes]:
+    """Every remote image of ``b``, by URL, in the order they were used."""
+    images: dict[str, bytes] = {}
+
+    async def use(url: str, data: bytes) -> None:
+        assert url not in images, f"{url} used twice"
+        images[url] = data
+
+    await fetch_remote_images(b, s, use, **kw)
+    return images
+
+
 async def refused(b: dict[str, Any], s: WorkerSettings, **kw: Any) -> str:
     with pytest.raises(ApiError) as info:
-        await fetch_remote_images(b, s, **kw)
+        await fetched(b, s, **kw)
     assert info.value.status == 400
     return str(info.value.message)
 
@@ -123,7 +135,7 @@ async def test_a_name_is_refused_when_any_address_is_internal(server: Server) ->
 
 async def test_an_allowed_block_is_fetched(server: Server) -> None:
     url = server.url("/a.png")
-    assert await fetch_remote_images(body(url), settings("127.0.0.0/8")) == {url: PNG}
+    assert await fetched(body(url), settings("127.0.0.0/8")) == {url: PNG}
 
 
 async def test_a_name_resolves_once_and_the_checked_address_is_connected(
@@ -132,7 +144,7 @@ async def test_a_name_resolves_once_and_the_checked_address_is_connected(
     # must never be used: the fetch connects to the address it checked.
     resolver = StubResolver({"images.test": [["127.0.0.1"], ["169.254.169.254"]]})
     url = server.url("/a.png", host="images.test")
-    got = await fetch_remote_images(body(url), settings("127.0.0.1/32"), resolver=resolver)
+    got = await fetched(body(url), settings("127.0.0.1/32"), resolver=resolver)
     assert got == {url: PNG}
     assert resolver.calls == ["images.test"]
     assert server.requests == [("/a.png", f"images.test:{server.port}")]
@@ -151,7 +163,7 @@ async def test_every_redirect_hop_is_checked(server: Server) -> None:
 async def test_an_allowed_redirect_is_followed(server: Server) -> None:
     server.routes["/hop"] = (301, {"Location": "/a.png"}, b"")
     url = server.url("/hop")
-    assert await fetch_remote_images(body(url), settings("127.0.0.1")) == {url: PNG}
+    assert await fetched(body(url), settings("127.0.0.1")) == {url: PNG}
 
 
 async def test_errors_do_not_reveal_the_target(server: Server) -> None:
@@ -226,7 +238,7 @@ def big_png(n: int, tag: int) -> bytes:
 
 async def limited(b: dict[str, Any], s: WorkerSettings, status: int, **kw: Any) -> ApiError:
     with pytest.raises(ApiError) as info:
-        await fetch_remote_images(b, s, **kw)
+        await fetched(b, s, **kw)
     assert info.value.status == status
     return info.value
 
@@ -244,7 +256,7 @@ async def test_too_many_images_are_refused_before_any_fetch(server: Server) -> N
     inline = "data:image/png;base64,iVBORw0KGgo="
     error = await limited(body(*urls[:2], *[inline] * 3), s, 400)
     assert error.limit == "max_images_per_request"
-    assert await fetch_remote_images(body(*urls[:4]), s) == {u: PNG for u in urls[:4]}
+    assert await fetched(body(*urls[:4]), s) == {u: PNG for u in urls[:4]}
 
 
 async def test_the_images_of_one_request_are_bounded_in_bytes_together(server: Server) -> None:
@@ -252,7 +264,7 @@ async def test_the_images_of_one_request_are_bounded_in_bytes_together(server: S
         server.routes[f"/big{i}.png"] = (200, {}, big_png(400, i))
     s = WorkerSettings(allow_image_hosts=("127.0.0.1",), max_image_request_bytes=1000)
     urls = [server.url(f"/big{i}.png") for i in range(4)]
-    assert len(await fetch_remote_images(body(*urls[:2]), s)) == 2  # 800 bytes: within
+    assert len(await fetched(body(*urls[:2]), s)) == 2  # 800 bytes: within
     error = await limited(body(*urls), s, 400)  # 1,600 bytes: each image alone is fine
     assert error.message == (
         "the images of a request may total at most 1000 bytes (max_image_request_bytes)")
@@ -271,7 +283,7 @@ async def test_images_in_flight_across_requests_share_one_budget(server: Server)
                              "budget of 1000 bytes (max_image_fetch_bytes); try again")
     assert budget.in_flight == 600, "the refused request gave back what it had taken"
     budget.give(600)
-    assert len(await fetch_remote_images(body(*urls), s, budget=budget)) == 2
+    assert len(await fetched(body(*urls), s, budget=budget)) == 2
     assert budget.in_flight == 0, "a finished fetch gives its bytes back"
 
 
