@@ -18,7 +18,7 @@ Under pytest-xdist (``-n 2 --dist loadgroup``): each runner draws its free ports
 of its own (``KVROUTE_FREE_PORTS``, read by :func:`kvroute.up.free_port` and inherited by the
 processes it starts); the tests that share a module-scoped fixture run on one runner, so the
 fixture starts once; the engine modules run in two groups (:data:`ENGINE_GROUPS`), one per
-runner, the two modules that share the ``vllm_pair`` servers in one of them. xdist hands out
+runner, the four modules that share the ``vllm_pair`` servers in one of them. xdist hands out
 the largest groups first.
 """
 
@@ -105,10 +105,10 @@ def _engine(item: pytest.Item) -> bool:
 #: hands a runner another group as soon as it has two tests or fewer left, so single-test
 #: modules left ungrouped would all pile onto the runner that is not busy with the pair.
 ENGINE_GROUPS = {
-    "test_vllm_disaggregated.py": "engines-a", "test_vllm_repeats.py": "engines-a",
-    "test_vllm_routing.py": "engines-a",
-    "test_vllm_data_parallel.py": "engines-b", "test_compose.py": "engines-b",
-    "test_vllm_responses.py": "engines-b", "test_vllm_flow_flood.py": "engines-b",
+    "test_vllm_routing.py": "engines-a", "test_vllm_repeats.py": "engines-a",
+    "test_vllm_responses.py": "engines-a", "test_vllm_flow_flood.py": "engines-a",
+    "test_vllm_data_parallel.py": "engines-b", "test_vllm_disaggregated.py": "engines-b",
+    "test_compose.py": "engines-b",
 }
 
 

@@ -21,17 +21,26 @@ import os
 import signal
 import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 
 from kvroute.up import free_port
 
-__all__ = ["BLOCK_SIZE", "MODEL_NAME", "VllmServer", "find_vllm_python"]
+__all__ = ["BLOCK_SIZE", "MODEL_NAME", "ONE_PROCESS_ENGINE", "VllmServer",
+           "find_vllm_python", "group_cpu_seconds"]
 
 ROOT = Path(__file__).resolve().parents[1]
 MODEL_NAME = "tiny-llama"
 BLOCK_SIZE = 32
+#: ``extra_env`` for a server whose engine core runs the model itself (vLLM's uniprocess
+#: executor, its layout for one GPU): the CPU build otherwise starts a multiprocess executor
+#: with one worker process beside each engine core, to bind OpenMP threads
+#: (``VLLM_CPU_OMP_THREADS_BIND``), which these servers leave unbound. A data-parallel server
+#: needs ``--distributed-executor-backend uni`` as well. ``python -m bench.vllm_start`` times
+#: the two layouts.
+ONE_PROCESS_ENGINE = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
 
 
 def find_vllm_python() -> Path:
@@ -121,9 +130,15 @@ class VllmServer:
             time.sleep(0.5)
         raise RuntimeError(f"{self.name} not healthy after {timeout:g}s:\n{self.tail()}")
 
-    def reset_prefix_cache(self) -> None:
-        """Empty the server's prefix cache (needs ``VLLM_SERVER_DEV_MODE=1``, set here)."""
-        httpx.post(f"{self.url}/reset_prefix_cache", timeout=30).raise_for_status()
+    def reset_prefix_cache(self) -> bool:
+        """Empty the server's prefix cache (needs ``VLLM_SERVER_DEV_MODE=1``, set here).
+
+        Returns:
+            Whether it was emptied: vLLM refuses while running requests hold blocks.
+        """
+        answer = httpx.post(f"{self.url}/reset_prefix_cache", timeout=30)
+        answer.raise_for_status()
+        return bool(answer.json().get("success"))
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         """Signal the process group (the API server and its engine core), reap it, and remove
@@ -155,18 +170,34 @@ class VllmServer:
         return "\n".join(self.log.read_text(errors="replace").splitlines()[-lines:])
 
 
-def _shared_memory_of_group(pgid: int) -> set[Path]:
-    """The ``/dev/shm`` files mapped by the live processes of process group ``pgid``."""
-    found: set[Path] = set()
+def _group_stats(pgid: int) -> Iterator[tuple[Path, list[str]]]:
+    """Each live process of process group ``pgid``: its ``/proc`` folder and the fields of its
+    ``stat`` after the name (the group is the third of them)."""
     for proc in Path("/proc").iterdir():
         if not proc.name.isdigit():
             continue
         try:
-            # The group is the fifth field of /proc/PID/stat, after the ")" that ends the name.
-            if int((proc / "stat").read_text().rsplit(")", 1)[1].split()[2]) != pgid:
-                continue
-            maps = (proc / "maps").read_text()
+            fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            if int(fields[2]) == pgid:
+                yield proc, fields
         except (OSError, IndexError, ValueError):
+            continue  # gone meanwhile, or not readable
+
+
+def group_cpu_seconds(pgid: int) -> float:
+    """CPU seconds (user and system, with those of reaped children) that the live processes of
+    process group ``pgid`` have used."""
+    tick = os.sysconf("SC_CLK_TCK")
+    return sum(sum(int(f) for f in fields[11:15]) / tick for _, fields in _group_stats(pgid))
+
+
+def _shared_memory_of_group(pgid: int) -> set[Path]:
+    """The ``/dev/shm`` files mapped by the live processes of process group ``pgid``."""
+    found: set[Path] = set()
+    for proc, _ in _group_stats(pgid):
+        try:
+            maps = (proc / "maps").read_text()
+        except OSError:
             continue  # gone meanwhile, or not readable
         for line in maps.splitlines():
             path = line.split(maxsplit=5)[5:]

@@ -8,10 +8,9 @@ from typing import Any
 
 import pytest
 
-from bench.stock_vllm import VllmServer
 from bench.tiny_model import write_tiny_llama
 from e2e.harness import Process, Router, Worker, running
-from e2e.vllm import VllmPair, vllm_python
+from e2e.vllm import VllmPair, vllm_python, vllm_server
 
 
 @pytest.fixture
@@ -58,7 +57,7 @@ def vllm_pair(tmp_path_factory: pytest.TempPathFactory) -> Iterator[VllmPair]:
     python = vllm_python()
     root = tmp_path_factory.mktemp("vllm-pair")
     model = write_tiny_llama(root / "model")
-    servers = [VllmServer(f"vllm-{i}", python, model, root) for i in range(2)]
+    servers = [vllm_server(f"vllm-{i}", python, model, root) for i in range(2)]
     with running(servers):
         yield VllmPair(servers, model, root)
 

@@ -19,7 +19,7 @@ from bench.stock_vllm import BLOCK_SIZE, MODEL_NAME, VllmServer
 from bench.tiny_model import write_tiny_llama
 from e2e.harness import NOT_YET, Router, ranks_served, running
 from e2e.test_vllm_routing import cached_tokens
-from e2e.vllm import vllm_python
+from e2e.vllm import vllm_python, vllm_server
 from tests.support.eventually import eventually_blocking
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -30,7 +30,10 @@ def served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Router, V
     python = vllm_python()
     root = tmp_path_factory.mktemp("vllm-dp")
     model = write_tiny_llama(root / "model")
-    server = VllmServer("vllm-dp", python, model, root, ("--data-parallel-size", "2"))
+    # Each rank's engine core runs its model itself, as one rank's engine does alone (vLLM
+    # picks its multiprocess executor for data parallelism unless told).
+    server = vllm_server("vllm-dp", python, model, root, ("--data-parallel-size", "2",
+                                                         "--distributed-executor-backend", "uni"))
     with running([server]) as started:
         router = Router("router", [], root, tokenizer=str(model), block_size=BLOCK_SIZE)
         router.env["KVROUTE_WORKERS"] = f"{server.worker_spec},dp_size=2"

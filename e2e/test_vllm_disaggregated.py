@@ -34,7 +34,7 @@ import pytest
 from bench.stock_vllm import BLOCK_SIZE, MODEL_NAME, VllmServer
 from bench.tiny_model import write_tiny_llama
 from e2e.harness import NOT_YET, Router, metric, running
-from e2e.vllm import vllm_python
+from e2e.vllm import vllm_python, vllm_server
 from kvroute.up import free_port
 from tests.support.eventually import eventually_blocking
 
@@ -67,7 +67,7 @@ def pd(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Router, VllmS
     _nixl_installed(python)
     root = tmp_path_factory.mktemp("vllm-pd")
     model = write_tiny_llama(root / "model")
-    servers = [VllmServer(name, python, model, root, NIXL, {
+    servers = [vllm_server(name, python, model, root, NIXL, {
         "VLLM_NIXL_SIDE_CHANNEL_HOST": "127.0.0.1",
         "VLLM_NIXL_SIDE_CHANNEL_PORT": str(free_port())}) for name in ("prefill", "decode")]
     prefill, decode = servers

@@ -1,6 +1,7 @@
 """The flood of ``e2e/test_flow_flood.py`` through a router with flow control's DEFAULT
 settings in front of two stock vLLM CPU servers (``--max-num-seqs 8``, told to the router
-with the worker key ``max_num_seqs``): every request answered (served, or refused with 429
+with the worker key ``max_num_seqs``; the pair shared with ``test_vllm_routing``:
+:mod:`e2e.vllm`): every request answered (served, or refused with 429
 and a ``Retry-After``), none running into the client's timeout, every high-priority one
 served and ahead of the lows in the router's queue."""
 
@@ -11,27 +12,29 @@ from collections.abc import Iterator
 
 import pytest
 
-from bench.stock_vllm import BLOCK_SIZE, MODEL_NAME, VllmServer
-from bench.tiny_model import write_tiny_llama
-from e2e.harness import Router, running
+from bench.stock_vllm import BLOCK_SIZE, MODEL_NAME
+from e2e.harness import Router
 from e2e.test_flow_flood import check, flood
-from e2e.vllm import vllm_python
+from e2e.vllm import VllmPair
 
 
 @pytest.fixture(scope="module")
-def vllm_router(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Router]:
-    python = vllm_python()
-    root = tmp_path_factory.mktemp("vllm-flood")
-    model = write_tiny_llama(root / "model")
-    servers = [VllmServer(f"vllm-{i}", python, model, root) for i in range(2)]
-    with running(servers) as started:
-        router = Router("router", [], root, tokenizer=str(model), block_size=BLOCK_SIZE)
-        router.env["KVROUTE_WORKERS"] = ";".join(f"{s.worker_spec},max_num_seqs=8"
-                                                 for s in servers)
-        started.append(router)
+def vllm_router(vllm_pair: VllmPair) -> Iterator[Router]:
+    shared = vllm_pair.fresh()
+    router = Router("router-flood", [], shared.root, tokenizer=str(shared.model),
+                    block_size=BLOCK_SIZE)
+    router.env["KVROUTE_WORKERS"] = ";".join(f"{s.worker_spec},max_num_seqs=8"
+                                             for s in shared.servers)
+    try:
         router.start()
         router.wait_ready(2)
         yield router
+    except BaseException:
+        for p in [*shared.servers, router]:
+            print(f"---- {p.name} ----\n{p.tail()}")
+        raise
+    finally:
+        router.kill()
 
 
 def test_a_low_priority_flood_on_vllm_is_answered_and_the_urgent_pass_it(

