@@ -81,7 +81,9 @@ $(VLLM_VENV)/.nixl: $(VLLM_VENV)/.installed
 # image made with debootstrap: no registry is reached). Installed from Debian's packages when
 # missing and run as root; elsewhere that test says which check failed and skips.
 # The base images it builds on (Debian and its Python, about a minute of downloads the first
-# time on a machine) are made here too, so that `make test` makes them while the quick tier runs.
+# time on a machine) and the project's image on them (a minute of CPU and downloads) are made
+# here too, so that `make test` makes them while the quick tier runs; the test's own build then
+# finds each step in podman's cache.
 containers:
 	@if command -v podman >/dev/null && command -v debootstrap >/dev/null && [ -x /usr/sbin/runc ]; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \

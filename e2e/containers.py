@@ -167,13 +167,22 @@ def _no_podman(home: Path) -> str | None:
 
 def main() -> int:
     """``python -m e2e.containers`` (``make containers``): make the base images the compose
-    test builds on, once per machine, or say why no container can run here (exit 0: the test
-    then skips saying the same). Needs only the standard library, not the project's venv."""
+    test builds on, once per machine, and the project's image on them, or say why no
+    container can run here (exit 0: the test then skips saying the same). The test builds
+    the project's image again (from podman's cache of each step, unless the sources changed
+    since), so a failed build here is printed and left to the test to report. Needs only the
+    standard library, not the project's venv."""
     why = _no_podman(HOME)
     if why is not None:
         print(f"containers: no base image made: {why}")
         return 0
-    print(f"containers: base image {Runtime(HOME).python_image()} ready")
+    runtime = Runtime(HOME)
+    print(f"containers: base image {runtime.python_image()} ready")
+    try:
+        print(f"containers: project image {runtime.build_project()} built")
+    except (AssertionError, subprocess.TimeoutExpired) as exc:
+        print(f"containers: the project image did not build here (the compose test builds "
+              f"it again): {str(exc)[-2000:]}")
     return 0
 
 
