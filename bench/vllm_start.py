@@ -10,10 +10,10 @@ each engine core a multiprocess executor's worker); ``one-process`` sets
 ``--data-parallel 2`` starts two ranks (and a coordinator) instead of one.
 
 Nearly all of a start is importing torch and vLLM, once in each process. On the shared
-2-core machine (one round each, other work light), a plain server: default 27.9 s and 28.8
-CPU s, one-process 17.9 s and 18.2 CPU s; two data-parallel ranks: default 30.0 s and 46.8
-CPU s, one-process 23.8 s and 32.7 CPU s. That is what ``make test``'s engine tier spends
-most of its time on (:mod:`e2e.vllm`).
+2-core machine, a plain server: default 27.9 s and 28.8 CPU s, one-process 17.9 s and 18.2 CPU
+s (a second sitting, busier: 50.3 s and 45.2 CPU s against 25.6 s and 25.3); two
+data-parallel ranks: default 30.0 s and 46.8 CPU s, one-process 23.8 s and 32.7 CPU s. That is
+what ``make test``'s engine tier spends most of its time on (:mod:`e2e.vllm`).
 """
 
 from __future__ import annotations

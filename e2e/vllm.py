@@ -11,8 +11,9 @@ of its own.
 Every server here runs its model in its engine core's process
 (:data:`bench.stock_vllm.ONE_PROCESS_ENGINE`): vLLM's CPU build otherwise starts a worker
 process beside each engine core only to bind OpenMP threads, which these servers leave
-unbound. One torch-and-vLLM import fewer per engine: a plain server's start about 29 to 18 CPU
-seconds, a two-rank data-parallel one's 47 to 33 (``python -m bench.vllm_start``).
+unbound. One torch-and-vLLM import fewer per engine: a plain server's start 28.8 to 18.2 CPU
+seconds (45.2 to 25.3 in a busier sitting), a two-rank data-parallel one's 46.8 to 32.7
+(``python -m bench.vllm_start``).
 """
 
 from __future__ import annotations
