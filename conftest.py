@@ -107,8 +107,8 @@ def _engine(item: pytest.Item) -> bool:
 ENGINE_GROUPS = {
     "test_vllm_routing.py": "engines-a", "test_vllm_repeats.py": "engines-a",
     "test_vllm_responses.py": "engines-a", "test_vllm_flow_flood.py": "engines-a",
+    "test_compose.py": "engines-a",
     "test_vllm_data_parallel.py": "engines-b", "test_vllm_disaggregated.py": "engines-b",
-    "test_compose.py": "engines-b",
 }
 
 
