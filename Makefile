@@ -93,7 +93,8 @@ containers:
 	$(PYTHON) -m e2e.containers
 
 # ruff, mypy and every test that starts no child process (`-m "not process"`; conftest.py
-# fails a test that starts one without the marker). About a minute on two cores.
+# fails a test that starts one without the marker). About 100 s on two cores with torch
+# installed (pytest 102-104 s for 2,104 tests, 14 s of it collection).
 check: lint torch-if-cheap
 	$(BIN)/pytest $(XDIST) -m "not process" $(PYTEST_ARGS)
 
