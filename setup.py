@@ -1,7 +1,8 @@
 """Builds the compiled index core (``native/``) as part of ``pip install``.
 
 ``native/_core.pyx`` wraps the C++ tables in ``native/index_core.h`` and the hash in
-``native/hash64.h``; ``-O3`` matters (the hash's multiplies and the table probes inline).
+``native/hash64.h``; ``native/_residency.pyx`` the routing core's predicted residency
+(``native/residency_core.h``); ``-O3`` matters (the hash's multiplies and the table probes inline).
 """
 
 from Cython.Build import cythonize
@@ -18,6 +19,14 @@ extensions = [
             "native/index_core.h",
             "native/table.h",
         ],
+        language="c++",
+        extra_compile_args=["-O3", "-std=c++17", "-fno-strict-aliasing"],
+    ),
+    Extension(
+        "native._residency",
+        ["native/_residency.pyx"],
+        include_dirs=["native"],
+        depends=["native/hash64.h", "native/residency_core.h"],
         language="c++",
         extra_compile_args=["-O3", "-std=c++17", "-fno-strict-aliasing"],
     ),

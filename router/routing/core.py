@@ -41,7 +41,7 @@ from router.routing.load_groups import LoadGroups, LoadKey, choose_fast
 from router.routing.policy import BASELINES, POLICIES, Policy, policy_named
 from router.routing.pressure import EvictionPressure
 from router.routing.rates import DEFAULT_RATES, DYNAMO_RATES, Rates, RateScale
-from router.routing.residency import PredictedResidency
+from router.routing.residency import Residency
 from router.routing.scheduler import (
     Candidate,
     Decision,
@@ -179,8 +179,8 @@ class RoutingCore:
         self.settings = settings
         self._rule = settings.rule
         self._load = LoadTracker()
-        self._predicted = PredictedResidency(settings.predict_ttl)
-        self._approximate = PredictedResidency(settings.approximate_ttl, max_blocks=1 << 22)
+        self._predicted = Residency(settings.predict_ttl)
+        self._approximate = Residency(settings.approximate_ttl, max_blocks=1 << 22)
         self._pressure = EvictionPressure(settings.pressure_window)
         self._sessions = SessionTracker() if settings.sessions else None
         #: Tracked workers: whether each publishes no events (residency from routing alone).

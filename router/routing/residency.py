@@ -15,14 +15,20 @@ Pure: the caller passes ``now``. Matching extends the index's leading run: block
 the index reports count only while they are predicted here too. :meth:`holders` names the
 workers a prompt's first block is predicted on without asking each worker, so the routing core
 prices only the workers that may hold some of a prompt.
+
+This class is the specification; the routing core builds :data:`Residency`, the compiled twin
+(``native/_residency.pyx``) when it is built, as the index does (:mod:`indexer.index`).
 """
 
 from __future__ import annotations
 
+import os
+import warnings
 from collections import OrderedDict, deque
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-__all__ = ["PredictedResidency"]
+__all__ = ["PredictedResidency", "Residency"]
 
 
 class PredictedResidency:
@@ -159,3 +165,24 @@ class PredictedResidency:
     def size(self, worker: int) -> int:
         """Predictions held for ``worker`` (expired ones included until :meth:`expire`)."""
         return len(self._by_worker.get(worker, ()))
+
+
+
+def _compiled() -> type[PredictedResidency]:
+    """The class the routing core uses: the compiled twin (``native/_residency.pyx``, the
+    same names and results, no Python object per block) unless ``KVROUTE_PURE_PYTHON`` is
+    set or it is not built (then this one, the specification). Type checkers read this one."""
+    if TYPE_CHECKING or os.environ.get("KVROUTE_PURE_PYTHON", "") not in ("", "0"):
+        return PredictedResidency
+    try:
+        from native._residency import PredictedResidency as compiled  # type: ignore[import-not-found]
+    except ImportError as exc:
+        warnings.warn(f"kvroute's compiled residency is not built ({exc}); using the "
+                      "pure-Python one. Rebuild with `pip install -e .`.", RuntimeWarning,
+                      stacklevel=2)
+        return PredictedResidency
+    return compiled  # type: ignore[no-any-return]
+
+
+#: :class:`PredictedResidency` as the routing core builds it (:func:`_compiled`).
+Residency = _compiled()

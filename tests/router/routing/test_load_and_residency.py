@@ -191,8 +191,9 @@ def test_routing_twice_or_to_an_unknown_worker_is_refused() -> None:
         t.routed("b", 7, 1, 1)
 
 
-def test_predictions_extend_a_run_until_they_expire() -> None:
-    p = PredictedResidency(ttl=2.0)
+def test_predictions_extend_a_run_until_they_expire(
+        residency: type[PredictedResidency]) -> None:
+    p = residency(ttl=2.0)
     p.predict(1, [10, 11, 12], now=100.0)
     assert p.extend(1, [10, 11, 12, 13], start=0, now=101.0) == 3
     assert p.extend(1, [10, 11, 99, 12], start=0, now=101.0) == 2  # a run, not a set
@@ -202,8 +203,9 @@ def test_predictions_extend_a_run_until_they_expire() -> None:
     assert p.expire(now=102.0) == 3 and p.size(1) == 0
 
 
-def test_predictions_are_bounded_oldest_first_and_forgettable() -> None:
-    p = PredictedResidency(ttl=60.0, max_blocks=3)
+def test_predictions_are_bounded_oldest_first_and_forgettable(
+        residency: type[PredictedResidency]) -> None:
+    p = residency(ttl=60.0, max_blocks=3)
     p.predict(0, [1, 2, 3], now=0.0)
     p.predict(0, [4], now=1.0)
     assert p.extend(0, [1], 0, now=2.0) == 0  # 1 was the oldest
@@ -212,8 +214,9 @@ def test_predictions_are_bounded_oldest_first_and_forgettable() -> None:
     assert p.workers() == []
 
 
-def test_expiry_drops_only_the_expired_front_and_empty_workers() -> None:
-    p = PredictedResidency(ttl=10.0)
+def test_expiry_drops_only_the_expired_front_and_empty_workers(
+        residency: type[PredictedResidency]) -> None:
+    p = residency(ttl=10.0)
     p.predict(0, [1, 2], now=0.0)
     p.predict(0, [3], now=5.0)
     p.predict(0, [1], now=6.0)  # 1 again: lives to 16, behind 3
@@ -225,39 +228,83 @@ def test_expiry_drops_only_the_expired_front_and_empty_workers() -> None:
     assert p.workers() == [] and p.size(0) == p.size(1) == 0
 
 
-def test_withdrawn_predictions_are_gone() -> None:
-    p = PredictedResidency(ttl=10.0)
+def test_withdrawn_predictions_are_gone(
+        residency: type[PredictedResidency]) -> None:
+    p = residency(ttl=10.0)
     p.predict(0, [1, 2, 3], now=0.0)
     p.withdraw(0, [2, 3, 4])
     p.withdraw(5, [1])  # a worker with nothing predicted
     assert p.extend(0, [1, 2], 0, now=1.0) == 1 and p.size(0) == 1
 
 
-def test_runs_and_expiry_agree_with_a_walk_over_every_prediction() -> None:
-    """Random predictions, withdrawals, forgetting and expiry: each run from a start is the
-    leading walk over unexpired predictions, and expiry leaves exactly the unexpired ones."""
+def test_runs_and_expiry_agree_with_a_walk_over_every_prediction(
+        compiled_residency: type[PredictedResidency]) -> None:
+    """Random predictions, withdrawals, settling, forgetting and expiry: each run from a start
+    is the leading walk over unexpired predictions; the compiled twin, fed the same calls,
+    answers every one the same."""
     rng = random.Random(9)
     p = PredictedResidency(ttl=3.0, max_blocks=40)
+    twin = compiled_residency(ttl=3.0, max_blocks=40)
     chains = [[rng.getrandbits(62) for _ in range(12)] for _ in range(6)]
     now = 0.0
-    for _ in range(600):
+    for _ in range(1500):
         now += rng.choice([0.0, 0.1, 0.7])
         worker, chain = rng.randrange(5), rng.choice(chains)
         action = rng.random()
-        if action < 0.6:
-            p.predict(worker, chain[: rng.randrange(1, 13)], now)
+        if action < 0.55:
+            cut = chain[: rng.randrange(1, 13)]
+            p.predict(worker, cut, now)
+            twin.predict(worker, cut, now)
+        elif action < 0.65:
+            cut = chain[: rng.randrange(1, 13)]
+            p.withdraw(worker, cut)
+            twin.withdraw(worker, cut)
         elif action < 0.7:
-            p.withdraw(worker, chain[: rng.randrange(1, 13)])
-        elif action < 0.75:
             p.forget(worker)
+            twin.forget(worker)
+        elif action < 0.75:
+            until = now + rng.choice([-1.0, 0.5, 5.0])
+            p.settle(worker, chain, until)
+            twin.settle(worker, chain, until)
         elif action < 0.9:
-            p.expire(now)
-            for w in range(5):
-                assert all(expiry > now for expiry in p._by_worker.get(w, {}).values())
+            assert twin.expire(now) == p.expire(now)
         hashes = rng.choice(chains)
         start = rng.randrange(0, 13)
         entries = p._by_worker.get(worker, {})
         n = start
         while n < len(hashes) and entries.get(hashes[n], 0.0) > now:
             n += 1
-        assert p.extend(worker, hashes, start, now) == n
+        assert p.extend(worker, hashes, start, now) == twin.extend(worker, hashes, start, now) == n
+        assert twin.holders(hashes[0], now) == p.holders(hashes[0], now)
+        assert twin.workers() == p.workers()
+        assert [twin.size(w) for w in range(5)] == [p.size(w) for w in range(5)]
+
+
+def test_holders_are_the_workers_a_first_block_is_live_on(
+        residency: type[PredictedResidency]) -> None:
+    p = residency(ttl=10.0)
+    p.predict(0, [1, 2], now=0.0)
+    p.predict(1, [1, 3], now=5.0)
+    p.predict(2, [7, 1], now=5.0)  # 1 is not its first block: listed only under 7
+    assert sorted(p.holders(1, now=9.0)) == [0, 1] and p.holders(7, now=9.0) == [2]
+    assert p.holders(1, now=12.0) == [1]  # worker 0's prediction expired
+    p.settle(1, [1], until=11.0)  # its first token came: the events take over by then
+    assert p.holders(1, now=12.0) == [] and p.extend(1, [1, 3], 0, now=11.5) == 0
+    assert p.extend(1, [3], 0, now=11.5) == 1  # a block not settled keeps its expiry
+    assert p.holders(2, now=0.0) == [] and p.holders(99, now=0.0) == []
+
+
+def test_a_block_hash_outside_64_bits_is_refused_or_simply_absent(
+        residency: type[PredictedResidency]) -> None:
+    """The compiled twin holds 64-bit hashes, as the index does: such a prediction is refused
+    there, and asking about such a hash finds nothing in either."""
+    p = residency(ttl=10.0)
+    p.predict(0, [5], now=0.0)
+    assert p.extend(0, [5, -1, 6], 0, now=1.0) == 1
+    assert p.extend(0, [5, 1 << 64], 0, now=1.0) == 1
+    p.withdraw(0, [-1, 1 << 64])
+    assert p.holders(-1, now=1.0) == [] and p.size(0) == 1
+    if residency is not PredictedResidency:
+        with pytest.raises(ValueError, match="2\\*\\*64"):
+            p.predict(0, [6, -1], now=0.0)
+        assert p.size(0) == 1  # nothing recorded
