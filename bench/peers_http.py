@@ -44,6 +44,12 @@ of the 1.5 aimed at. Paired, ``--paired --rounds 8 --seconds 4``, the cuts take 
 CPU (0.885-0.918; 464 -> 414 µs medians, load 1-1.5). The machine was slower than when the
 older figures below were printed (sglang-router then 88-94 µs): compare within one run.
 
+With predicted residency compiled, the same command against the commit before it printed
+(load 1.9; the router and HTTP tests ran beside its first half): kvroute 365 (318-411) ->
+348 µs, 2,658 -> 2,830 req/s, added p50 0.50 -> 0.50 ms; sglang-router 189 (159-200) µs,
+vllm-router 236 (224-266). kvroute costs 1.84 times sglang-router's CPU per request (1.93
+before); the 1.5 aimed at is not reached.
+
 What the cuts were, each measured paired against the commit before or after them in a
 group, and what a profile of the rest says:
 
