@@ -186,6 +186,23 @@ class Router(Process):
 
 
 @contextlib.contextmanager
+def router_over(router: Router, servers: Sequence[Any], ready: int) -> Iterator[Router]:
+    """Start ``router`` in front of ``servers``, already running (they are not stopped here),
+    and wait until it has ``ready`` workers; yields it, and kills it at the end. When the
+    block raised, every log (the servers', the router's) is printed first."""
+    try:
+        router.start()
+        router.wait_ready(ready)
+        yield router
+    except BaseException:
+        for p in [*servers, router]:
+            print(f"---- {p.name} ----\n{p.tail()}")
+        raise
+    finally:
+        router.kill()
+
+
+@contextlib.contextmanager
 def running(servers: Sequence[Any]) -> Iterator[list[Any]]:
     """Start ``servers`` (processes with ``start``, ``wait_healthy``, ``kill``, ``tail`` and a
     ``name``, such as :class:`Worker` or a vLLM server) and wait until each is healthy; yields

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import pytest
 
 from bench.stock_vllm import BLOCK_SIZE, MODEL_NAME
-from e2e.harness import Router
+from e2e.harness import Router, router_over
 from e2e.test_flow_flood import check, flood
 from e2e.vllm import VllmPair
 
@@ -25,16 +25,8 @@ def vllm_router(vllm_pair: VllmPair) -> Iterator[Router]:
                     block_size=BLOCK_SIZE)
     router.env["KVROUTE_WORKERS"] = ";".join(f"{s.worker_spec},max_num_seqs=8"
                                              for s in shared.servers)
-    try:
-        router.start()
-        router.wait_ready(2)
+    with router_over(router, shared.servers, 2):
         yield router
-    except BaseException:
-        for p in [*shared.servers, router]:
-            print(f"---- {p.name} ----\n{p.tail()}")
-        raise
-    finally:
-        router.kill()
 
 
 def test_a_low_priority_flood_on_vllm_is_answered_and_the_urgent_pass_it(

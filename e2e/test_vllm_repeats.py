@@ -23,7 +23,7 @@ import httpx
 import pytest
 
 from bench.stock_vllm import BLOCK_SIZE, MODEL_NAME, VllmServer
-from e2e.harness import NOT_YET, Router, metric
+from e2e.harness import NOT_YET, Router, metric, router_over
 from e2e.test_vllm_routing import cached_tokens, text
 from e2e.vllm import VllmPair
 from tests.support.eventually import eventually_blocking
@@ -48,19 +48,11 @@ def router(vllm_pair: VllmPair) -> Iterator[Router]:
     router = Router("router-repeats", [], shared.root)
     del router.env["KVROUTE_WORKERS"]  # the config file names them
     router.args += ["--config", str(config)]
-    try:
-        router.start()
-        router.wait_ready(2)
+    with router_over(router, shared.servers, 2):
         eventually_blocking(lambda: all(w["engine"] == "vllm" and w["state"] == "healthy"
                                         for w in router.workers()),
                             "both vLLM servers learnt", 30, tolerate=NOT_YET)
         yield router
-    except BaseException:
-        for p in [*shared.servers, router]:
-            print(f"---- {p.name} ----\n{p.tail()}")
-        raise
-    finally:
-        router.kill()
 
 
 def chat(router: Router, messages: list[dict[str, str]]) -> httpx.Response:

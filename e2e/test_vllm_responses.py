@@ -20,7 +20,7 @@ import httpx
 import pytest
 
 from bench.stock_vllm import BLOCK_SIZE, MODEL_NAME, VllmServer
-from e2e.harness import NOT_YET, Router
+from e2e.harness import NOT_YET, Router, router_over
 from e2e.test_vllm_routing import text
 from e2e.vllm import VllmPair
 from tests.support.eventually import eventually_blocking
@@ -46,16 +46,8 @@ def one(vllm_pair: VllmPair) -> Iterator[One]:
     router = Router("router-responses", [], shared.root, tokenizer=str(shared.model),
                     block_size=BLOCK_SIZE)
     router.env["KVROUTE_WORKERS"] = server.worker_spec
-    try:
-        router.start()
-        router.wait_ready(1)
+    with router_over(router, [server], 1):
         yield One(router, server)
-    except BaseException:
-        for p in [server, router]:
-            print(f"---- {p.name} ----\n{p.tail()}")
-        raise
-    finally:
-        router.kill()
 
 
 def post(one: One, path: str, body: dict[str, Any]) -> httpx.Response:

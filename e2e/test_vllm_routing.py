@@ -21,7 +21,7 @@ import httpx
 import pytest
 
 from bench.stock_vllm import BLOCK_SIZE, MODEL_NAME, VllmServer
-from e2e.harness import NOT_YET, Router
+from e2e.harness import NOT_YET, Router, router_over
 from e2e.vllm import VllmPair
 from tests.support.eventually import eventually_blocking
 
@@ -48,16 +48,8 @@ def pair(vllm_pair: VllmPair) -> Iterator[Pair]:
     router = Router("router-routing", [], shared.root, tokenizer=str(shared.model),
                     block_size=BLOCK_SIZE)
     router.env["KVROUTE_WORKERS"] = ";".join(s.worker_spec for s in shared.servers)
-    try:
-        router.start()
-        router.wait_ready(2)
+    with router_over(router, shared.servers, 2):
         yield Pair(router, shared.servers, shared.model)
-    except BaseException:
-        for p in [*shared.servers, router]:
-            print(f"---- {p.name} ----\n{p.tail()}")
-        raise
-    finally:
-        router.kill()
 
 
 def text(seed: int, words: int) -> str:
