@@ -107,6 +107,13 @@ def _client_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
     return headers
 
 
+async def _answer_gone(send: Send) -> None:
+    """Answer a client that left before its answer: an empty 499, for the server's log."""
+    await send({"type": "http.response.start", "status": CLIENT_GONE_STATUS,
+                "headers": [(b"content-length", b"0")]})
+    await send({"type": "http.response.body", "body": b""})
+
+
 class _Pump:
     """The client's departure where the server gives no notice of it: the body's pump
     (:meth:`IncomingBody.pump`) in a task, started at the first call, the same task after."""
@@ -229,9 +236,7 @@ class Forward:
                     state.client_gone("answer")
                     log.info("the client left before its answer: %s",
                              _where(route, time.monotonic() - sending_at))
-                    await send({"type": "http.response.start", "status": CLIENT_GONE_STATUS,
-                                "headers": [(b"content-length", b"0")]})
-                    await send({"type": "http.response.body", "body": b""})
+                    await _answer_gone(send)
                 return
             raise
         finally:
@@ -248,9 +253,7 @@ class Forward:
         self.state.client_gone("queue")
         log.info("the client left while its request waited %.1f s in flow control's queue",
                  left.waited_s)
-        await send({"type": "http.response.start", "status": CLIENT_GONE_STATUS,
-                    "headers": [(b"content-length", b"0")]})
-        await send({"type": "http.response.body", "body": b""})
+        await _answer_gone(send)
 
     async def _decided(self, incoming: IncomingBody, headers: Mapping[str, str], trusted: bool,
                        departure: Departure
