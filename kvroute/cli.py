@@ -147,6 +147,10 @@ def _add_worker(sub: argparse._SubParsersAction) -> None:
     a("--kv-read-concurrency", type=int,
       help="peer KV fetch: block reads this worker serves at once; one past them is "
       "answered 503 (default %(default)s)")
+    a("--kv-fetch-bandwidth", type=float, metavar="BYTES_PER_S",
+      help="peer KV fetch: bytes per second an HTTP fetch moves to or from this worker, "
+      "advertised to routers for a pair's first fetch (default: the torch engine's measured "
+      "0.25e9; the sim engine's --kv-transfer-bandwidth times --speedup)")
     a("--no-kv-fetch-ipc", dest="kv_fetch_ipc", action="store_false", default=None,
       help="peer KV fetch: never copy blocks over CUDA IPC between torch workers on one GPU "
       "(used only with --kv-transfer-secret-file; blocks then travel over HTTP)")

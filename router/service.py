@@ -242,7 +242,8 @@ class _CoreFacts(FleetFacts):
                          "router has no --kv-transfer-secret-file", info.url)
             return None
         return FetchAbility(info.kv_fetch_serve, info.kv_fetch_receive,
-                            info.kv_bytes_per_token, info.kv_fetch_device)
+                            info.kv_bytes_per_token, info.kv_fetch_device,
+                            info.kv_fetch_http_bandwidth)
 
     def left(self, worker: int) -> None:
         self._described()

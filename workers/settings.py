@@ -71,6 +71,10 @@ class WorkerSettings:
     #: CUDA IPC (docs/kv_transfer.md), with a ``kv_transfer_secret`` only; off, or where it
     #: cannot be used, blocks travel over HTTP.
     kv_fetch_ipc: bool = True
+    #: Bytes a second a peer fetch over HTTP moves to or from this worker, as it advertises
+    #: it to routers, which price a pair's first fetch by it (0: the engine's own figure,
+    #: :func:`workers.http.kv_fetch.http_bandwidth`).
+    kv_fetch_bandwidth: float = 0.0
     engine: str = "sim"
     model: str = "kvroute-sim"
     tokenizer: str | None = None
@@ -156,7 +160,8 @@ class WorkerSettings:
         if self.data_parallel_size > 1 and self.engine == "torch":
             raise WorkerSettingsError(
                 "data_parallel_size > 1 runs sim engines only; run one torch worker per rank")
-        for name in ("host_blocks", "data_parallel_rank", "short_prefill", "short_pass_tokens"):
+        for name in ("host_blocks", "data_parallel_rank", "short_prefill", "short_pass_tokens",
+                     "kv_fetch_bandwidth"):
             if getattr(self, name) < 0:
                 raise WorkerSettingsError(f"{name} must be >= 0, got {getattr(self, name)}")
         self._check_ports()

@@ -56,6 +56,7 @@ class _KvFetch(msgspec.Struct):
     transfers: Annotated[list[str], msgspec.Meta(max_length=16)] = msgspec.field(
         default_factory=list)
     cuda_ipc: _Device | None = None
+    http_bandwidth: Annotated[float, msgspec.Meta(ge=0, le=1e13)] = 0.0
 
 
 class _ModelInfo(msgspec.Struct):
@@ -140,6 +141,7 @@ def parse_model_info(url: str, raw: bytes) -> WorkerInfo:
         kv_fetch_receive=fetch is not None and fetch.receive,
         kv_bytes_per_token=fetch.kv_bytes_per_token if fetch is not None else 0,
         kv_fetch_device=(ipc.host, ipc.gpu) if ipc is not None else None,
+        kv_fetch_http_bandwidth=fetch.http_bandwidth if fetch is not None else 0.0,
     )
 
 

@@ -63,6 +63,9 @@ class WorkerInfo:
     #: The machine and GPU its KV is on, when it also fetches over CUDA IPC (``kv_fetch``'s
     #: ``cuda_ipc``; None: it does not).
     kv_fetch_device: tuple[str, str] | None = None
+    #: Bytes a second it says its fetches over HTTP move (``kv_fetch``'s ``http_bandwidth``;
+    #: 0: it does not say).
+    kv_fetch_http_bandwidth: float = 0.0
 
     def serves(self, model: str) -> bool:
         """Whether ``model`` names this worker's base model or one of its LoRA adapters."""

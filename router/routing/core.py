@@ -204,6 +204,7 @@ class RoutingCore:
         self._fetch: dict[int, FetchAbility] = {}
         self._no_receive: set[int] = set()
         self._on_device: dict[tuple[str, str], set[int]] = {}  # CUDA IPC peers by GPU
+        self._http_links: dict[int, float] = {}  # HTTP fetch bandwidth below the default's
         self._links = FetchLinks(settings.fetch_bandwidth, settings.block_size)
         # Each request told to fetch until its answer; per worker, the blocks each answered
         # fetch stored whose events are still to come (not its prefill's), oldest first; per
@@ -241,12 +242,16 @@ class RoutingCore:
             return
         self._tracked[worker] = approximate
         self._leave_device(worker)
+        self._http_links.pop(worker, None)
         if fetch is None or not (fetch.serve or fetch.receive):
             self._fetch.pop(worker, None)
         else:
             self._fetch[worker] = fetch
             if fetch.device is not None:
                 self._on_device.setdefault(fetch.device, set()).add(worker)
+            default = self._links.bandwidth
+            if fetch.http_link(default) < default:
+                self._http_links[worker] = fetch.http_link(default)
         if fetch is not None and fetch.receive:
             self._no_receive.discard(worker)
         else:
@@ -268,6 +273,7 @@ class RoutingCore:
         self._rates.pop(worker, None)
         self._leave_device(worker)
         self._fetch.pop(worker, None)
+        self._http_links.pop(worker, None)
         self._no_receive.discard(worker)
         self._links.forget(worker)
         self._fetching.pop(worker, None)
@@ -514,8 +520,10 @@ class RoutingCore:
             if (ability is None or not ability.serve or device <= 0 or w not in self._tracked
                     or (among is not None and w not in among)):
                 continue
+            links = self._links
             out.append(FetchSource(w, min(device, blocks),
-                                   self._links.default_block_s(ability.kv_bytes_per_token),
+                                   links.default_block_s(ability.kv_bytes_per_token,
+                                                         ability.http_link(links.bandwidth)),
                                    FETCH_READ_S))
         return out
 
@@ -541,25 +549,35 @@ class RoutingCore:
 
     def _advertised(self, source: int, receiver: int) -> float | None:
         """The bandwidth a pair with no result is priced at, when it advertises one of its
-        own (CUDA IPC on one GPU, :data:`~router.routing.fetch_links.IPC_BANDWIDTH`); None:
-        the default link."""
+        own (CUDA IPC on one GPU, :data:`~router.routing.fetch_links.IPC_BANDWIDTH`; else
+        the slower end's HTTP fetches when below the default); None: the default link."""
         a, b = self._fetch.get(source), self._fetch.get(receiver)
-        return IPC_BANDWIDTH if a is not None and b is not None and a.shares_device(b) \
-            else None
+        if a is None or b is None:
+            return None
+        if a.shares_device(b):
+            return IPC_BANDWIDTH
+        default = self._links.bandwidth
+        return min(a.http_link(default), b.http_link(default))
 
     def _own_links(self, sources: Sequence[FetchSource]) -> set[int]:
         """The tracked workers a group's default links would misprice for ``sources``: those
         that receive no fetches, those with a link of their own from one of them (learned,
-        backed off, or advertised: CUDA IPC on its GPU), and those whose host copy is dearer
+        backed off, or advertised: CUDA IPC on its GPU, HTTP fetches slower than the source's),
+        and those whose host copy is dearer
         than a source's default block."""
         if not sources:
             return set()
         own = set(self._no_receive)
         for s in sources:
             own.update(w for w in self._links.known(s.worker) if w in self._tracked)
-            device = self._fetch[s.worker].device
-            if device is not None:
-                own.update(w for w in self._on_device.get(device, ()) if w in self._tracked)
+            ability = self._fetch[s.worker]
+            if ability.device is not None:
+                own.update(w for w in self._on_device.get(ability.device, ())
+                           if w in self._tracked)
+            if self._http_links:  # receivers slower over HTTP than the source's own price
+                link = ability.http_link(self._links.bandwidth)
+                own.update(w for w, bandwidth in self._http_links.items()
+                           if bandwidth < link and w in self._tracked)
         cheapest = min(s.block_s for s in sources)
         if any(self._scaled(kind).onboard_s > cheapest for kind in self._base):
             for w, r in self._rates.items():

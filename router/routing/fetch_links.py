@@ -10,8 +10,10 @@ the seconds a block takes over the pair's link, which the rule prices a fetch wi
 - Until a pair has a result, its bandwidth is what the pair advertises: :data:`IPC_BANDWIDTH`
   between two workers whose KV is on one GPU and that both copy fetched blocks over CUDA
   IPC (``cuda_ipc`` in their ``/model_info``'s ``kv_fetch``, with one device identity), else
-  the default (the router's ``--pd-transfer-bandwidth``, the same network a disaggregated
-  prefill's KV crosses). A block's bytes are the source's advertised
+  the slowest of the default (the router's ``--pd-transfer-bandwidth``, the same network a
+  disaggregated prefill's KV crosses) and what either end says its HTTP fetches move
+  (``kv_fetch``'s ``http_bandwidth``: a torch worker's encoding and decoding moves 0.2-0.3
+  GB/s, a hundredth of the network's default). A block's bytes are the source's advertised
   ``kv_bytes_per_token`` times the block size.
 - Each fetched result folds in: the pair's bandwidth is its bytes over its seconds, summed
   over its results with weights decaying by ``decay`` a result (as the rate factor's pairs
@@ -81,6 +83,13 @@ class FetchAbility:
     #: The machine and GPU its KV is on, when it copies fetched blocks over CUDA IPC
     #: (None: it does not): two workers of one device are priced at :data:`IPC_BANDWIDTH`.
     device: tuple[str, str] | None = None
+    #: Bytes a second it says its fetches over HTTP move (0: it does not say).
+    http_bandwidth: float = 0.0
+
+    def http_link(self, default: float) -> float:
+        """The bandwidth of a fetch over HTTP at this end, over a ``default`` link."""
+        bandwidth = self.http_bandwidth
+        return bandwidth if 0 < bandwidth < default else default
 
     def shares_device(self, other: FetchAbility) -> bool:
         """Whether fetches between this worker and ``other`` may go over CUDA IPC."""

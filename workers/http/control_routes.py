@@ -25,6 +25,7 @@ from httpapi.app import ADMIN_BODY_BYTES
 from httpapi.body import read_json
 from indexer.wire import BlockStored, encode_batch
 from openai_request.bodies import ApiError
+from workers.http.kv_fetch import http_bandwidth
 from workers.http.kv_ipc import OPEN_PATH, RELEASE_PATH, TRANSFER
 from workers.http.kv_pull import engine_kv, serve_blocks
 from workers.http.kv_read import READ_BODY_BYTES, parse_keys, parse_transfer
@@ -43,7 +44,7 @@ def add_control_routes(app: FastAPI, state: WorkerState) -> None:
         "serve": auth.enabled, "receive": auth.enabled,
         "kv_bytes_per_token": (state.settings.kv_bytes_per_token if kv is None
                                else kv.layout().block_bytes // kv.layout().block_size),
-        "transfer": "http"}
+        "transfer": "http", "http_bandwidth": http_bandwidth(state.settings, kv is not None)}
     ipc = state.block_reads.ipc
 
     @app.get("/model_info")

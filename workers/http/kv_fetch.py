@@ -45,6 +45,10 @@ Every failure costs only time: the request computes what was not fetched. Each i
 The answer carries ``x-kvroute-fetch-result`` (:meth:`FetchResult.header`):
 ``blocks=<n>;bytes=<b>;seconds=<s>`` (n is 0 when every named block was here already:
 skipped) or ``failed;reason=<reason>``.
+
+A worker advertises the bytes a second its HTTP fetches move (``kv_fetch``'s
+``http_bandwidth`` in ``/model_info``, :func:`http_bandwidth`), which a router prices a
+pair's first fetch at before it has a result of its own.
 """
 
 from __future__ import annotations
@@ -79,10 +83,28 @@ from workers.http.kv_read import MAX_READ_BLOCKS
 from workers.settings import WorkerSettings
 from workers.torch.kv_wire import TransferError, decode, max_message_bytes
 
-__all__ = ["BLOCKS_HEADER", "RESULT_HEADER", "SOURCE_HEADER", "FetchInstruction",
-           "FetchResult", "PeerFetcher", "parse_instruction"]
+__all__ = ["BLOCKS_HEADER", "HTTP_FETCH_BANDWIDTH", "RESULT_HEADER", "SOURCE_HEADER",
+           "FetchInstruction", "FetchResult", "PeerFetcher", "http_bandwidth",
+           "parse_instruction"]
 
 log = logging.getLogger(__name__)
+
+#: Bytes a second a torch worker's fetch moves over HTTP, the holder's encoding and the
+#: receiver's decoding and copy included: 0.25 GB/s, between the 0.20 of a 64-block fetch
+#: and the 0.30 of 256 or more (``llama-1b``'s 1 MiB blocks, two workers of one H200 host,
+#: ``docs/gpu.md``, "Peer KV fetch between workers on one GPU").
+HTTP_FETCH_BANDWIDTH = 0.25e9
+
+
+def http_bandwidth(settings: WorkerSettings, torch_engine: bool) -> float:
+    """The bytes a second this worker advertises its HTTP fetches move: the operator's
+    ``kv_fetch_bandwidth``, else the torch engine's :data:`HTTP_FETCH_BANDWIDTH`, else the
+    sim engine's modelled transfer (``kv_transfer_bandwidth`` times ``speedup``)."""
+    if settings.kv_fetch_bandwidth > 0:
+        return settings.kv_fetch_bandwidth
+    if torch_engine:
+        return HTTP_FETCH_BANDWIDTH
+    return settings.kv_transfer_bandwidth * settings.speedup
 
 SOURCE_HEADER = "x-kvroute-fetch-source"
 BLOCKS_HEADER = "x-kvroute-fetch-blocks"

@@ -131,6 +131,33 @@ async def test_a_pair_on_one_gpu_is_priced_at_cuda_ipc_until_it_learns(
     assert learned == pytest.approx(32 * 32768 * 0.5 / 1310720000)
 
 
+@pytest.mark.parametrize(("holder_http", "taker_http", "bandwidth"), [
+    (0.25e9, None, 0.25e9), (None, 2e9, 2e9), (0.25e9, 2e9, 0.25e9), (1e11, None, 25e9)])
+async def test_a_pair_over_http_is_priced_at_its_slower_ends_advertised_bandwidth(
+        holder_http: float | None, taker_http: float | None, bandwidth: float) -> None:
+    """Before any result, a pair over HTTP is priced at the slowest of the default link and
+    what either worker's /model_info says its HTTP fetches move (a torch worker's encoding
+    is a hundredth of a fast network's default)."""
+    def advertised(http: float | None) -> dict[str, Any]:
+        extra = {} if http is None else {"http_bandwidth": http}
+        return {"kv_fetch": {**FETCH["kv_fetch"], **extra}}
+
+    async with ScriptedWorker() as holder, ScriptedWorker() as taker:
+        holder.model_info_extra = advertised(holder_http)
+        taker.model_info_extra = advertised(taker_http)
+        async with fleet(holder, taker) as (client, service):
+            source, receiver = _ids(service, holder, taker)
+            prior = service.core.fetch_link_s(source, receiver)
+            explained = (await client.post("/debug/route", json=BODY)).json()
+    assert prior == pytest.approx(32 * 32768 / bandwidth)
+    took = {row["url"]: row for row in explained["workers"]}[taker.url]
+    # 1,250 blocks: 5.2 s at 0.25 GB/s and 0.66 s at 2 GB/s, dearer than recomputing them;
+    # 52 ms at the default 25 GB/s, cheaper.
+    assert took["fetch_cost"] > 1250 * prior
+    assert took["fetch_s"] == (pytest.approx(0.002 + 1250 * prior) if bandwidth > 2e9
+                               else 0.0)
+
+
 async def test_a_failed_fetch_backs_the_pair_off_and_the_secret_goes_with_the_instruction(
         tmp_path: Path) -> None:
     secret = tmp_path / "secret"

@@ -35,7 +35,11 @@ ABILITIES = [FetchAbility(True, True, 32768)] * 4 + [
     FetchAbility(True, True, 32768, ("h", "GPU-0")),
     FetchAbility(True, True, 32768, ("h", "GPU-0")),
     FetchAbility(True, False, 32768, ("h", "GPU-0")),
-    FetchAbility(True, True, 32768, ("h", "GPU-1"))]
+    FetchAbility(True, True, 32768, ("h", "GPU-1")),
+    # HTTP fetches slower than some default links (a torch worker's 0.25 GB/s, 2 GB/s):
+    # a pair is priced at its slower end.
+    FetchAbility(True, True, 32768, None, 0.25e9), FetchAbility(True, True, 32768, None, 2e9),
+    FetchAbility(True, False, 32768, None, 2e9), FetchAbility(False, True, 32768, None, 0.25e9)]
 #: Default links: slow, the default, and one faster than a host copy (the copy floor).
 BANDWIDTHS = (1e9, 25e9, 1e13)
 
@@ -273,6 +277,31 @@ def test_cuda_ipc_peers_of_a_source_are_priced_on_their_own_link(seed: int) -> N
         _agree(core, rng, prompt, matches, 0.1)
         chosen = core.decide(prompt, matches, 0.1, random.Random(0)).decision.chosen
         assert chosen.fetch_source == holder and chosen.worker // 3 == holder // 3
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_a_pair_is_priced_at_its_slower_ends_http_fetches(seed: int) -> None:
+    # The default link is 25 GB/s: 400 blocks of 1 MiB take 17 ms over it, 1.7 s over a
+    # torch worker's 0.25 GB/s. The holder is busy; the other workers are idle and free.
+    # Every worker advertising the slow path: recomputing (400 blocks, well under a second)
+    # beats the fetch. Only the receiver advertising it: the same. Nobody advertising it:
+    # the fetch wins.
+    rng = random.Random(seed)
+    prompt = [rng.getrandbits(32) for _ in range(rng.randint(400, 450))]
+    for slow, fetched in (({0, 1, 2, 3}, False), ({1, 2, 3}, False), (set(), True)):
+        core = RoutingCore(CoreSettings(fetch_bandwidth=25e9))
+        for w in range(4):
+            core.worker_joined(w, fetch=FetchAbility(True, True, 32768, None,
+                                                     0.25e9 if w in slow else 0.0))
+        busy = [rng.getrandbits(32) for _ in range(4000)]
+        core.routed("busy", 0, busy, core.decide(busy, {}, 0.0, rng, workers=[0],
+                                                 fetch=False).decision.chosen, 0.0)
+        matches = {0: (len(prompt) - 8, len(prompt) - 8)}
+        _agree(core, rng, prompt, matches, 0.1)
+        chosen = core.decide(prompt, matches, 0.1, random.Random(0)).decision.chosen
+        assert (chosen.fetch_source is not None) == fetched, (slow, chosen)
+        assert core.fetch_link_s(0, 1) == pytest.approx(
+            32 * 32768 / (0.25e9 if slow else 25e9))
 
 
 def test_a_fleet_with_a_worker_left_out_is_priced_in_full() -> None:

@@ -14,6 +14,7 @@ import pytest
 
 from tests.workers.http.test_kv_pull import _settings
 from workers.http.api import create_app
+from workers.http.kv_fetch import HTTP_FETCH_BANDWIDTH
 from workers.settings import WorkerSettings
 
 torch = pytest.importorskip("torch")
@@ -61,6 +62,7 @@ async def test_the_receiver_decodes_the_same_tokens_from_fetched_blocks() -> Non
         layout = holder.app._state.runtime.engine.executor.kv.layout()  # type: ignore[attr-defined]
         info = (await holder.get("/model_info")).json()["kv_fetch"]
         assert info["kv_bytes_per_token"] == layout.block_bytes // 4 and info["serve"]
+        assert info["http_bandwidth"] == HTTP_FETCH_BANDWIDTH
         async with _worker(_settings(), peer=holder.app) as d:  # type: ignore[attr-defined]
             answer = await _complete(d, PROMPT, fetch=FULL)
             result = answer.headers["x-kvroute-fetch-result"]

@@ -24,7 +24,7 @@ from workers.engine.loop import Engine
 from workers.engine.timing import DEFAULT_TIMING, TIMING_MODELS
 from workers.http.api import create_app
 from workers.http.kv_read import MAX_READ_BLOCKS, BlockReads, reserve_blocks
-from workers.settings import WorkerSettings
+from workers.settings import WorkerSettings, WorkerSettingsError
 
 SECRET = "s3cret-of-sixteen-bytes"
 #: 24 bytes + BOS: 6 full blocks of 4, the last one partial.
@@ -159,8 +159,17 @@ async def test_with_a_secret_a_read_needs_the_bearer_from_any_address() -> None:
         assert (await holder.post("/kv_transfer/release", json={"remote_request_id": "x"},
                                   headers=good)).json() == {"released": False}
         info = (await holder.get("/model_info")).json()["kv_fetch"]
+        # A pair's first fetch is priced at what its HTTP fetches move: the sim engine's
+        # modelled 25 GB/s times its speedup.
         assert info == {"serve": True, "receive": True, "kv_bytes_per_token": 131072,
-                        "transfer": "http"}
+                        "transfer": "http", "http_bandwidth": 25e9 * 1000}
+
+
+async def test_an_operator_says_what_the_workers_http_fetches_move() -> None:
+    async with worker(sim_settings(kv_fetch_bandwidth=3e8)) as holder:
+        assert (await holder.get("/model_info")).json()["kv_fetch"]["http_bandwidth"] == 3e8
+    with pytest.raises(WorkerSettingsError, match="kv_fetch_bandwidth must be >= 0"):
+        sim_settings(kv_fetch_bandwidth=-1.0)
 
 
 async def test_without_a_secret_only_loopback_peers_of_a_loopback_bind_read(
