@@ -14,12 +14,13 @@ refused), so a folder or module a tier's ``-m`` cannot select from by the marker
 is not imported at all (:mod:`tests.support.selection`): ``make check`` imports nothing under
 ``e2e/``, the engine tier nothing but the engine modules.
 
-Under pytest-xdist (``-n 2 --dist loadgroup``): each runner draws its free ports from a span
-of its own (``KVROUTE_FREE_PORTS``, read by :func:`kvroute.up.free_port` and inherited by the
-processes it starts); the tests that share a module-scoped fixture run on one runner, so the
-fixture starts once; the engine modules run in two groups (:data:`ENGINE_GROUPS`), one per
-runner, the four modules that share the ``vllm_pair`` servers in one of them. xdist hands out
-the largest groups first.
+Free ports: the session takes a share of :data:`PORTS` that no other session on the machine
+holds (:mod:`tests.support.port_spans`); under pytest-xdist (``-n 2 --dist loadgroup``) each
+runner draws from a span of its own within it (``KVROUTE_FREE_PORTS``, read by
+:func:`kvroute.up.free_port` and inherited by the processes it starts); the tests that share
+a module-scoped fixture run on one runner, so the fixture starts once; the engine modules
+run in two groups (:data:`ENGINE_GROUPS`), one per runner, the four modules that share the
+``vllm_pair`` servers in one of them. xdist hands out the largest groups first.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.child_processes import UnmarkedProcess, message, no_child_processes
+from tests.support.port_spans import runner_span, session_span
 from tests.support.selection import may_select
 
 ROOT = Path(__file__).resolve().parent
@@ -39,18 +41,30 @@ ROOT = Path(__file__).resolve().parent
 PROCESS_FOLDERS = {"e2e"}
 #: Modules (by file name) that need stock vLLM or the container runtime: ``engine``.
 ENGINE_MODULES = ("test_vllm_", "test_compose.py")
-#: The span the runners' free ports come from (below Linux's ephemeral range).
+#: The span the sessions' free ports come from (below Linux's ephemeral range).
 PORTS = (20000, 32768)
+#: The session's share of :data:`PORTS` (``LOW-HIGH``), set by the controller for its runners.
+SESSION_PORTS = "KVROUTE_TEST_SESSION_PORTS"
 
 
 def pytest_configure(config: pytest.Config) -> None:
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
-    if worker.startswith("gw") and "KVROUTE_FREE_PORTS" not in os.environ:
-        index = int(worker[2:])
-        count = max(int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")), index + 1)
-        width = (PORTS[1] - PORTS[0]) // count
-        low = PORTS[0] + index * width
-        os.environ["KVROUTE_FREE_PORTS"] = f"{low}-{low + width}"
+    if "KVROUTE_FREE_PORTS" in os.environ:
+        return
+    if not worker.startswith("gw"):  # the controller, or a run without xdist
+        span, lock = session_span(PORTS, Path(os.environ.get("TMPDIR", "/tmp")))
+        config.stash[_PORTS_LOCK] = lock  # held (open) until the session ends
+        os.environ[SESSION_PORTS] = f"{span[0]}-{span[1]}"
+        if config.getoption("numprocesses", None) in (None, 0):  # it runs the tests itself
+            os.environ["KVROUTE_FREE_PORTS"] = os.environ[SESSION_PORTS]
+        return
+    low, _, high = os.environ.get(SESSION_PORTS, f"{PORTS[0]}-{PORTS[1]}").partition("-")
+    count = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    runner = runner_span((int(low), int(high)), int(worker[2:]), count)
+    os.environ["KVROUTE_FREE_PORTS"] = f"{runner[0]}-{runner[1]}"
+
+
+_PORTS_LOCK = pytest.StashKey[object]()
 
 
 def _path_markers(path: Path) -> dict[str, bool] | None:

@@ -31,7 +31,8 @@ async def router_for(
 ) -> AsyncIterator[httpx.AsyncClient]:
     """A real router on 127.0.0.1 in front of ``workers``, and a client for it."""
     app = create_app(settings(*workers, **kw))
-    async with UvicornServer(app) as router, httpx.AsyncClient(base_url=router.url) as client:
+    async with (UvicornServer(app) as router,
+                httpx.AsyncClient(base_url=router.url, timeout=30) as client):
         if ready is not None:
             await wait_ready(client, ready)
         yield client

@@ -4,7 +4,10 @@ path's evidence (:mod:`router.fleet.liveness`).
 The scenarios run the registry and the proxy as the router wires them, against a scripted
 worker whose ``/load`` hangs (every probe is late) and whose stream sends a chunk when the test
 says; the polls are driven one at a time with ``poll_once``, and the worker's liveness reads a
-clock that moves only when the test moves it.
+clock that moves only when the test moves it. The scenarios that count misses across answered
+probes are driven by the worker's state alone (``late_at_once``): a probe of a hung ``/load``
+times out at once and an answered one has a generous timeout, so a connect slowed by a loaded
+machine cannot turn an answer into a miss.
 """
 
 from __future__ import annotations
@@ -37,16 +40,39 @@ class Clock:
         return self.now
 
 
+class HungLoadTimesOut(httpx.AsyncBaseTransport):
+    """The probes' transport when a test drives lateness by state: a ``/load`` probe of a
+    worker whose ``/load`` hangs (:meth:`ScriptedWorker.hang_load`) times out at once, as the
+    client's read timeout would; every other request goes to the worker."""
+
+    def __init__(self, workers: tuple[ScriptedWorker, ...]) -> None:
+        self._workers = {w.port: w for w in workers}
+        self._real = httpx.AsyncHTTPTransport()
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        worker = self._workers.get(request.url.port or 0)
+        if worker is not None and worker.load_hangs and request.url.path == "/load":
+            raise httpx.ReadTimeout("no answer (the worker's /load hangs)", request=request)
+        return await self._real.handle_async_request(request)
+
+    async def aclose(self) -> None:
+        await self._real.aclose()
+
+
 @contextlib.asynccontextmanager
-async def routed(*workers: ScriptedWorker, **kw: Any
+async def routed(*workers: ScriptedWorker, health_timeout: float = 0.2,
+                 late_at_once: bool = False, **kw: Any
                  ) -> AsyncIterator[tuple[RouterService, Proxy, Clock]]:
     """The router's service and proxy in front of ``workers``, and the clock of every worker's
     liveness. The background poll waits an hour between rounds, so only the test's
-    ``poll_once`` calls probe; a probe gives up after 0.2 s (the evidence window too)."""
+    ``poll_once`` calls probe; a probe gives up after ``health_timeout`` (the evidence window
+    too). ``late_at_once``: a probe of a hung ``/load`` times out at once
+    (:class:`HungLoadTimesOut`), so lateness follows the worker's state alone."""
     settings = RouterSettings(workers=tuple(w.url for w in workers), health_interval=3600,
-                              health_timeout=0.2, seed=3, **kw)
+                              health_timeout=health_timeout, seed=3, **kw)
     clock = Clock()
-    async with httpx.AsyncClient() as http:
+    transport = HungLoadTimesOut(workers) if late_at_once else None
+    async with httpx.AsyncClient(transport=transport) as http:
         service = RouterService(settings, http)
         proxy = Proxy(ProxyTimeouts(connect=2.0, first_byte=30.0))
         await proxy.start()
@@ -104,7 +130,8 @@ async def test_bytes_older_than_the_probe_excuse_nothing() -> None:
 
 
 async def test_late_probes_with_no_bytes_from_the_worker_take_it_out_at_health_misses() -> None:
-    async with ScriptedWorker() as worker, routed(worker, health_misses=3) as (service, _, _):
+    async with ScriptedWorker() as worker, routed(worker, health_timeout=30.0, late_at_once=True,
+                                                  health_misses=3) as (service, _, _):
         [entry] = service.registry.entries()
         worker.hang_load()
         await service.registry.poll_once()
@@ -114,14 +141,15 @@ async def test_late_probes_with_no_bytes_from_the_worker_take_it_out_at_health_m
         await service.registry.poll_once()
         assert entry.state is WorkerState.UNHEALTHY
         assert entry.last_error is not None
-        assert "no answer within 0.2s (3 polls in a row" in entry.last_error
+        assert "no answer within 30.0s (3 polls in a row" in entry.last_error
         worker.resume()
         await service.registry.poll_once()
         assert entry.state is WorkerState.HEALTHY
 
 
 async def test_an_answered_probe_starts_the_count_of_misses_again() -> None:
-    async with ScriptedWorker() as worker, routed(worker) as (service, _, _):
+    async with ScriptedWorker() as worker, routed(worker, health_timeout=30.0,
+                                                  late_at_once=True) as (service, _, _):
         [entry] = service.registry.entries()
         for _ in range(3):
             worker.hang_load()
@@ -130,6 +158,7 @@ async def test_an_answered_probe_starts_the_count_of_misses_again() -> None:
             await service.registry.poll_once()
         assert entry.state is WorkerState.HEALTHY
         assert entry.counters["late_probes"] == 3
+        assert "health_failures" not in entry.counters
 
 
 async def test_a_refused_probe_takes_it_out_at_once_whatever_its_streams_showed() -> None:

@@ -1,5 +1,10 @@
 """The router's request-path metrics against real HTTP peers on 127.0.0.1: per-worker answers,
-errors and timings, the pool gauges, bounded worker labels, and no ``_created`` series."""
+errors and timings, the pool gauges, bounded worker labels, and no ``_created`` series.
+
+The router here waits a minute for a stream's first byte and half a minute for a health probe
+(:data:`PATIENT`): the counts asserted are of answers, and a loaded machine that stalls a
+scripted worker for two seconds must not turn one into a first-byte timeout or a late probe.
+"""
 
 from __future__ import annotations
 
@@ -8,7 +13,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from router.http.worker_labels import OTHER, WorkerLabels
 from tests.router.test_router_service import BODY, router_for
+from tests.support.eventually import eventually
 from tests.support.servers import ScriptedWorker
+
+#: Router settings with no deadline a stalled machine could reach (module docstring).
+PATIENT = {"first_byte_floor": 60.0, "health_timeout": 30.0}
 
 
 def samples(text: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
@@ -22,15 +31,15 @@ def value(found: dict[tuple[str, frozenset[tuple[str, str]]], float], metric: st
 
 
 async def test_streamed_and_whole_answers_are_timed_and_counted_per_worker() -> None:
-    async with ScriptedWorker() as worker, router_for(worker, ready=1) as client:
+    async with ScriptedWorker() as worker, router_for(worker, ready=1, **PATIENT) as client:
         worker.load_answer = b'{"running": 1, "waiting": 3, "kv_usage": 0.25}'
         streamed = await client.post("/v1/completions", json={**BODY, "stream": True})
         whole = await client.post("/v1/completions", json=BODY)
         # the next health poll carries the load above; wait for the pool gauges to show it
-        for _ in range(200):
-            text = (await client.get("/metrics")).text
-            if 'inference_pool_average_queue_size{name="kvroute"} 3.0' in text:
-                break
+        text = (await eventually(
+            lambda: client.get("/metrics"), "the pool gauges showing the polled load",
+            until=lambda r: 'inference_pool_average_queue_size{name="kvroute"} 3.0' in r.text,
+        )).text
     assert streamed.status_code == whole.status_code == 200
     wid = streamed.headers["x-kvroute-worker-id"]
     found = samples(text)
@@ -53,7 +62,7 @@ async def test_errors_are_counted_per_worker_by_cause() -> None:
     async with (
         ScriptedWorker("refuse") as bad,
         ScriptedWorker("die_mid_stream") as broken,
-        router_for(bad, broken, ready=2) as client,
+        router_for(bad, broken, ready=2, **PATIENT) as client,
     ):
         for i in range(6):
             await client.post("/v1/completions",
