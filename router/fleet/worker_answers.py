@@ -56,7 +56,9 @@ class _KvFetch(msgspec.Struct):
     transfers: Annotated[list[str], msgspec.Meta(max_length=16)] = msgspec.field(
         default_factory=list)
     cuda_ipc: _Device | None = None
-    http_bandwidth: Annotated[float, msgspec.Meta(ge=0, le=1e13)] = 0.0
+    #: Bytes a second; a sim worker's figure scales with its ``speedup``, so the bound only
+    #: refuses nonsense (a worker clamps what it advertises to the same 1e18).
+    http_bandwidth: Annotated[float, msgspec.Meta(ge=0, le=1e18)] = 0.0
 
 
 class _ModelInfo(msgspec.Struct):

@@ -94,17 +94,24 @@ log = logging.getLogger(__name__)
 #: and the 0.30 of 256 or more (``llama-1b``'s 1 MiB blocks, two workers of one H200 host,
 #: ``docs/gpu.md``, "Peer KV fetch between workers on one GPU").
 HTTP_FETCH_BANDWIDTH = 0.25e9
+#: The most a worker advertises, and the bound a router's /model_info schema accepts: far beyond
+#: any real link, but a sim worker's modelled transfer scales with ``speedup`` (25 GB/s at
+#: ``speedup`` 1e6 is 2.5e16 B/s).
+MAX_ADVERTISED_BANDWIDTH = 1e18
 
 
 def http_bandwidth(settings: WorkerSettings, torch_engine: bool) -> float:
     """The bytes a second this worker advertises its HTTP fetches move: the operator's
     ``kv_fetch_bandwidth``, else the torch engine's :data:`HTTP_FETCH_BANDWIDTH`, else the
-    sim engine's modelled transfer (``kv_transfer_bandwidth`` times ``speedup``)."""
+    sim engine's modelled transfer (``kv_transfer_bandwidth`` times ``speedup``), at most
+    :data:`MAX_ADVERTISED_BANDWIDTH`."""
     if settings.kv_fetch_bandwidth > 0:
-        return settings.kv_fetch_bandwidth
-    if torch_engine:
-        return HTTP_FETCH_BANDWIDTH
-    return settings.kv_transfer_bandwidth * settings.speedup
+        figure = settings.kv_fetch_bandwidth
+    elif torch_engine:
+        figure = HTTP_FETCH_BANDWIDTH
+    else:
+        figure = settings.kv_transfer_bandwidth * settings.speedup
+    return min(figure, MAX_ADVERTISED_BANDWIDTH)
 
 SOURCE_HEADER = "x-kvroute-fetch-source"
 BLOCKS_HEADER = "x-kvroute-fetch-blocks"

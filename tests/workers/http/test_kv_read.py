@@ -6,6 +6,7 @@ same rule on the P/D lease endpoints."""
 from __future__ import annotations
 
 import contextlib
+import json
 import re
 from collections.abc import AsyncIterator
 from typing import Any
@@ -15,6 +16,7 @@ import pytest
 
 from openai_request.bodies import ApiError
 from openai_request.prompts import build_prompt
+from router.fleet.worker_answers import parse_model_info
 from workers.cache.block_keys import Prompt, RequestBlocks, Scope
 from workers.cache.cache_manager import CacheManager
 from workers.cache.event_sink import EventSink
@@ -23,6 +25,7 @@ from workers.engine.executor import SimExecutor
 from workers.engine.loop import Engine
 from workers.engine.timing import DEFAULT_TIMING, TIMING_MODELS
 from workers.http.api import create_app
+from workers.http.kv_fetch import MAX_ADVERTISED_BANDWIDTH
 from workers.http.kv_read import MAX_READ_BLOCKS, BlockReads, reserve_blocks
 from workers.settings import WorkerSettings, WorkerSettingsError
 
@@ -170,6 +173,17 @@ async def test_an_operator_says_what_the_workers_http_fetches_move() -> None:
         assert (await holder.get("/model_info")).json()["kv_fetch"]["http_bandwidth"] == 3e8
     with pytest.raises(WorkerSettingsError, match="kv_fetch_bandwidth must be >= 0"):
         sim_settings(kv_fetch_bandwidth=-1.0)
+
+
+async def test_a_fast_sim_workers_advertised_bandwidth_is_one_a_router_accepts() -> None:
+    """A sim worker's modelled 25 GB/s scales with its speedup; what it advertises must stay
+    within the bound a router's /model_info schema accepts, or the router holds it out of the
+    fleet as malformed."""
+    for speedup, advertised in ((1e6, 2.5e16), (1e8, MAX_ADVERTISED_BANDWIDTH)):
+        async with worker(sim_settings(speedup=speedup)) as holder:
+            raw = (await holder.get("/model_info")).content
+        assert json.loads(raw)["kv_fetch"]["http_bandwidth"] == advertised
+        assert parse_model_info("http://w", raw).kv_fetch_http_bandwidth == advertised
 
 
 async def test_without_a_secret_only_loopback_peers_of_a_loopback_bind_read(
