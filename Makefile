@@ -79,7 +79,8 @@ $(VLLM_VENV)/.nixl: $(VLLM_VENV)/.installed
 
 # The compose e2e test runs the project's docker-compose.yml under podman (runc, and a base
 # image made with debootstrap: no registry is reached). Installed from Debian's packages when
-# missing and run as root; elsewhere that test says which check failed and skips.
+# missing and run as root (waiting up to 10 minutes for another apt or dpkg run to let go of its
+# lock); elsewhere that test says which check failed and skips.
 # The base images it builds on (Debian and its Python, about a minute of downloads the first
 # time on a machine) and the project's image on them (a minute of CPU and downloads) are made
 # here too, so that `make test` makes them while the quick tier runs; the test's own build then
@@ -88,7 +89,7 @@ containers:
 	@if command -v podman >/dev/null && command -v debootstrap >/dev/null && [ -x /usr/sbin/runc ]; then :; \
 	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
 		echo "installing podman, runc and debootstrap (Debian packages) for the compose e2e test"; \
-		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq podman runc debootstrap >/dev/null; \
+		apt-get -o DPkg::Lock::Timeout=600 update -qq && DEBIAN_FRONTEND=noninteractive apt-get -o DPkg::Lock::Timeout=600 install -y -qq podman runc debootstrap >/dev/null; \
 	else echo "podman, runc or debootstrap missing and not root: the compose e2e test will skip"; fi
 	$(PYTHON) -m e2e.containers
 
