@@ -169,8 +169,16 @@ def _pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+#: Integer arguments Triton must not specialize on (by default it compiles a variant for each
+#: of "divisible by 16", "equal to 1" and neither): a block table's width and a chunk's queries
+#: vary from pass to pass, so each new class would be a compile of its own (0.3-1 s) in the
+#: middle of a pass that every running sequence waits for. The decode graphs captured at start
+#: then compile every variant an eager pass can use.
+_NOT_SPECIALIZED = ("n_queries", "stride_tab")
+
+
 def _build_kernel(triton: Any, tl: Any) -> Any:  # Triton's modules; the jitted kernel
-    @triton.jit
+    @triton.jit(do_not_specialize=_NOT_SPECIALIZED)
     def paged_attention_kernel(
         Q, K, V, Out, Part, Stats, Tables, Lens, n_queries,
         stride_qt, stride_qh, stride_ot, stride_oh,
@@ -248,7 +256,7 @@ def _build_combine(triton: Any, tl: Any) -> Any:  # Triton's modules; the jitted
     # tile, instead of in a loop over the shares. The loop, one program per (tile, KV head),
     # was latency-bound: with few sequences (16 programs, 33 shares) it took longer than the
     # attention it combined (``docs/gpu.md``).
-    @triton.jit
+    @triton.jit(do_not_specialize=("n_queries",))
     def combine_shares_kernel(
         Part, Stats, Out, n_queries, stride_ot, stride_oh,
         G: tl.constexpr, BLOCK_Q: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
