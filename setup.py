@@ -2,7 +2,8 @@
 
 ``native/_core.pyx`` wraps the C++ tables in ``native/index_core.h`` and the hash in
 ``native/hash64.h``; ``native/_residency.pyx`` the routing core's predicted residency
-(``native/residency_core.h``); ``-O3`` matters (the hash's multiplies and the table probes inline).
+(``native/residency_core.h``); ``native/_byte_tokens.pyx`` the byte-level tokenizer's ids;
+``-O3`` matters (the hash's multiplies and the table probes inline).
 """
 
 from Cython.Build import cythonize
@@ -29,6 +30,11 @@ extensions = [
         depends=["native/hash64.h", "native/residency_core.h"],
         language="c++",
         extra_compile_args=["-O3", "-std=c++17", "-fno-strict-aliasing"],
+    ),
+    Extension(
+        "native._byte_tokens",
+        ["native/_byte_tokens.pyx"],
+        extra_compile_args=["-O3"],
     ),
 ]
 

@@ -160,3 +160,35 @@ def test_byte_ids_are_utf8_bytes_plus_offset_across_unicode() -> None:
                                        rng.randrange(0x10000, 0x110000)]))
                        for _ in range(rng.randrange(1, 40)))
         assert tok.encode(text) == [b + 4 for b in text.encode("utf-8")]
+
+
+def test_compiled_byte_ids_match_the_python_encode() -> None:
+    import random
+
+    from openai_request import tokenizer
+
+    if tokenizer._compiled_ids is None:
+        pytest.skip("native._byte_tokens is not built")
+    rng = random.Random(11)
+    tok = ByteTokenizer()
+    texts = ["", "a", "\x00", "\U0010ffff", "é" * 300, "x" * 5000]
+    for _ in range(500):
+        texts.append("".join(chr(rng.choice([rng.randrange(0, 0x80), rng.randrange(0x80, 0x800),
+                                             rng.randrange(0x800, 0xD800),
+                                             rng.randrange(0xE000, 0x110000)]))
+                             for _ in range(rng.randrange(0, 300))))
+    for text in texts:
+        for special in (False, True):
+            assert tok.encode(text, add_special_tokens=special) == tokenizer._python_ids(
+                text, special)
+
+
+def test_compiled_byte_ids_read_a_table_of_256() -> None:
+    byte_ids = pytest.importorskip("native._byte_tokens").byte_ids
+    table = [b * 3 for b in range(256)]
+    data = bytes(range(256)) * 2
+    assert byte_ids(data, table) == [b * 3 for b in data]
+    assert byte_ids(data, table, "first") == ["first", *(b * 3 for b in data)]
+    assert byte_ids(b"", table) == []
+    with pytest.raises(ValueError, match="256"):
+        byte_ids(b"a", table[:255])
