@@ -107,6 +107,17 @@ def _client_headers(raw: list[tuple[bytes, bytes]]) -> dict[str, str]:
     return headers
 
 
+def _stop_watching(watcher: asyncio.Future[None],
+                   on_end: Callable[[asyncio.Future[None]], None]) -> None:
+    """Cancel ``watcher`` without its end callback: cancelled with the callback still on
+    it, the future would schedule the callback (a no-op for a cancelled watcher) for the
+    loop's next turn, one more loop callback a request. A watcher that ended already has
+    its callback scheduled, and it runs."""
+    if not watcher.done():
+        watcher.remove_done_callback(on_end)
+        watcher.cancel()
+
+
 async def _answer_gone(send: Send) -> None:
     """Answer a client that left before its answer: an empty 499, for the server's log."""
     await send({"type": "http.response.start", "status": CLIENT_GONE_STATUS,
@@ -183,7 +194,12 @@ class Forward:
         # The pump reads what is left of the body, then waits for the client to leave; its
         # end (the client left, or the body failed) cancels the handler.
         watcher = pump or departure()
-        watcher.add_done_callback(lambda w: w.cancelled() or this.cancel())
+
+        def on_end(w: asyncio.Future[None]) -> None:
+            if not w.cancelled():
+                this.cancel()
+
+        watcher.add_done_callback(on_end)
         answering = False
         timer.sending()
         sending_at = time.monotonic()
@@ -220,7 +236,7 @@ class Forward:
                 await _relay(state, sent, route, send, watcher, timer)
             else:
                 start, content = await _whole(state, sent, route, timer)
-                watcher.cancel()
+                _stop_watching(watcher, on_end)
                 await send(start)
                 await send({"type": "http.response.body", "body": content})
         except asyncio.CancelledError:
@@ -240,7 +256,7 @@ class Forward:
                 return
             raise
         finally:
-            watcher.cancel()
+            _stop_watching(watcher, on_end)
 
     async def _left_queue(self, left: Departed, send: Send) -> None:
         """Answer a request whose client left while it waited in flow control's queue (499,
