@@ -97,6 +97,9 @@ LEAN_ENV = "KVROUTE_LEAN_HTTP"
 #: Rule 4's bounds on reading a refused upload's remainder.
 LINGER_SECONDS = 2.0
 LINGER_BYTES = 8 * 1024 * 1024
+#: A deadline within this many seconds of the loop's time counts as passed: the loop's
+#: timers round to milliseconds, and may fire that much before the time they were set for.
+_DUE_SLACK = 0.001
 #: Rule 5's answer.
 _HEAD_TOO_LARGE = (b'{"error": {"message": "the request headers are over %d bytes", '
                    b'"type": "invalid_request_error", "param": null, '
@@ -142,7 +145,13 @@ class _GuardedProtocol(HttpToolsProtocol):
     lean: Mapping[bytes, Any] = {}
     lean_ids: RequestIds | None = None
     lingering = False
-    _header_timer: asyncio.TimerHandle | None = None
+    #: Rules 2 and 3 share one timer a connection, re-armed lazily (:meth:`_arm_due`): the
+    #: head's deadline and the idle connection's, in loop time (None: not running), and
+    #: the timer with the time it fires at.
+    _head_due: float | None = None
+    _idle_due: float | None = None
+    _due_timer: asyncio.TimerHandle | None = None
+    _due_at = 0.0
     _linger_timer: asyncio.TimerHandle | None = None
     _lingered = 0
     #: Rule 5: whether the current request's head is complete, and its bytes so far.
@@ -170,7 +179,10 @@ class _GuardedProtocol(HttpToolsProtocol):
         self._arm_header_timer()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm_header_timer()
+        self._head_due = self._idle_due = None
+        if self._due_timer is not None:
+            self._due_timer.cancel()
+            self._due_timer = None
         if self._linger_timer is not None:
             self._linger_timer.cancel()
         cycle = self.cycle
@@ -213,7 +225,7 @@ class _GuardedProtocol(HttpToolsProtocol):
         super().on_message_begin()
         self._head_done, self._head_bytes, self._began_in_read = False, 0, True
         self._field_bytes, self._codings = 0, None
-        if self._header_timer is None:
+        if self._head_due is None:
             self._arm_header_timer()
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -293,7 +305,19 @@ class _GuardedProtocol(HttpToolsProtocol):
             super().on_message_complete()
 
     def on_response_complete(self) -> None:
-        super().on_response_complete()
+        # uvicorn's own, with rule 3's deadline set on the shared timer rather than a timer
+        # armed here and cancelled at the next read, twice a request with rule 2's.
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self._idle_due = None
+        self.flow.resume_reading()
+        if self.pipeline:  # a pipelined request starts now
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+        else:  # idle until the next request
+            self._idle_due = self.loop.time() + self.timeout_keep_alive
+            self._arm_due()
         if self._refusal_pending and not self.pipeline:
             self._refusal_pending = False
             self._answer_431()
@@ -329,19 +353,47 @@ class _GuardedProtocol(HttpToolsProtocol):
         else:
             self.transport.close()
 
+    def _unset_keepalive_if_required(self) -> None:
+        # uvicorn's call at every read: the connection is no longer idle (rule 3). The
+        # shared timer runs on and finds no deadline due.
+        self._idle_due = None
+
     def _arm_header_timer(self) -> None:
-        self._header_timer = self.loop.call_later(self.limits.header_timeout,
-                                                  self._headers_too_slow)
+        self._head_due = self.loop.time() + self.limits.header_timeout
+        self._arm_due()
 
     def _disarm_header_timer(self) -> None:
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-            self._header_timer = None
+        self._head_due = None
 
-    def _headers_too_slow(self) -> None:
-        self._header_timer = None
-        if not self.transport.is_closing():
-            self.transport.close()
+    def _arm_due(self) -> None:
+        """Have the shared timer fire by the earliest deadline running: one armed to fire
+        no later is kept (it re-arms itself for a deadline that moved on, :meth:`_due`), so
+        a busy connection re-arms it about once a keep-alive timeout instead of twice a
+        request."""
+        head, idle = self._head_due, self._idle_due
+        due = head if idle is None else idle if head is None else min(head, idle)
+        if due is None:
+            return
+        timer = self._due_timer
+        if timer is not None:
+            if self._due_at <= due:
+                return
+            timer.cancel()
+        self._due_at = due
+        self._due_timer = self.loop.call_at(due, self._due)
+
+    def _due(self) -> None:
+        """The shared timer fired: close the connection if a deadline passed (rules 2 and
+        3: its head too slow, or idle too long), else wait for the next one."""
+        self._due_timer = None
+        now = self.loop.time() + _DUE_SLACK
+        head, idle = self._head_due, self._idle_due
+        if (head is not None and head <= now) or (idle is not None and idle <= now):
+            self._head_due = self._idle_due = None
+            if not self.transport.is_closing():
+                self.transport.close()
+            return
+        self._arm_due()
 
 
 @runtime_checkable

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
@@ -279,6 +280,58 @@ async def test_keep_alive_closes_an_idle_connection_never_a_busy_one(
         finally:
             writer.close()
     assert [a.body for a in parsed.done] == [b"one", b"x" * 15, b"three"]
+
+
+@pytest.mark.parametrize("lean", [True, False])
+async def test_a_connection_busy_past_the_keep_alive_timeout_stays_open(
+        lean: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The idle deadline moves on at each answer's end: the shared timer fires mid-sequence,
+    # finds no deadline passed, and waits for the next.
+    monkeypatch.setenv(LEAN_ENV, "1" if lean else "0")
+    app = new_app("test", FakeState(), {"/raw": Echo()})
+    limits = ConnectionLimits(keep_alive_timeout=0.3)
+    async with UvicornServer(app, limits=limits) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        parsed = _Answers()
+        try:
+            async with asyncio.timeout(20):
+                for i in range(12):  # 1.2 s of requests, 0.1 s apart
+                    writer.write(post(b"%d" % i))
+                    while len(parsed.done) < i + 1:
+                        data = await reader.read(65536)
+                        assert data, "the server closed a connection that was not idle"
+                        parsed.parser.feed_data(data)
+                    await asyncio.sleep(0.1)
+                assert await reader.read(1) == b""  # then idle past the timeout: closed
+        finally:
+            writer.close()
+    assert [a.body for a in parsed.done] == [b"%d" % i for i in range(12)]
+
+
+async def test_a_slow_head_after_an_answer_is_closed_at_the_header_timeout(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # The head's deadline, shorter than the idle one the answer set, moves the shared timer
+    # earlier.
+    monkeypatch.setenv(LEAN_ENV, "1")
+    app = new_app("test", FakeState(), {"/raw": Echo()})
+    limits = ConnectionLimits(keep_alive_timeout=30, header_timeout=0.3)
+    async with UvicornServer(app, limits=limits) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        parsed = _Answers()
+        try:
+            async with asyncio.timeout(10):
+                writer.write(post(b"one"))
+                while not parsed.done:
+                    parsed.parser.feed_data(await reader.read(65536))
+                writer.write(b"POST /raw HTTP/1.1\r\nHost: x\r\n")  # and no more
+                started = time.monotonic()
+                assert await reader.read(1) == b""
+                assert time.monotonic() - started < 5
+        finally:
+            writer.close()
+    assert [a.body for a in parsed.done] == [b"one"]
 
 
 async def test_a_finished_request_leaves_nothing_for_the_cyclic_collector(
