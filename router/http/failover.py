@@ -111,7 +111,8 @@ async def send_with_failover(service: RouterService, proxy: Proxy, clock: FirstB
         if attempt and refreshed is not None:
             body = await refreshed()
         service.dispatched(route, worker)
-        ahead = service.queued_prefill(worker)
+        # The prefill queued ahead of it times a stream's first byte; a whole answer has none.
+        ahead = service.queued_prefill(worker) if stream is not False else 0.0
         deadline = clock.deadline(worker.id, ahead) if stream is True and attempt == 0 else None
         started = time.monotonic()
         fetch = service.fetch_headers(route, worker)
