@@ -394,6 +394,19 @@ class FlowControl:
         now_route = self.admit_now(route, ask, tenant)
         if now_route is not None:
             return now_route
+        return await self.wait_for_room(route, ask, tenant, departure)
+
+    async def wait_for_room(self, route: Route, ask: Ask, tenant: Callable[[], str] = str,
+                            departure: Callable[[], asyncio.Future[Any]] | None = None
+                            ) -> Route:
+        """:meth:`admit` for a request :meth:`admit_now` did not let go: it joins the queue
+        (or is refused), and is returned decided again once the fleet has room (the
+        request path calls :meth:`admit_now` itself first, and awaits this only when it
+        must wait).
+
+        Raises:
+            Refused, ApiError, Departed: as :meth:`admit`.
+        """
         now = self._clock()
         deadline = self.settings.waiting_deadline(ask.priority, now, ask.deadline_s)
         ttft = route.decision.chosen.cost

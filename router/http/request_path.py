@@ -334,10 +334,19 @@ async def decide(state: RouterState, body: dict[str, Any], kind: str, size: int,
     """
     asked, seen = flow_view(body, headers, trusted)
     ask = ask_of(asked, seen)
-    route = await route_of(state, body, kind, size)
+    service = state.service
+    if service.tokenizes_off_loop(size):
+        route = await route_of(state, body, kind, size)
+    else:  # route_of without its coroutine: nothing here waits
+        _check(state, body, kind)
+        route = service.decide(body, kind)
     if state.access is not None:  # the key's quota (router.http.client_quotas): 429
         state.access.charge(headers, route.prompt.total_tokens)
-    return await state.flow.admit(route, ask, lambda: tenant_of(asked, seen), departure)
+    flow = state.flow
+    admitted = flow.admit_now(route, ask, lambda: tenant_of(asked, seen))
+    if admitted is not None:  # flow.admit without its coroutine: it goes at once
+        return admitted
+    return await flow.wait_for_room(route, ask, lambda: tenant_of(asked, seen), departure)
 
 
 async def route_of(state: RouterState, body: dict[str, Any], kind: str, size: int) -> Route:
@@ -347,6 +356,16 @@ async def route_of(state: RouterState, body: dict[str, Any], kind: str, size: in
         ApiError: 400 for a body that is not a valid request, or a prompt provably longer
             than every worker's model; the service's refusals (no worker, unknown model).
     """
+    service = state.service
+    _check(state, body, kind)
+    prompt: PromptTokens | None = None
+    if service.tokenizes_off_loop(size):
+        prompt = await asyncio.to_thread(service.tokenize, body, kind)
+    return service.decide(body, kind, prompt)
+
+
+def _check(state: RouterState, body: dict[str, Any], kind: str) -> None:
+    """:func:`route_of`'s checks of ``body`` before it is tokenized."""
     service = state.service
     request = validate_request(body, kind)  # type: ignore[arg-type]
     if not state.settings.allow_client_transfer_fields:
@@ -358,10 +377,6 @@ async def route_of(state: RouterState, body: dict[str, Any], kind: str, size: in
     if max_len and fewest > max_len:
         raise ApiError(400, f"the prompt has at least {fewest} tokens, more than the "
                        f"model's {max_len}", param="prompt", code="context_length_exceeded")
-    prompt: PromptTokens | None = None
-    if service.tokenizes_off_loop(size):
-        prompt = await asyncio.to_thread(service.tokenize, body, kind)
-    return service.decide(body, kind, prompt)
 
 
 def _where(route: Route, at_workers_s: float) -> str:
