@@ -75,10 +75,12 @@ class LeanCycle:
         body_timeout: the whole body's deadline, seconds from the start.
         body_idle_timeout: the longest pause within the body, seconds.
         loop: the event loop the connection is served on.
+        tasks: the server's set of request tasks, which the request's task leaves as it
+            ends (no done callback, which the loop would run as a callback of its own).
     """
 
     __slots__ = ("_body_done", "_body_idle_timeout", "_body_timeout", "_chunked", "_deadline",
-                 "_departed", "_head", "_ids", "_left", "_loop", "_request_id", "body",
+                 "_departed", "_head", "_ids", "_left", "_loop", "_request_id", "_tasks", "body",
                  "default_headers", "disconnected", "flow", "keep_alive", "message_event",
                  "more_body", "on_response", "response_complete", "response_started", "scope",
                  "transport", "waiting_for_100_continue")
@@ -87,7 +89,8 @@ class LeanCycle:
                  default_headers: list[tuple[bytes, bytes]], keep_alive: bool,
                  expect_100_continue: bool, on_response: Callable[[], None], ids: RequestIds,
                  body_timeout: float, body_idle_timeout: float,
-                 loop: asyncio.AbstractEventLoop) -> None:
+                 loop: asyncio.AbstractEventLoop,
+                 tasks: set[asyncio.Task[None]] | None = None) -> None:
         self.scope = scope
         self.transport = transport
         self.flow = flow
@@ -112,6 +115,7 @@ class LeanCycle:
         self._left = 0
         self._head: bytes | None = None
         self._loop = loop
+        self._tasks = tasks
 
     async def run_asgi(self, app: App) -> None:
         """Serve the request with ``app`` (uvicorn's name: its protocol starts a pipelined
@@ -141,6 +145,8 @@ class LeanCycle:
             # the scope): each request's cycle, events and futures then waited for the
             # cyclic collector, about 4 ms of every young collection under load.
             scope.pop(DEPARTURE, None)
+            if self._tasks is not None:  # the server's set of request tasks: this one ends
+                self._tasks.discard(asyncio.current_task(self._loop))  # type: ignore[arg-type]
 
     def departure(self) -> asyncio.Future[None]:
         """A future that completes when the client has left (rule 4); cancel it to stop

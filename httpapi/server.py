@@ -286,11 +286,10 @@ class _GuardedProtocol(HttpToolsProtocol):
             scope, self.transport, self.flow, self.server_state.default_headers,
             version != "1.0" and parser.should_keep_alive(), self.expect_100_continue,
             self.on_response_complete, self.lean_ids, self.limits.body_timeout,
-            self.limits.body_idle_timeout, self.loop)
+            self.limits.body_idle_timeout, self.loop, self.tasks)
         if existing is None or existing.response_complete:
-            task = self.loop.create_task(cycle.run_asgi(route))
-            task.add_done_callback(self.tasks.discard)
-            self.tasks.add(task)
+            # The task leaves self.tasks as its cycle ends (LeanCycle.run_asgi).
+            self.tasks.add(self.loop.create_task(cycle.run_asgi(route)))
         else:  # pipelined behind an answer still being sent: uvicorn starts it then
             self.flow.pause_reading()
             self.pipeline.appendleft((cycle, route))  # type: ignore[arg-type]

@@ -334,6 +334,31 @@ async def test_a_slow_head_after_an_answer_is_closed_at_the_header_timeout(
     assert [a.body for a in parsed.done] == [b"one"]
 
 
+async def test_a_finished_request_leaves_the_servers_tasks(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # Each request's task leaves the server's set as its cycle ends (no done callback), so
+    # a graceful shutdown, which waits for the set to empty, is not held up; pipelined
+    # requests go through uvicorn's start, which adds its own.
+    monkeypatch.setenv(LEAN_ENV, "1")
+    app = new_app("test", FakeState(), {"/raw": Echo()})
+    async with UvicornServer(app) as server:
+        host, port = server.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        parsed = _Answers()
+        try:
+            async with asyncio.timeout(10):
+                for batch in ([post(b"one")], [post(b"two"), post(b"three")]):
+                    writer.write(b"".join(batch))
+                    wanted = len(parsed.done) + len(batch)
+                    while len(parsed.done) < wanted:
+                        parsed.parser.feed_data(await reader.read(65536))
+                await eventually(lambda: not server.server.server_state.tasks,
+                                 "the request tasks to leave the server's set")
+        finally:
+            writer.close()
+    assert [a.body for a in parsed.done] == [b"one", b"two", b"three"]
+
+
 async def test_a_finished_request_leaves_nothing_for_the_cyclic_collector(
         monkeypatch: pytest.MonkeyPatch) -> None:
     # A cycle in a reference cycle kept each request's objects until a collection, which
