@@ -50,6 +50,16 @@ With predicted residency compiled, the same command against the commit before it
 vllm-router 236 (224-266). kvroute costs 1.84 times sglang-router's CPU per request (1.93
 before); the 1.5 aimed at is not reached.
 
+With the event loop's timers and callbacks cut and the byte tokenizer's ids built in C (the
+items below from the shared timer on), ``--paired --rounds 8 --seconds 4 --kvroute MAIN
+--kvroute .`` against 6e04e6e printed 0.944 of the CPU (0.934-0.952; 413 -> 390 µs medians,
+load 2.0; an earlier run before the task-set item, 0.950, 0.938-0.953, load 2.4): on the 1.84
+above, about 1.74 times sglang-router's. Alternated, ``--rounds 5 --seconds 5 --kvroute .`` printed
+kvroute 403 µs (315-424), sglang-router 192 (180-232), vllm-router 318 (289-363) at load
+3.3 (a CI job beside it), 2.1 times sglang-router's; at load 7.9, with ``--kvroute MAIN``
+in the same rounds, kvroute 474 (442-516) against main's 509 (429-576) and sglang-router's
+217 (188-274). The 1.5 aimed at is not reached.
+
 What the cuts were, each measured paired against the commit before or after them in a
 group, and what a profile of the rest says:
 
@@ -86,6 +96,34 @@ group, and what a profile of the rest says:
   (``native/_residency.pyx``, the Python class in ``router.routing.residency`` its
   specification): ``--paired --rounds 6 --seconds 4`` against the commit before, 0.978 of the
   CPU (0.955-0.986).
+- A connection's header deadline (rule 2 of ``httpapi.server``) and its keep-alive deadline
+  (rule 3) share one loop timer, re-armed lazily: it fires by the earliest deadline
+  running, and re-arms itself for one that moved on, so a busy connection re-arms it about
+  once a keep-alive timeout. Before, each was a timer armed and cancelled every request:
+  uvloop's ``call_later`` and ``cancel`` take 1.7 µs a pair warm (``timeit``), and under
+  load far more (each timer is a libuv handle, closed on the loop's next turn). Paired
+  against main with the two items after it: 0.945 (0.924-0.955), where those two alone gave
+  0.985 (0.971-0.997), 6 rounds each at load 5-7.
+- Two loop callbacks a request fewer: the client-departure watcher is cancelled without its
+  end callback (cancelled with it on, the future schedules the callback, a no-op then), and
+  a raw route's task leaves the server's task set as its cycle ends instead of by a done
+  callback: the second alone 0.984 (0.976-0.991), 8 rounds.
+- The byte tokenizer's ids are built in C (``native/_byte_tokens.pyx``: each byte's id read
+  from a table, as a list copy reads): 1.85 µs for the bench's 1,000-byte prompt where the
+  Python encode (its specification) takes 4.8 (``timeit``, alternated).
+- A request decided on the loop and admitted at once makes no coroutine for ``route_of``
+  or flow control's ``admit``: 0.992 (0.982-1.005), 8 rounds. The prefill queued ahead is
+  read only for a stream (the first-byte deadline's input).
+- Tried and dropped: compiling the routing core's modules as they are with Cython
+  (``router/routing/{core,load_groups,scheduler,load,sessions,prompt_path}.py`` and the
+  body's parse and prompt build): an in-process loop of parse, decide, book and release on
+  the bench's prompts was no quicker within this VM's 15% noise; the time goes on objects,
+  dicts and tuples, not on the interpreter's dispatch.
+- After these, a ``py-spy record -r 250`` of one router under 64 connections: the two socket
+  writes and the loop's own C about a fifth of the samples; ``RouterService.decide`` a fifth
+  (the routing core half of it); the health polls, six ``httpx`` GETs a second for two
+  workers, 2-3% at a loaded moment (about 1 ms of CPU each then); the rest lines of 1-3%
+  each (the server's parse, the proxy, booking and release, flow control, metrics).
 - A ``py-spy record -r 200`` of one router under ``--paired`` (1,355 samples, 963 busy):
   the two socket writes (``Exchange.send`` to the worker, ``LeanCycle.send`` to the client)
   are the largest single lines, 30% of the busy samples between them; the decision
