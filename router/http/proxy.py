@@ -128,7 +128,7 @@ class UpstreamAnswer:
         exchange = self.exchange
         try:
             if exchange.complete:  # the usual case: it came with the head
-                body = await exchange.body()
+                body = exchange.ended_body()
             else:
                 async with asyncio.timeout(self.timeouts.first_byte):
                     body = await exchange.body()

@@ -246,6 +246,19 @@ class Exchange(asyncio.Protocol):
                 return parts[0] if len(parts) == 1 else b"".join(parts)
             parts.append(data)
 
+    def ended_body(self) -> bytes:
+        """:meth:`body` of an answer that ended (:attr:`complete`), without a coroutine:
+        what arrived and was not returned yet."""
+        assert self.complete, "ended_body() before the answer ended"
+        chunks = self._chunks
+        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._buffered = 0
+        if self._paused and self.transport is not None:
+            self._paused = False
+            self.transport.resume_reading()
+        return data
+
     def release(self) -> None:
         """Done with the exchange: back to the pool when its answer ended and the connection
         stays alive, else closed."""

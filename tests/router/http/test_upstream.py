@@ -172,6 +172,25 @@ async def test_a_connection_lost_mid_body_fails_the_read(proxy: Proxy) -> None:
             await answer.read()
 
 
+async def test_an_ended_answer_read_without_a_coroutine_is_the_same_body() -> None:
+    # ended_body is body() for an answer that ended: the same bytes, whatever the pieces.
+    pool = ConnectionPool(8, idle_keepalive=4.0)
+    chunked = (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+               b"4\r\n{\"ok\r\n7\r\n\":true}\r\n0\r\n\r\n")
+    for pieces in ([OK], [OK[:40], OK[40:-3], OK[-3:]], [chunked], [chunked[:50], chunked[50:]]):
+        async with RawServer(lambda n, pieces=pieces: pieces) as server:
+            host, port = "127.0.0.1", int(server.url.rsplit(":", 1)[1])
+            read = []
+            for ended in (False, True):
+                exchange = await pool.acquire(host, port)
+                exchange.send(b"POST / HTTP/1.1\r\ncontent-length: 2\r\n\r\n", b"{}")
+                await eventually(lambda exchange=exchange: exchange.complete, "the answer's end")
+                read.append(exchange.ended_body() if ended else await exchange.body())
+                exchange.release()
+        assert read == [ANSWER, ANSWER]
+    pool.close()
+
+
 async def test_an_idle_connection_past_its_keepalive_is_dropped() -> None:
     now = [0.0]
     pool = ConnectionPool(8, idle_keepalive=4.0, clock=lambda: now[0])
