@@ -114,6 +114,10 @@ group, and what a profile of the rest says:
 - A request decided on the loop and admitted at once makes no coroutine for ``route_of``
   or flow control's ``admit``: 0.992 (0.982-1.005), 8 rounds. The prefill queued ahead is
   read only for a stream (the first-byte deadline's input).
+- A whole answer that came with its head is read without the body's two coroutines
+  (``Exchange.ended_body``): 0.992 (0.972-1.041), 8 rounds at load 7. Everything above
+  against main then: 0.948 (0.936-0.966) at load 3.5, 0.956 (0.921-0.984) at load 11 (a CI
+  job's tests beside it).
 - Tried and dropped: compiling the routing core's modules as they are with Cython
   (``router/routing/{core,load_groups,scheduler,load,sessions,prompt_path}.py`` and the
   body's parse and prompt build): an in-process loop of parse, decide, book and release on
