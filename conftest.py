@@ -21,12 +21,17 @@ runner draws from a span of its own within it (``KVROUTE_FREE_PORTS``, read by
 a module-scoped fixture run on one runner, so the fixture starts once; the engine modules
 run in two groups (:data:`ENGINE_GROUPS`), one per runner, the four modules that share the
 ``vllm_pair`` servers in one of them. xdist hands out the largest groups first.
+
+Collecting imports no PyTorch: the torch test modules name it (and what is built on it) through
+:class:`tests.support.lazy.LazyModule`, so only a runner that runs a torch test imports it; a
+collection that imported it anyway fails, saying so.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -48,6 +53,7 @@ SESSION_PORTS = "KVROUTE_TEST_SESSION_PORTS"
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_TORCH_BEFORE] = "torch" in sys.modules
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     if "KVROUTE_FREE_PORTS" in os.environ:
         return
@@ -65,6 +71,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 _PORTS_LOCK = pytest.StashKey[object]()
+#: Whether torch was imported before collection (by a plugin, or by whoever called pytest).
+_TORCH_BEFORE = pytest.StashKey[bool]()
 
 
 def _path_markers(path: Path) -> dict[str, bool] | None:
@@ -140,6 +148,11 @@ def _group(item: pytest.Item) -> str | None:
 # must be there before it runs.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if "torch" in sys.modules and not config.stash.get(_TORCH_BEFORE, True):
+        raise pytest.UsageError(
+            "collecting the tests imported torch (3-4 s on every runner): a test module, or a "
+            "module it imports, imports it at import time; name it through "
+            "tests.support.lazy.LazyModule (see tests/workers/torch/) instead")
     for item in items:
         try:
             relative = Path(str(item.path)).relative_to(ROOT)

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.gpu.mix import IterationRow, kernel_class, parse_configs, summarize_rows
+from tests.support.lazy import require
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,7 +50,7 @@ def test_iterations_summarize_by_kind_and_path_with_their_share_of_the_time() ->
 
 @pytest.mark.process
 def test_one_cpu_process_runs_the_decode_step_and_a_phase_of_the_mix(tmp_path: Path) -> None:
-    pytest.importorskip("torch")
+    require("torch")
     out = tmp_path / "mix.json"
     run = subprocess.run(
         [sys.executable, "-m", "bench.gpu.mix", "--configs", "1:off", "--model", "tiny",
