@@ -24,7 +24,8 @@ run in two groups (:data:`ENGINE_GROUPS`), one per runner, the four modules that
 
 Collecting imports no PyTorch: the torch test modules name it (and what is built on it) through
 :class:`tests.support.lazy.LazyModule`, so only a runner that runs a torch test imports it; a
-collection that imported it anyway fails, saying so.
+collection that imported it anyway fails, saying so. The modules that require torch at import
+(:func:`tests.support.lazy.require`) form one group, ``torch``, so that one runner does.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ from pathlib import Path
 import pytest
 
 from tests.support.child_processes import UnmarkedProcess, message, no_child_processes
+from tests.support.lazy import REQUIRED_BY
 from tests.support.port_spans import runner_span, session_span
 from tests.support.selection import may_select
 
@@ -136,6 +138,9 @@ ENGINE_GROUPS = {
 
 def _group(item: pytest.Item) -> str | None:
     path = Path(str(item.path))
+    module = getattr(item, "module", None)
+    if module is not None and module.__name__ in REQUIRED_BY.get("torch", ()):
+        return "torch"  # the modules that import torch in their tests: one runner pays for it
     if path.parent.name == "e2e" and path.name in ENGINE_GROUPS and (
             _module_scoped(item) or "vllm_pair" in getattr(item, "fixturenames", ())):
         return ENGINE_GROUPS[path.name]

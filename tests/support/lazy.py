@@ -14,18 +14,25 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import sys
 from types import ModuleType
 from typing import Any
 
 import pytest
 
-__all__ = ["LazyModule", "require"]
+__all__ = ["REQUIRED_BY", "LazyModule", "require"]
+
+#: The modules that called :func:`require`, by the name they required; conftest.py runs the
+#: tests of those that required torch at import on one pytest-xdist runner, so one runner, not
+#: each, pays for importing torch and its first model build (about 6 s and 6 s).
+REQUIRED_BY: dict[str, set[str]] = {}
 
 
 def require(name: str) -> None:
     """Skip the calling test module when ``name`` is not installed (without importing it)."""
     if importlib.util.find_spec(name) is None:
         pytest.skip(f"{name} is not installed", allow_module_level=True)
+    REQUIRED_BY.setdefault(name, set()).add(sys._getframe(1).f_globals["__name__"])
 
 
 class LazyModule:
