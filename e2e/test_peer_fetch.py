@@ -11,9 +11,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
-import pytest
 
 from e2e.harness import Process, Worker, metric
+from tests.support.lazy import require
 
 SECRET = "e2e-transfer-secret-0123456789"
 PROMPT = "A prefix the holder computed, which the receiver fetches instead. " * 4
@@ -85,7 +85,7 @@ def test_a_sim_worker_fetches_a_prefix_from_another_with_the_shared_secret(
 
 def test_a_torch_worker_fetches_a_prefix_and_decodes_the_same_tokens(
         tmp_path: Path, processes: list[Process]) -> None:
-    pytest.importorskip("torch")
+    require("torch")
     torch = {"engine": "torch", "torch_model": "tiny", "device": "cpu", "kv_memory_gb": 0.05}
     holder, receiver = _pair(tmp_path, processes, **torch)
     first = _complete(holder).json()["choices"][0]["text"]

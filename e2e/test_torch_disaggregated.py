@@ -13,12 +13,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import httpx
-import pytest
 
 from e2e.harness import NOT_YET, Process, Router, Worker, metric
 from tests.support.eventually import eventually_blocking
+from tests.support.lazy import require
 
-pytest.importorskip("torch")
+require("torch")
 
 TORCH = {"engine": "torch", "torch_model": "tiny", "device": "cpu", "kv_memory_gb": 0.05}
 SYSTEM = "Prefill there, decode here, and the tokens are the same either way. " * 10

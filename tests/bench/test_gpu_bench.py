@@ -9,10 +9,16 @@ import json
 
 import pytest
 
-pytest.importorskip("torch")
-
-from bench.gpu import attention, decode_context, harness, prefill_context, prompt
+from tests.support.lazy import LazyModule, require
 from workers.cache.cache_manager import CacheManager
+
+require("torch")
+# Imported by the first test that reads them: collecting this module imports no torch.
+attention = LazyModule("bench.gpu.attention")
+decode_context = LazyModule("bench.gpu.decode_context")
+harness = LazyModule("bench.gpu.harness")
+prefill_context = LazyModule("bench.gpu.prefill_context")
+prompt = LazyModule("bench.gpu.prompt")
 
 
 def test_attention_section_times_each_shape_that_fits_the_cache(

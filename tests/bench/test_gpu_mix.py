@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from bench.gpu.mix import IterationRow, kernel_class, parse_configs, summarize_rows
+from tests.support.lazy import require
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -49,11 +50,11 @@ def test_iterations_summarize_by_kind_and_path_with_their_share_of_the_time() ->
 
 @pytest.mark.process
 def test_one_cpu_process_runs_the_decode_step_and_a_phase_of_the_mix(tmp_path: Path) -> None:
-    pytest.importorskip("torch")
+    require("torch")
     out = tmp_path / "mix.json"
     run = subprocess.run(
         [sys.executable, "-m", "bench.gpu.mix", "--configs", "1:off", "--model", "tiny",
-         "--device", "cpu", "--chunks", "256", "--seconds", "4", "--tail", "1", "--load", "1",
+         "--device", "cpu", "--chunks", "256", "--seconds", "2", "--tail", "0.5", "--load", "1",
          "--cold-rate", "8000", "--requests", "12", "--decode-batch", "2",
          "--decode-context", "128", "--repeats", "2", "--profile-after", "2",
          "--profile-iterations", "1", "--json", str(out)],

@@ -12,6 +12,7 @@ import pytest
 
 from bench.gpu_routing import summarize_repeats, window
 from bench.workloads import trace_block_tokens
+from tests.support.lazy import require
 
 pytestmark = pytest.mark.process  # starts child processes
 
@@ -77,7 +78,7 @@ def test_zero_repeats_exit_2_before_starting_anything(tmp_path: Path) -> None:
 
 
 def test_round_robin_and_kv_clusters_of_torch_workers_replay_the_trace(tmp_path: Path) -> None:
-    pytest.importorskip("torch")
+    require("torch")
     # Twelve requests sharing one 512-token prefix (hash id 0), each with 200 tokens of its
     # own. None holds another's last block, so none continues a session: what kv does with
     # a prefix everyone shares is all this run measures.
@@ -109,7 +110,7 @@ def test_round_robin_and_kv_clusters_of_torch_workers_replay_the_trace(tmp_path:
 def test_capacity_mode_searches_each_policy_on_one_cluster_and_prints_the_ratio(
     tmp_path: Path,
 ) -> None:
-    pytest.importorskip("torch")
+    require("torch")
     trace = _trace(tmp_path / "t.jsonl", [(i * 50, 712, 2, [0, 1 + i]) for i in range(12)])
     out = tmp_path / "out.json"
     run = subprocess.run(

@@ -143,7 +143,7 @@ def test_unknown_timing_model_is_a_usage_error(tmp_path: Path,
 def test_seeds_run_each_seed_with_a_verdict_and_tally(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out, serial = tmp_path / "out.json", tmp_path / "serial.json"
-    common = ["--generator", "system_prompt", "--requests", "60", "--workers", "2",
+    common = ["--generator", "system_prompt", "--requests", "30", "--workers", "2",
               "--policies", "kvroute,kvroute[learn_rates=off],round_robin", "--seeds", "0-1,3",
               "--no-progress"]
     assert main([*common, "--jobs", "2", "--json", str(out)]) == 0

@@ -10,14 +10,14 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
-import pytest
 
+from tests.support.lazy import require
 from tests.workers.http.test_kv_pull import _settings
 from workers.http.api import create_app
 from workers.http.kv_fetch import HTTP_FETCH_BANDWIDTH
 from workers.settings import WorkerSettings
 
-torch = pytest.importorskip("torch")
+require("torch")
 
 PROMPT = "Fetch it from a peer, then decode here."  # 39 bytes + BOS: 10 full blocks of 4
 FULL = (len(PROMPT.encode()) + 1 - 1) // 4

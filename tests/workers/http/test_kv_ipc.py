@@ -15,9 +15,7 @@ from typing import Any
 import httpx
 import pytest
 
-# Before the torch test module is imported: where torch is missing, it stops part way.
-pytest.importorskip("torch")
-
+from tests.support.lazy import LazyModule, require
 from tests.workers.http.test_kv_fetch_torch import FULL, PROMPT, SOURCE, _cached, _worker
 from tests.workers.http.test_kv_fetch_torch import _complete as _plain_complete
 from tests.workers.http.test_kv_pull import _metric
@@ -37,7 +35,8 @@ from workers.http.kv_ipc import (
 )
 from workers.torch.kv_wire import TransferError
 
-torch = pytest.importorskip("torch")
+require("torch")  # test_kv_fetch_torch above skips as well where torch is missing
+torch = LazyModule("torch")  # imported by the first test that reads it
 
 #: The IPC path needs the shared secret (the pool's handle reads and writes every block).
 SECRET = "ipc-test-secret-of-32-bytes-long"

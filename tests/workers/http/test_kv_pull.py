@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from router.http.disaggregated import REMOTE_DECODE
+from tests.support.lazy import LazyModule, require
 from tests.support.servers import UvicornServer, free_port
 from workers.http import kv_pull
 from workers.http.api import create_app
@@ -21,7 +22,8 @@ from workers.http.kv_pull import PULL_TIMEOUT_S
 from workers.http.kv_transfer import HeldPrefills
 from workers.settings import WorkerSettings
 
-torch = pytest.importorskip("torch")
+require("torch")
+torch = LazyModule("torch")  # imported by the first test that reads it
 
 PROMPT = "Prefill there, decode here: the same tokens."  # 44 bytes + BOS: 11 full blocks
 BLOCKS = (len(PROMPT.encode()) + 1 - 1) // 4
@@ -30,7 +32,7 @@ BLOCKS = (len(PROMPT.encode()) + 1 - 1) // 4
 DEVICES = [
     "cpu",
     pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
-        not torch.cuda.is_available(), reason="no CUDA device")]),
+        "not torch.cuda.is_available()", reason="no CUDA device")]),
 ]
 
 

@@ -14,15 +14,19 @@ from typing import Any
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from openai_request.tokenizer import ByteTokenizer
+from tests.support.lazy import LazyModule, require
+from workers.cache.block_keys import Prompt
+from workers.cache.cache_manager import CacheManager
+from workers.engine.executor import IterationPlan, PrefillChunk
+from workers.settings import WorkerSettings
 
-from openai_request.tokenizer import ByteTokenizer  # noqa: E402
-from workers.cache.block_keys import Prompt  # noqa: E402
-from workers.cache.cache_manager import CacheManager  # noqa: E402
-from workers.engine.executor import IterationPlan, PrefillChunk  # noqa: E402
-from workers.settings import WorkerSettings  # noqa: E402
-from workers.torch import bulk, model  # noqa: E402
-from workers.torch.engine import build_torch_executor  # noqa: E402
+require("torch")
+# Imported by the first test that reads them: collecting this module imports no torch.
+torch = LazyModule("torch")
+bulk = LazyModule("workers.torch.bulk")
+model = LazyModule("workers.torch.model")
+torch_engine = LazyModule("workers.torch.engine")
 
 
 def _explicit(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -112,7 +116,7 @@ def test_the_cpu_never_splits() -> None:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.skipif("not torch.cuda.is_available()", reason="no CUDA device")
 @pytest.mark.parametrize(("new", "cached"), [(2048, 8192 + 32), (3000, 4096), (8192, 16384 + 96)])
 def test_on_cuda_the_split_equals_flash_over_the_whole_context(new: int, cached: int) -> None:
     assert bulk.available(torch.device("cuda"))
@@ -129,7 +133,7 @@ def test_on_cuda_the_split_equals_flash_over_the_whole_context(new: int, cached:
 
 
 @pytest.mark.gpu
-@pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
+@pytest.mark.skipif("not torch.cuda.is_available()", reason="no CUDA device")
 def test_on_cuda_a_pass_split_or_not_gives_the_dense_forwards_logits(
         monkeypatch: pytest.MonkeyPatch) -> None:
     cached, new = 4096 + 64, 2100
@@ -137,7 +141,7 @@ def test_on_cuda_a_pass_split_or_not_gives_the_dense_forwards_logits(
     settings = WorkerSettings(engine="torch", torch_model="llama-1b", device="cuda",
                               block_size=32, max_num_batched_tokens=4096, max_model_len=8192,
                               kv_memory_gb=0.5)
-    ex = build_torch_executor(settings, ByteTokenizer(), cache)
+    ex = torch_engine.build_torch_executor(settings, ByteTokenizer(), cache)
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(4, 260, (cached + new,), generator=g).tolist()
     blocks = tuple(range(-(-(cached + new) // 32)))

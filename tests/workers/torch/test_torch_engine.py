@@ -17,26 +17,23 @@ from typing import Any
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from openai_request.tokenizer import ByteTokenizer
+from tests.support.lazy import LazyModule, require
+from workers.cache.block_keys import Prompt
+from workers.cache.cache_manager import CacheManager
+from workers.cache.event_sink import EventSink
+from workers.engine.batcher import Batcher, EngineRequest
+from workers.engine.executor import DecodeStep
+from workers.engine.loop import Engine
+from workers.settings import WorkerSettings
 
-from openai_request.tokenizer import ByteTokenizer  # noqa: E402
-from workers.cache.block_keys import Prompt  # noqa: E402
-from workers.cache.cache_manager import CacheManager  # noqa: E402
-from workers.cache.event_sink import EventSink  # noqa: E402
-from workers.engine.batcher import Batcher, EngineRequest  # noqa: E402
-from workers.engine.executor import DecodeStep  # noqa: E402
-from workers.engine.loop import Engine  # noqa: E402
-from workers.settings import WorkerSettings  # noqa: E402
-from workers.torch.engine import (  # noqa: E402
-    TorchEngineError,
-    TorchExecutor,
-    build_torch_executor,
-    capture_at_start,
-    kv_blocks_for,
-)
-from workers.torch.graphs import BATCH_BUCKETS, MAX_SLOTS, MIN_WIDTH, decode_shapes  # noqa: E402
-from workers.torch.model import CONFIGS, FUSE_MAX_TOKENS, Decoder, prefill_attention  # noqa: E402
-from workers.torch.piecewise import TOKEN_BUCKETS  # noqa: E402
+require("torch")
+# Imported by the first test that reads them: collecting this module imports no torch.
+torch = LazyModule("torch")
+torch_engine = LazyModule("workers.torch.engine")
+torch_graphs = LazyModule("workers.torch.graphs")
+torch_model = LazyModule("workers.torch.model")
+torch_piecewise = LazyModule("workers.torch.piecewise")
 
 BS = 4
 POISON = 1e4  # finite: a masked-out position weighs zero, and 0 * 1e4 is still 0
@@ -47,7 +44,7 @@ DEVICES = [
         "cuda",
         marks=[
             pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+            pytest.mark.skipif("not torch.cuda.is_available()", reason="no CUDA device"),
         ],
     ),
 ]
@@ -68,15 +65,16 @@ def settings(device: str, **kw: Any) -> WorkerSettings:
 
 def executor(
     device: str, num_blocks: int, host_blocks: int = 0, **kw: Any
-) -> tuple[CacheManager, TorchExecutor]:
+) -> tuple[CacheManager, torch_engine.TorchExecutor]:
     cache = CacheManager(num_blocks, BS, host_blocks)
-    return cache, build_torch_executor(settings(device, **kw), ByteTokenizer(), cache)
+    return cache, torch_engine.build_torch_executor(settings(device, **kw), ByteTokenizer(), cache)
 
 
 class Driver:
     """Runs a batcher over an executor synchronously, keeping every sampled position's logits."""
 
-    def __init__(self, cache: CacheManager, ex: TorchExecutor, budget: int = 16) -> None:
+    def __init__(self, cache: CacheManager, ex: torch_engine.TorchExecutor,
+                 budget: int = 16) -> None:
         self.cache, self.ex = cache, ex
         self.batcher = Batcher(cache, max_num_batched_tokens=budget)
         self.prompts: dict[str, list[int]] = {}
@@ -122,7 +120,7 @@ def prompt(seed: int, n: int) -> list[int]:
     return (torch.randint(4, 260, (n,), generator=g)).tolist()
 
 
-def poison_unused(cache: CacheManager, ex: TorchExecutor) -> None:
+def poison_unused(cache: CacheManager, ex: torch_engine.TorchExecutor) -> None:
     """Overwrite every device block that is not a cached block, as if reused by someone."""
     keep = set(cache.pool.evictable_blocks())
     assert cache.pool.num_held_blocks == 0, "poison only between requests"
@@ -193,16 +191,18 @@ def test_blocks_freed_and_reused_do_not_leak_old_contents(device: str) -> None:
     d.check("e", device)
 
 
-def padded_executor(device: str) -> tuple[CacheManager, TorchExecutor]:
+def padded_executor(device: str) -> tuple[CacheManager, torch_engine.TorchExecutor]:
     """An executor with graphs on, every device block poisoned. On CUDA the graphs are
     captured and replayed; on the CPU the same padded forwards run eagerly."""
     cache, plain = executor(device, num_blocks=64)
-    ex = TorchExecutor(plain.model, plain.kv, vocab_limit=plain.vocab_limit, cuda_graphs=True)
+    ex = torch_engine.TorchExecutor(plain.model, plain.kv, vocab_limit=plain.vocab_limit,
+                                    cuda_graphs=True)
     ex.kv.device_blocks[: cache.pool.num_blocks].fill_(POISON)
     return cache, ex
 
 
-def assert_padding_wrote_no_free_block(cache: CacheManager, ex: TorchExecutor, d: Driver) -> None:
+def assert_padding_wrote_no_free_block(cache: CacheManager, ex: torch_engine.TorchExecutor,
+                                       d: Driver) -> None:
     """Padding wrote only the scratch block: every block no request was given still holds
     the poison."""
     untouched = [b for b in range(cache.pool.num_blocks) if b not in d.blocks]
@@ -282,14 +282,14 @@ def test_a_worker_captures_its_token_buckets_and_decode_shapes_before_serving(
 
 def test_long_passes_use_the_projections_one_by_one_and_agree_with_the_dense_forward() -> None:
     cache, ex = executor("cpu", num_blocks=512)
-    d = Driver(cache, ex, budget=FUSE_MAX_TOKENS + 100)
+    d = Driver(cache, ex, budget=torch_model.FUSE_MAX_TOKENS + 100)
     # One pass of 600 tokens (separate projections), then one of 60 new over them (fused).
-    shared = prompt(50, FUSE_MAX_TOKENS + 88)
+    shared = prompt(50, torch_model.FUSE_MAX_TOKENS + 88)
     d.add("long", shared, 2)
     d.run()
     d.add("short", shared + prompt(51, 60), 3)
     d.run()
-    assert [c.num_new_tokens for c in d.chunks] == [FUSE_MAX_TOKENS + 88, 60 + 88 % BS]
+    assert [c.num_new_tokens for c in d.chunks] == [torch_model.FUSE_MAX_TOKENS + 88, 60 + 88 % BS]
     d.check("long", "cpu")
     d.check("short", "cpu")
 
@@ -310,25 +310,27 @@ def test_chunk_attention_lets_each_query_see_its_prefix_through_grouped_heads(
     weights = scores.masked_fill(~visible, float("-inf")).softmax(-1)
     want = torch.einsum("hnc,chd->nhd", weights, v.repeat_interleave(4, 1))
     dtype = torch.float32 if device == "cpu" else torch.bfloat16
-    got = prefill_attention(*(t.to(device, dtype) for t in (q, k, v))).float().cpu()
+    got = torch_model.prefill_attention(*(t.to(device, dtype) for t in (q, k, v))).float().cpu()
     assert got.shape == want.shape
     assert ((got - want).norm() / want.norm()).item() < TOLERANCE[device]
 
 
 def test_iterations_past_the_largest_token_bucket_run_unpadded() -> None:
     _, plain = executor("cpu", num_blocks=64)
-    ex = TorchExecutor(plain.model, plain.kv, vocab_limit=plain.vocab_limit, cuda_graphs=True)
+    ex = torch_engine.TorchExecutor(plain.model, plain.kv, vocab_limit=plain.vocab_limit,
+                                    cuda_graphs=True)
     assert ex.piecewise is not None
-    assert ex.piecewise.fits(1) and ex.piecewise.fits(TOKEN_BUCKETS[-1])
-    assert not ex.piecewise.fits(TOKEN_BUCKETS[-1] + 1) and not ex.piecewise.fits(0)
+    assert ex.piecewise.fits(1) and ex.piecewise.fits(torch_piecewise.TOKEN_BUCKETS[-1])
+    assert not ex.piecewise.fits(torch_piecewise.TOKEN_BUCKETS[-1] + 1) and not ex.piecewise.fits(0)
 
 
 def test_the_decode_shapes_captured_at_start_cover_every_step_set_the_graphs_take() -> None:
     _, plain = executor("cpu", num_blocks=64)
-    ex = TorchExecutor(plain.model, plain.kv, vocab_limit=plain.vocab_limit, cuda_graphs=True)
+    ex = torch_engine.TorchExecutor(plain.model, plain.kv, vocab_limit=plain.vocab_limit,
+                                    cuda_graphs=True)
     assert ex.graphs is not None
     max_batch, max_context = 40, 3000
-    shapes = set(decode_shapes(max_batch, max_context, BS))
+    shapes = set(torch_graphs.decode_shapes(max_batch, max_context, BS))
     rng = random.Random(0)
     taken = 0
     for _ in range(300):
@@ -336,25 +338,26 @@ def test_the_decode_shapes_captured_at_start_cover_every_step_set_the_graphs_tak
         steps = [DecodeStep(f"s{i}", (0,), c, 5, 0, Prompt((5,))) for i, c in enumerate(contexts)]
         if ex.graphs.fits(steps):
             taken += 1
-            batch = next(b for b in BATCH_BUCKETS if b >= len(steps))
-            width = max(MIN_WIDTH, 1 << (-(-max(contexts) // BS) - 1).bit_length())
+            batch = next(b for b in torch_graphs.BATCH_BUCKETS if b >= len(steps))
+            width = max(torch_graphs.MIN_WIDTH, 1 << (-(-max(contexts) // BS) - 1).bit_length())
             assert (batch, width) in shapes
     assert taken == 300
     assert max(b for b, _ in shapes) == 64 and max(w for _, w in shapes) == 1024
     # A long context allows widths whose large batches would gather too much: left out.
-    wide = decode_shapes(256, 65536, BS)
+    wide = torch_graphs.decode_shapes(256, 65536, BS)
     assert (1, 16384) in wide and (64, 16384) not in wide
-    assert all(b * w * BS <= MAX_SLOTS for b, w in wide)
+    assert all(b * w * BS <= torch_graphs.MAX_SLOTS for b, w in wide)
 
 
 def test_decode_steps_too_large_to_pad_are_left_to_the_unpadded_forward() -> None:
     _, plain = executor("cpu", num_blocks=64)
-    ex = TorchExecutor(plain.model, plain.kv, vocab_limit=plain.vocab_limit, cuda_graphs=True)
+    ex = torch_engine.TorchExecutor(plain.model, plain.kv, vocab_limit=plain.vocab_limit,
+                                    cuda_graphs=True)
     assert ex.graphs is not None
     step = DecodeStep("x", tuple(range(40)), 40 * BS, 5, 0, Prompt([5] * (40 * BS)))
     assert ex.graphs.fits([step])
     assert not ex.graphs.fits([step] * 300)  # more rows than the largest batch bucket
-    wide = DecodeStep("y", (0,), MAX_SLOTS + 1, 5, 0, Prompt([5]))  # too long to pad
+    wide = DecodeStep("y", (0,), torch_graphs.MAX_SLOTS + 1, 5, 0, Prompt([5]))  # too long to pad
     assert not ex.graphs.fits([wide])
 
 
@@ -421,8 +424,8 @@ def _write_safetensors(path: Path, tensors: dict[str, Any]) -> None:
 
 @pytest.mark.parametrize("model_type", ["llama", "qwen2"])  # qwen2: q/k/v biases
 def test_loads_a_local_checkpoint_folder(tmp_path: Path, model_type: str) -> None:
-    c = replace(CONFIGS["tiny"], attention_bias=model_type == "qwen2")
-    random = Decoder(c, torch.float32, torch.device("cpu"))
+    c = replace(torch_model.CONFIGS["tiny"], attention_bias=model_type == "qwen2")
+    random = torch_model.Decoder(c, torch.float32, torch.device("cpu"))
     random.init_random(7)
     (tmp_path / "config.json").write_text(
         json.dumps(
@@ -449,7 +452,7 @@ def test_loads_a_local_checkpoint_folder(tmp_path: Path, model_type: str) -> Non
         tmp_path / "model-00002.safetensors", {n: state[n] for n in names[len(names) // 2 :]}
     )
     cache = CacheManager(16, BS)
-    loaded = build_torch_executor(
+    loaded = torch_engine.build_torch_executor(
         settings("cpu", torch_model=str(tmp_path)), ByteTokenizer(), cache
     )
     tokens = torch.tensor(prompt(12, 9))
@@ -464,30 +467,32 @@ def test_loads_a_local_checkpoint_folder(tmp_path: Path, model_type: str) -> Non
 
 def test_kv_memory_budget_sizes_the_cache() -> None:
     # tiny: 2 layers x K,V x 4 positions x 2 KV heads x 16 dims x 4 bytes = 2 KiB a block.
-    assert kv_blocks_for(settings("cpu", kv_memory_gb=1 / 1024)) == 512
+    assert torch_engine.kv_blocks_for(settings("cpu", kv_memory_gb=1 / 1024)) == 512
 
 
 def test_running_out_of_cuda_memory_while_capturing_says_what_to_lower(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     _, plain = executor("cpu", num_blocks=64)
-    ex = TorchExecutor(plain.model, plain.kv, vocab_limit=plain.vocab_limit, cuda_graphs=True)
+    ex = torch_engine.TorchExecutor(plain.model, plain.kv, vocab_limit=plain.vocab_limit,
+                                    cuda_graphs=True)
     assert ex.graphs is not None
 
     def out_of_memory(*_: object) -> int:
         raise torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 1.00 GiB")
 
-    capture_at_start(ex, settings("cpu"))  # nothing to capture without CUDA: no error
+    torch_engine.capture_at_start(ex, settings("cpu"))  # nothing to capture without CUDA: no error
     monkeypatch.setattr(ex.graphs, "capture_shapes", out_of_memory)
-    with pytest.raises(TorchEngineError, match=r"KV cache: lower --kv-memory-gb.*--no-cuda-graphs"):
-        capture_at_start(ex, settings("cpu"))
+    with pytest.raises(torch_engine.TorchEngineError,
+                       match=r"KV cache: lower --kv-memory-gb.*--no-cuda-graphs"):
+        torch_engine.capture_at_start(ex, settings("cpu"))
 
 
 def test_clear_errors_at_start_up(monkeypatch: pytest.MonkeyPatch) -> None:
-    with pytest.raises(TorchEngineError, match="neither a configuration"):
-        kv_blocks_for(settings("cpu", torch_model="no-such-model"))
-    with pytest.raises(TorchEngineError, match="holds no"):
-        kv_blocks_for(settings("cpu", kv_memory_gb=1e-9))
+    with pytest.raises(torch_engine.TorchEngineError, match="neither a configuration"):
+        torch_engine.kv_blocks_for(settings("cpu", torch_model="no-such-model"))
+    with pytest.raises(torch_engine.TorchEngineError, match="holds no"):
+        torch_engine.kv_blocks_for(settings("cpu", kv_memory_gb=1e-9))
     monkeypatch.setitem(sys.modules, "torch", None)  # as if PyTorch were not installed
-    with pytest.raises(TorchEngineError, match=r"pip install 'kvroute\[torch\]'"):
-        kv_blocks_for(settings("cpu"))
+    with pytest.raises(torch_engine.TorchEngineError, match=r"pip install 'kvroute\[torch\]'"):
+        torch_engine.kv_blocks_for(settings("cpu"))

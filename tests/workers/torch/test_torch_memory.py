@@ -7,32 +7,30 @@ from typing import Any
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from openai_request.tokenizer import ByteTokenizer
+from tests.support.lazy import LazyModule, require
+from workers.cache.block_keys import Prompt
+from workers.cache.cache_manager import CacheManager
+from workers.cache.event_sink import EventSink
+from workers.engine.batcher import Batcher, EngineRequest
+from workers.engine.loop import Engine, RequestFailed
+from workers.settings import WorkerSettings
 
-from openai_request.tokenizer import ByteTokenizer  # noqa: E402
-from workers.cache.block_keys import Prompt  # noqa: E402
-from workers.cache.cache_manager import CacheManager  # noqa: E402
-from workers.cache.event_sink import EventSink  # noqa: E402
-from workers.engine.batcher import Batcher, EngineRequest  # noqa: E402
-from workers.engine.loop import Engine, RequestFailed  # noqa: E402
-from workers.settings import WorkerSettings  # noqa: E402
-from workers.torch.engine import TorchExecutor, build_torch_executor  # noqa: E402
-from workers.torch.kv import PagedKV  # noqa: E402
-from workers.torch.memory import (  # noqa: E402
-    MIN_ITERATION_CONTEXT,
-    iteration_context,
-    plan_memory,
-    profile_iteration,
-    worst_case_plans,
-)
+require("torch")
+# Imported by the first test that reads them: collecting this module imports no torch.
+torch = LazyModule("torch")
+torch_engine = LazyModule("workers.torch.engine")
+torch_kv = LazyModule("workers.torch.kv")
+torch_memory = LazyModule("workers.torch.memory")
 
 GIB = 2**30
 MIB = 2**20
 
 
 def test_the_kv_cache_gets_what_the_share_leaves_in_whole_blocks() -> None:
-    plan = plan_memory(total=100 * GIB, utilization=0.25, weights=3 * GIB, iteration=2 * GIB,
-                       graphs=2 * GIB, context=GIB, block_bytes=3 * MIB)
+    plan = torch_memory.plan_memory(total=100 * GIB, utilization=0.25, weights=3 * GIB,
+                                    iteration=2 * GIB, graphs=2 * GIB, context=GIB,
+                                    block_bytes=3 * MIB)
     assert plan.budget == 25 * GIB
     assert plan.num_blocks == (25 - 3 - 2 - 2 - 1) * GIB // (3 * MIB)
     assert plan.kv == plan.num_blocks * 3 * MIB
@@ -43,14 +41,14 @@ def test_a_hand_set_kv_cache_that_does_not_fit_beside_the_worst_iteration_is_ref
     kw: dict[str, Any] = {"total": 100 * GIB, "utilization": 0.22, "weights": 3 * GIB,
                           "iteration": 3 * GIB, "graphs": 3 * GIB, "context": GIB,
                           "block_bytes": MIB}
-    assert plan_memory(kv_bytes=12 * GIB, **kw).kv == 12 * GIB  # 22 GiB: just fits
+    assert torch_memory.plan_memory(kv_bytes=12 * GIB, **kw).kv == 12 * GIB  # 22 GiB: just fits
     with pytest.raises(ValueError, match=r"--kv-memory-gb 13 does not fit.*23\.00 GiB, over "
                                          r"its 22\.00 GiB"):
-        plan_memory(kv_bytes=13 * GIB, **kw)
+        torch_memory.plan_memory(kv_bytes=13 * GIB, **kw)
     with pytest.raises(ValueError, match="no room for the KV cache"):
-        plan_memory(**(kw | {"utilization": 0.1}))
+        torch_memory.plan_memory(**(kw | {"utilization": 0.1}))
     with pytest.raises(ValueError, match=r"gpu-memory-utilization must be in \(0, 1\]"):
-        plan_memory(**(kw | {"utilization": 1.5}))
+        torch_memory.plan_memory(**(kw | {"utilization": 1.5}))
 
 
 def test_the_setting_is_checked_where_it_is_read() -> None:
@@ -61,9 +59,9 @@ def test_the_setting_is_checked_where_it_is_read() -> None:
 def test_the_profiled_iterations_are_the_worst_the_batcher_allows_and_run() -> None:
     s = WorkerSettings(engine="torch", torch_model="tiny", device="cpu", block_size=4,
                        max_num_batched_tokens=64, max_num_seqs=8, max_model_len=512)
-    budget = iteration_context(s)
-    assert budget == MIN_ITERATION_CONTEXT
-    prefill, mixed = worst_case_plans(s, block=0)
+    budget = torch_memory.iteration_context(s)
+    assert budget == torch_memory.MIN_ITERATION_CONTEXT
+    prefill, mixed = torch_memory.worst_case_plans(s, block=0)
     [chunk] = prefill.prefill
     assert (chunk.num_new_tokens, chunk.start + chunk.num_new_tokens) == (64, 512)
     assert len(mixed.decode) == 8 and mixed.num_tokens == 64
@@ -75,15 +73,15 @@ def test_the_profiled_iterations_are_the_worst_the_batcher_allows_and_run() -> N
     model = Decoder(CONFIGS["tiny"], torch.float32, torch.device("cpu"))
     model.init_random(0)
     c = model.config
-    kv = PagedKV(num_layers=c.num_layers, block_size=4, kv_heads=c.num_kv_heads,
-                 head_dim=c.head_dim, num_blocks=1, host_blocks=0, dtype=torch.float32,
-                 device=torch.device("cpu"))
+    kv = torch_kv.PagedKV(num_layers=c.num_layers, block_size=4, kv_heads=c.num_kv_heads,
+                          head_dim=c.head_dim, num_blocks=1, host_blocks=0, dtype=torch.float32,
+                          device=torch.device("cpu"))
     seen: list[int] = []
 
     def run(plan: Any) -> None:
-        seen.append(len(TorchExecutor(model, kv).run(plan)[0]))
+        seen.append(len(torch_engine.TorchExecutor(model, kv).run(plan)[0]))
 
-    assert profile_iteration(run, [prefill, mixed], torch.device("cpu")) == 0
+    assert torch_memory.profile_iteration(run, [prefill, mixed], torch.device("cpu")) == 0
     assert seen == [1, 9]  # one sampled token per chunk and per decode step
 
 
@@ -105,14 +103,14 @@ def test_the_batcher_keeps_each_iteration_under_its_context_budget() -> None:
         Batcher(cache, max_model_len=200, max_iteration_context=100)
 
 
-def _tiny(num_blocks: int = 64) -> tuple[CacheManager, TorchExecutor]:
+def _tiny(num_blocks: int = 64) -> tuple[CacheManager, torch_engine.TorchExecutor]:
     cache = CacheManager(num_blocks, 4)
     s = WorkerSettings(engine="torch", torch_model="tiny", device="cpu", block_size=4,
                        max_num_batched_tokens=32)
-    return cache, build_torch_executor(s, ByteTokenizer(), cache)
+    return cache, torch_engine.build_torch_executor(s, ByteTokenizer(), cache)
 
 
-def _inject(ex: TorchExecutor, fails: Any) -> list[int]:
+def _inject(ex: torch_engine.TorchExecutor, fails: Any) -> list[int]:
     """Make the forward raise CUDA's out-of-memory error when ``fails(batch)``; returns the
     list of failed passes' token counts."""
     forward = ex.model.forward_paged
@@ -128,8 +126,9 @@ def _inject(ex: TorchExecutor, fails: Any) -> list[int]:
     return failed
 
 
-async def _serve(ex: TorchExecutor, cache: CacheManager, prompts: dict[str, list[int]]
-                 ) -> tuple[dict[str, list[int] | str], dict[str, Any]]:
+async def _serve(
+    ex: torch_engine.TorchExecutor, cache: CacheManager, prompts: dict[str, list[int]]
+) -> tuple[dict[str, list[int] | str], dict[str, Any]]:
     engine = Engine(cache, Batcher(cache, max_num_batched_tokens=32), ex, EventSink(), None)
     await engine.start()
     try:

@@ -10,18 +10,14 @@ from __future__ import annotations
 
 import pytest
 
-torch = pytest.importorskip("torch")
+from tests.support.lazy import LazyModule, require
 
-import torch.nn.functional as F  # noqa: E402
-
-from workers.torch.graphs import decode_shapes  # noqa: E402
-from workers.torch.paged import (  # noqa: E402
-    BLOCK_N,
-    decode_splits,
-    kernel_available,
-    paged_attention,
-    splits_for,
-)
+require("torch")
+# Imported by the first test that reads them: collecting this module imports no torch.
+torch = LazyModule("torch")
+F = LazyModule("torch.nn.functional")
+torch_graphs = LazyModule("workers.torch.graphs")
+torch_paged = LazyModule("workers.torch.paged")
 
 DEVICES = [
     "cpu",
@@ -29,7 +25,7 @@ DEVICES = [
         "cuda",
         marks=[
             pytest.mark.gpu,
-            pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device"),
+            pytest.mark.skipif("not torch.cuda.is_available()", reason="no CUDA device"),
         ],
     ),
 ]
@@ -69,16 +65,17 @@ def _error(out: torch.Tensor, ref: torch.Tensor) -> float:
 def test_decode_over_shuffled_blocks_matches_attention_over_contiguous_kv(
     device: str, bs: int, hq: int, hkv: int, d: int
 ) -> None:
-    lens = [1, 7, bs * 3 + 1, 40 * bs + 5, 3 * BLOCK_N]  # one position; partial last blocks
+    # One position; partial last blocks.
+    lens = [1, 7, bs * 3 + 1, 40 * bs + 5, 3 * torch_paged.BLOCK_N]
     width = max(-(-n // bs) for n in lens)
     kv = _pool(device, width * len(lens) + 3, bs, hkv, d, seed=1)
     order = torch.randperm(kv.shape[0] - 1, generator=torch.Generator().manual_seed(2))
     tables = [order[i * width:(i + 1) * width].tolist() for i in range(len(lens))]
     g = torch.Generator().manual_seed(3)
     q = torch.randn(len(lens), hq, d, generator=g).to(device, kv.dtype)
-    out = paged_attention(q, kv, torch.tensor(tables, device=device),
-                          torch.tensor(lens, device=device), queries=1,
-                          max_context=width * bs)
+    out = torch_paged.paged_attention(q, kv, torch.tensor(tables, device=device),
+                                      torch.tensor(lens, device=device), queries=1,
+                                      max_context=width * bs)
     for i, n in enumerate(lens):
         k, v = _contiguous(kv, tables[i], n)
         err = _error(out[i : i + 1], _reference(q[i : i + 1], k, v))
@@ -96,31 +93,33 @@ def test_a_chunk_over_cached_blocks_sees_its_prefix_and_its_own_earlier_tokens(
     kv = _pool(device, blocks + 5, bs, hkv, d, seed=4)
     table = torch.randperm(blocks + 5, generator=torch.Generator().manual_seed(5))[:blocks]
     q = torch.randn(new, hq, d, generator=torch.Generator().manual_seed(6)).to(device, kv.dtype)
-    out = paged_attention(q, kv, table[None].to(device), torch.tensor([ctx], device=device),
-                          queries=new, max_context=ctx)
+    out = torch_paged.paged_attention(q, kv, table[None].to(device),
+                                      torch.tensor([ctx], device=device), queries=new,
+                                      max_context=ctx)
     k, v = _contiguous(kv, table.tolist(), ctx)
     err = _error(out, _reference(q, k, v))
     assert err < TOLERANCE[device], f"{new} over {cached}: error {err:.2e}"
 
 
 def test_the_kernel_is_used_only_on_cuda_and_splits_only_to_fill_the_device() -> None:
-    assert not kernel_available(torch.device("cpu"))
-    assert splits_for(1, 8, 50) == 1  # one tile of context: nothing to split
-    assert splits_for(8, 8, 8192) == 9  # 64 programs a split, 528 wanted
-    assert splits_for(256, 8, 65536) == 1  # 2,048 programs fill the device already
+    assert not torch_paged.kernel_available(torch.device("cpu"))
+    assert torch_paged.splits_for(1, 8, 50) == 1  # one tile of context: nothing to split
+    assert torch_paged.splits_for(8, 8, 8192) == 9  # 64 programs a split, 528 wanted
+    assert torch_paged.splits_for(256, 8, 65536) == 1  # 2,048 programs fill the device already
 
 
 def test_every_eager_decode_batch_uses_a_split_the_decode_graphs_compiled_at_start() -> None:
     # The split is a constant of the compiled kernel: one the graphs did not compile would be
     # compiled in the middle of a mixed pass.
     bs, kv_heads, seqs, model_len = 32, 8, 256, 65536
-    graphed = {decode_splits(b, kv_heads, w * bs)
-               for b, w in decode_shapes(seqs, model_len, bs, max_slots=None)}
-    eager = {decode_splits(n, kv_heads, width * bs)
+    graphed = {torch_paged.decode_splits(b, kv_heads, w * bs)
+               for b, w in torch_graphs.decode_shapes(seqs, model_len, bs, max_slots=None)}
+    eager = {torch_paged.decode_splits(n, kv_heads, width * bs)
              for n in range(1, seqs + 1) for width in range(1, model_len // bs + 1)}
     assert eager <= graphed
     assert len(eager) > 4  # the split still follows the batch
-    assert decode_splits(18, kv_heads, 352 * bs) == splits_for(32, kv_heads, 512 * bs)
+    assert (torch_paged.decode_splits(18, kv_heads, 352 * bs)
+            == torch_paged.splits_for(32, kv_heads, 512 * bs))
 
 
 @pytest.mark.parametrize("device", DEVICES)
