@@ -101,8 +101,9 @@ containers:
 	$(PYTHON) -m e2e.containers
 
 # ruff, mypy and every test that starts no child process (`-m "not process"`; conftest.py
-# fails a test that starts one without the marker). About 100 s on two cores with torch
-# installed (pytest 102-104 s for 2,104 tests, 14 s of it collection).
+# fails a test that starts one without the marker). About two minutes on two cores with torch
+# installed and the bytecode written by an earlier run (118 s wall, pytest 112 s for 2,152
+# tests, the machine at load 1-3).
 check: lint torch-if-cheap
 	$(PYTEST) $(XDIST) $(DURATIONS) -m "not process" $(PYTEST_ARGS)
 
