@@ -16,7 +16,7 @@ def test_a_second_session_takes_the_next_slot_while_the_first_holds_its_own(
     second, also_held = session_span(SPAN, tmp_path, slots=5)
     assert held is not None and also_held is not None
     assert first == (20000, 22500) and second == (22500, 25000)
-    held.close()  # the first session ended: its slot is free again
+    held.close()  # the first holder let go: its slot is free again
     third, third_held = session_span(SPAN, tmp_path, slots=5)
     assert third == first
     for handle in (also_held, third_held):

@@ -224,6 +224,11 @@ class Exchange(asyncio.Protocol):
                 await self._waiter
             finally:
                 self._waiter = None
+        return self._take()
+
+    def _take(self) -> bytes:
+        """What arrived and was not returned yet, as one bytes object; reading resumes if the
+        buffer had paused it."""
         chunks = self._chunks
         data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
         chunks.clear()
@@ -250,14 +255,7 @@ class Exchange(asyncio.Protocol):
         """:meth:`body` of an answer that ended (:attr:`complete`), without a coroutine:
         what arrived and was not returned yet."""
         assert self.complete, "ended_body() before the answer ended"
-        chunks = self._chunks
-        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
-        chunks.clear()
-        self._buffered = 0
-        if self._paused and self.transport is not None:
-            self._paused = False
-            self.transport.resume_reading()
-        return data
+        return self._take()
 
     def release(self) -> None:
         """Done with the exchange: back to the pool when its answer ended and the connection
