@@ -151,6 +151,9 @@ class Cluster:
         self.worker_ports = worker_ports
         self.workers = workers
         self.port = port or free_port()
+        # A port the caller chose is not bound until the router starts, after the workers:
+        # without this, a worker's draw could take it and the router would fail to bind.
+        _handed_out.add(self.port)
         self.worker_args = list(worker_args)
         self.router_args = list(router_args)
         self.log_dir = log_dir
@@ -165,7 +168,8 @@ class Cluster:
         """Three ports per worker."""
         if self.worker_ports is None:
             return [free_port() for _ in range(3 * self.workers)]
-        found = [p for p in self.worker_ports if _bindable(p)][: 3 * self.workers]
+        found = [p for p in self.worker_ports
+                 if p != self.port and _bindable(p)][: 3 * self.workers]
         if len(found) < 3 * self.workers:
             raise RuntimeError(f"--worker-ports has {len(found)} ports free; {self.workers} "
                                f"workers need {3 * self.workers}")

@@ -78,3 +78,23 @@ def test_a_bad_span_is_refused_naming_the_variable(monkeypatch: pytest.MonkeyPat
     monkeypatch.setenv("KVROUTE_FREE_PORTS", text)
     with pytest.raises(ValueError, match="KVROUTE_FREE_PORTS must be LOW-HIGH"):
         up.free_port()
+
+
+def test_a_cluster_never_gives_a_worker_the_port_its_router_was_given(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # The router binds after the workers, so its port is still free while their ports are
+    # drawn: the draw must skip it, or the router fails to bind (uvicorn's exit status 3).
+    router = _unused_port_in_span()
+    cluster = up.Cluster(workers=1, port=router)
+    spare = [_unused_port_in_span(router)]
+    for _ in range(2):
+        spare.append(_unused_port_in_span(router, *spare))
+    monkeypatch.setattr(up, "_rng", Scripted([router, *spare]))  # the router's port first
+    assert cluster._ports() == spare
+
+
+def test_a_cluster_with_a_worker_port_range_leaves_out_the_routers_port() -> None:
+    low = _unused_port_in_span()
+    cluster = up.Cluster(workers=1, port=low, worker_ports=range(low, low + 6))
+    assert low not in cluster._ports()
