@@ -12,7 +12,8 @@ the device and sizes its KV cache from it), with MPS ``off``, ``on`` or ``auto``
 (:mod:`bench.gpu.mps`: started before the processes and stopped after them). Each process
 drives the real engine loop (:class:`workers.engine.loop.Engine`: batcher, cache manager,
 events) in process, with no HTTP, over its own slice of the long-context generator
-(:mod:`bench.workloads`, seed = its rank), arrivals compressed so each process is offered
+(:mod:`bench.workloads`, seed = its rank) or, with ``--workload trace:FIRST:COUNT``, of the
+packaged trace's window (every ``W``-th request), arrivals compressed so each process is offered
 ``load x --cold-rate / W`` prompt tokens/s: the same per-worker load at every ``W``. The
 processes start each phase together (a barrier):
 
@@ -29,9 +30,10 @@ processes start each phase together (a barrier):
    prompt and output tokens/s, TTFT and the interval between a request's tokens. For
    ``--profile-iterations`` passes of each sort, ``torch.profiler`` records every kernel:
    device time per iteration by kernel class (matrix products, attention, copies and
-   indexing, other elementwise work) and the busy share of those iterations' wall time, for
-   decode-only passes and for passes with prefill apart (each profiled pass alone; profiled
-   passes are left out of the timings).
+   indexing, other elementwise work), the busy share of those iterations' wall time, and the
+   rate the matrix products and attention ran at (each pass's arithmetic from its plan,
+   :func:`plan_flops`, over its kernels' time), for decode-only passes and for passes with
+   prefill apart (each profiled pass alone; profiled passes are left out of the timings).
 
 What the figures say is in ``docs/gpu.md``.
 """
@@ -48,16 +50,18 @@ import sys
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 from bench.gpu.mps import MODES, Mps, MpsError
 
-__all__ = ["IterationRow", "TimedExecutor", "kernel_class", "main", "parse_configs", "run_config",
-           "summarize_rows", "table"]
+__all__ = ["IterationRow", "TimedExecutor", "kernel_class", "main", "parse_configs",
+           "parse_workload", "plan_flops", "process_workload", "run_config", "summarize_rows",
+           "table"]
 
 BS = 32
+DEFAULT_TRACE = Path(__file__).resolve().parents[1] / "data" / "mooncake_synthetic_trace.jsonl"
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,7 +180,8 @@ class TimedExecutor:
             with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]
                          ) as prof:
                 sampled, seconds = self.ex.run(plan)
-            self._profiled[sort].append((_kernel_times(prof), seconds))
+            self._profiled[sort].append((_kernel_times(prof), seconds,
+                                         plan_flops(self.ex.model.config, plan)))
             return sampled, seconds
         cpu = time.thread_time()
         sampled, seconds = self.ex.run(plan)
@@ -207,12 +212,31 @@ def _kernel_times(prof: Any) -> dict[str, float]:
     return out
 
 
-def _kernel_breakdown(runs: Sequence[tuple[dict[str, float], float]]) -> dict[str, Any]:
-    """Over profiled passes (kernel ms by name, the pass's wall seconds): device time per pass
-    by kernel class (ms), the busy share of the passes' wall time, the kernels that took most."""
+def plan_flops(config: Any, plan: Any) -> dict[str, float]:
+    """A pass's arithmetic (:mod:`bench.gpu.flops`): ``matmul``, the projections and MLP of
+    every token it computes, and ``attention``, each chunk's new tokens over its context and
+    each decode step's token over its own."""
+    from bench.gpu.flops import attention_flops, linear_flops
+
+    tokens = sum(c.num_new_tokens for c in plan.prefill) + len(plan.decode)
+    attention = sum(attention_flops(config, c.num_new_tokens, c.start) for c in plan.prefill)
+    attention += sum(attention_flops(config, 1, d.context_len - 1) for d in plan.decode)
+    return {"matmul": linear_flops(config, tokens), "attention": attention}
+
+
+def _kernel_breakdown(runs: Sequence[tuple[dict[str, float], float, dict[str, float]]]
+                      ) -> dict[str, Any]:
+    """Over profiled passes (kernel ms by name, the pass's wall seconds, its FLOPs by class):
+    device time per pass by kernel class (ms), the busy share of the passes' wall time, the
+    rate each class of arithmetic ran at (TFLOP/s over its kernels' time), the kernels that
+    took most."""
     passes = len(runs)
     by_name: dict[str, float] = {}
-    for times, _ in runs:
+    flops: dict[str, float] = {}
+    for _, _, f in runs:
+        for cls, n in f.items():
+            flops[cls] = flops.get(cls, 0.0) + n / passes
+    for times, _, _ in runs:
         for name, ms in times.items():
             by_name[name] = by_name.get(name, 0.0) + ms
     by_class: dict[str, float] = {}
@@ -220,22 +244,49 @@ def _kernel_breakdown(runs: Sequence[tuple[dict[str, float], float]]) -> dict[st
         cls = kernel_class(name)
         by_class[cls] = by_class.get(cls, 0.0) + ms / passes
     busy = sum(by_class.values())
-    wall = sum(seconds for _, seconds in runs) / passes * 1e3
+    wall = sum(seconds for _, seconds, _ in runs) / passes * 1e3
     top = sorted(by_name.items(), key=lambda kv: -kv[1])[:10]
+    tflops = {cls: n / (by_class[cls] * 1e-3) / 1e12 for cls, n in flops.items()
+              if by_class.get(cls)}
     return {"passes": passes, "wall_ms_per_pass": wall, "device_ms_per_pass": busy,
             "busy_share": busy / wall if wall else 0.0, "by_class_ms": by_class,
+            "tflop_per_pass": {cls: n / 1e12 for cls, n in flops.items()}, "tflops": tflops,
             "top": [{"name": n[:90], "ms_per_pass": ms / passes} for n, ms in top]}
 
 
-def _workload(args: argparse.Namespace, rank: int, workers: int) -> list[Any]:
-    from bench.workloads import GeneratorConfig, generate, scale_rate
+def process_workload(args: argparse.Namespace, rank: int, workers: int) -> list[Any]:
+    """This process's requests: the long-context generator at seed ``rank``, or every
+    ``workers``-th request of the trace's window from the ``rank``-th; arrivals compressed to
+    ``load x cold_rate / workers`` prompt tokens/s."""
+    from bench.workloads import GeneratorConfig, generate, load_trace, scale_rate
 
-    rows = generate("long_context", GeneratorConfig(requests=args.requests, rate=1.0), rank)
+    if args.workload == "long_context":
+        rows = generate("long_context", GeneratorConfig(requests=args.requests, rate=1.0), rank)
+    else:
+        first, count = args.trace_window
+        rows = load_trace(args.trace or DEFAULT_TRACE, limit=first + count)[first:][rank::workers]
     rows = [r for r in rows if r.input_length + r.output_length <= args.max_model_len]
     tokens = sum(r.input_length for r in rows)
-    span = rows[-1].arrival_s or 1.0
+    span = (rows[-1].arrival_s - rows[0].arrival_s) or 1.0
     target = args.load * args.cold_rate / workers
-    return scale_rate(rows, target / (tokens / span))
+    start = rows[0].arrival_s
+    return scale_rate([replace(r, arrival_s=r.arrival_s - start) for r in rows],
+                      target / (tokens / span))
+
+
+def parse_workload(text: str) -> tuple[str, tuple[int, int]]:
+    """``long_context`` or ``trace:FIRST:COUNT`` (``trace`` alone: its first 400 requests).
+
+    Raises:
+        ValueError: anything else.
+    """
+    if text == "long_context":
+        return text, (0, 0)
+    name, _, window = text.partition(":")
+    first, _, count = (window or "0:400").partition(":")
+    if name != "trace" or not first.isdigit() or not count.isdigit() or int(count) < 1:
+        raise ValueError(f"--workload: {text!r} is not long_context or trace:FIRST:COUNT")
+    return name, (int(first), int(count))
 
 
 def _decode_step(ex: Any, batch: int, context: int, repeats: int) -> float:
@@ -341,7 +392,7 @@ def _worker(args: argparse.Namespace, rank: int, workers: int, barrier: Any, res
         if workers == 1 and ex.kv.device.type == "cuda" and bandwidth is None:
             bandwidth = copy_bandwidth(ex.kv.device, gib=1)
         out["bandwidth_gb_s"] = (bandwidth or args.bandwidth * 1e9) / 1e9
-        requests = _workload(args, rank, workers)
+        requests = process_workload(args, rank, workers)
         barrier.wait(timeout=args.barrier_timeout)
         out["decode_step_ms"] = _decode_step(ex, args.decode_batch, args.decode_context,
                                              args.repeats)
@@ -458,6 +509,12 @@ def table(result: dict[str, Any]) -> str:
                     f"{_mean([x['busy_share'] for x in prof]):.0%}): " + ", ".join(
                         f"{k} {_mean([x['by_class_ms'].get(k, 0.0) for x in prof]):.2f}"
                         for k in classes))
+                rates = sorted({k for x in prof for k in x.get("tflops", {})})
+                if rates:
+                    lines.append("         arithmetic a pass and its rate: " + ", ".join(
+                        f"{k} {_mean([x['tflop_per_pass'][k] for x in prof]):.2f} TFLOP at "
+                        f"{_mean([x['tflops'][k] for x in prof if k in x['tflops']]):.0f} "
+                        f"TFLOP/s" for k in rates))
                 for t in prof[0]["top"][:5]:
                     lines.append(f"         {t['ms_per_pass']:7.3f} ms  {t['name']}")
     return "\n".join(lines)
@@ -478,6 +535,10 @@ def build_parser() -> argparse.ArgumentParser:
     a("--seconds", type=float, default=40.0, help="length of each mix phase")
     a("--tail", type=float, default=5.0, help="no arrivals in a phase's last seconds")
     a("--requests", type=int, default=400, help="requests generated per process")
+    a("--workload", default="long_context",
+      help="long_context (the generator, seed = rank) or trace:FIRST:COUNT (the packaged "
+           "trace's window, dealt to the processes in turn)")
+    a("--trace", type=Path, default=None, help="Mooncake trace (default: bench/data)")
     a("--max-model-len", type=int, default=65536)
     a("--decode-batch", type=int, default=24)
     a("--decode-context", type=int, default=11264)
@@ -497,6 +558,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         configs = parse_configs(args.configs)
+        args.workload, args.trace_window = parse_workload(args.workload)
         args.chunk_list = [int(x) for x in args.chunks.split(",")]
         if any(c < BS for c in args.chunk_list):
             raise ValueError(f"--chunks must each be at least {BS}")
@@ -504,7 +566,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     result: dict[str, Any] = {k: getattr(args, k) for k in (
-        "model", "load", "cold_rate", "seconds", "decode_batch", "decode_context", "share")}
+        "model", "load", "cold_rate", "seconds", "decode_batch", "decode_context", "share",
+        "workload")}
     result["chunks"], result["configs"] = args.chunk_list, []
     bandwidth = None
     for workers, mode in configs:

@@ -3,15 +3,27 @@ one tiny engine process on the CPU through the real engine loop."""
 
 from __future__ import annotations
 
+import argparse
 import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from bench.gpu.mix import IterationRow, kernel_class, parse_configs, summarize_rows
+from bench.gpu.flops import attention_flops, linear_flops
+from bench.gpu.mix import (
+    IterationRow,
+    kernel_class,
+    parse_configs,
+    parse_workload,
+    plan_flops,
+    process_workload,
+    summarize_rows,
+)
 from tests.support.lazy import require
+from workers.torch.shapes import CONFIGS
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -34,6 +46,37 @@ def test_configs_parse_and_bad_ones_say_what_was_expected() -> None:
     for bad in ("4", "0:off", "x:on", "4:maybe"):
         with pytest.raises(ValueError, match="is not WORKERS:MODE"):
             parse_configs(bad)
+
+
+def test_workloads_parse_and_a_bad_one_says_what_was_expected() -> None:
+    assert parse_workload("long_context") == ("long_context", (0, 0))
+    assert parse_workload("trace:100:30") == ("trace", (100, 30))
+    assert parse_workload("trace") == ("trace", (0, 400))
+    for bad in ("trace:1", "trace:a:3", "trace:0:0", "sessions"):
+        with pytest.raises(ValueError, match="not long_context or trace:FIRST:COUNT"):
+            parse_workload(bad)
+
+
+def test_the_traces_window_is_dealt_to_the_processes_at_their_share_of_the_load() -> None:
+    args = argparse.Namespace(workload="trace", trace_window=(10, 40), trace=None,
+                              max_model_len=1 << 20, load=0.5, cold_rate=100_000.0)
+    shares = [process_workload(args, rank, 4) for rank in range(4)]
+    ids = [r.request_id for share in shares for r in share]
+    assert sorted(ids, key=lambda x: int(x[1:])) == [f"t{i}" for i in range(10, 50)]
+    for share in shares:
+        assert share[0].arrival_s == 0.0
+        rate = sum(r.input_length for r in share) / share[-1].arrival_s
+        assert rate == pytest.approx(0.5 * 100_000 / 4)
+
+
+def test_a_passes_arithmetic_counts_each_chunk_over_its_context_and_each_decode() -> None:
+    c = CONFIGS["llama-1b"]
+    plan = SimpleNamespace(prefill=[SimpleNamespace(num_new_tokens=2048, start=8192)],
+                           decode=[SimpleNamespace(context_len=100)] * 3)
+    f = plan_flops(c, plan)
+    assert f["matmul"] == linear_flops(c, 2051)
+    assert f["attention"] == pytest.approx(attention_flops(c, 2048 + 8192) - attention_flops(
+        c, 8192) + 3 * (attention_flops(c, 100) - attention_flops(c, 99)))
 
 
 def test_iterations_summarize_by_kind_and_path_with_their_share_of_the_time() -> None:
