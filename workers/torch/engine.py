@@ -30,10 +30,10 @@ import gc
 import logging
 import time
 from array import array
-from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from openai_request.tokenizer import Tokenizer, load_tokenizer
 from workers.cache.cache_manager import CacheManager
@@ -48,6 +48,8 @@ if TYPE_CHECKING:
     from workers.torch.memory import MemoryPlan
     from workers.torch.model import Decoder, ModelConfig, PagedBatch
     from workers.torch.piecewise import PiecewiseGraphs
+
+T = TypeVar("T")
 
 __all__ = [
     "CPU_KV_BYTES",
@@ -443,6 +445,11 @@ class TorchExecutor:
         """
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._thread, self.run, plan)
+
+    def submit(self, fn: Callable[..., T], *args: Any) -> Future[T]:
+        """Run ``fn(*args)`` in the thread that runs the passes (where cuDNN's plans are
+        cached): what a caller that times or profiles passes runs them through."""
+        return self._thread.submit(fn, *args)
 
     def prepare_chunks(self, max_new: int, max_context: int) -> int:
         """Build, in the thread that runs the passes, cuDNN's plan of every bulk shape that
