@@ -474,7 +474,18 @@ def prefill_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
     (``enable_gqa``), both inside the kernel: on CUDA that is flash attention, which splits a
     long context across thread blocks (``flash_fwd_splitkv``). With an explicit mask and K/V
     repeated to every query head instead, the piecewise pass of 64 new tokens over 8,128
-    cached took 5.8-6.1 ms against 3.0-3.6 (``docs/gpu.md``)."""
+    cached took 5.8-6.1 ms against 3.0-3.6 (``docs/gpu.md``).
+
+    On CUDA in half precision the flash kernel is called by name. Through the dispatcher a
+    chunk from position 0 (as many queries as keys) is plain causal attention, for which
+    SDPA may choose cuDNN, whose plan is built per sequence length on the host: on the
+    packaged trace's varied cold prompts that was about a third of a pass's host time
+    (``docs/gpu.md``, "Where an iteration's time goes")."""
+    if q.is_cuda and q.dtype in (torch.float16, torch.bfloat16) and q.shape[-1] % 8 == 0:
+        # Flash's causal mask is bottom-right: the same as top-left for a square.
+        return torch.ops.aten._scaled_dot_product_flash_attention(
+            q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], 0.0,
+            True)[0][0].transpose(0, 1)
     mask = causal_lower_right(q.shape[0], k.shape[0])
     # Batched 4-D inputs: the fused (flash, memory-efficient) kernels refuse 3-D ones, and the
     # math fallback materialises the whole [heads, n, ctx] score matrix.
