@@ -1,6 +1,6 @@
 """The arithmetic of a prefill, and the floor it puts under a window's prompt throughput:
 ``python -m bench.gpu.flops [--trace FIRST:COUNT | --generator long_context:SEED:COUNT]
-[--model llama-1b] [--matmul-tflops 834] [--attention-tflops 417] [--max-model-len 65536]``.
+[--model llama-1b] [--matmul-tflops 780] [--attention-tflops 383] [--max-model-len 65536]``.
 
 A token through the decoder costs its projections and MLP, ``2 x`` the layers' weights
 (:func:`linear_flops`), plus its attention over every earlier position of its sequence:
@@ -12,13 +12,15 @@ arithmetic in attention.
 
 The floor is that arithmetic at given rates: the window's linear FLOPs over the matrix
 products' rate plus its attention FLOPs over attention's, every token computed (no hit), no
-other kernel, nothing idle. The defaults are the H200 rates that ``docs/gpu.md`` measured
-inside the worker's own passes: 834 TFLOP/s for the matrix products of an 8k-token pass and
-417 for cuDNN's attention of 8,192 new over 16,384 cached. Against the floor, a measured
-throughput says how much of the device time went to what the floor leaves out (norms,
-rotary, copies, decode steps, smaller chunks at lower rates, idle time); against the rates'
-datasheet values (989 dense bf16; no attention kernel reaches it), how much a faster kernel
-could still buy. What the figures say is in ``docs/gpu.md`` ("The arithmetic floor").
+other kernel, nothing idle. The defaults are the rates the H200 ran them at inside the
+worker's own passes on that trace (``python -m bench.gpu.mix --configs 1:off --workload
+trace:0:400 --chunks 8192 --load 1.5``, profiled 8,192-token passes, each pass's arithmetic
+from its plan over its kernels' time): 774-784 TFLOP/s for the matrix products and 381-385
+for attention (cuDNN's bulk and flash's tail and squares together). Against the floor, a
+measured throughput says how much of the device time went to what the floor leaves out
+(norms, rotary, copies, decode steps, idle time); against the datasheet's 989 dense bf16
+TFLOP/s, how much faster kernels could still buy. The figures are in ``docs/gpu.md`` ("The
+arithmetic floor of the packaged trace").
 """
 
 from __future__ import annotations
@@ -34,8 +36,8 @@ from workers.torch.shapes import CONFIGS, ModelConfig
 __all__ = ["Floor", "attention_flops", "floor", "linear_flops", "main"]
 
 #: The H200 rates measured in the worker's passes (TFLOP/s; module docstring).
-MATMUL_TFLOPS = 834.0
-ATTENTION_TFLOPS = 417.0
+MATMUL_TFLOPS = 780.0
+ATTENTION_TFLOPS = 383.0
 
 
 def linear_flops(c: ModelConfig, tokens: int) -> float:
